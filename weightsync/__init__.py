@@ -1,0 +1,39 @@
+"""weightsync: move model weights from an RL trainer to its inference fleet.
+
+Bit-exact, versioned, through pluggable backends (``naive``, ``nccl``/HCCL/Gloo, ...).
+
+    from weightsync import EngineConfig, Sender, Receiver
+"""
+
+from weightsync.config import ConfigError, EngineConfig
+from weightsync.endpoints import Receiver, Sender
+from weightsync.engines import EngineUnavailable, register_engine
+from weightsync.engines.base import Engine
+from weightsync.plan import Plan, TensorSpec, make_plan
+from weightsync.session import HandshakeError, PeerLost, SyncError, SyncStats, SyncTimeout
+from weightsync.sinks import ModuleSink, SinkError
+from weightsync.sources import WeightSource, as_source
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "Engine",
+    "EngineConfig",
+    "EngineUnavailable",
+    "HandshakeError",
+    "ModuleSink",
+    "PeerLost",
+    "Plan",
+    "Receiver",
+    "Sender",
+    "SinkError",
+    "SyncError",
+    "SyncStats",
+    "SyncTimeout",
+    "TensorSpec",
+    "WeightSource",
+    "as_source",
+    "make_plan",
+    "register_engine",
+]

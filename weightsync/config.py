@@ -1,0 +1,410 @@
+"""Typed configuration with the keys verl users know (``checkpoint_engine`` section).
+
+Sources: defaults, a YAML file, Hydra-style dotted overrides (``key=value``), in the full
+form (``actor_rollout_ref.rollout.checkpoint_engine.backend=nccl``) or the short form
+(``backend=nccl``). Every field carries its documentation (English and Chinese); the
+parameter reference in ``docs/`` is generated from it (``weightsync config --docs``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+PREFIX = "actor_rollout_ref.rollout.checkpoint_engine."
+TRAINER_MODES = ("colocate", "separate_async")
+MOONCAKE_DEVICES = ("auto", "cuda", "npu", "cpu")
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is wrong; the message names the key and the value."""
+
+
+def _doc(en: str, zh: str, **extra: Any) -> dict[str, Any]:
+    return {"help": en, "help_zh": zh, **extra}
+
+
+@dataclass
+class NcclKwargs:
+    """``engine_kwargs.nccl``: the collective broadcast backend."""
+
+    group_name: str = field(
+        default="default",
+        metadata=_doc(
+            "Name of the weight-sync process group (its rendezvous namespace).",
+            "权重同步进程组的名称（其集合通信会合命名空间）。",
+        ),
+    )
+    rebuild_group: bool = field(
+        default=False,
+        metadata=_doc(
+            "Destroy the process group after every update and build it again at the next one "
+            "(frees communicator memory between updates, costs a rendezvous per update).",
+            "每次更新后销毁进程组，下次更新时重建（更新间释放通信器显存，代价是每次更新都要重新会合）。",
+        ),
+    )
+
+
+@dataclass
+class MooncakeKwargs:
+    """``engine_kwargs.mooncake``: point-to-point through Mooncake Transfer Engine."""
+
+    device: str = field(
+        default="auto",
+        metadata=_doc(
+            "Device of the transfer buffers; `auto` detects the platform (cuda, npu or cpu). "
+            "On Ascend it must be `npu`, which selects Mooncake's ascend_direct protocol.",
+            "传输缓冲区所在设备；`auto` 自动检测平台（cuda、npu 或 cpu）。"
+            "昇腾上必须为 `npu`，即选用 Mooncake 的 ascend_direct 协议。",
+            choices=MOONCAKE_DEVICES,
+        ),
+    )
+    device_name: str = field(
+        default="",
+        metadata=_doc(
+            "NIC / device name filter for Mooncake (empty: all).",
+            "Mooncake 使用的网卡/设备名过滤（为空表示全部）。",
+        ),
+    )
+
+
+@dataclass
+class EngineKwargs:
+    """``engine_kwargs``: per-backend options."""
+
+    nccl: NcclKwargs = field(default_factory=NcclKwargs)
+    mooncake: MooncakeKwargs = field(default_factory=MooncakeKwargs)
+
+
+@dataclass
+class TrainerKeys:
+    """Related keys from the trainer section, checked against the backend."""
+
+    use_v1: bool = field(
+        default=False,
+        metadata=_doc(
+            "`trainer.use_v1`: the v1 trainer (needed for separate async mode).",
+            "`trainer.use_v1`：使用 v1 训练器（分离异步模式需要）。",
+        ),
+    )
+    trainer_mode: str = field(
+        default="colocate",
+        metadata=_doc(
+            "`trainer.v1.trainer_mode`: `colocate` (trainer and rollout take turns on the same "
+            "devices) or `separate_async` (separate devices, weights pushed while rollout "
+            "serves; needs a transport backend, not `naive`).",
+            "`trainer.v1.trainer_mode`：`colocate`（训练与推理轮流共用设备）或 `separate_async`"
+            "（分离设备，推理服务期间推送权重；需要传输后端，不能用 `naive`）。",
+            choices=TRAINER_MODES,
+            key="trainer.v1.trainer_mode",
+        ),
+    )
+
+
+@dataclass
+class EngineConfig:
+    """Configuration of a weight-sync engine (verl's ``checkpoint_engine`` section)."""
+
+    backend: str = field(
+        default="naive",
+        metadata=_doc(
+            "Transfer backend: `naive` (colocated, same process), `nccl` (collective broadcast; "
+            "HCCL on Ascend, Gloo on CPU), or one registered by `custom_backend_module`.",
+            "传输后端：`naive`（同进程共置）、`nccl`（集合通信广播；昇腾上为 HCCL，CPU 上为 Gloo），"
+            "或由 `custom_backend_module` 注册的后端。",
+            choices="registered backends",
+        ),
+    )
+    update_weights_bucket_megabytes: int = field(
+        default=2048,
+        metadata=_doc(
+            "Bucket size for one transfer, in MiB. Two buckets are in use at once (double "
+            "buffering), so transfer memory is 2x this on each side. Tensors larger than a "
+            "bucket are split into chunks.",
+            "单次传输的桶大小（MiB）。同时使用两个桶（双缓冲），因此每侧传输内存为其 2 倍。"
+            "大于桶的张量会被切块传输。",
+        ),
+    )
+    timeout_s: float = field(
+        default=300.0,
+        metadata=_doc(
+            "Deadline in seconds for every wait (connect, handshake, transfer, acknowledgement). "
+            "A peer that does not answer in time fails the sync with an error naming it.",
+            "每次等待（连接、握手、传输、确认）的超时秒数。对端超时未响应则同步失败，错误信息会指明该对端。",
+        ),
+    )
+    custom_backend_module: str | None = field(
+        default=None,
+        metadata=_doc(
+            "Module imported before the backend is looked up, so a plugin can register its own "
+            "backend with `weightsync.engines.register_engine`.",
+            "在查找后端之前导入的模块，插件可借此用 `weightsync.engines.register_engine` 注册自己的后端。",
+        ),
+    )
+    engine_kwargs: EngineKwargs = field(default_factory=EngineKwargs)
+    trainer: TrainerKeys = field(default_factory=TrainerKeys)
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_overrides(cls, overrides: Iterable[str] = (), base: EngineConfig | None = None) -> EngineConfig:
+        """Build a config from ``key=value`` strings (short or full key form), validated."""
+        config = _deepcopy(base) if base is not None else cls()
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not of the form key=value")
+            key, value = item.split("=", 1)
+            config.set(key.strip(), value.strip())
+        config.validate()
+        return config
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], base: EngineConfig | None = None) -> EngineConfig:
+        """Build a config from a (nested) mapping, as read from YAML."""
+        config = _deepcopy(base) if base is not None else cls()
+        for key, value in _flatten(data):
+            config.set(key, value)
+        config.validate()
+        return config
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: Iterable[str] = ()) -> EngineConfig:
+        """Read a YAML file (nested or flat; full or short keys), then apply ``overrides``."""
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+        return cls.from_overrides(overrides, base=cls.from_dict(data))
+
+    # ----------------------------------------------------------------- access
+    def set(self, key: str, value: Any) -> None:
+        """Set one key (short, full or trainer form) from a string or a typed value."""
+        path = canonical_key(key)
+        *parents, leaf = path.split(".")
+        obj = self
+        for part in parents:
+            obj = getattr(obj, part)
+        kind = get_type_hints(type(obj))[leaf]
+        setattr(obj, leaf, _coerce(key, value, kind))
+
+    def get(self, key: str) -> Any:
+        obj: Any = self
+        for part in canonical_key(key).split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_flat(self) -> dict[str, Any]:
+        """``{user-facing key: value}`` for every key."""
+        return {k.display: self.get(k.path) for k in all_keys()}
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.update_weights_bucket_megabytes) << 20
+
+    # ----------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Check every value; import ``custom_backend_module`` first so its backend counts."""
+        if self.update_weights_bucket_megabytes <= 0:
+            raise ConfigError(
+                f"update_weights_bucket_megabytes={self.update_weights_bucket_megabytes}: "
+                "must be a positive number of MiB"
+            )
+        if not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s={self.timeout_s}: must be a positive number of seconds")
+        if not self.engine_kwargs.nccl.group_name:
+            raise ConfigError("engine_kwargs.nccl.group_name='': must not be empty")
+        for k in all_keys():
+            choices = k.meta.get("choices")
+            if isinstance(choices, tuple) and self.get(k.path) not in choices:
+                raise ConfigError(
+                    f"{k.display}={self.get(k.path)!r}: allowed values are {', '.join(choices)}"
+                )
+        if self.custom_backend_module:
+            try:
+                importlib.import_module(self.custom_backend_module)
+            except ImportError as e:
+                raise ConfigError(
+                    f"custom_backend_module={self.custom_backend_module!r}: cannot import it: {e}"
+                ) from e
+        from weightsync.engines import known_backends
+
+        known = known_backends()
+        if self.backend not in known:
+            raise ConfigError(
+                f"backend={self.backend!r} is not a known backend{_suggest(self.backend, known)}; "
+                f"known backends: {', '.join(known)}"
+            )
+        if self.trainer.trainer_mode == "separate_async" and self.backend == "naive":
+            raise ConfigError(
+                "trainer.v1.trainer_mode=separate_async with backend=naive: separate async mode "
+                "runs trainer and rollout on different devices, so weights must travel over a "
+                "transport; `naive` only hands tensors over inside one process. Choose a "
+                "transport backend such as backend=nccl."
+            )
+
+
+# --------------------------------------------------------------------- key table
+@dataclass(frozen=True)
+class Key:
+    path: str  # attribute path inside EngineConfig, e.g. engine_kwargs.nccl.group_name
+    display: str  # what users write in the short form
+    full: str  # the full verl key
+    type_name: str
+    default: Any
+    meta: Mapping[str, Any]
+
+
+def all_keys() -> list[Key]:
+    """Every configuration key, in declaration order."""
+    keys: list[Key] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = hints[f.name]
+            if dataclasses.is_dataclass(kind):
+                walk(kind, f"{prefix}{f.name}.")
+                continue
+            path = f"{prefix}{f.name}"
+            explicit = f.metadata.get("key")
+            if path.startswith("trainer."):
+                display = full = explicit or path
+            else:
+                display, full = path, PREFIX + path
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            keys.append(Key(path, display, full, _type_name(kind), default, f.metadata))
+
+    walk(EngineConfig, "")
+    return keys
+
+
+def _aliases() -> dict[str, str]:
+    table = {}
+    for k in all_keys():
+        table[k.path] = table[k.display] = table[k.full] = k.path
+    return table
+
+
+def canonical_key(key: str) -> str:
+    """Map a short, full or trainer key to its attribute path; suggest on a typo."""
+    table = _aliases()
+    if key in table:
+        return table[key]
+    short = key.removeprefix(PREFIX)
+    if short in table:
+        return table[short]
+    raise ConfigError(f"unknown configuration key {key!r}{_suggest(short, sorted({k.display for k in all_keys()}))}")
+
+
+def _suggest(word: str, options: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _type_name(kind: Any) -> str:
+    return {bool: "bool", int: "int", float: "float", str: "str"}.get(kind, "str or null")
+
+
+def _coerce(key: str, value: Any, kind: Any) -> Any:
+    text = str(value).strip()
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            low = text.lower()
+            if low in ("true", "1", "yes", "on"):
+                return True
+            if low in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if kind is int:
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(float(text)) if isinstance(value, float) else int(text)
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(text)
+        if kind == (str | None) or kind == "str | None":
+            return None if value is None or text.lower() in ("null", "none", "~", "") else text
+        return "" if value is None else text
+    except ValueError:
+        raise ConfigError(f"{key}={value!r}: expected {_type_name(kind)}") from None
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            yield from _flatten(v, key + ".")
+        else:
+            yield key, v
+
+
+def _deepcopy(config: EngineConfig) -> EngineConfig:
+    import copy
+
+    return copy.deepcopy(config)
+
+
+# --------------------------------------------------------------------- docs
+_DOC_TEXT = {
+    "en": {
+        "title": "# Configuration reference",
+        "intro": (
+            "Generated from `weightsync/config.py` by `weightsync config --docs`; do not edit by hand.\n\n"
+            "Keys can be written in the short form (`backend=nccl`) or with verl's full prefix "
+            f"(`{PREFIX}backend=nccl`); trainer keys keep their own full names. Set them as dotted "
+            "overrides (`--set KEY=VALUE`, `EngineConfig.from_overrides([...])`) or in YAML "
+            "(`EngineConfig.from_yaml(path)`)."
+        ),
+        "header": "| key | type | default | allowed | description |",
+        "help": "help",
+        "any": "any",
+    },
+    "zh": {
+        "title": "# 配置参考",
+        "intro": (
+            "由 `weightsync config --docs` 从 `weightsync/config.py` 生成，请勿手工编辑。\n\n"
+            "键可写成短形式（`backend=nccl`）或带 verl 完整前缀的形式"
+            f"（`{PREFIX}backend=nccl`）；训练器相关键使用其自身的完整名称。可通过点号覆盖"
+            "（`--set KEY=VALUE`、`EngineConfig.from_overrides([...])`）或 YAML"
+            "（`EngineConfig.from_yaml(path)`）设置。"
+        ),
+        "header": "| 键 | 类型 | 默认值 | 取值范围 | 说明 |",
+        "help": "help_zh",
+        "any": "任意",
+    },
+}
+
+
+def docs_markdown(lang: str = "en") -> str:
+    """The parameter reference as Markdown, in ``"en"`` or ``"zh"``."""
+    text = _DOC_TEXT[lang]
+    lines = [text["title"], "", text["intro"], "", text["header"], "| --- | --- | --- | --- | --- |"]
+    for k in all_keys():
+        choices = k.meta.get("choices")
+        if isinstance(choices, tuple):
+            allowed = ", ".join(f"`{c}`" for c in choices)
+        elif choices:
+            from weightsync.engines import builtin_backends
+
+            allowed = ", ".join(f"`{c}`" for c in builtin_backends()) + " (+ plugins)"
+        elif k.type_name == "int" or k.type_name == "float":
+            allowed = "> 0"
+        else:
+            allowed = text["any"]
+        default = "null" if k.default is None else f"`{k.default}`"
+        name = f"`{k.display}`"
+        lines.append(f"| {name} | {k.type_name} | {default} | {allowed} | {k.meta[text['help']]} |")
+    return "\n".join(lines) + "\n"

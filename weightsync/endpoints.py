@@ -1,0 +1,576 @@
+"""``Sender`` and ``Receiver``: the public entry points of a weight sync.
+
+A sync moves one weight version from the trainer (rank 0 sends; other trainer ranks drain
+their source) to ``num_receivers`` rollout processes. The sender listens on ``address``;
+receivers connect to it. Both are context managers; both offer async variants that run
+the blocking transfer in a worker thread, so an asyncio controller's loop never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightsync import platform
+from weightsync.config import EngineConfig
+from weightsync.engines import Engine, get_engine
+from weightsync.engines.naive import NaiveEngine
+from weightsync.plan import Assembler, Bucket, Plan, PlanBuilder, TensorSpec, as_bytes, make_plan, pack_pieces, plan_hash
+from weightsync.session import (
+    PROTOCOL_VERSION,
+    Channel,
+    ControlServer,
+    Deadline,
+    HandshakeError,
+    SyncError,
+    SyncStats,
+    connect,
+)
+from weightsync.sinks import ModuleSink
+from weightsync.sources import WeightSource, as_source
+
+log = logging.getLogger("weightsync")
+
+
+# ---------------------------------------------------------------------------- sender side
+class _Packer:
+    """Pulls tensors from a source in plan order and packs buckets from them.
+
+    With a plan, buckets come from it; without one (a bare iterator), buckets are planned
+    as tensors arrive and ``announce`` tells receivers each bucket before it is sent.
+    Each tensor is held only until its last piece is packed.
+    """
+
+    def __init__(self, source: WeightSource, bucket_bytes: int, plan: Plan | None, announce) -> None:
+        self.items = iter(source.tensors())
+        self.plan = plan
+        self.announce = announce
+        self.builder = None if plan is not None else PlanBuilder(bucket_bytes)
+        self.ready: list[Bucket] = []
+        self.held: dict[int, torch.Tensor] = {}
+        self.pulled = 0
+        self.buckets = 0
+        self.announced_specs = 0
+        self.done = False
+
+    def _pull(self) -> bool:
+        try:
+            name, tensor = next(self.items)
+        except StopIteration:
+            return False
+        spec = TensorSpec.of(name, tensor)
+        if self.plan is not None:
+            if self.pulled >= len(self.plan.tensors):
+                raise SyncError(f"the source yielded tensor {name!r} beyond the {len(self.plan.tensors)} it announced")
+            expected = self.plan.tensors[self.pulled]
+            if spec != expected:
+                raise SyncError(
+                    f"the source yielded {spec} where its specs announced {expected}; "
+                    "a source must yield exactly what specs() says, in order"
+                )
+        else:
+            self.ready += self.builder.add(spec)
+        self.held[self.pulled] = as_bytes(tensor)
+        self.pulled += 1
+        return True
+
+    def _next_bucket(self) -> Bucket | None:
+        if self.plan is not None:
+            return self.plan.buckets[self.buckets] if self.buckets < len(self.plan.buckets) else None
+        while not self.ready and not self.done:
+            if not self._pull():
+                self.ready += self.builder.finish()
+                self.done = True
+        return self.ready.pop(0) if self.ready else None
+
+    def __call__(self, buffer: torch.Tensor) -> Bucket | None:
+        bucket = self._next_bucket()
+        if bucket is None:
+            if self.plan is not None and self.pulled < len(self.plan.tensors):
+                raise SyncError(f"the source ended after {self.pulled} of {len(self.plan.tensors)} announced tensors")
+            if self.plan is not None and next(self.items, None) is not None:
+                raise SyncError(f"the source yielded more than the {len(self.plan.tensors)} tensors it announced")
+            if self.builder is not None:
+                self.announce({"type": "end", "plan_hash": plan_hash(self.builder.specs, self.builder.bucket_bytes)})
+            return None
+        last = max((p.tensor for p in bucket.pieces), default=-1)
+        while self.pulled <= last:
+            if not self._pull():
+                raise SyncError(f"the source ended after {self.pulled} of {len(self.plan.tensors)} announced tensors")
+        pack_pieces(bucket, buffer, self.held)
+        for p in bucket.pieces:
+            specs = self.plan.tensors if self.plan is not None else self.builder.specs
+            if p.tensor_offset + p.length == specs[p.tensor].nbytes:
+                self.held.pop(p.tensor, None)
+        if self.builder is not None:
+            new = self.builder.specs[self.announced_specs : last + 1]
+            self.announced_specs = max(self.announced_specs, last + 1)
+            self.announce(
+                {
+                    "type": "bucket",
+                    "bucket": bucket.to_wire(),
+                    "tensors": [[s.name, list(s.shape), s.dtype] for s in new],
+                }
+            )
+        self.buckets += 1
+        return bucket
+
+
+class Sender:
+    """The trainer side of a weight sync.
+
+    Args:
+        config: engine configuration (backend, bucket size, timeout, ...).
+        address: ``host:port`` the sender listens on (rank 0); port 0 picks a free port,
+            readable afterwards from ``sender.address``.
+        num_receivers: how many receivers take part in every sync.
+        rank: this trainer's rank; only rank 0 sends, other ranks drain their source
+            (default: the rank in the default process group, or 0).
+        device: device of the transfer buffers (default: this process's accelerator, or CPU).
+        wire_dtype: cast multi-byte floating tensors to this dtype for the wire.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        address: str,
+        num_receivers: int,
+        *,
+        rank: int | None = None,
+        device: str | torch.device | None = None,
+        wire_dtype: torch.dtype | None = None,
+    ) -> None:
+        config.validate()
+        if num_receivers < 1:
+            raise ValueError(f"num_receivers={num_receivers}: need at least one receiver")
+        self.config = config
+        self.num_receivers = num_receivers
+        self.rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
+        self.wire_dtype = wire_dtype
+        self.device = platform.local_device(device)
+        self.engine_cls = get_engine(config.backend)
+        self.address = address
+        self.last_stats: SyncStats | None = None
+        self._server: ControlServer | None = None
+        self._engine: Engine | None = None
+        self._channels: dict[int, Channel] = {}
+        self._acked_plan: dict[int, str] = {}
+        if self.rank == 0 and not self.engine_cls.colocated:
+            self._server = ControlServer(address)
+            self.address = self._server.address
+
+    # ------------------------------------------------------------------ lifecycle
+    def connect(self) -> None:
+        """Wait (up to ``timeout_s``) until every receiver is connected. ``send`` calls it."""
+        if self._server is None:
+            return
+        missing = set(range(self.num_receivers)) - set(self._channels)
+        if missing:
+            self._channels.update(
+                self._server.accept(missing, self.num_receivers, self.config.timeout_s, self.config.backend)
+            )
+        if self._engine is None:
+            self._engine = self.engine_cls(self.config, self.device, 0, self.num_receivers + 1)
+
+    def _drop_peers(self) -> None:
+        for ch in self._channels.values():
+            ch.close()
+        self._channels.clear()
+        self._acked_plan.clear()
+
+    def close(self) -> None:
+        """Close connections, the engine and the listening socket."""
+        self._drop_peers()
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self.engine_cls.colocated and self.rank == 0:
+            NaiveEngine.forget(self.address)
+
+    def __enter__(self) -> Sender:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ sync
+    def send(self, source: Any, version: int, *, wire_dtype: torch.dtype | None = None) -> SyncStats:
+        """Send one weight version to every receiver and wait until all confirmed it.
+
+        ``source``: an ``nn.Module``, a state dict, an iterable of ``(name, tensor)`` or a
+        ``WeightSource``. Raises ``SyncError`` (naming the peer) on any failure.
+        """
+        src = as_source(source, wire_dtype or self.wire_dtype)
+        start = time.perf_counter()
+        if self.rank != 0:
+            count = sum(1 for _ in src.tensors())  # materializing shards is collective
+            return self._finish_stats(SyncStats(version, tensors=count), start)
+        if self.engine_cls.colocated:
+            if not src.reiterable:
+                src = as_source(dict(src.tensors()))
+            NaiveEngine.publish(self.address, version, src)
+            specs = src.specs() or []
+            stats = SyncStats(version, tensors=len(specs), bytes=sum(s.nbytes for s in specs), receivers=self.num_receivers)
+            return self._finish_stats(stats, start)
+
+        self.connect()
+        assert self._engine is not None
+        specs = src.specs()
+        plan = make_plan(specs, self.config.bucket_bytes) if specs is not None else None
+        stats = SyncStats(version, receivers=self.num_receivers)
+        ok = False
+        try:
+            info = self._engine.prepare(self._server.host)
+            self._handshake(version, plan, info)
+            stats.handshake_s = time.perf_counter() - start
+            self._engine.connect(info)
+            deadline = Deadline(self.config.timeout_s, f"in the transfer of version {version}")
+            packer = _Packer(src, self.config.bucket_bytes, plan, lambda m: self._broadcast_msg(m, deadline))
+            t0 = time.perf_counter()
+            stats.bytes = self._engine.send_buckets(packer)
+            stats.transfer_s = time.perf_counter() - t0
+            stats.buckets, stats.tensors = packer.buckets, packer.pulled
+            self._gather_done(version)
+            ok = True
+        except Exception as e:
+            raise self._explain(e, version) from e
+        finally:
+            self._engine.finish(ok)
+            if ok and plan is not None:
+                self._acked_plan = {r: plan.hash for r in self._channels}
+            if not ok:
+                self._drop_peers()  # receivers see the failure; the next send reconnects
+        return self._finish_stats(stats, start)
+
+    async def send_async(self, source: Any, version: int, **kwargs: Any) -> SyncStats:
+        """``send`` in a worker thread, for asyncio controllers."""
+        return await asyncio.to_thread(self.send, source, version, **kwargs)
+
+    def _finish_stats(self, stats: SyncStats, start: float) -> SyncStats:
+        stats.seconds = time.perf_counter() - start
+        self.last_stats = stats
+        return stats
+
+    def _broadcast_msg(self, msg: dict[str, Any], deadline: Deadline) -> None:
+        for ch in self._channels.values():
+            ch.send(msg, deadline)
+
+    def _handshake(self, version: int, plan: Plan | None, info: dict[str, Any]) -> None:
+        deadline = Deadline(self.config.timeout_s, f"in the handshake of version {version}")
+        for rank, ch in self._channels.items():
+            msg = {
+                "type": "sync",
+                "protocol": PROTOCOL_VERSION,
+                "version": version,
+                "bucket_bytes": self.config.bucket_bytes,
+                "plan_hash": plan.hash if plan is not None else None,
+                "engine": info,
+            }
+            if plan is not None and self._acked_plan.get(rank) != plan.hash:
+                msg["plan"] = plan.to_wire()  # unchanged plans travel as their hash only
+            ch.send(msg, deadline)
+        refusals = []
+        for rank, ch in sorted(self._channels.items()):
+            reply = ch.recv(deadline, expect=("ready", "error"))
+            if reply["type"] == "error":
+                refusals.append(f"receiver rank {rank} refused version {version}: {reply.get('message')}")
+        if refusals:
+            reason = "; ".join(refusals)
+            for ch in self._channels.values():
+                ch.send({"type": "abort", "message": reason}, deadline)
+            raise HandshakeError(reason)
+        self._broadcast_msg({"type": "go"}, deadline)
+
+    def _gather_done(self, version: int) -> None:
+        deadline = Deadline(self.config.timeout_s, f"waiting for receivers to confirm version {version}")
+        failures = []
+        for rank, ch in sorted(self._channels.items()):
+            reply = ch.recv(deadline, expect="done")
+            if not reply.get("ok"):
+                failures.append(f"receiver rank {rank} failed version {version}: {reply.get('message')}")
+        if failures:
+            raise SyncError("; ".join(failures))
+
+    def _explain(self, error: Exception, version: int) -> Exception:
+        """Turn a transport error into one that names the peer(s) that went away."""
+        if isinstance(error, SyncError):
+            return error
+        dead = [ch.peer for ch in self._channels.values() if ch.is_dead()]
+        if dead:
+            return SyncError(f"sync of version {version} failed: {', '.join(dead)} disconnected ({error})")
+        return SyncError(f"sync of version {version} to {self.num_receivers} receiver(s) failed: {error}")
+
+
+# ---------------------------------------------------------------------------- receiver side
+class Receiver:
+    """The rollout side of a weight sync.
+
+    Args:
+        config: engine configuration; must agree with the sender's (backend, bucket size).
+        address: the sender's ``host:port``.
+        rank: this receiver's index, ``0 .. num_receivers-1``.
+        device: device of the transfer buffers (default: this process's accelerator, or CPU).
+
+    ``version`` is the weight version this receiver fully holds (None before the first
+    sync); it advances only when every tensor of a version arrived. ``failed_version`` is
+    the version whose sync failed last, if the latest attempt failed.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        address: str,
+        rank: int,
+        *,
+        device: str | torch.device | None = None,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.address = address
+        self.rank = rank
+        self.device = platform.local_device(device)
+        self.engine_cls = get_engine(config.backend)
+        self.version: int | None = None
+        self.failed_version: int | None = None
+        self.last_stats: SyncStats | None = None
+        self._channel: Channel | None = None
+        self._engine: Engine | None = None
+        self._plan: Plan | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def connect(self) -> None:
+        """Connect to the sender (retrying until ``timeout_s``). ``receive`` calls it."""
+        if self.engine_cls.colocated or self._channel is not None:
+            return
+        self._channel = connect(self.address, self.rank, self.config.backend, self.config.timeout_s)
+        if self._engine is None:
+            self._engine = self.engine_cls(self.config, self.device, self.rank + 1, 0)
+
+    def _reset(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        self._plan = None
+
+    def close(self) -> None:
+        self._reset()
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ public sync API
+    def receive(self, version: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Receive one weight version, yielding ``(name, tensor)``.
+
+        ``version``: the version expected (a different one fails on both sides); None
+        takes whatever the sender sends. A yielded tensor may be a view into a transfer
+        buffer: it is valid until the next item is requested, so copy what you keep.
+        Stopping early (``break``) drains the rest and marks the version as failed.
+        """
+        return self._sync(version, sink=None)
+
+    def load_into(self, module: torch.nn.Module, version: int | None = None) -> SyncStats:
+        """Receive one version and copy it in place into ``module`` by name.
+
+        Checks names, shapes and dtypes against the module before writing anything (when
+        the sender's source announced its specs). Names the module has but the sync did not
+        carry are logged and listed in ``stats.missing``.
+        """
+        sink = ModuleSink(module)
+        items = self._sync(version, sink=sink)
+        for name, tensor in items:
+            try:
+                sink.load(name, tensor)
+            except Exception as e:  # let the sync drain and report, then re-raise here
+                items.throw(e)
+        stats = self.last_stats
+        assert stats is not None
+        stats.missing = sink.missing()
+        if stats.missing:
+            log.warning(
+                "receiver rank %d: %d model tensor(s) not carried by version %s: %s",
+                self.rank, len(stats.missing), stats.version, ", ".join(stats.missing[:8]),
+            )
+        return stats
+
+    async def receive_async(self, version: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """``receive`` with each blocking step in a worker thread."""
+        items = self.receive(version)
+        end = object()
+        while (item := await asyncio.to_thread(next, items, end)) is not end:
+            yield item  # type: ignore[misc]
+
+    async def load_into_async(self, module: torch.nn.Module, version: int | None = None) -> SyncStats:
+        """``load_into`` in a worker thread."""
+        return await asyncio.to_thread(self.load_into, module, version)
+
+    # ------------------------------------------------------------------ internals
+    def _sync(self, version: int | None, sink: ModuleSink | None) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.engine_cls.colocated:
+            yield from self._sync_colocated(version, sink)
+            return
+        start = time.perf_counter()
+        self.connect()
+        assert self._channel is not None and self._engine is not None
+        ch = self._channel
+        what = f" of version {version}" if version is not None else ""
+        try:
+            msg = ch.recv(Deadline(self.config.timeout_s, f"for the sender to start a sync{what}"), expect="sync")
+            v, plan = self._accept(msg, version, sink)
+            ch.recv(Deadline(self.config.timeout_s, f"for the go of version {v}"), expect="go")
+            self._engine.connect(msg["engine"])
+        except Exception:
+            self._reset()
+            raise
+        stats = SyncStats(v, receivers=1, handshake_s=time.perf_counter() - start)
+        deadline = Deadline(self.config.timeout_s, f"in the transfer of version {v}")
+        specs: list[TensorSpec] = list(plan.tensors) if plan is not None else []
+        next_bucket = self._plan_reader(plan) if plan is not None else self._stream_reader(ch, specs, deadline)
+        assembler = Assembler(specs, self.device)
+        buckets = self._engine.recv_buckets(next_bucket)
+        consumer_error: BaseException | None = None
+        ok = False
+        t0 = time.perf_counter()
+        try:
+            for bucket, buffer in buckets:
+                stats.buckets += 1
+                stats.bytes += bucket.nbytes
+                for item in assembler.unpack(bucket, buffer):
+                    stats.tensors += 1
+                    try:
+                        yield item
+                    except BaseException as e:  # the consumer failed or stopped early
+                        consumer_error = e
+                        break
+                if consumer_error is not None:
+                    break
+            if consumer_error is not None:
+                for _ in buckets:  # keep the transfer going so the sender is not stranded
+                    pass
+            elif assembler.incomplete or stats.tensors != len(specs):
+                raise SyncError(f"version {v} ended with incomplete tensors: {assembler.incomplete}")
+            else:
+                ok = True
+        except Exception as e:
+            self._finish(v, ok=False, message=f"transfer failed: {e}", broken=True)
+            raise (e if isinstance(e, SyncError) else SyncError(f"receiver rank {self.rank}: transfer of version {v} from {ch.peer} failed: {e}")) from e
+        stats.transfer_s = time.perf_counter() - t0
+        message = None if ok else f"receiver rank {self.rank} did not complete version {v}: {consumer_error!r}"
+        self._finish(v, ok=ok, message=message)
+        stats.seconds = time.perf_counter() - start
+        self.last_stats = stats
+        if consumer_error is not None:
+            raise consumer_error
+
+    def _finish(self, version: int, ok: bool, message: str | None, broken: bool = False) -> None:
+        assert self._engine is not None
+        self._engine.finish(ok)
+        try:
+            if self._channel is not None:
+                self._channel.send(
+                    {"type": "done", "version": version, "ok": ok, "message": message},
+                    Deadline(self.config.timeout_s, f"confirming version {version}"),
+                )
+        except SyncError:
+            self._reset()
+            ok = False
+        if ok:
+            self.version, self.failed_version = version, None
+        else:
+            self.failed_version = version
+            if broken:  # the transport failed: reconnect at the next sync
+                self._reset()
+
+    def _accept(self, msg: dict[str, Any], expected: int | None, sink: ModuleSink | None) -> tuple[int, Plan | None]:
+        """Check the sender's sync message; reply ready, or error (and raise) naming both values."""
+        assert self._channel is not None
+        v = msg.get("version")
+        problem = None
+        plan: Plan | None = None
+        try:
+            if msg.get("protocol") != PROTOCOL_VERSION:
+                problem = f"protocol version: sender {msg.get('protocol')!r}, receiver {PROTOCOL_VERSION}"
+            elif not isinstance(v, int) or isinstance(v, bool):
+                problem = f"version {v!r} is not an integer"
+            elif expected is not None and v != expected:
+                problem = f"version: sender sends {v}, receiver expects {expected}"
+            elif msg.get("bucket_bytes") != self.config.bucket_bytes:
+                problem = (
+                    f"bucket size: sender {msg.get('bucket_bytes')} bytes, receiver {self.config.bucket_bytes} bytes "
+                    "(update_weights_bucket_megabytes must match)"
+                )
+            elif msg.get("plan_hash") is not None:
+                if "plan" in msg:
+                    plan = Plan.from_wire(msg["plan"])
+                    if plan.hash != msg["plan_hash"]:
+                        problem = f"plan hash: sender {msg['plan_hash']}, receiver computed {plan.hash}"
+                elif self._plan is not None and self._plan.hash == msg["plan_hash"]:
+                    plan = self._plan
+                else:
+                    have = self._plan.hash if self._plan is not None else None
+                    problem = f"plan hash: sender {msg['plan_hash']}, receiver holds {have}"
+                if problem is None and sink is not None and plan is not None:
+                    sink.check(plan.tensors)
+        except (ValueError, TypeError, KeyError) as e:
+            problem = str(e)
+        deadline = Deadline(self.config.timeout_s, f"answering the sync of version {v}")
+        if problem is not None:
+            self._channel.send({"type": "error", "message": problem}, deadline)
+            raise HandshakeError(f"receiver rank {self.rank} refused version {v}: {problem}")
+        self._plan = plan
+        self._channel.send({"type": "ready"}, deadline)
+        return v, plan
+
+    @staticmethod
+    def _plan_reader(plan: Plan):
+        buckets = iter(plan.buckets)
+        return lambda: next(buckets, None)
+
+    def _stream_reader(self, ch: Channel, specs: list[TensorSpec], deadline: Deadline):
+        def next_bucket() -> Bucket | None:
+            msg = ch.recv(deadline, expect=("bucket", "end"))
+            if msg["type"] == "end":
+                mine = plan_hash(specs, self.config.bucket_bytes)
+                if msg.get("plan_hash") != mine:
+                    raise SyncError(f"streamed plan hash: sender {msg.get('plan_hash')}, receiver computed {mine}")
+                return None
+            specs.extend(TensorSpec(str(n), tuple(s), str(d)) for n, s, d in msg["tensors"])
+            bucket = Bucket.from_wire(msg["bucket"])
+            if any(p.tensor >= len(specs) for p in bucket.pieces) or bucket.nbytes > self.config.bucket_bytes:
+                raise SyncError(f"sender announced bucket {bucket.index} with unknown tensors or oversize")
+            return bucket
+
+        return next_bucket
+
+    def _sync_colocated(self, version: int | None, sink: ModuleSink | None) -> Iterator[tuple[str, torch.Tensor]]:
+        start = time.perf_counter()
+        v, src = NaiveEngine.collect(self.address, self.version, version, self.config.timeout_s)
+        specs = src.specs()
+        if sink is not None and specs is not None:
+            sink.check(specs)
+        stats = SyncStats(v, receivers=1)
+        try:
+            for name, tensor in src.tensors():
+                stats.tensors += 1
+                stats.bytes += tensor.nbytes
+                yield name, tensor
+        except BaseException:
+            self.failed_version = v
+            raise
+        stats.seconds = time.perf_counter() - start
+        self.version, self.failed_version, self.last_stats = v, None, stats

@@ -1,0 +1,69 @@
+"""The engine interface: an engine moves bucket bytes, and knows nothing of models.
+
+Roles: rank 0 of an engine's group is the sender; receivers are ranks 1..N. Per sync the
+session calls, in order:
+
+- sender: ``info = prepare(host)``; the session sends ``info`` to every receiver in the
+  handshake; then ``connect(info)`` on every rank (may block until all ranks joined);
+- ``send_buckets(produce)`` on the sender and ``recv_buckets(next_bucket)`` on receivers;
+- ``finish()`` on every rank (success or failure), and ``close()`` once at the end.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from weightsync.config import EngineConfig
+from weightsync.plan import Bucket
+
+# Fills the given buffer with the next bucket and returns its description, or None when
+# there are no more buckets.
+Producer = Callable[[torch.Tensor], "Bucket | None"]
+# Returns the description of the next bucket to receive, or None when the sync is complete.
+NextBucket = Callable[[], "Bucket | None"]
+
+
+class EngineUnavailable(RuntimeError):
+    """A backend is unknown or its module (or a dependency of it) cannot be imported."""
+
+
+class Engine(ABC):
+    """Base class of transfer backends. One instance per process and session."""
+
+    name: ClassVar[str]
+    #: A colocated engine hands tensors over inside one process (no buckets, no session).
+    colocated: ClassVar[bool] = False
+
+    def __init__(self, config: EngineConfig, device: torch.device, rank: int, world_size: int) -> None:
+        self.config = config
+        self.device = device
+        self.rank = rank
+        self.world_size = world_size
+
+    def prepare(self, host: str) -> dict[str, Any]:
+        """Sender only: set up what receivers need to join; return it (msgpack-safe)."""
+        return {}
+
+    @abstractmethod
+    def connect(self, info: dict[str, Any]) -> None:
+        """Join the data plane described by ``info`` (no-op if already joined to it)."""
+
+    @abstractmethod
+    def send_buckets(self, produce: Producer) -> int:
+        """Sender: call ``produce(buffer)`` until it returns None, moving each bucket to
+        every receiver. Returns when every buffer is off the wire; returns bytes sent."""
+
+    @abstractmethod
+    def recv_buckets(self, next_bucket: NextBucket) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        """Receiver: yield each bucket with a uint8 buffer holding its bytes. The buffer is
+        valid until the next item is requested."""
+
+    def finish(self, ok: bool) -> None:
+        """End of one sync on this rank (tear down per-sync state if configured)."""
+
+    def close(self) -> None:
+        """Release everything."""

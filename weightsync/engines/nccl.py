@@ -1,0 +1,164 @@
+"""Backend ``nccl``: collective broadcast from the sender (rank 0) to every receiver.
+
+Served by NCCL on CUDA, HCCL on Ascend and Gloo on CPU (``platform.collective_backend``).
+The group is our own, built from a TCP store hosted by the sender; the caller's default
+process group is never touched. Double-buffered: two bucket buffers per rank, so the
+sender fills bucket k+1 while bucket k is on the wire, and a receiver hands out bucket k
+while bucket k+1 arrives.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightsync import platform
+from weightsync.engines.base import Engine, NextBucket, Producer
+from weightsync.plan import Bucket
+
+log = logging.getLogger("weightsync.engines.nccl")
+
+
+class CollectiveEngine(Engine):
+    name = "nccl"
+
+    def __init__(self, config, device, rank, world_size) -> None:
+        super().__init__(config, device, rank, world_size)
+        self.library = platform.collective_backend("nccl", device.type)
+        self._kwargs = config.engine_kwargs.nccl
+        self._store: dist.TCPStore | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._group_key: tuple | None = None
+        self._generation = 0
+        self._buffers: list[torch.Tensor] | None = None
+
+    @property
+    def _timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.config.timeout_s)
+
+    # ------------------------------------------------------------------ group
+    def prepare(self, host: str) -> dict[str, Any]:
+        if self._store is None:
+            # Port 0: the OS picks a free port; receivers learn it from the handshake.
+            self._store = dist.TCPStore(
+                host, 0, self.world_size, True, timeout=self._timeout, wait_for_workers=False
+            )
+        if self._group is None:
+            self._generation += 1
+        return {
+            "host": host,
+            "port": self._store.port,
+            "group": f"{self._kwargs.group_name}/{self._generation}",
+            "library": self.library,
+            "world_size": self.world_size,
+        }
+
+    def connect(self, info: dict[str, Any]) -> None:
+        if info.get("library") != self.library:
+            raise RuntimeError(
+                f"collective library mismatch: sender uses {info.get('library')!r}, "
+                f"receiver rank {self.rank} uses {self.library!r} (are both on the same platform?)"
+            )
+        key = (info["host"], info["port"], info["group"])
+        world_size = int(info["world_size"])
+        if self._group is not None and key == self._group_key:
+            return
+        self._drop_group()
+        store = self._store
+        if self.rank != 0:
+            store = dist.TCPStore(info["host"], int(info["port"]), world_size, False, timeout=self._timeout)
+            self._store = store
+        prefixed = dist.PrefixStore(f"weightsync/{info['group']}", store)
+        log.debug("rank %d joining group %s (%s)", self.rank, info["group"], self.library)
+        self._group = platform.new_process_group(
+            self.library, prefixed, self.rank, world_size, self.config.timeout_s
+        )
+        self._group_key = key
+
+    def _drop_group(self) -> None:
+        group, self._group, self._group_key = self._group, None, None
+        if group is not None and self.library != "gloo":
+            shutdown = getattr(group, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+
+    def _bufs(self) -> list[torch.Tensor]:
+        if self._buffers is None:
+            n = self.config.bucket_bytes
+            self._buffers = [torch.empty(n, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        return self._buffers
+
+    # ------------------------------------------------------------------ data
+    def send_buckets(self, produce: Producer) -> int:
+        assert self._group is not None, "connect() first"
+        bufs = self._bufs()
+        in_flight: list[dist.Work | None] = [None, None]
+        sent = 0
+        k = 0
+        try:
+            while True:
+                slot = k % 2
+                if in_flight[slot] is not None:
+                    in_flight[slot].wait()  # never refill a buffer still on the wire
+                    in_flight[slot] = None
+                bucket = produce(bufs[slot])
+                if bucket is None:
+                    break
+                if bucket.nbytes:
+                    in_flight[slot] = self._group.broadcast(bufs[slot][: bucket.nbytes], 0)
+                sent += bucket.nbytes
+                k += 1
+        finally:
+            for work in in_flight:
+                if work is not None:
+                    work.wait()
+        platform.synchronize(self.device)
+        return sent
+
+    def recv_buckets(self, next_bucket: NextBucket) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        assert self._group is not None, "connect() first"
+        bufs = self._bufs()
+        posted: deque[tuple[Bucket, int, dist.Work | None]] = deque()
+        count = 0
+
+        def post() -> bool:
+            nonlocal count
+            bucket = next_bucket()
+            if bucket is None:
+                return False
+            slot = count % 2
+            view = bufs[slot][: bucket.nbytes]
+            work = self._group.broadcast(view, 0) if bucket.nbytes else None
+            posted.append((bucket, slot, work))
+            count += 1
+            return True
+
+        more = post() and post()
+        while posted:
+            bucket, slot, work = posted.popleft()
+            if work is not None:
+                work.wait()
+            yield bucket, bufs[slot][: bucket.nbytes]
+            # The consumer asked for more: its views of this slot are released.
+            if more:
+                more = post()
+        platform.synchronize(self.device)
+
+    def finish(self, ok: bool) -> None:
+        # A failed collective leaves the group in an unknown state: build a new one next time.
+        if not ok or self._kwargs.rebuild_group:
+            self._drop_group()
+        if self._kwargs.rebuild_group:
+            self._buffers = None
+            platform.empty_cache()
+
+    def close(self) -> None:
+        self._drop_group()
+        self._buffers = None
+        self._store = None

@@ -1,0 +1,299 @@
+"""The transfer plan: which bytes of which tensor go where in which bucket.
+
+Pure data and pure functions. Sender and receivers compute the same plan from the same
+tensor specs and bucket size, so once the plan is agreed (by its hash) no per-bucket
+metadata has to travel. A tensor larger than a bucket is split into byte-range pieces over
+consecutive buckets and merged on the receiver.
+
+Layout rule, fixed by ``PLAN_FORMAT``: tensors are placed in the order given; each piece
+starts at a multiple of ``ALIGNMENT`` inside its bucket (so a receiver can view bucket bytes
+as any dtype); a tensor that does not fit in the space left starts a new bucket if it fits
+in a whole one, and is otherwise split, its first piece filling the space left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+PLAN_FORMAT = 1
+ALIGNMENT = 64  # bytes; a multiple of every dtype's size, and a cache line
+
+
+def _dtype_table() -> dict[str, torch.dtype]:
+    table = {}
+    for attr in dir(torch):
+        value = getattr(torch, attr, None)
+        if isinstance(value, torch.dtype):
+            table[dtype_name(value)] = value
+    return table
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Canonical wire name of a dtype: ``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+_DTYPES: dict[str, torch.dtype] = {}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype for a wire name; only real torch dtypes are accepted."""
+    if not _DTYPES:
+        _DTYPES.update(_dtype_table())
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}") from None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, shape and dtype of one tensor as it travels on the wire."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"tensor name must be a non-empty string, got {self.name!r}")
+        shape = tuple(self.shape)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise ValueError(f"tensor {self.name!r}: bad shape {self.shape!r}")
+        object.__setattr__(self, "shape", shape)
+        if dtype_from_name(self.dtype).itemsize < 1:
+            raise ValueError(f"tensor {self.name!r}: sub-byte dtype {self.dtype} is not supported")
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        return cls(name, tuple(tensor.shape), dtype_name(tensor.dtype))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.torch_dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes ``[tensor_offset, tensor_offset + length)`` of tensor number ``tensor``,
+    stored at ``bucket_offset`` of its bucket."""
+
+    tensor: int
+    tensor_offset: int
+    length: int
+    bucket_offset: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One transfer unit: ``nbytes`` used bytes holding ``pieces``."""
+
+    index: int
+    nbytes: int
+    pieces: tuple[Piece, ...]
+
+    def to_wire(self) -> list[Any]:
+        return [self.index, self.nbytes, [list(_astuple(p)) for p in self.pieces]]
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Bucket:
+        index, nbytes, pieces = data
+        return cls(int(index), int(nbytes), tuple(Piece(*map(int, p)) for p in pieces))
+
+
+def _astuple(p: Piece) -> tuple[int, int, int, int]:
+    return (p.tensor, p.tensor_offset, p.length, p.bucket_offset)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGNMENT) * ALIGNMENT
+
+
+class PlanBuilder:
+    """Places tensors into buckets one at a time (the layout rule of this module).
+
+    ``add`` returns the buckets that became full; ``finish`` returns the last one. Used
+    directly when a source cannot tell its specs up front: the sender then announces
+    each bucket as it closes.
+    """
+
+    def __init__(self, bucket_bytes: int) -> None:
+        if bucket_bytes < ALIGNMENT:
+            raise ValueError(f"bucket size must be at least {ALIGNMENT} bytes, got {bucket_bytes}")
+        self.bucket_bytes = bucket_bytes
+        self.specs: list[TensorSpec] = []
+        self._pieces: list[Piece] = []
+        self._used = 0
+        self._open = False
+        self._next_index = 0
+
+    def _close(self) -> list[Bucket]:
+        if not self._open:
+            return []
+        bucket = Bucket(self._next_index, self._used, tuple(self._pieces))
+        self._next_index += 1
+        self._pieces, self._used, self._open = [], 0, False
+        return [bucket]
+
+    def _put(self, tensor: int, tensor_offset: int, length: int) -> None:
+        self._open = True
+        start = _align(self._used) if length else self._used
+        self._pieces.append(Piece(tensor, tensor_offset, length, start))
+        self._used = start + length
+
+    def _space_left(self) -> int:
+        return self.bucket_bytes - _align(self._used) if self._open else 0
+
+    def add(self, spec: TensorSpec) -> list[Bucket]:
+        """Place one more tensor; return the buckets closed by doing so."""
+        index = len(self.specs)
+        self.specs.append(spec)
+        n = spec.nbytes
+        closed: list[Bucket] = []
+        if n == 0 or n <= self._space_left():
+            self._put(index, 0, n)
+            return closed
+        if n <= self.bucket_bytes:
+            closed += self._close()
+            self._put(index, 0, n)
+            return closed
+        offset = 0
+        while offset < n:
+            room = self._space_left()
+            if room <= 0:
+                closed += self._close()
+                room = self.bucket_bytes
+            length = min(room, n - offset)
+            self._put(index, offset, length)
+            offset += length
+        return closed
+
+    def finish(self) -> list[Bucket]:
+        """Close the last bucket."""
+        return self._close()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete, agreed transfer plan. Derived deterministically from
+    ``(tensors, bucket_bytes)``; ``hash`` identifies it on the wire."""
+
+    bucket_bytes: int
+    tensors: tuple[TensorSpec, ...]
+    buckets: tuple[Bucket, ...]
+    hash: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.hash:
+            object.__setattr__(self, "hash", plan_hash(self.tensors, self.bucket_bytes))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def to_wire(self) -> dict[str, Any]:
+        """A msgpack/JSON-safe form; the buckets are recomputed by the receiver."""
+        return {
+            "format": PLAN_FORMAT,
+            "bucket_bytes": self.bucket_bytes,
+            "tensors": [[t.name, list(t.shape), t.dtype] for t in self.tensors],
+        }
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Plan:
+        if data.get("format") != PLAN_FORMAT:
+            raise ValueError(f"plan format {data.get('format')!r} is not {PLAN_FORMAT}")
+        specs = [TensorSpec(str(n), tuple(s), str(d)) for n, s, d in data["tensors"]]
+        return make_plan(specs, int(data["bucket_bytes"]))
+
+
+def plan_hash(tensors: Sequence[TensorSpec], bucket_bytes: int) -> str:
+    """Stable hash of a plan (sha256 over its canonical JSON form)."""
+    canon = json.dumps(
+        [PLAN_FORMAT, ALIGNMENT, bucket_bytes, [[t.name, list(t.shape), t.dtype] for t in tensors]],
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(canon.encode()).hexdigest()
+
+
+def make_plan(specs: Iterable[TensorSpec], bucket_bytes: int) -> Plan:
+    """Plan the transfer of ``specs`` in buckets of ``bucket_bytes`` bytes."""
+    builder = PlanBuilder(bucket_bytes)
+    buckets: list[Bucket] = []
+    for spec in specs:
+        buckets += builder.add(spec)
+    buckets += builder.finish()
+    names = [s.name for s in builder.specs]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"tensor {dup!r} appears twice in the plan")
+    return Plan(bucket_bytes, tuple(builder.specs), tuple(buckets))
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a tensor's bytes (copying only if it is not contiguous)."""
+    flat = tensor.contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+def pack_pieces(bucket: Bucket, buffer: torch.Tensor, tensor_bytes: Mapping[int, torch.Tensor]) -> None:
+    """Copy the pieces of ``bucket`` into ``buffer`` from flat byte views (see ``as_bytes``)
+    of its tensors, keyed by plan index."""
+    for p in bucket.pieces:
+        if p.length:
+            src = tensor_bytes[p.tensor][p.tensor_offset : p.tensor_offset + p.length]
+            buffer[p.bucket_offset : p.bucket_offset + p.length].copy_(src)
+
+
+class Assembler:
+    """Turns received buckets back into named tensors (the receiver's half of the plan).
+
+    Whole tensors come out as views into the bucket buffer (valid until the next bucket
+    is requested); split tensors are merged into a tensor of their own.
+    """
+
+    def __init__(self, tensors: Sequence[TensorSpec], device: torch.device) -> None:
+        self.tensors = tensors
+        self.device = device
+        self._partial: dict[int, torch.Tensor] = {}
+
+    def unpack(self, bucket: Bucket, buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        for p in bucket.pieces:
+            spec = self.tensors[p.tensor]
+            whole = p.tensor_offset == 0 and p.length == spec.nbytes
+            if whole:
+                if spec.nbytes == 0:
+                    yield spec.name, torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.device)
+                else:
+                    raw = buffer[p.bucket_offset : p.bucket_offset + p.length]
+                    yield spec.name, raw.view(spec.torch_dtype).view(spec.shape)
+                continue
+            full = self._partial.get(p.tensor)
+            if full is None:
+                full = torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.device)
+                self._partial[p.tensor] = full
+            as_bytes(full)[p.tensor_offset : p.tensor_offset + p.length].copy_(
+                buffer[p.bucket_offset : p.bucket_offset + p.length]
+            )
+            if p.tensor_offset + p.length == spec.nbytes:
+                yield spec.name, self._partial.pop(p.tensor)
+
+    @property
+    def incomplete(self) -> list[str]:
+        """Names of split tensors still waiting for pieces."""
+        return [self.tensors[i].name for i in self._partial]

@@ -1,0 +1,141 @@
+"""Everything that knows which accelerator we run on: CUDA, Ascend NPU or plain CPU.
+
+No other module calls ``torch.cuda`` or ``torch_npu`` directly; they ask this one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("weightsync.platform")
+
+
+@dataclass(frozen=True)
+class Platform:
+    """The accelerator kind of this process: ``"cuda"``, ``"npu"`` or ``"cpu"``."""
+
+    kind: str
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.kind != "cpu"
+
+
+@functools.lru_cache(maxsize=1)
+def current_platform() -> Platform:
+    """Detect the platform once per process.
+
+    ``WEIGHTSYNC_PLATFORM=cpu`` forces CPU, e.g. to test the CPU path on a GPU host.
+    """
+    forced = os.environ.get("WEIGHTSYNC_PLATFORM")
+    if forced:
+        return Platform(forced)
+    if torch.cuda.is_available():
+        return Platform("cuda")
+    try:  # torch_npu registers torch.npu when imported; absence is the common case.
+        import torch_npu  # noqa: F401
+
+        if torch.npu.is_available():  # type: ignore[attr-defined]
+            return Platform("npu")
+    except ImportError:
+        pass
+    return Platform("cpu")
+
+
+def _accelerator_module(kind: str):
+    return getattr(torch, kind)  # torch.cuda or torch.npu: the same API shape
+
+
+def local_device(device: str | torch.device | None = None) -> torch.device:
+    """The device for transfer buffers of this process.
+
+    An explicit ``device`` wins. Otherwise the accelerator's current device; a rollout
+    worker on a non-CUDA platform may have none set, so fall back to its LOCAL_RANK
+    (as launchers export it), and to CPU on CPU.
+    """
+    if device is not None:
+        return torch.device(device)
+    plat = current_platform()
+    if not plat.is_accelerator:
+        return torch.device("cpu")
+    mod = _accelerator_module(plat.kind)
+    try:
+        index = mod.current_device()
+    except Exception:  # no device set in this worker yet
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device(plat.kind, index)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until every kernel queued on ``device`` finished (no-op on CPU).
+
+    A collective returning only means its kernel was queued: buffers may be reused or
+    handed out only after this.
+    """
+    if device.type in ("cuda", "npu"):
+        _accelerator_module(device.type).synchronize(device)
+
+
+# The configuration name users write (``backend=nccl``) and the library that serves the
+# collective differ by platform. This table is the one place that maps them.
+_COLLECTIVE_LIBRARY = {
+    # CUDA GPUs: NVIDIA's collective library itself.
+    "cuda": "nccl",
+    # Ascend NPUs: HCCL (from torch_npu) is the NCCL-equivalent and takes the same config.
+    "npu": "hccl",
+    # CPU: Gloo runs the same broadcast design over TCP.
+    "cpu": "gloo",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def collective_backend(requested: str = "nccl", kind: str | None = None) -> str:
+    """Resolve the configured collective name to the library serving it on this platform.
+
+    ``collective_backend("nccl")`` is ``"nccl"`` on CUDA, ``"hccl"`` on Ascend and
+    ``"gloo"`` on CPU. Logged once per process and platform.
+    """
+    kind = kind or current_platform().kind
+    if requested != "nccl":
+        return requested
+    library = _COLLECTIVE_LIBRARY[kind]
+    log.info("backend 'nccl' on platform %s is served by %s", kind, library)
+    return library
+
+
+def new_process_group(
+    library: str, store: dist.Store, rank: int, world_size: int, timeout_s: float
+) -> dist.ProcessGroup:
+    """A process group of our own over ``store``; never touches the default group.
+
+    The trainer usually has its own default group (FSDP, Megatron); weight sync must
+    not join or disturb it, so the group is built directly from a store.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if library == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if library == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    if library == "hccl":
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # type: ignore
+
+        opts = ProcessGroupHCCL.Options()
+        opts._timeout = timeout
+        return ProcessGroupHCCL(store, rank, world_size, opts)
+    raise ValueError(f"no process group implementation for collective library {library!r}")
+
+
+def empty_cache() -> None:
+    """Return cached accelerator memory to the driver (no-op on CPU)."""
+    plat = current_platform()
+    if plat.is_accelerator:
+        _accelerator_module(plat.kind).empty_cache()

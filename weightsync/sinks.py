@@ -1,0 +1,62 @@
+"""Rollout-side consumers of received tensors.
+
+``ModuleSink`` loads tensors in place into an ``nn.Module`` by name, strictly: a name the
+model lacks, a shape or dtype mismatch is an error naming the tensor. With a plan agreed up
+front the whole sync is checked before the first byte is written, so a metadata mismatch
+never leaves the model half-updated.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+
+import torch
+
+from weightsync.plan import TensorSpec, dtype_name
+
+
+class SinkError(ValueError):
+    """A received tensor does not fit the model; the message names it."""
+
+
+class ModuleSink:
+    """Copies received tensors into a module's parameters and persistent buffers."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.targets: dict[str, torch.Tensor] = dict(module.state_dict(keep_vars=True))
+        self._loaded: set[int] = set()  # ids of target tensors written (tied names share one)
+
+    def _problem(self, name: str, shape: tuple[int, ...], dtype: str) -> str | None:
+        target = self.targets.get(name)
+        if target is None:
+            close = difflib.get_close_matches(name, list(self.targets), n=1)
+            hint = f"; closest model name: {close[0]!r}" if close else ""
+            return f"tensor {name!r} is not in the model{hint}"
+        if tuple(target.shape) != tuple(shape):
+            return f"tensor {name!r}: shape {tuple(shape)} received, model has {tuple(target.shape)}"
+        if dtype_name(target.dtype) != dtype:
+            return f"tensor {name!r}: dtype {dtype} received, model has {dtype_name(target.dtype)}"
+        return None
+
+    def check(self, specs: Sequence[TensorSpec]) -> None:
+        """Check a whole plan against the model before anything is written."""
+        problems = [p for s in specs if (p := self._problem(s.name, s.shape, s.dtype))]
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise SinkError(problems[0] + more)
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one tensor into the model (in place, so references to it stay valid)."""
+        problem = self._problem(name, tuple(tensor.shape), dtype_name(tensor.dtype))
+        if problem:
+            raise SinkError(problem)
+        target = self.targets[name]
+        with torch.no_grad():
+            target.copy_(tensor)
+        self._loaded.add(id(target))
+
+    def missing(self) -> list[str]:
+        """Model names the sync did not carry (tied names count as carried with their twin)."""
+        return [n for n, t in self.targets.items() if id(t) not in self._loaded]

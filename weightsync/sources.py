@@ -1,0 +1,129 @@
+"""Trainer-side producers of named tensors.
+
+A source tells its tensor specs up front when it can (``specs()``; needed to agree on a
+plan once) and yields ``(name, tensor)`` in that same order. Every trainer rank iterates
+its source, because materializing a sharded tensor (``DTensor.full_tensor()``) is a
+collective among trainer ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from weightsync.plan import TensorSpec, dtype_name
+
+try:  # DTensor lives here since torch 2.4
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = ()  # type: ignore[assignment,misc]
+
+
+def _wire_cast(tensor: torch.Tensor, wire_dtype: torch.dtype | None) -> torch.Tensor:
+    # Only multi-byte floating tensors are cast (fp32 master weights -> bf16, say); integer,
+    # bool and fp8 tensors keep their dtype.
+    if wire_dtype is not None and tensor.is_floating_point() and tensor.dtype.itemsize > 1:
+        return tensor.to(wire_dtype)
+    return tensor
+
+
+def _wire_dtype(dtype: torch.dtype, wire_dtype: torch.dtype | None) -> torch.dtype:
+    if wire_dtype is not None and dtype.is_floating_point and dtype.itemsize > 1:
+        return wire_dtype
+    return dtype
+
+
+class WeightSource:
+    """Base class: named tensors to send. Subclasses override ``tensors`` and maybe ``specs``."""
+
+    wire_dtype: torch.dtype | None = None
+
+    def specs(self) -> list[TensorSpec] | None:
+        """Name, shape and dtype of every tensor, in iteration order; None if unknown
+        before iterating (the sender then announces each bucket as it fills it)."""
+        return None
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    #: True if ``tensors()`` can be called more than once.
+    reiterable: bool = True
+
+
+class StateDictSource(WeightSource):
+    """A mapping name -> tensor (a state dict). DTensors are materialized one at a time."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], wire_dtype: torch.dtype | None = None) -> None:
+        self.state = state
+        self.wire_dtype = wire_dtype
+
+    def specs(self) -> list[TensorSpec]:
+        return [
+            TensorSpec(name, tuple(t.shape), dtype_name(_wire_dtype(t.dtype, self.wire_dtype)))
+            for name, t in self.state.items()
+        ]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self.state.items():
+            if isinstance(t, DTensor):
+                t = t.full_tensor()  # a collective: every trainer rank must get here
+            yield name, _wire_cast(t.detach(), self.wire_dtype)
+
+
+class ModuleSource(StateDictSource):
+    """An ``nn.Module``'s parameters and persistent buffers (its state dict).
+
+    Tied weights (one parameter under two names) are sent once, under the first name; the
+    receiving sink knows the tie from its own module.
+    """
+
+    def __init__(self, module: torch.nn.Module, wire_dtype: torch.dtype | None = None) -> None:
+        state: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for name, t in module.state_dict(keep_vars=True).items():
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            state[name] = t
+        super().__init__(state, wire_dtype)
+
+
+class IteratorSource(WeightSource):
+    """An iterable of ``(name, tensor)`` whose specs are not known before iterating."""
+
+    reiterable = False
+
+    def __init__(self, items: Iterable[tuple[str, torch.Tensor]], wire_dtype: torch.dtype | None = None) -> None:
+        self.items = items
+        self.wire_dtype = wire_dtype
+        self._used = False
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._used and iter(self.items) is self.items:
+            raise RuntimeError("this iterator source was already consumed; pass a new iterator per sync")
+        self._used = True
+        for name, t in self.items:
+            if isinstance(t, DTensor):
+                t = t.full_tensor()
+            yield name, _wire_cast(t.detach(), self.wire_dtype)
+
+
+def as_source(obj: Any, wire_dtype: torch.dtype | None = None) -> WeightSource:
+    """Wrap an ``nn.Module``, a state dict, an iterable of ``(name, tensor)`` or a
+    ``WeightSource`` as a source; ``wire_dtype`` casts floating tensors for the wire."""
+    if isinstance(obj, WeightSource):
+        if wire_dtype is not None:
+            obj.wire_dtype = wire_dtype
+        return obj
+    if isinstance(obj, torch.nn.Module):
+        return ModuleSource(obj, wire_dtype)
+    if isinstance(obj, Mapping):
+        return StateDictSource(obj, wire_dtype)
+    if isinstance(obj, Iterable):
+        return IteratorSource(obj, wire_dtype)
+    raise TypeError(
+        f"cannot send a {type(obj).__name__}: pass an nn.Module, a state dict, an iterable of "
+        "(name, tensor) or a weightsync.sources.WeightSource"
+    )
