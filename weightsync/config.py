@@ -67,8 +67,9 @@ class MooncakeKwargs:
     device_name: str = field(
         default="",
         metadata=_doc(
-            "NIC / device name filter for Mooncake (empty: all).",
-            "Mooncake 使用的网卡/设备名过滤（为空表示全部）。",
+            "NIC / device name filter for Mooncake (empty: all). Read by the `mooncake` backend "
+            "(a plugin until it is built in).",
+            "Mooncake 使用的网卡/设备名过滤（为空表示全部）。由 `mooncake` 后端读取（内置之前以插件形式提供）。",
         ),
     )
 
@@ -306,7 +307,7 @@ def canonical_key(key: str) -> str:
 
 def _suggest(word: str, options: Iterable[str]) -> str:
     close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _type_name(kind: Any) -> str:
@@ -400,11 +401,15 @@ def docs_markdown(lang: str = "en") -> str:
             from weightsync.engines import builtin_backends
 
             allowed = ", ".join(f"`{c}`" for c in builtin_backends()) + " (+ plugins)"
-        elif k.type_name == "int" or k.type_name == "float":
+        elif k.type_name in ("int", "float"):
             allowed = "> 0"
+        elif k.type_name == "bool":
+            allowed = "`true`, `false`"
         else:
             allowed = text["any"]
-        default = "null" if k.default is None else f"`{k.default}`"
+        default = "null" if k.default is None else f"`{str(k.default).lower() if isinstance(k.default, bool) else k.default}`"
+        if k.default == "":
+            default = '`""`'
         name = f"`{k.display}`"
         lines.append(f"| {name} | {k.type_name} | {default} | {allowed} | {k.meta[text['help']]} |")
     return "\n".join(lines) + "\n"
