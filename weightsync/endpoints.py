@@ -230,7 +230,7 @@ class Sender:
         ok = False
         try:
             info = self._engine.prepare(self._server.host)
-            self._handshake(version, plan, info)
+            stats.plan_sent_to = self._handshake(version, plan, info)
             stats.handshake_s = time.perf_counter() - start
             self._engine.connect(info)
             deadline = Deadline(self.config.timeout_s, f"in the transfer of version {version}")
@@ -264,8 +264,11 @@ class Sender:
         for ch in self._channels.values():
             ch.send(msg, deadline)
 
-    def _handshake(self, version: int, plan: Plan | None, info: dict[str, Any]) -> None:
+    def _handshake(self, version: int, plan: Plan | None, info: dict[str, Any]) -> int:
+        """Agree on version, bucket size and plan with every receiver; return how many
+        receivers got the full plan."""
         deadline = Deadline(self.config.timeout_s, f"in the handshake of version {version}")
+        plans_sent = 0
         for rank, ch in self._channels.items():
             msg = {
                 "type": "sync",
@@ -277,6 +280,7 @@ class Sender:
             }
             if plan is not None and self._acked_plan.get(rank) != plan.hash:
                 msg["plan"] = plan.to_wire()  # unchanged plans travel as their hash only
+                plans_sent += 1
             ch.send(msg, deadline)
         refusals = []
         for rank, ch in sorted(self._channels.items()):
@@ -289,6 +293,7 @@ class Sender:
                 ch.send({"type": "abort", "message": reason}, deadline)
             raise HandshakeError(reason)
         self._broadcast_msg({"type": "go"}, deadline)
+        return plans_sent
 
     def _gather_done(self, version: int) -> None:
         deadline = Deadline(self.config.timeout_s, f"waiting for receivers to confirm version {version}")

@@ -251,6 +251,9 @@ class SyncStats:
     handshake_s: float = 0.0
     transfer_s: float = 0.0
     seconds: float = 0.0
+    #: receivers that got the full plan in this sync's handshake (others got only its hash)
+    plan_sent_to: int = 0
+    #: model names the sync did not carry (``Receiver.load_into`` only)
     missing: list[str] = field(default_factory=list)
 
     @property

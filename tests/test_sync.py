@@ -1,0 +1,198 @@
+"""Multi-process syncs over real Gloo (the `nccl` backend on CPU): bit-exactness across
+versions, failures that name the peer within the deadline."""
+
+import multiprocessing as mp
+import queue as queue_mod
+import socket
+import time
+
+import pytest
+import torch
+
+from weightsync import EngineConfig, HandshakeError, Receiver, Sender, SyncError, SyncTimeout
+from weightsync.sources import IteratorSource
+
+import workers
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+CTX = mp.get_context("spawn")
+BASE = ["backend=nccl", "update_weights_bucket_megabytes=1", "timeout_s=60"]
+
+
+def start(target, *args):
+    p = CTX.Process(target=target, args=args, daemon=True)
+    p.start()
+    return p
+
+
+def collect(q, n, timeout=90):
+    out = []
+    for _ in range(n):
+        out.append(q.get(timeout=timeout))
+    return out
+
+
+def stop(procs):
+    for p in procs:  # only the children this test started
+        p.join(timeout=20)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+@pytest.mark.parametrize("num_receivers", [1, 3])
+def test_versions_arrive_bit_exact(num_receivers):
+    versions = [1, 2, 3]
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(BASE), "127.0.0.1:0", num_receivers) as sender:
+        procs = [start(workers.run_receiver, sender.address, r, BASE, versions, q) for r in range(num_receivers)]
+        try:
+            for v in versions:
+                stats = sender.send(workers.make_weights(v), version=v)
+                assert stats.tensors == 9 and stats.buckets >= 2
+                # The plan travels once; unchanged, only its hash goes with later versions.
+                assert stats.plan_sent_to == (num_receivers if v == 1 else 0)
+                reports = collect(q, num_receivers)
+                expected = workers.expected_digests(v)
+                for rank, version, got, held in reports:
+                    assert version == v, got
+                    assert held == v
+                    assert got == expected, f"receiver {rank} differs at version {v}"
+            assert workers.expected_digests(1) != workers.expected_digests(2)
+        finally:
+            stop(procs)
+
+
+def test_modules_load_in_place_with_tied_weights_and_rebuilt_groups():
+    overrides = BASE + ["engine_kwargs.nccl.rebuild_group=true", "engine_kwargs.nccl.group_name=weights"]
+    q = CTX.Queue()
+    trainer = workers.Small(seed=1)
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
+        procs = [start(workers.run_module_receiver, sender.address, r, overrides, [1, 2], q) for r in range(2)]
+        try:
+            for v in (1, 2):
+                with torch.no_grad():
+                    for p in trainer.parameters():
+                        p.mul_(1.5).add_(v)
+                    trainer.count.fill_(v)
+                sender.send(trainer, version=v)
+                for rank, version, got, missing in collect(q, 2):
+                    assert version == v, got
+                    assert got == workers.module_digests(trainer)
+                    assert missing == []
+        finally:
+            stop(procs)
+
+
+def test_iterator_source_streams_buckets_without_specs_up_front():
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(BASE), "127.0.0.1:0", 2) as sender:
+        procs = [start(workers.run_receiver, sender.address, r, BASE, [5], q) for r in range(2)]
+        try:
+            source = IteratorSource(iter(workers.make_weights(5).items()))
+            assert source.specs() is None
+            stats = sender.send(source, version=5)
+            assert stats.tensors == 9 and stats.plan_sent_to == 0
+            for rank, version, got, held in collect(q, 2):
+                assert version == 5 and got == workers.expected_digests(5)
+        finally:
+            stop(procs)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_trainer_ranks_only_rank_zero_sends():
+    q, addr_q, rq = CTX.Queue(), CTX.Queue(), CTX.Queue()
+    port = free_port()
+    trainers = [start(workers.run_sharded_trainer, r, port, addr_q, BASE, 2, [1, 2], q) for r in range(2)]
+    receivers = []
+    try:
+        address = addr_q.get(timeout=90)
+        receivers = [start(workers.run_receiver, address, r, BASE, [1, 2], rq) for r in range(2)]
+        for v in (1, 2):
+            trainer_reports = sorted(collect(q, 2), key=lambda r: r[0])
+            assert [r[1] for r in trainer_reports] == [v, v], trainer_reports
+            assert trainer_reports[0][2] > 0 and trainer_reports[1][2] == 0  # rank 1 sent nothing
+            assert trainer_reports[1][3] == 9  # ... but drained every tensor
+            for rank, version, got, held in collect(rq, 2):
+                assert version == v and got == workers.expected_digests(v)
+    finally:
+        stop(trainers + receivers)
+
+
+def test_receiver_that_never_connects_times_out_naming_it():
+    q = CTX.Queue()
+    overrides = ["backend=nccl", "update_weights_bucket_megabytes=1", "timeout_s=3"]
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
+        procs = [start(workers.run_receiver, sender.address, 0, overrides, [1], q)]
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(SyncTimeout, match=r"receiver rank\(s\) \[1\] never connected .* within 3.0 s \(1 of 2 connected\)"):
+                sender.send(workers.make_weights(1), version=1)
+            assert time.monotonic() - t0 < 10
+        finally:
+            stop(procs)
+
+
+def test_sender_that_never_appears_times_out():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        config = EngineConfig.from_overrides(["backend=nccl", "timeout_s=1.5"])
+        t0 = time.monotonic()
+        with Receiver(config, address, 0) as receiver:
+            with pytest.raises(SyncTimeout, match=f"receiver rank 0 could not reach the sender at {address} within 1.5 s"):
+                list(receiver.receive())
+        assert time.monotonic() - t0 < 6
+
+
+def test_receiver_killed_mid_sync_fails_the_sender_naming_it():
+    q = CTX.Queue()
+    overrides = ["backend=nccl", "update_weights_bucket_megabytes=1", "timeout_s=20"]
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
+        victim = start(workers.run_receiver, sender.address, 0, overrides, [1], q, 2)
+        survivor = start(workers.run_receiver, sender.address, 1, overrides, [1], q)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(SyncError, match=r"receiver rank 0 \(pid \d+"):
+                sender.send(workers.make_weights(1), version=1)
+            assert time.monotonic() - t0 < 25
+            victim.join(timeout=10)
+            assert victim.exitcode == 9
+            # The survivor never hangs: it either got all of version 1 (the bytes were out before
+            # the crash) or fails with an error and still holds no version.
+            rank, status, got, held = q.get(timeout=30)
+            assert rank == 1
+            if status == "error":
+                assert held is None, got
+            else:
+                assert status == held == 1 and got == workers.expected_digests(1)
+        finally:
+            stop([victim, survivor])
+
+
+def test_version_and_bucket_mismatch_fail_on_both_sides():
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(BASE), "127.0.0.1:0", 1) as sender:
+        procs = [start(workers.run_receiver, sender.address, 0, BASE, [4], q)]
+        try:
+            with pytest.raises(HandshakeError, match="receiver rank 0 refused version 3: version: sender sends 3, receiver expects 4"):
+                sender.send(workers.make_weights(3), version=3)
+            rank, status, message, held = q.get(timeout=30)
+            assert status == "error" and "sender sends 3, receiver expects 4" in message and held is None
+        finally:
+            stop(procs)
+    other = ["backend=nccl", "update_weights_bucket_megabytes=2", "timeout_s=60"]
+    with Sender(EngineConfig.from_overrides(BASE), "127.0.0.1:0", 1) as sender:
+        procs = [start(workers.run_receiver, sender.address, 0, other, [1], q)]
+        try:
+            with pytest.raises(HandshakeError, match="bucket size: sender 1048576 bytes, receiver 2097152 bytes"):
+                sender.send(workers.make_weights(1), version=1)
+            assert "bucket size" in q.get(timeout=30)[2]
+        finally:
+            stop(procs)

@@ -1,0 +1,112 @@
+"""Child-process bodies for the multi-process tests (importable under spawn)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import traceback
+
+import torch
+
+from weightsync import EngineConfig, Receiver, Sender
+from weightsync.plan import as_bytes
+
+
+def digest(t: torch.Tensor) -> str:
+    return f"{t.dtype}|{tuple(t.shape)}|" + hashlib.blake2b(as_bytes(t).numpy(), digest_size=16).hexdigest()
+
+
+def make_weights(version: int) -> dict[str, torch.Tensor]:
+    """Weights of every kind, different for every version; one larger than a 1 MiB bucket."""
+    g = torch.Generator().manual_seed(1000 + version)
+    base = torch.randn(96, 64, generator=g)
+    return {
+        "embed.weight": torch.randn(700, 512, generator=g),  # 1.4 MB > 1 MiB bucket
+        "layers.0.norm.weight": torch.randn(512, generator=g).to(torch.bfloat16),
+        "layers.0.attn.qkv.bias": torch.randn(96, generator=g).half(),
+        "layers.0.attn.proj.weight": base.t(),  # non-contiguous
+        "layers.0.mlp.fp8": torch.randn(4000, generator=g).to(torch.float8_e4m3fn),
+        "layers.0.mask": torch.rand(333, generator=g) > 0.5,
+        "layers.0.empty": torch.empty(0, 16),
+        "step": torch.tensor(version, dtype=torch.int64),  # scalar
+        "lm_head.weight": torch.randn(300, 512, generator=g),
+    }
+
+
+def expected_digests(version: int) -> dict[str, str]:
+    return {n: digest(t.contiguous()) for n, t in make_weights(version).items()}
+
+
+def run_receiver(address, rank, overrides, versions, queue, die_after_tensors=None):
+    """Receive each version and report ``(rank, version, digests, receiver.version)``;
+    on error report ``(rank, "error", message, receiver.version)``."""
+    torch.set_num_threads(1)
+    receiver = None
+    try:
+        receiver = Receiver(EngineConfig.from_overrides(overrides), address, rank)
+        for v in versions:
+            got = {}
+            for name, t in receiver.receive(version=v):
+                got[name] = digest(t)
+                if die_after_tensors is not None and len(got) >= die_after_tensors:
+                    os._exit(9)  # a crash in the middle of a sync
+            queue.put((rank, v, got, receiver.version))
+    except Exception as e:
+        queue.put((rank, "error", f"{type(e).__name__}: {e}", receiver.version if receiver else None))
+        traceback.print_exc()
+    finally:
+        if receiver is not None:
+            receiver.close()
+
+
+class Small(torch.nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(600, 512)  # 1.2 MB > 1 MiB bucket
+        self.block = torch.nn.Sequential(torch.nn.Linear(512, 64), torch.nn.LayerNorm(64))
+        self.head = torch.nn.Linear(512, 600, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("count", torch.tensor(seed))
+
+
+def module_digests(module: torch.nn.Module) -> dict[str, str]:
+    return {n: digest(t) for n, t in module.state_dict().items()}
+
+
+def run_module_receiver(address, rank, overrides, versions, queue):
+    torch.set_num_threads(1)
+    try:
+        model = Small(seed=100 + rank)
+        with Receiver(EngineConfig.from_overrides(overrides), address, rank) as receiver:
+            for v in versions:
+                stats = receiver.load_into(model, version=v)
+                queue.put((rank, v, module_digests(model), stats.missing))
+    except Exception as e:
+        queue.put((rank, "error", f"{type(e).__name__}: {e}", None))
+
+
+def run_sharded_trainer(rank, store_port, address_queue, overrides, num_receivers, versions, result_queue):
+    """Trainer rank of a 2-rank FSDP-like job: DTensor parameters sharded over a gloo
+    default group; rank 0 sends, rank 1 only drains (full_tensor is a collective)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=rank, world_size=2)
+        mesh = init_device_mesh("cpu", (2,))
+        config = EngineConfig.from_overrides(overrides)
+        with Sender(config, "127.0.0.1:0", num_receivers) as sender:
+            if rank == 0:
+                address_queue.put(sender.address)
+            for v in versions:
+                state = {n: distribute_tensor(t.contiguous(), mesh, [Shard(0)]) if t.dtype == torch.float32 and t.dim() >= 1 else t
+                         for n, t in make_weights(v).items()}
+                stats = sender.send(state, version=v)
+                result_queue.put((rank, v, stats.bytes, stats.tensors))
+        dist.destroy_process_group()
+    except Exception as e:
+        result_queue.put((rank, "error", f"{type(e).__name__}: {e}", None))
+        traceback.print_exc()
