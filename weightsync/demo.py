@@ -51,7 +51,10 @@ class DemoOptions:
 def build_model(model: str | None, *, pretrained: bool, seed: int) -> torch.nn.Module:
     """The trainer's model (weights from ``model`` if given) or a rollout's (config only)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
     torch.manual_seed(seed)
     if model is None:
         config = AutoConfig.for_model(**DEFAULT_MODEL_CONFIG)
@@ -148,7 +151,7 @@ def run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
     local: list[tuple[Receiver, torch.nn.Module]] = []
     rows: list[SyncStats] = []
     table = Table(title="syncs")
-    for col in ("version", "tensors", "MB", "buckets", "handshake s", "transfer s", "total s", "GB/s", "check"):
+    for col in ("version", "tensors", "MB", "buckets", "setup s", "wire s", "total s", "GB/s", "check"):
         table.add_column(col, justify="right")
 
     with Sender(config, opts.address, opts.receivers) as sender:

@@ -222,7 +222,8 @@ class Sender:
             stats = SyncStats(version, tensors=len(specs), bytes=sum(s.nbytes for s in specs), receivers=self.num_receivers)
             return self._finish_stats(stats, start)
 
-        self.connect()
+        self.connect()  # waiting for receivers to start is not part of the sync's time
+        start = time.perf_counter()
         assert self._engine is not None
         specs = src.specs()
         plan = make_plan(specs, self.config.bucket_bytes) if specs is not None else None
@@ -436,6 +437,7 @@ class Receiver:
         what = f" of version {version}" if version is not None else ""
         try:
             msg = ch.recv(Deadline(self.config.timeout_s, f"for the sender to start a sync{what}"), expect="sync")
+            start = time.perf_counter()  # the sync starts when the sender starts it
             v, plan = self._accept(msg, version, sink)
             ch.recv(Deadline(self.config.timeout_s, f"for the go of version {v}"), expect="go")
             self._engine.connect(msg["engine"])
