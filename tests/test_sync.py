@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from weightsync import EngineConfig, HandshakeError, Receiver, Sender, SyncError, SyncTimeout
+from weightsync.session import RemoteFailure
 from weightsync.sources import IteratorSource
 
 import workers
@@ -166,8 +167,10 @@ def test_receiver_killed_mid_sync_fails_the_sender_naming_it():
             assert time.monotonic() - t0 < 25
             victim.join(timeout=10)
             assert victim.exitcode == 9
-            # The survivor does not hang either: a clear error, and it holds no version.
+            # The survivor does not hang either: a clear error, well before its own deadline
+            # (the sender drops the failed group at once), and it holds no version.
             rank, status, message, held = q.get(timeout=30)
+            assert time.monotonic() - t0 < 15
             assert (rank, status, held) == (1, "error", None), message
             assert "transfer of version 1" in message
         finally:
@@ -192,5 +195,33 @@ def test_version_and_bucket_mismatch_fail_on_both_sides():
             with pytest.raises(HandshakeError, match="bucket size: sender 1048576 bytes, receiver 2097152 bytes"):
                 sender.send(workers.make_weights(1), version=1)
             assert "bucket size" in q.get(timeout=30)[2]
+        finally:
+            stop(procs)
+
+
+def test_failed_load_keeps_the_old_version_and_the_next_sync_succeeds():
+    q = CTX.Queue()
+    trainer = workers.Small(seed=1)
+    with Sender(EngineConfig.from_overrides(BASE), "127.0.0.1:0", 2) as sender:
+        procs = [start(workers.run_module_receiver, sender.address, r, BASE, [1, 2, 3], q) for r in range(2)]
+        try:
+            sender.send(trainer, version=1)
+            assert sorted(r[1] for r in collect(q, 2)) == [1, 1]
+            # A streamed source (no specs up front) with one tensor of the wrong shape: the
+            # receivers find out mid-sync, drain the rest and report; the sender names them.
+            bad = dict(trainer.state_dict())
+            bad["block.0.weight"] = torch.zeros(64, 511)
+            with pytest.raises(RemoteFailure, match=r"receiver rank 0 failed version 2: .*'block.0.weight': shape \(64, 511\) received, model has \(64, 512\)"):
+                sender.send(IteratorSource(iter(bad.items())), version=2)
+            for rank, status, message, held in collect(q, 2):
+                assert status == "error" and "block.0.weight" in message
+                assert held == 1  # still the last complete version
+            # Same sender, same receivers, same connections: the next version goes through.
+            with torch.no_grad():
+                trainer.block[0].weight.add_(1)
+            stats = sender.send(trainer, version=3)
+            assert stats.plan_sent_to == 0  # the plan agreed at version 1 still holds
+            for rank, version, got, missing in collect(q, 2):
+                assert version == 3 and got == workers.module_digests(trainer)
         finally:
             stop(procs)

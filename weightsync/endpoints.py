@@ -28,6 +28,7 @@ from weightsync.session import (
     ControlServer,
     Deadline,
     HandshakeError,
+    RemoteFailure,
     SyncError,
     SyncStats,
     connect,
@@ -170,19 +171,21 @@ class Sender:
         """Wait (up to ``timeout_s``) until every receiver is connected. ``send`` calls it."""
         if self._server is None:
             return
+        for rank in [r for r, ch in self._channels.items() if ch.is_dead()]:
+            self._drop_peers([rank])  # it went away since the last sync: accept it anew
         missing = set(range(self.num_receivers)) - set(self._channels)
+        if self._engine is None:
+            self._engine = self.engine_cls(self.config, self.device, 0, self.num_receivers + 1)
         if missing:
             self._channels.update(
                 self._server.accept(missing, self.num_receivers, self.config.timeout_s, self.config.backend)
             )
-        if self._engine is None:
-            self._engine = self.engine_cls(self.config, self.device, 0, self.num_receivers + 1)
+            self._engine.reset()  # new members: every rank joins a new data-plane group
 
-    def _drop_peers(self) -> None:
-        for ch in self._channels.values():
-            ch.close()
-        self._channels.clear()
-        self._acked_plan.clear()
+    def _drop_peers(self, ranks: list[int] | None = None) -> None:
+        for rank in list(self._channels) if ranks is None else ranks:
+            self._channels.pop(rank).close()
+            self._acked_plan.pop(rank, None)
 
     def close(self) -> None:
         """Close connections, the engine and the listening socket."""
@@ -228,7 +231,10 @@ class Sender:
         specs = src.specs()
         plan = make_plan(specs, self.config.bucket_bytes) if specs is not None else None
         stats = SyncStats(version, receivers=self.num_receivers)
-        ok = False
+        # "broken": the transport or a peer failed mid-protocol, so connections and group
+        # are in an unknown state and are rebuilt; "refused": a receiver refused or failed
+        # cleanly, everyone is between syncs and the connections stay.
+        outcome = "broken"
         try:
             info = self._engine.prepare(self._server.host)
             stats.plan_sent_to = self._handshake(version, plan, info)
@@ -241,15 +247,20 @@ class Sender:
             stats.transfer_s = time.perf_counter() - t0
             stats.buckets, stats.tensors = packer.buckets, packer.pulled
             self._gather_done(version)
-            ok = True
+            outcome = "ok"
+            log.info("sent version %d: %d tensors, %.1f MB in %d buckets to %d receivers",
+                     version, stats.tensors, stats.bytes / 1e6, stats.buckets, self.num_receivers)
+        except (HandshakeError, RemoteFailure):
+            outcome = "refused"
+            raise
         except Exception as e:
             raise self._explain(e, version) from e
         finally:
-            self._engine.finish(ok)
-            if ok and plan is not None:
+            self._engine.finish(ok=outcome != "broken")
+            if outcome == "ok" and plan is not None:
                 self._acked_plan = {r: plan.hash for r in self._channels}
-            if not ok:
-                self._drop_peers()  # receivers see the failure; the next send reconnects
+            if outcome == "broken":
+                self._drop_peers()  # receivers see the failure and reconnect
         return self._finish_stats(stats, start)
 
     async def send_async(self, source: Any, version: int, **kwargs: Any) -> SyncStats:
@@ -291,7 +302,10 @@ class Sender:
         if refusals:
             reason = "; ".join(refusals)
             for ch in self._channels.values():
-                ch.send({"type": "abort", "message": reason}, deadline)
+                try:  # best effort: a refusing receiver may already have hung up
+                    ch.send({"type": "abort", "message": reason}, deadline)
+                except SyncError:
+                    pass
             raise HandshakeError(reason)
         self._broadcast_msg({"type": "go"}, deadline)
         return plans_sent
@@ -304,13 +318,17 @@ class Sender:
             if not reply.get("ok"):
                 failures.append(f"receiver rank {rank} failed version {version}: {reply.get('message')}")
         if failures:
-            raise SyncError("; ".join(failures))
+            raise RemoteFailure("; ".join(failures))
 
     def _explain(self, error: Exception, version: int) -> Exception:
         """Turn a transport error into one that names the peer(s) that went away."""
         if isinstance(error, SyncError):
             return error
-        dead = [ch.peer for ch in self._channels.values() if ch.is_dead()]
+        # A crashed peer's sockets all close at once, but the transport may notice first:
+        # give its control connection a moment to show the EOF.
+        grace = time.monotonic() + min(2.0, self.config.timeout_s)
+        while not (dead := [ch.peer for ch in self._channels.values() if ch.is_dead()]) and time.monotonic() < grace:
+            time.sleep(0.02)
         if dead:
             return SyncError(f"sync of version {version} failed: {', '.join(dead)} disconnected ({error})")
         return SyncError(f"sync of version {version} to {self.num_receivers} receiver(s) failed: {error}")
@@ -355,6 +373,8 @@ class Receiver:
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> None:
         """Connect to the sender (retrying until ``timeout_s``). ``receive`` calls it."""
+        if self._channel is not None and self._channel.is_dead():
+            self._reset()  # the sender dropped us after a failed sync: join again
         if self.engine_cls.colocated or self._channel is not None:
             return
         self._channel = connect(self.address, self.rank, self.config.backend, self.config.timeout_s)
@@ -441,6 +461,8 @@ class Receiver:
             v, plan = self._accept(msg, version, sink)
             ch.recv(Deadline(self.config.timeout_s, f"for the go of version {v}"), expect="go")
             self._engine.connect(msg["engine"])
+        except HandshakeError:
+            raise  # a clean refusal: both sides are between syncs, the connection stays
         except Exception:
             self._reset()
             raise
@@ -486,7 +508,7 @@ class Receiver:
 
     def _finish(self, version: int, ok: bool, message: str | None, broken: bool = False) -> None:
         assert self._engine is not None
-        self._engine.finish(ok)
+        self._engine.finish(ok=not broken)  # mirrors the sender: only a broken transport rebuilds
         try:
             if self._channel is not None:
                 self._channel.send(
@@ -539,7 +561,8 @@ class Receiver:
         if problem is not None:
             self._channel.send({"type": "error", "message": problem}, deadline)
             raise HandshakeError(f"receiver rank {self.rank} refused version {v}: {problem}")
-        self._plan = plan
+        if plan is not None:  # a streamed sync leaves the agreed plan as it was
+            self._plan = plan
         self._channel.send({"type": "ready"}, deadline)
         return v, plan
 

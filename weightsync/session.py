@@ -49,6 +49,11 @@ class HandshakeError(SyncError):
     """The two sides disagree on protocol, version, plan or bucket size."""
 
 
+class RemoteFailure(SyncError):
+    """A receiver took part in the whole sync but reported that it failed (a sink error,
+    say). The connections stay usable: the next sync can go ahead on them."""
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """``"host:port"`` -> ``(host, port)``; port 0 asks the OS for a free one."""
     host, sep, port = address.rpartition(":")

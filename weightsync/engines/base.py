@@ -63,7 +63,12 @@ class Engine(ABC):
         valid until the next item is requested."""
 
     def finish(self, ok: bool) -> None:
-        """End of one sync on this rank (tear down per-sync state if configured)."""
+        """End of one sync on this rank. ``ok`` is False when the transfer itself failed
+        (its state is unknown); sender and receivers call it alike, so they agree on
+        whether the next sync joins a new group."""
+
+    def reset(self) -> None:
+        """Sender only: membership changed, the next ``prepare`` starts a new group."""
 
     def close(self) -> None:
         """Release everything."""

@@ -114,10 +114,17 @@ class CollectiveEngine(Engine):
                     in_flight[slot] = self._group.broadcast(bufs[slot][: bucket.nbytes], 0)
                 sent += bucket.nbytes
                 k += 1
-        finally:
-            for work in in_flight:
-                if work is not None:
-                    work.wait()
+            for slot in (k % 2, (k + 1) % 2):  # oldest first
+                if in_flight[slot] is not None:
+                    in_flight[slot].wait()
+                    in_flight[slot] = None
+        except BaseException:
+            # Let go of the failed group now (our works hold it, and the traceback holds
+            # this frame): its sockets close and receivers waiting on them fail at once
+            # instead of at their timeout.
+            in_flight.clear()
+            self._drop_group()
+            raise
         platform.synchronize(self.device)
         return sent
 
@@ -149,6 +156,9 @@ class CollectiveEngine(Engine):
             if more:
                 more = post()
         platform.synchronize(self.device)
+
+    def reset(self) -> None:
+        self._drop_group()
 
     def finish(self, ok: bool) -> None:
         # A failed collective leaves the group in an unknown state: build a new one next time.
