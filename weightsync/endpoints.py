@@ -238,8 +238,8 @@ class Sender:
         try:
             info = self._engine.prepare(self._server.host)
             stats.plan_sent_to = self._handshake(version, plan, info)
-            stats.handshake_s = time.perf_counter() - start
             self._engine.connect(info)
+            stats.handshake_s = time.perf_counter() - start  # handshake and group join
             deadline = Deadline(self.config.timeout_s, f"in the transfer of version {version}")
             packer = _Packer(src, self.config.bucket_bytes, plan, lambda m: self._broadcast_msg(m, deadline))
             t0 = time.perf_counter()

@@ -253,8 +253,11 @@ class SyncStats:
     bytes: int = 0
     buckets: int = 0
     receivers: int = 0
+    #: handshake plus joining the data-plane group (seconds)
     handshake_s: float = 0.0
+    #: moving the buckets (seconds)
     transfer_s: float = 0.0
+    #: the whole sync, from the handshake to the last acknowledgement (seconds)
     seconds: float = 0.0
     #: receivers that got the full plan in this sync's handshake (others got only its hash)
     plan_sent_to: int = 0
