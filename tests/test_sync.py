@@ -1,8 +1,8 @@
 """Multi-process syncs over real Gloo (the `nccl` backend on CPU): bit-exactness across
 versions, failures that name the peer within the deadline."""
 
+import asyncio
 import multiprocessing as mp
-import queue as queue_mod
 import socket
 import time
 
@@ -223,5 +223,37 @@ def test_failed_load_keeps_the_old_version_and_the_next_sync_succeeds():
             assert stats.plan_sent_to == 0  # the plan agreed at version 1 still holds
             for rank, version, got, missing in collect(q, 2):
                 assert version == 3 and got == workers.module_digests(trainer)
+        finally:
+            stop(procs)
+
+
+def test_async_send_does_not_block_the_event_loop():
+    q = CTX.Queue()
+
+    async def controller(sender):
+        ticks = 0
+        stop_ticking = asyncio.Event()
+
+        async def ticker():
+            nonlocal ticks
+            while not stop_ticking.is_set():
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        task = asyncio.create_task(ticker())
+        payload = {**workers.make_weights(1), **{f"extra.{i}": torch.randn(1 << 18) for i in range(32)}}
+        stats = await sender.send_async(payload, version=1)
+        stop_ticking.set()
+        await task
+        return stats, ticks
+
+    with Sender(EngineConfig.from_overrides(BASE), "127.0.0.1:0", 1) as sender:
+        procs = [start(workers.run_receiver, sender.address, 0, BASE, [1], q)]
+        try:
+            stats, ticks = asyncio.run(controller(sender))
+            rank, version, got, held = q.get(timeout=60)
+            assert version == held == 1 and got["embed.weight"] == workers.expected_digests(1)["embed.weight"]
+            # The loop kept running while the sync (receiver start-up included) was under way.
+            assert ticks >= 10, ticks
         finally:
             stop(procs)

@@ -1,0 +1,27 @@
+"""Platform resolution: one function maps the configured collective to the platform's library."""
+
+import logging
+
+import torch
+
+from weightsync import platform
+
+
+def test_collective_backend_per_platform_and_logged_once(caplog):
+    platform.collective_backend.cache_clear()
+    with caplog.at_level(logging.INFO, logger="weightsync.platform"):
+        assert platform.collective_backend("nccl", "cuda") == "nccl"
+        assert platform.collective_backend("nccl", "npu") == "hccl"
+        assert platform.collective_backend("nccl", "cpu") == "gloo"
+        assert platform.collective_backend("nccl", "cpu") == "gloo"
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines.count("backend 'nccl' on platform cpu is served by gloo") == 1
+    assert "backend 'nccl' on platform npu is served by hccl" in lines
+
+
+def test_cpu_machine_resolves_to_cpu_and_gloo():
+    assert platform.current_platform().kind == "cpu"
+    assert platform.local_device() == torch.device("cpu")
+    assert platform.local_device("cpu") == torch.device("cpu")
+    assert platform.collective_backend("nccl") == "gloo"
+    platform.synchronize(torch.device("cpu"))  # a no-op, but callable everywhere
