@@ -39,6 +39,13 @@ from weightsync.sources import WeightSource, as_source
 log = logging.getLogger("weightsync")
 
 
+def _capacity(plan: Plan | None, bucket_bytes: int) -> int:
+    """Buffer size a sync needs: its largest bucket (a streamed sync may fill a whole one)."""
+    if plan is None:
+        return bucket_bytes
+    return max((b.nbytes for b in plan.buckets), default=1)
+
+
 # ---------------------------------------------------------------------------- sender side
 class _Packer:
     """Pulls tensors from a source in plan order and packs buckets from them.
@@ -90,7 +97,7 @@ class _Packer:
                 self.done = True
         return self.ready.pop(0) if self.ready else None
 
-    def __call__(self, buffer: torch.Tensor) -> Bucket | None:
+    def __call__(self, buffer: torch.Tensor) -> tuple[Bucket, torch.Tensor] | None:
         bucket = self._next_bucket()
         if bucket is None:
             if self.plan is not None and self.pulled < len(self.plan.tensors):
@@ -104,7 +111,10 @@ class _Packer:
         while self.pulled <= last:
             if not self._pull():
                 raise SyncError(f"the source ended after {self.pulled} of {len(self.plan.tensors)} announced tensors")
-        pack_pieces(bucket, buffer, self.held)
+        payload = self._direct(bucket, buffer)
+        if payload is None:
+            pack_pieces(bucket, buffer, self.held)
+            payload = buffer[: bucket.nbytes]
         for p in bucket.pieces:
             specs = self.plan.tensors if self.plan is not None else self.builder.specs
             if p.tensor_offset + p.length == specs[p.tensor].nbytes:
@@ -120,7 +130,18 @@ class _Packer:
                 }
             )
         self.buckets += 1
-        return bucket
+        return bucket, payload
+
+    def _direct(self, bucket: Bucket, buffer: torch.Tensor) -> torch.Tensor | None:
+        """The bucket's bytes as a view of its source tensor, if it is one range of one
+        tensor already on the buffer's device: then nothing needs packing."""
+        if len(bucket.pieces) != 1:
+            return None
+        p = bucket.pieces[0]
+        src = self.held[p.tensor]
+        if p.bucket_offset != 0 or not p.length or src.device != buffer.device:
+            return None
+        return src[p.tensor_offset : p.tensor_offset + p.length]
 
 
 class Sender:
@@ -236,6 +257,7 @@ class Sender:
         # cleanly, everyone is between syncs and the connections stay.
         outcome = "broken"
         try:
+            self._engine.reserve(_capacity(plan, self.config.bucket_bytes))
             info = self._engine.prepare(self._server.host)
             stats.plan_sent_to = self._handshake(version, plan, info)
             self._engine.connect(info)
@@ -377,9 +399,9 @@ class Receiver:
             self._reset()  # the sender dropped us after a failed sync: join again
         if self.engine_cls.colocated or self._channel is not None:
             return
-        self._channel = connect(self.address, self.rank, self.config.backend, self.config.timeout_s)
         if self._engine is None:
             self._engine = self.engine_cls(self.config, self.device, self.rank + 1, 0)
+        self._channel = connect(self.address, self.rank, self.config.backend, self.config.timeout_s)
 
     def _reset(self) -> None:
         if self._channel is not None:
@@ -459,6 +481,7 @@ class Receiver:
             msg = ch.recv(Deadline(self.config.timeout_s, f"for the sender to start a sync{what}"), expect="sync")
             start = time.perf_counter()  # the sync starts when the sender starts it
             v, plan = self._accept(msg, version, sink)
+            self._engine.reserve(_capacity(plan, self.config.bucket_bytes))
             ch.recv(Deadline(self.config.timeout_s, f"for the go of version {v}"), expect="go")
             self._engine.connect(msg["engine"])
         except HandshakeError:
@@ -470,7 +493,7 @@ class Receiver:
         deadline = Deadline(self.config.timeout_s, f"in the transfer of version {v}")
         specs: list[TensorSpec] = list(plan.tensors) if plan is not None else []
         next_bucket = self._plan_reader(plan) if plan is not None else self._stream_reader(ch, specs, deadline)
-        assembler = Assembler(specs, self.device)
+        assembler = Assembler(specs, self.device, sink.destination if sink is not None else None)
         buckets = self._engine.recv_buckets(next_bucket)
         consumer_error: BaseException | None = None
         ok = False

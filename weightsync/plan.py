@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,12 +264,19 @@ class Assembler:
     """Turns received buckets back into named tensors (the receiver's half of the plan).
 
     Whole tensors come out as views into the bucket buffer (valid until the next bucket
-    is requested); split tensors are merged into a tensor of their own.
+    is requested); split tensors are merged into the tensor ``destination(spec)`` returns
+    (a sink's own parameter: no temporary, no second copy), or else into a new tensor.
     """
 
-    def __init__(self, tensors: Sequence[TensorSpec], device: torch.device) -> None:
+    def __init__(
+        self,
+        tensors: Sequence[TensorSpec],
+        device: torch.device,
+        destination: Callable[[TensorSpec], torch.Tensor | None] | None = None,
+    ) -> None:
         self.tensors = tensors
         self.device = device
+        self.destination = destination
         self._partial: dict[int, torch.Tensor] = {}
 
     def unpack(self, bucket: Bucket, buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -285,7 +292,9 @@ class Assembler:
                 continue
             full = self._partial.get(p.tensor)
             if full is None:
-                full = torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.device)
+                full = self.destination(spec) if self.destination is not None else None
+                if full is None:
+                    full = torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.device)
                 self._partial[p.tensor] = full
             as_bytes(full)[p.tensor_offset : p.tensor_offset + p.length].copy_(
                 buffer[p.bucket_offset : p.bucket_offset + p.length]

@@ -47,16 +47,29 @@ class ModuleSink:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise SinkError(problems[0] + more)
 
+    def destination(self, spec: TensorSpec) -> torch.Tensor | None:
+        """Where a tensor that arrives in pieces may be merged directly: the model's own
+        tensor, if it matches and is contiguous (else None: merged elsewhere, then loaded)."""
+        target = self.targets.get(spec.name)
+        if target is None or self._problem(spec.name, spec.shape, spec.dtype) or not target.is_contiguous():
+            return None
+        return target.data
+
     def load(self, name: str, tensor: torch.Tensor) -> None:
         """Copy one tensor into the model (in place, so references to it stay valid)."""
         problem = self._problem(name, tuple(tensor.shape), dtype_name(tensor.dtype))
         if problem:
             raise SinkError(problem)
         target = self.targets[name]
-        with torch.no_grad():
-            target.copy_(tensor)
+        if not _same_memory(tensor, target):  # already merged in place by the receiver
+            with torch.no_grad():
+                target.copy_(tensor)
         self._loaded.add(id(target))
 
     def missing(self) -> list[str]:
         """Model names the sync did not carry (tied names count as carried with their twin)."""
         return [n for n, t in self.targets.items() if id(t) not in self._loaded]
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()

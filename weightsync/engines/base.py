@@ -20,9 +20,11 @@ import torch
 from weightsync.config import EngineConfig
 from weightsync.plan import Bucket
 
-# Fills the given buffer with the next bucket and returns its description, or None when
-# there are no more buckets.
-Producer = Callable[[torch.Tensor], "Bucket | None"]
+# Given a free bucket buffer, returns the next bucket and a uint8 tensor holding its bytes,
+# or None when there are no more buckets. The bytes are usually the buffer's prefix, filled
+# by the producer; a bucket that is one contiguous range of one source tensor comes as a
+# view of that tensor instead (no packing copy). Engines only read it.
+Producer = Callable[[torch.Tensor], "tuple[Bucket, torch.Tensor] | None"]
 # Returns the description of the next bucket to receive, or None when the sync is complete.
 NextBucket = Callable[[], "Bucket | None"]
 
@@ -54,8 +56,9 @@ class Engine(ABC):
 
     @abstractmethod
     def send_buckets(self, produce: Producer) -> int:
-        """Sender: call ``produce(buffer)`` until it returns None, moving each bucket to
-        every receiver. Returns when every buffer is off the wire; returns bytes sent."""
+        """Sender: call ``produce(buffer)`` until it returns None, moving each bucket's
+        bytes to every receiver. Returns, with the bytes sent, when every bucket is off
+        the wire (so buffers and source tensors may be reused)."""
 
     @abstractmethod
     def recv_buckets(self, next_bucket: NextBucket) -> Iterator[tuple[Bucket, torch.Tensor]]:
@@ -69,6 +72,11 @@ class Engine(ABC):
 
     def reset(self) -> None:
         """Sender only: membership changed, the next ``prepare`` starts a new group."""
+
+    def reserve(self, nbytes: int) -> None:
+        """Make the transfer buffers hold buckets of ``nbytes`` (at most the configured
+        bucket size): called once the plan is known, so a model smaller than a bucket
+        does not cost two full buckets of memory."""
 
     def close(self) -> None:
         """Release everything."""

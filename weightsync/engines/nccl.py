@@ -88,10 +88,16 @@ class CollectiveEngine(Engine):
             if shutdown is not None:
                 shutdown()
 
+    def reserve(self, nbytes: int) -> None:
+        nbytes = min(max(nbytes, 1), self.config.bucket_bytes)
+        if self._buffers is None or self._buffers[0].numel() < nbytes:
+            self._buffers = None  # free the old pair before allocating the new one
+            # Touched (zeroed) now, during the handshake, not page by page mid-transfer.
+            self._buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+
     def _bufs(self) -> list[torch.Tensor]:
         if self._buffers is None:
-            n = self.config.bucket_bytes
-            self._buffers = [torch.empty(n, dtype=torch.uint8, device=self.device) for _ in range(2)]
+            self.reserve(self.config.bucket_bytes)
         return self._buffers
 
     # ------------------------------------------------------------------ data
@@ -107,11 +113,12 @@ class CollectiveEngine(Engine):
                 if in_flight[slot] is not None:
                     in_flight[slot].wait()  # never refill a buffer still on the wire
                     in_flight[slot] = None
-                bucket = produce(bufs[slot])
-                if bucket is None:
+                produced = produce(bufs[slot])
+                if produced is None:
                     break
+                bucket, payload = produced
                 if bucket.nbytes:
-                    in_flight[slot] = self._group.broadcast(bufs[slot][: bucket.nbytes], 0)
+                    in_flight[slot] = self._group.broadcast(payload, 0)
                 sent += bucket.nbytes
                 k += 1
             for slot in (k % 2, (k + 1) % 2):  # oldest first
