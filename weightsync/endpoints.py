@@ -107,18 +107,18 @@ class _Packer:
             if self.builder is not None:
                 self.announce({"type": "end", "plan_hash": plan_hash(self.builder.specs, self.builder.bucket_bytes)})
             return None
+        specs = self.plan.tensors if self.plan is not None else self.builder.specs
         last = max((p.tensor for p in bucket.pieces), default=-1)
-        while self.pulled <= last:
+        while self.pulled <= last:  # plan mode: pull what this bucket needs
             if not self._pull():
-                raise SyncError(f"the source ended after {self.pulled} of {len(self.plan.tensors)} announced tensors")
+                raise SyncError(f"the source ended after {self.pulled} of {len(specs)} announced tensors")
         payload = self._direct(bucket, buffer)
         if payload is None:
             pack_pieces(bucket, buffer, self.held)
             payload = buffer[: bucket.nbytes]
         for p in bucket.pieces:
-            specs = self.plan.tensors if self.plan is not None else self.builder.specs
             if p.tensor_offset + p.length == specs[p.tensor].nbytes:
-                self.held.pop(p.tensor, None)
+                self.held.pop(p.tensor, None)  # its last piece is out: let it go
         if self.builder is not None:
             new = self.builder.specs[self.announced_specs : last + 1]
             self.announced_specs = max(self.announced_specs, last + 1)
@@ -197,6 +197,8 @@ class Sender:
         missing = set(range(self.num_receivers)) - set(self._channels)
         if self._engine is None:
             self._engine = self.engine_cls(self.config, self.device, 0, self.num_receivers + 1)
+            wildcard = self._server.host in ("", "0.0.0.0", "::")
+            self._engine.local_host = None if wildcard else self._server.host
         if missing:
             self._channels.update(
                 self._server.accept(missing, self.num_receivers, self.config.timeout_s, self.config.backend)
@@ -402,6 +404,8 @@ class Receiver:
         if self._engine is None:
             self._engine = self.engine_cls(self.config, self.device, self.rank + 1, 0)
         self._channel = connect(self.address, self.rank, self.config.backend, self.config.timeout_s)
+        self._engine.local_host = self._channel.sock.getsockname()[0]
+        self._engine.sender_host = self._channel.sock.getpeername()[0]
 
     def _reset(self) -> None:
         if self._channel is not None:

@@ -111,16 +111,23 @@ def collective_backend(requested: str = "nccl", kind: str | None = None) -> str:
 
 
 def new_process_group(
-    library: str, store: dist.Store, rank: int, world_size: int, timeout_s: float
+    library: str, store: dist.Store, rank: int, world_size: int, timeout_s: float, bind_host: str | None = None
 ) -> dist.ProcessGroup:
     """A process group of our own over ``store``; never touches the default group.
 
     The trainer usually has its own default group (FSDP, Megatron); weight sync must
-    not join or disturb it, so the group is built directly from a store.
+    not join or disturb it, so the group is built directly from a store. ``bind_host``:
+    the local address Gloo listens on (by default Gloo takes the address the machine's
+    hostname resolves to, which may not be the interface the user chose).
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     if library == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        if bind_host is None:
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+        return dist.ProcessGroupGloo(store, rank, world_size, opts)
     if library == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout

@@ -45,6 +45,11 @@ class Engine(ABC):
         self.device = device
         self.rank = rank
         self.world_size = world_size
+        #: the local address of this process's control connection; data-plane sockets
+        #: bind to it, so bytes travel on the interface the user chose (set by the session)
+        self.local_host: str | None = None
+        #: receivers: the sender's address as reached over the control connection
+        self.sender_host: str | None = None
 
     def prepare(self, host: str) -> dict[str, Any]:
         """Sender only: set up what receivers need to join; return it (msgpack-safe)."""

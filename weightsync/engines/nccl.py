@@ -72,12 +72,13 @@ class CollectiveEngine(Engine):
         self._drop_group()
         store = self._store
         if self.rank != 0:
-            store = dist.TCPStore(info["host"], int(info["port"]), world_size, False, timeout=self._timeout)
+            host = self.sender_host or info["host"]  # the address that reached the sender
+            store = dist.TCPStore(host, int(info["port"]), world_size, False, timeout=self._timeout)
             self._store = store
         prefixed = dist.PrefixStore(f"weightsync/{info['group']}", store)
         log.debug("rank %d joining group %s (%s)", self.rank, info["group"], self.library)
         self._group = platform.new_process_group(
-            self.library, prefixed, self.rank, world_size, self.config.timeout_s
+            self.library, prefixed, self.rank, world_size, self.config.timeout_s, bind_host=self.local_host
         )
         self._group_key = key
 
