@@ -3,7 +3,10 @@ versions, failures that name the peer within the deadline."""
 
 import asyncio
 import multiprocessing as mp
+import os
+import shutil
 import socket
+import subprocess
 import time
 
 import pytest
@@ -255,5 +258,26 @@ def test_async_send_does_not_block_the_event_loop():
             assert version == held == 1 and got["embed.weight"] == workers.expected_digests(1)["embed.weight"]
             # The loop kept running while the sync (receiver start-up included) was under way.
             assert ticks >= 10, ticks
+        finally:
+            stop(procs)
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to list listening sockets")
+def test_data_plane_listens_only_on_the_chosen_loopback_interface():
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(BASE), "127.0.0.1:0", 1) as sender:
+        procs = [start(workers.run_receiver, sender.address, 0, BASE, [1, 2], q)]
+        try:
+            sender.send(workers.make_weights(1), version=1)
+            q.get(timeout=60)
+            listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+            ours = [line.split()[3] for line in listening if f"pid={os.getpid()}," in line or f"pid={procs[0].pid}," in line]
+            store_port = sender._engine.prepare("127.0.0.1")["port"]
+            # Control socket and Gloo's sockets on loopback. (torch's TCPStore, used for the
+            # group's rendezvous, cannot be told an interface: it is the one exception.)
+            others = [a for a in ours if not a.endswith(f":{store_port}")]
+            assert len(others) >= 3 and all(a.startswith("127.0.0.1:") for a in others), ours
+            sender.send(workers.make_weights(2), version=2)
+            q.get(timeout=60)
         finally:
             stop(procs)

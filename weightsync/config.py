@@ -125,10 +125,11 @@ class EngineConfig:
         default=2048,
         metadata=_doc(
             "Bucket size for one transfer, in MiB. Two buckets are in use at once (double "
-            "buffering), so transfer memory is 2x this on each side. Tensors larger than a "
-            "bucket are split into chunks.",
-            "单次传输的桶大小（MiB）。同时使用两个桶（双缓冲），因此每侧传输内存为其 2 倍。"
-            "大于桶的张量会被切块传输。",
+            "buffering), so transfer memory is at most 2x this on each side (less when the "
+            "whole model fits in a smaller bucket). Tensors larger than a bucket are split "
+            "into chunks.",
+            "单次传输的桶大小（MiB）。同时使用两个桶（双缓冲），因此每侧传输内存至多为其 2 倍"
+            "（整个模型小于一个桶时更少）。大于桶的张量会被切块传输。",
         ),
     )
     timeout_s: float = field(
