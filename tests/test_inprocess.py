@@ -97,3 +97,13 @@ def test_naive_async_api():
 
     got, version = asyncio.run(main())
     assert version == 7 and torch.equal(got["a"], torch.ones(2)) and torch.equal(got["b"], torch.zeros(3))
+
+
+def test_naive_every_trainer_rank_hands_over_to_its_own_rollout():
+    # Colocated: each trainer rank's process holds its own rollout, so rank 1 publishes too.
+    config = EngineConfig()
+    trainer, rollout = Tied(), Tied()
+    with Sender(config, "colocated-rank1", 1, rank=1) as sender, Receiver(config, "colocated-rank1", 0) as receiver:
+        sender.send(trainer, version=4)
+        receiver.load_into(rollout, version=4)
+        assert torch.equal(rollout.body.weight, trainer.body.weight) and receiver.version == 4

@@ -152,8 +152,10 @@ class Sender:
         address: ``host:port`` the sender listens on (rank 0); port 0 picks a free port,
             readable afterwards from ``sender.address``.
         num_receivers: how many receivers take part in every sync.
-        rank: this trainer's rank; only rank 0 sends, other ranks drain their source
-            (default: the rank in the default process group, or 0).
+        rank: this trainer's rank; over a transport only rank 0 sends and other ranks
+            drain their source; with the colocated ``naive`` backend every rank hands its
+            tensors to the receivers in its own process (default: the rank in the default
+            process group, or 0).
         device: device of the transfer buffers (default: this process's accelerator, or CPU).
         wire_dtype: cast multi-byte floating tensors to this dtype for the wire.
     """
@@ -183,7 +185,7 @@ class Sender:
         self._engine: Engine | None = None
         self._channels: dict[int, Channel] = {}
         self._acked_plan: dict[int, str] = {}
-        if self.rank == 0 and not self.engine_cls.colocated:
+        if self.rank == 0 and not self.engine_cls.colocated:  # only rank 0 sends over a transport
             self._server = ControlServer(address)
             self.address = self._server.address
 
@@ -219,7 +221,7 @@ class Sender:
         if self._server is not None:
             self._server.close()
             self._server = None
-        if self.engine_cls.colocated and self.rank == 0:
+        if self.engine_cls.colocated:
             NaiveEngine.forget(self.address)
 
     def __enter__(self) -> Sender:
@@ -237,16 +239,16 @@ class Sender:
         """
         src = as_source(source, wire_dtype or self.wire_dtype)
         start = time.perf_counter()
-        if self.rank != 0:
-            count = sum(1 for _ in src.tensors())  # materializing shards is collective
-            return self._finish_stats(SyncStats(version, tensors=count), start)
-        if self.engine_cls.colocated:
+        if self.engine_cls.colocated:  # every trainer rank hands over to its own rollout
             if not src.reiterable:
                 src = as_source(dict(src.tensors()))
             NaiveEngine.publish(self.address, version, src)
             specs = src.specs() or []
             stats = SyncStats(version, tensors=len(specs), bytes=sum(s.nbytes for s in specs), receivers=self.num_receivers)
             return self._finish_stats(stats, start)
+        if self.rank != 0:
+            count = sum(1 for _ in src.tensors())  # materializing shards is collective
+            return self._finish_stats(SyncStats(version, tensors=count), start)
 
         self.connect()  # waiting for receivers to start is not part of the sync's time
         start = time.perf_counter()
