@@ -91,6 +91,21 @@ def test_yaml_nested_and_flat(tmp_path):
     flat = tmp_path / "flat.yaml"
     flat.write_text("backend: nccl\ntimeout_s: 5\n")
     assert EngineConfig.from_yaml(flat).timeout_s == 5.0
+    whole_verl = tmp_path / "ppo.yaml"
+    whole_verl.write_text(textwrap.dedent("""
+        actor_rollout_ref:
+          model: {path: /models/qwen}
+          rollout:
+            n: 8
+            checkpoint_engine: {backend: nccl, update_weights_bucket_megabytes: 64}
+        trainer: {total_epochs: 3, v1: {trainer_mode: separate_async}}
+    """))
+    c = EngineConfig.from_yaml(whole_verl)  # verl's other keys are verl's business
+    assert (c.backend, c.update_weights_bucket_megabytes, c.trainer.trainer_mode) == ("nccl", 64, "separate_async")
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("actor_rollout_ref:\n  rollout:\n    checkpoint_engine: {backnd: nccl}\n")
+    with pytest.raises(ConfigError, match="'actor_rollout_ref.rollout.checkpoint_engine.backnd'.*did you mean 'backend'"):
+        EngineConfig.from_yaml(typo)
     bad = tmp_path / "bad.yaml"
     bad.write_text("checkpoint_engine:\n  backend: nccl\n")
     with pytest.raises(ConfigError, match="unknown configuration key 'checkpoint_engine.backend'"):

@@ -8,6 +8,7 @@ parameter reference in ``docs/`` is generated from it (``weightsync config --doc
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import importlib
@@ -155,7 +156,7 @@ class EngineConfig:
     @classmethod
     def from_overrides(cls, overrides: Iterable[str] = (), base: EngineConfig | None = None) -> EngineConfig:
         """Build a config from ``key=value`` strings (short or full key form), validated."""
-        config = _deepcopy(base) if base is not None else cls()
+        config = copy.deepcopy(base) if base is not None else cls()
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not of the form key=value")
@@ -167,7 +168,7 @@ class EngineConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], base: EngineConfig | None = None) -> EngineConfig:
         """Build a config from a (nested) mapping, as read from YAML."""
-        config = _deepcopy(base) if base is not None else cls()
+        config = copy.deepcopy(base) if base is not None else cls()
         for key, value in _flatten(data):
             config.set(key, value)
         config.validate()
@@ -175,13 +176,25 @@ class EngineConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Iterable[str] = ()) -> EngineConfig:
-        """Read a YAML file (nested or flat; full or short keys), then apply ``overrides``."""
+        """Read a YAML file, then apply ``overrides``.
+
+        The file is either weightsync's own (nested or flat; full or short keys: every key
+        must be known) or a whole verl config: then only its ``checkpoint_engine`` section
+        and the trainer keys weightsync knows are read, and the rest is left to verl.
+        """
         import yaml
 
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, Mapping):
             raise ConfigError(f"{path}: expected a mapping at the top level")
-        return cls.from_overrides(overrides, base=cls.from_dict(data))
+        items = list(_flatten(data))
+        if any(k.startswith(PREFIX) for k, _ in items):  # a whole verl config
+            ours = {k.full for k in all_keys()}
+            items = [(k, v) for k, v in items if k.startswith(PREFIX) or k in ours]
+        config = cls()
+        for key, value in items:
+            config.set(key, value)
+        return cls.from_overrides(overrides, base=config)
 
     # ----------------------------------------------------------------- access
     def set(self, key: str, value: Any) -> None:
@@ -337,7 +350,7 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
             if isinstance(value, bool):
                 raise ValueError
             return float(text)
-        if kind == (str | None) or kind == "str | None":
+        if kind == (str | None):
             return None if value is None or text.lower() in ("null", "none", "~", "") else text
         return "" if value is None else text
     except ValueError:
@@ -351,12 +364,6 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, A
             yield from _flatten(v, key + ".")
         else:
             yield key, v
-
-
-def _deepcopy(config: EngineConfig) -> EngineConfig:
-    import copy
-
-    return copy.deepcopy(config)
 
 
 # --------------------------------------------------------------------- docs
