@@ -133,11 +133,9 @@ def new_process_group(
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world_size, opts)
     if library == "hccl":
-        from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # type: ignore
+        import torch_npu  # noqa: F401  (registers torch.distributed.ProcessGroupHCCL)
 
-        opts = ProcessGroupHCCL.Options()
-        opts._timeout = timeout
-        return ProcessGroupHCCL(store, rank, world_size, opts)
+        return dist.ProcessGroupHCCL(store, rank, world_size, timeout)  # type: ignore[attr-defined]
     raise ValueError(f"no process group implementation for collective library {library!r}")
 
 
