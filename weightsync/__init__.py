@@ -10,7 +10,7 @@ from weightsync.endpoints import Receiver, Sender
 from weightsync.engines import EngineUnavailable, register_engine
 from weightsync.engines.base import Engine
 from weightsync.plan import Plan, TensorSpec, make_plan
-from weightsync.session import HandshakeError, PeerLost, SyncError, SyncStats, SyncTimeout
+from weightsync.session import HandshakeError, PeerLost, RemoteFailure, SyncError, SyncStats, SyncTimeout
 from weightsync.sinks import ModuleSink, SinkError
 from weightsync.sources import WeightSource, as_source
 
@@ -26,6 +26,7 @@ __all__ = [
     "PeerLost",
     "Plan",
     "Receiver",
+    "RemoteFailure",
     "Sender",
     "SinkError",
     "SyncError",
