@@ -126,7 +126,7 @@ class _Packer:
                 {
                     "type": "bucket",
                     "bucket": bucket.to_wire(),
-                    "tensors": [[s.name, list(s.shape), s.dtype] for s in new],
+                    "tensors": [s.to_wire() for s in new],
                 }
             )
         self.buckets += 1
@@ -608,7 +608,7 @@ class Receiver:
                 if msg.get("plan_hash") != mine:
                     raise SyncError(f"streamed plan hash: sender {msg.get('plan_hash')}, receiver computed {mine}")
                 return None
-            specs.extend(TensorSpec(str(n), tuple(s), str(d)) for n, s, d in msg["tensors"])
+            specs.extend(TensorSpec.from_wire(t) for t in msg["tensors"])
             bucket = Bucket.from_wire(msg["bucket"])
             if any(p.tensor >= len(specs) for p in bucket.pieces) or bucket.nbytes > self.config.bucket_bytes:
                 raise SyncError(f"sender announced bucket {bucket.index} with unknown tensors or oversize")

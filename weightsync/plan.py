@@ -13,11 +13,12 @@ in a whole one, and is otherwise split, its first piece filling the space left.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any
 
 import torch
@@ -26,30 +27,21 @@ PLAN_FORMAT = 1
 ALIGNMENT = 64  # bytes; a multiple of every dtype's size, and a cache line
 
 
-def _dtype_table() -> dict[str, torch.dtype]:
-    table = {}
-    for attr in dir(torch):
-        value = getattr(torch, attr, None)
-        if isinstance(value, torch.dtype):
-            table[dtype_name(value)] = value
-    return table
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     """Canonical wire name of a dtype: ``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")
 
 
-_DTYPES: dict[str, torch.dtype] = {}
+@functools.cache
+def _dtypes() -> dict[str, torch.dtype]:
+    return {dtype_name(v): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 
 
 def dtype_from_name(name: str) -> torch.dtype:
     """The torch dtype for a wire name; only real torch dtypes are accepted."""
-    if not _DTYPES:
-        _DTYPES.update(_dtype_table())
     try:
-        return _DTYPES[name]
-    except KeyError:
+        return _dtypes()[name]
+    except (KeyError, TypeError):
         raise ValueError(f"unknown dtype {name!r}") from None
 
 
@@ -74,6 +66,14 @@ class TensorSpec:
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
         return cls(name, tuple(tensor.shape), dtype_name(tensor.dtype))
+
+    def to_wire(self) -> list[Any]:
+        return [self.name, list(self.shape), self.dtype]
+
+    @classmethod
+    def from_wire(cls, data: Any) -> TensorSpec:
+        name, shape, dtype = data
+        return cls(name, tuple(shape), dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -108,16 +108,12 @@ class Bucket:
     pieces: tuple[Piece, ...]
 
     def to_wire(self) -> list[Any]:
-        return [self.index, self.nbytes, [list(_astuple(p)) for p in self.pieces]]
+        return [self.index, self.nbytes, [list(astuple(p)) for p in self.pieces]]
 
     @classmethod
     def from_wire(cls, data: Any) -> Bucket:
         index, nbytes, pieces = data
         return cls(int(index), int(nbytes), tuple(Piece(*map(int, p)) for p in pieces))
-
-
-def _astuple(p: Piece) -> tuple[int, int, int, int]:
-    return (p.tensor, p.tensor_offset, p.length, p.bucket_offset)
 
 
 def _align(n: int) -> int:
@@ -211,21 +207,21 @@ class Plan:
         return {
             "format": PLAN_FORMAT,
             "bucket_bytes": self.bucket_bytes,
-            "tensors": [[t.name, list(t.shape), t.dtype] for t in self.tensors],
+            "tensors": [t.to_wire() for t in self.tensors],
         }
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> Plan:
         if data.get("format") != PLAN_FORMAT:
             raise ValueError(f"plan format {data.get('format')!r} is not {PLAN_FORMAT}")
-        specs = [TensorSpec(str(n), tuple(s), str(d)) for n, s, d in data["tensors"]]
+        specs = [TensorSpec.from_wire(t) for t in data["tensors"]]
         return make_plan(specs, int(data["bucket_bytes"]))
 
 
 def plan_hash(tensors: Sequence[TensorSpec], bucket_bytes: int) -> str:
     """Stable hash of a plan (sha256 over its canonical JSON form)."""
     canon = json.dumps(
-        [PLAN_FORMAT, ALIGNMENT, bucket_bytes, [[t.name, list(t.shape), t.dtype] for t in tensors]],
+        [PLAN_FORMAT, ALIGNMENT, bucket_bytes, [t.to_wire() for t in tensors]],
         separators=(",", ":"),
     )
     return hashlib.sha256(canon.encode()).hexdigest()

@@ -123,15 +123,12 @@ class Channel:
             raise SyncError(f"{self.peer} sent a malformed message {deadline.what}: {e}") from None
         if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
             raise SyncError(f"{self.peer} sent a message without a type {deadline.what}")
-        if msg["type"] in ("error", "abort") and msg["type"] not in (expect or ()):
+        wanted = (expect,) if isinstance(expect, str) else expect
+        if wanted is None or msg["type"] in wanted:
+            return msg
+        if msg["type"] in ("error", "abort"):
             raise HandshakeError(f"{self.peer} reported: {msg.get('message', '(no message)')}")
-        if expect is not None:
-            wanted = (expect,) if isinstance(expect, str) else expect
-            if msg["type"] not in wanted:
-                raise SyncError(
-                    f"{self.peer} sent {msg['type']!r} where {' or '.join(wanted)} was expected {deadline.what}"
-                )
-        return msg
+        raise SyncError(f"{self.peer} sent {msg['type']!r} where {' or '.join(wanted)} was expected {deadline.what}")
 
     def is_dead(self) -> bool:
         """True if the peer has closed the connection (checked without blocking)."""
