@@ -33,6 +33,9 @@ def test_wire_dtype_casts_only_multibyte_floats():
     assert [s.dtype for s in src.specs()] == ["bfloat16", "int64", "float8_e5m2"]
     sent = dict(src.tensors())
     assert sent["w"].dtype == torch.bfloat16 and torch.equal(sent["w"], state["w"].to(torch.bfloat16))
+    wrapped = as_source(ModuleSource(torch.nn.Linear(2, 2)), wire_dtype=torch.float16)
+    assert [s.dtype for s in wrapped.specs()] == ["float16", "float16"]
+    assert all(t.dtype == torch.float16 for _, t in wrapped.tensors())
 
 
 def test_sink_checks_name_shape_dtype_and_reports_missing():

@@ -38,8 +38,6 @@ def _wire_dtype(dtype: torch.dtype, wire_dtype: torch.dtype | None) -> torch.dty
 class WeightSource:
     """Base class: named tensors to send. Subclasses override ``tensors`` and maybe ``specs``."""
 
-    wire_dtype: torch.dtype | None = None
-
     def specs(self) -> list[TensorSpec] | None:
         """Name, shape and dtype of every tensor, in iteration order; None if unknown
         before iterating (the sender then announces each bucket as it fills it)."""
@@ -110,13 +108,30 @@ class IteratorSource(WeightSource):
             yield name, _wire_cast(t.detach(), self.wire_dtype)
 
 
+class _WireCast(WeightSource):
+    """Any source, with multi-byte floating tensors cast to ``wire_dtype``."""
+
+    def __init__(self, inner: WeightSource, wire_dtype: torch.dtype) -> None:
+        self.inner = inner
+        self.wire_dtype = wire_dtype
+        self.reiterable = inner.reiterable
+
+    def specs(self) -> list[TensorSpec] | None:
+        specs = self.inner.specs()
+        if specs is None:
+            return None
+        return [TensorSpec(s.name, s.shape, dtype_name(_wire_dtype(s.torch_dtype, self.wire_dtype))) for s in specs]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self.inner.tensors():
+            yield name, _wire_cast(t, self.wire_dtype)
+
+
 def as_source(obj: Any, wire_dtype: torch.dtype | None = None) -> WeightSource:
     """Wrap an ``nn.Module``, a state dict, an iterable of ``(name, tensor)`` or a
     ``WeightSource`` as a source; ``wire_dtype`` casts floating tensors for the wire."""
     if isinstance(obj, WeightSource):
-        if wire_dtype is not None:
-            obj.wire_dtype = wire_dtype
-        return obj
+        return _WireCast(obj, wire_dtype) if wire_dtype is not None else obj
     if isinstance(obj, torch.nn.Module):
         return ModuleSource(obj, wire_dtype)
     if isinstance(obj, Mapping):
