@@ -156,27 +156,16 @@ class EngineConfig:
     @classmethod
     def from_overrides(cls, overrides: Iterable[str] = (), base: EngineConfig | None = None) -> EngineConfig:
         """Build a config from ``key=value`` strings (short or full key form), validated."""
-        config = copy.deepcopy(base) if base is not None else cls()
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} is not of the form key=value")
-            key, value = item.split("=", 1)
-            config.set(key.strip(), value.strip())
-        config.validate()
-        return config
+        return cls._build(_parse_overrides(overrides), base)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], base: EngineConfig | None = None) -> EngineConfig:
-        """Build a config from a (nested) mapping, as read from YAML."""
-        config = copy.deepcopy(base) if base is not None else cls()
-        for key, value in _flatten(data):
-            config.set(key, value)
-        config.validate()
-        return config
+        """Build a config from a (nested) mapping, as read from YAML, validated."""
+        return cls._build(_flatten(data), base)
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Iterable[str] = ()) -> EngineConfig:
-        """Read a YAML file, then apply ``overrides``.
+        """Read a YAML file, then apply ``overrides``; validated once, at the end.
 
         The file is either weightsync's own (nested or flat; full or short keys: every key
         must be known) or a whole verl config: then only its ``checkpoint_engine`` section
@@ -191,10 +180,15 @@ class EngineConfig:
         if any(k.startswith(PREFIX) for k, _ in items):  # a whole verl config
             ours = {k.full for k in all_keys()}
             items = [(k, v) for k, v in items if k.startswith(PREFIX) or k in ours]
-        config = cls()
+        return cls._build([*items, *_parse_overrides(overrides)])
+
+    @classmethod
+    def _build(cls, items: Iterable[tuple[str, Any]], base: EngineConfig | None = None) -> EngineConfig:
+        config = copy.deepcopy(base) if base is not None else cls()
         for key, value in items:
             config.set(key, value)
-        return cls.from_overrides(overrides, base=config)
+        config.validate()
+        return config
 
     # ----------------------------------------------------------------- access
     def set(self, key: str, value: Any) -> None:
@@ -355,6 +349,16 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
         return "" if value is None else text
     except ValueError:
         raise ConfigError(f"{key}={value!r}: expected {_type_name(kind)}") from None
+
+
+def _parse_overrides(overrides: Iterable[str]) -> list[tuple[str, str]]:
+    items = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, value = item.split("=", 1)
+        items.append((key.strip(), value.strip()))
+    return items
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:

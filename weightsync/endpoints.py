@@ -404,7 +404,7 @@ class Receiver:
         if self.engine_cls.colocated or self._channel is not None:
             return
         if self._engine is None:
-            self._engine = self.engine_cls(self.config, self.device, self.rank + 1, 0)
+            self._engine = self.engine_cls(self.config, self.device, self.rank + 1, None)
         self._channel = connect(self.address, self.rank, self.config.backend, self.config.timeout_s)
         self._engine.local_host = self._channel.sock.getsockname()[0]
         self._engine.sender_host = self._channel.sock.getpeername()[0]

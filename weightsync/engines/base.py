@@ -40,7 +40,9 @@ class Engine(ABC):
     #: A colocated engine hands tensors over inside one process (no buckets, no session).
     colocated: ClassVar[bool] = False
 
-    def __init__(self, config: EngineConfig, device: torch.device, rank: int, world_size: int) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, rank: int, world_size: int | None) -> None:
+        """``world_size``: sender and receivers together; a receiver does not know it
+        before the handshake (None) and takes it from ``connect``'s info."""
         self.config = config
         self.device = device
         self.rank = rank
