@@ -22,6 +22,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 CTX = mp.get_context("spawn")
 BASE = ["backend=nccl", "update_weights_bucket_megabytes=1", "timeout_s=60"]
+# The transports the data-path tests run on: collective broadcast (Gloo) and shared memory.
+TRANSPORTS = ["nccl", "shm"]
+
+
+def base(backend):
+    return [f"backend={backend}"] + BASE[1:]
 
 
 def start(target, *args):
@@ -45,12 +51,14 @@ def stop(procs):
             p.join(timeout=5)
 
 
+@pytest.mark.parametrize("backend", TRANSPORTS)
 @pytest.mark.parametrize("num_receivers", [1, 3])
-def test_versions_arrive_bit_exact(num_receivers):
+def test_versions_arrive_bit_exact(num_receivers, backend):
     versions = [1, 2, 3]
     q = CTX.Queue()
-    with Sender(EngineConfig.from_overrides(BASE), "127.0.0.1:0", num_receivers) as sender:
-        procs = [start(workers.run_receiver, sender.address, r, BASE, versions, q) for r in range(num_receivers)]
+    overrides = base(backend)
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", num_receivers) as sender:
+        procs = [start(workers.run_receiver, sender.address, r, overrides, versions, q) for r in range(num_receivers)]
         try:
             for v in versions:
                 stats = sender.send(workers.make_weights(v), version=v)
@@ -89,10 +97,12 @@ def test_modules_load_in_place_with_tied_weights_and_rebuilt_groups():
             stop(procs)
 
 
-def test_iterator_source_streams_buckets_without_specs_up_front():
+@pytest.mark.parametrize("backend", TRANSPORTS)
+def test_iterator_source_streams_buckets_without_specs_up_front(backend):
     q = CTX.Queue()
-    with Sender(EngineConfig.from_overrides(BASE), "127.0.0.1:0", 2) as sender:
-        procs = [start(workers.run_receiver, sender.address, r, BASE, [5], q) for r in range(2)]
+    overrides = base(backend)
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
+        procs = [start(workers.run_receiver, sender.address, r, overrides, [5], q) for r in range(2)]
         try:
             source = IteratorSource(iter(workers.make_weights(5).items()))
             assert source.specs() is None
@@ -155,9 +165,11 @@ def test_sender_that_never_appears_times_out():
         assert time.monotonic() - t0 < 6
 
 
-def test_receiver_killed_mid_sync_fails_the_sender_naming_it():
+@pytest.mark.parametrize("backend", TRANSPORTS)
+def test_receiver_killed_mid_sync_fails_the_sender_naming_it(backend):
     q = CTX.Queue()
-    overrides = ["backend=nccl", "update_weights_bucket_megabytes=1", "timeout_s=20"]
+    overrides = [f"backend={backend}", "update_weights_bucket_megabytes=1", "timeout_s=20"]
+    shm_before = set(os.listdir("/dev/shm"))
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
         victim = start(workers.run_receiver, sender.address, 0, overrides, [1], q, 2)
         survivor = start(workers.run_receiver, sender.address, 1, overrides, [1], q)
@@ -176,8 +188,24 @@ def test_receiver_killed_mid_sync_fails_the_sender_naming_it():
             assert time.monotonic() - t0 < 15
             assert (rank, status, held) == (1, "error", None), message
             assert "transfer of version 1" in message
+            # Nothing of the failed sync's memory is left: no segment file, no mapping held.
+            assert set(os.listdir("/dev/shm")) == shm_before
+            assert shared_memory_fds() == []
         finally:
             stop([victim, survivor])
+
+
+def shared_memory_fds():
+    """This process's open descriptors of shared bucket memory (memfds of the shm backend)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if "weightsync" in target:
+            out.append(target)
+    return out
 
 
 def test_version_and_bucket_mismatch_fail_on_both_sides():
@@ -202,11 +230,13 @@ def test_version_and_bucket_mismatch_fail_on_both_sides():
             stop(procs)
 
 
-def test_failed_load_keeps_the_old_version_and_the_next_sync_succeeds():
+@pytest.mark.parametrize("backend", TRANSPORTS)
+def test_failed_load_keeps_the_old_version_and_the_next_sync_succeeds(backend):
     q = CTX.Queue()
     trainer = workers.Small(seed=1)
-    with Sender(EngineConfig.from_overrides(BASE), "127.0.0.1:0", 2) as sender:
-        procs = [start(workers.run_module_receiver, sender.address, r, BASE, [1, 2, 3], q) for r in range(2)]
+    overrides = base(backend)
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
+        procs = [start(workers.run_module_receiver, sender.address, r, overrides, [1, 2, 3], q) for r in range(2)]
         try:
             sender.send(trainer, version=1)
             assert sorted(r[1] for r in collect(q, 2)) == [1, 1]

@@ -116,9 +116,10 @@ class EngineConfig:
         default="naive",
         metadata=_doc(
             "Transfer backend: `naive` (colocated, same process), `nccl` (collective broadcast; "
-            "HCCL on Ascend, Gloo on CPU), or one registered by `custom_backend_module`.",
-            "传输后端：`naive`（同进程共置）、`nccl`（集合通信广播；昇腾上为 HCCL，CPU 上为 Gloo），"
-            "或由 `custom_backend_module` 注册的后端。",
+            "HCCL on Ascend, Gloo on CPU), `shm` (one host: shared memory, CUDA IPC on GPUs), "
+            "or one registered by `custom_backend_module`.",
+            "传输后端：`naive`（同进程共置）、`nccl`（集合通信广播；昇腾上为 HCCL，CPU 上为 Gloo）、"
+            "`shm`（单机共享内存，GPU 上为 CUDA IPC），或由 `custom_backend_module` 注册的后端。",
             choices="registered backends",
         ),
     )

@@ -144,3 +144,26 @@ def empty_cache() -> None:
     plat = current_platform()
     if plat.is_accelerator:
         _accelerator_module(plat.kind).empty_cache()
+
+
+def share_device_buffer(buffer: torch.Tensor) -> dict:
+    """A msgpack-safe handle through which another process on this host maps ``buffer``
+    (accelerator memory: CUDA IPC). Host memory is shared by file descriptor instead
+    (see ``engines/shm.py``)."""
+    if buffer.device.type != "cuda":
+        raise NotImplementedError(f"sharing {buffer.device.type} memory between processes is not supported")
+    # The storage's IPC handle (device, handle, size, offset, ref-counter and event handles):
+    # plain ints, bytes and bools, so it travels in the handshake without pickle.
+    fields = buffer.untyped_storage()._share_cuda_()
+    return {"kind": "cuda_ipc", "fields": list(fields), "nbytes": buffer.numel()}
+
+
+def open_device_buffer(handle: dict, device: torch.device) -> torch.Tensor:
+    """Map a buffer shared by ``share_device_buffer`` in another process (a uint8 tensor)."""
+    if handle.get("kind") != "cuda_ipc":
+        raise ValueError(f"unknown shared buffer kind {handle.get('kind')!r}")
+    with torch.cuda.device(device):
+        storage = torch.UntypedStorage._new_shared_cuda(*handle["fields"])
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    flat.set_(storage)
+    return flat[: int(handle["nbytes"])]

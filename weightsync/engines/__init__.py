@@ -18,6 +18,7 @@ __all__ = ["Engine", "EngineUnavailable", "register_engine", "get_engine", "know
 _BUILTIN: dict[str, str] = {
     "naive": "weightsync.engines.naive:NaiveEngine",
     "nccl": "weightsync.engines.nccl:CollectiveEngine",
+    "shm": "weightsync.engines.shm:ShmEngine",
 }
 _registry: dict[str, type[Engine] | str] = dict(_BUILTIN)
 _failed: dict[str, str] = {}
