@@ -1,4 +1,4 @@
-"""The ``weightsync`` command line: ``demo`` and ``config``."""
+"""The ``weightsync`` command line: ``demo``, ``bench`` and ``config``."""
 
 from __future__ import annotations
 
@@ -31,6 +31,45 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
 
 
+def _csv(kind):
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+    return parse
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="measure syncs per backend and bucket size against per-tensor broadcast, disk and the transport's ceiling",
+        description=(
+            "Sync a model (synthetic LLM-shaped, or --model DIR) from 1 sender to N receiver processes on "
+            "this machine, for each backend and bucket size, and measure in the same run the alternatives "
+            "(one broadcast per tensor, safetensors written and reloaded) and each transport's ceiling. "
+            "Reports the median of --repeats syncs after a warm-up; compare ratios, not absolute times."
+        ),
+    )
+    p.add_argument("--backend", type=_csv(str), default=["nccl", "shm"], help="comma-separated backends (default: nccl,shm)")
+    p.add_argument("--bucket-mb", type=_csv(int), default=[64], help="comma-separated bucket sizes in MiB (default: 64)")
+    p.add_argument("--receivers", type=int, default=3, help="receiver processes (default: 3)")
+    p.add_argument("--size-mb", type=float, default=1024, help="synthetic model size in MiB (default: 1024)")
+    p.add_argument("--shape", choices=("llm", "small-tensors"), default="llm",
+                   help="synthetic model: a Qwen2-like decoder, or only 256 KiB tensors (default: llm)")
+    p.add_argument("--dtype", default="bfloat16", help="synthetic model dtype (default: bfloat16)")
+    p.add_argument("--model", metavar="DIR", help="benchmark the *.safetensors weights of DIR instead")
+    p.add_argument("--repeats", type=int, default=3, help="timed syncs per row after one warm-up (default: 3)")
+    p.add_argument("--no-alternatives", dest="alternatives", action="store_false",
+                   help="measure only weightsync's backends (no per-tensor, disk or ceiling rows)")
+    p.add_argument("--work-dir", metavar="DIR", help="where the disk path writes (default: the temp dir)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="configuration key for weightsync's rows (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of a table")
+    p.add_argument("--plot", metavar="FILE.png", help="draw GB/s against bucket size per backend")
+
+
 def _add_config(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "config",
@@ -53,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engines do")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_demo(sub)
+    _add_bench(sub)
     _add_config(sub)
     return parser
 
@@ -95,12 +135,47 @@ def _demo_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from weightsync.bench import BenchError, BenchOptions, run_bench
+    from weightsync.bench.report import plot, table, to_json
+
+    opts = BenchOptions(
+        backends=args.backend, bucket_mb=args.bucket_mb, receivers=args.receivers, size_mb=args.size_mb,
+        shape=args.shape, dtype=args.dtype, model=args.model, repeats=args.repeats,
+        alternatives=args.alternatives, overrides=args.overrides, work_dir=args.work_dir,
+    )
+    err = Console(stderr=True)  # progress on stderr keeps --json output clean
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} syncs"),
+                      TimeElapsedColumn(), console=err, transient=True) as bar:
+            task = bar.add_task("starting", total=None)
+            rows = run_bench(opts, lambda label, done, total: bar.update(task, description=label, completed=done, total=total))
+    except (BenchError, ValueError, FileNotFoundError, ConfigError) as e:
+        err.print(f"bench FAILED: {e}", markup=False)
+        return 1
+    what = f"{args.model}" if args.model else f"synthetic {args.shape} {args.size_mb:g} MiB {args.dtype}"
+    title = f"{what}, {rows[0].tensors} tensors, 1 sender -> {args.receivers} receivers"
+    if args.json:
+        print(to_json(rows))
+    else:
+        Console(width=None if sys.stdout.isatty() else 160).print(table(rows, title))
+    if args.plot:
+        plot(rows, args.plot, title)
+        err.print(f"plot written to {args.plot}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "config":
         return _config_command(args)
+    if args.command == "bench":
+        return _bench_command(args)
     return _demo_command(args)
 
 

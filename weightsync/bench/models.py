@@ -1,0 +1,165 @@
+"""What the benchmark moves: synthetic LLM-shaped weights, or a safetensors directory.
+
+A benchmark model travels to worker processes as a list of tensor specs (no bytes), and
+each process builds its own tensors: the sender fills them, receivers allocate zeros.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import torch
+
+from weightsync.plan import TensorSpec, as_bytes, dtype_from_name, dtype_name
+
+SHAPES = ("llm", "small-tensors")
+SMALL_TENSOR_BYTES = 256 * 1024
+
+
+def llm_specs(total_bytes: int, dtype: str) -> list[TensorSpec]:
+    """A Qwen2-like decoder of about ``total_bytes``: untied embedding and head (the few
+    large tensors), and per layer 7 projections, 3 biases and 2 norms (many small ones)."""
+    elem = torch.empty(0, dtype=dtype_from_name(dtype)).element_size()
+    hidden = 1024 if total_bytes <= 3 << 30 else 4096
+    kv = hidden // 4  # grouped-query attention
+    inter = math.ceil(2.6875 * hidden / 64) * 64
+    vocab = 32768
+    per_layer = 2 * hidden * hidden + 2 * kv * hidden + 3 * inter * hidden + hidden + 2 * kv + 2 * hidden
+    fixed = 2 * vocab * hidden + hidden
+    layers = max(1, round((total_bytes / elem - fixed) / per_layer))
+
+    def spec(name: str, *shape: int) -> TensorSpec:
+        return TensorSpec(name, tuple(shape), dtype)
+
+    specs = [spec("model.embed_tokens.weight", vocab, hidden)]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        specs += [
+            spec(p + "self_attn.q_proj.weight", hidden, hidden),
+            spec(p + "self_attn.q_proj.bias", hidden),
+            spec(p + "self_attn.k_proj.weight", kv, hidden),
+            spec(p + "self_attn.k_proj.bias", kv),
+            spec(p + "self_attn.v_proj.weight", kv, hidden),
+            spec(p + "self_attn.v_proj.bias", kv),
+            spec(p + "self_attn.o_proj.weight", hidden, hidden),
+            spec(p + "mlp.gate_proj.weight", inter, hidden),
+            spec(p + "mlp.up_proj.weight", inter, hidden),
+            spec(p + "mlp.down_proj.weight", hidden, inter),
+            spec(p + "input_layernorm.weight", hidden),
+            spec(p + "post_attention_layernorm.weight", hidden),
+        ]
+    specs += [spec("model.norm.weight", hidden), spec("lm_head.weight", vocab, hidden)]
+    return specs
+
+
+def small_tensor_specs(total_bytes: int, dtype: str, tensor_bytes: int = SMALL_TENSOR_BYTES) -> list[TensorSpec]:
+    """``total_bytes`` in tensors of ``tensor_bytes`` each: the worst case for one call per tensor."""
+    elem = torch.empty(0, dtype=dtype_from_name(dtype)).element_size()
+    count = max(1, total_bytes // tensor_bytes)
+    return [TensorSpec(f"blocks.{i}.weight", (tensor_bytes // elem,), dtype) for i in range(count)]
+
+
+def synthetic_specs(shape: str, size_mb: float, dtype: str) -> list[TensorSpec]:
+    total = int(size_mb * (1 << 20))
+    if shape == "llm":
+        return llm_specs(total, dtype)
+    if shape == "small-tensors":
+        return small_tensor_specs(total, dtype)
+    raise ValueError(f"unknown model shape {shape!r}; choose one of {', '.join(SHAPES)}")
+
+
+def directory_specs(path: str | Path) -> list[TensorSpec]:
+    """Specs of every tensor in a directory's ``*.safetensors`` files (headers only)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files (the benchmark reads weights from safetensors)")
+    specs = []
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                t = f.get_slice(name)
+                specs.append(TensorSpec(name, tuple(t.get_shape()), dtype_name(_st_dtype(t.get_dtype()))))
+    return specs
+
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _st_dtype(name: str) -> torch.dtype:
+    try:
+        return _ST_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"safetensors dtype {name} is not supported by the benchmark") from None
+
+
+def zeros(specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
+    """The receivers' model: every tensor allocated and touched."""
+    return {s.name: torch.zeros(s.shape, dtype=s.torch_dtype) for s in specs}
+
+
+def filled(specs: list[TensorSpec], seed: int = 0) -> dict[str, torch.Tensor]:
+    """The trainer's model: arbitrary bytes (tiled from a random block: filling GBs with
+    real random numbers would take longer than the benchmark)."""
+    gen = torch.Generator().manual_seed(seed)
+    block = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=gen)
+    double = torch.cat([block, block])
+    state = zeros(specs)
+    for i, t in enumerate(state.values()):
+        raw = as_bytes(t)
+        shift = (i * 4099) % block.numel()  # neighbouring tensors differ
+        tile = double[shift : shift + block.numel()]
+        for start in range(0, raw.numel(), tile.numel()):
+            n = min(tile.numel(), raw.numel() - start)
+            raw[start : start + n].copy_(tile[:n])
+    return state
+
+
+def bump(state: dict[str, torch.Tensor], version: int) -> None:
+    """Change every tensor, cheaply: each version must differ from the last everywhere."""
+    for t in state.values():
+        raw = as_bytes(t)
+        if raw.numel():
+            raw[0] = version % 256
+            raw[-1] = (version * 7) % 256
+
+
+def digest(state: dict[str, torch.Tensor]) -> str:
+    """One hash over all names and bytes, to compare sender and receivers."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in state.items():
+        h.update(name.encode())
+        h.update(as_bytes(t).numpy().data)
+    return h.hexdigest()
+
+
+def module_of(state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module whose state dict is ``state`` (same tensors), so a receiver loads in place."""
+    root = torch.nn.Module()
+    for name, tensor in state.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            child = getattr(mod, part, None) if part in mod._modules else None
+            if child is None:
+                child = torch.nn.Module()
+                mod.add_module(part, child)
+            mod = child
+        mod.register_buffer(leaf, tensor)
+    return root
+
+
+def load_directory(path: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        state.update(load_file(file))
+    return state

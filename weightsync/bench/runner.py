@@ -1,0 +1,221 @@
+"""``weightsync bench``: weightsync's backends against what users would do instead.
+
+Rows, all from one run on one machine (compare ratios, not absolute times):
+
+- one per weightsync backend and bucket size (``Sender``/``Receiver`` as users call them);
+- ``per-tensor-broadcast``: one Gloo/NCCL broadcast per tensor, straight into the model;
+- ``safetensors-reload``: the trainer writes safetensors, every receiver loads them;
+- the transports' ceilings: ``broadcast-ceiling`` (one broadcast of all bytes as a single
+  buffer, the bound for ``nccl``) and ``memcpy-ceiling`` (one process copying the bytes
+  every receiver needs, the bound for ``shm``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync.bench import models
+from weightsync.bench.workers import Job, alternative, cleanup_disk, memcpy_ceiling, sync_receiver, sync_sender
+from weightsync.plan import TensorSpec
+
+ALTERNATIVES = ("per-tensor-broadcast", "safetensors-reload")
+#: the ceiling row that bounds each backend (backends not listed have none measured)
+CEILING_OF = {"nccl": "broadcast-ceiling", "shm": "memcpy-ceiling"}
+
+
+class BenchError(RuntimeError):
+    """A benchmark row failed; the message names the row and the process."""
+
+
+@dataclass
+class BenchOptions:
+    backends: list[str] = field(default_factory=lambda: ["nccl", "shm"])
+    bucket_mb: list[int] = field(default_factory=lambda: [64])
+    receivers: int = 3
+    size_mb: float = 1024
+    shape: str = "llm"
+    dtype: str = "bfloat16"
+    model: str | None = None
+    repeats: int = 3
+    alternatives: bool = True
+    overrides: list[str] = field(default_factory=list)
+    work_dir: str | None = None
+    timeout_s: float = 300.0
+
+
+@dataclass
+class Row:
+    """One measured row; ``to_dict`` is its ``--json`` form."""
+
+    backend: str
+    bucket_mb: int | None
+    receivers: int
+    bytes: int
+    tensors: int
+    seconds: float
+    sender_peak_rss_mb: float
+    receiver_peak_rss_mb: float | None
+    sender_overhead_mb: float
+    receiver_overhead_mb: float | None
+    repeats: list[float]
+    ratios: dict[str, float | None] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "bucket_mb": self.bucket_mb,
+            "receivers": self.receivers,
+            "bytes": self.bytes,
+            "tensors": self.tensors,
+            "seconds": round(self.seconds, 4),
+            "gbps": round(self.gbps, 3),
+            "sender_peak_rss_mb": self.sender_peak_rss_mb,
+            "receiver_peak_rss_mb": self.receiver_peak_rss_mb,
+            "sender_overhead_mb": self.sender_overhead_mb,
+            "receiver_overhead_mb": self.receiver_overhead_mb,
+            "repeats_s": [round(s, 4) for s in self.repeats],
+            **self.ratios,
+        }
+
+
+def _specs(opts: BenchOptions) -> list[TensorSpec]:
+    if opts.model:
+        return models.directory_specs(opts.model)
+    return models.synthetic_specs(opts.shape, opts.size_mb, opts.dtype)
+
+
+def plan_rows(opts: BenchOptions) -> list[tuple[str, int | None]]:
+    """(kind, bucket MiB) of every row, alternatives first so ratios can be computed."""
+    rows: list[tuple[str, int | None]] = []
+    if opts.alternatives:
+        rows += [(alt, None) for alt in ALTERNATIVES]
+        rows += [(CEILING_OF[b], None) for b in dict.fromkeys(opts.backends) if b in CEILING_OF]
+    rows += [(b, mb) for b in opts.backends for mb in opts.bucket_mb]
+    return rows
+
+
+def run_bench(opts: BenchOptions, progress: Callable[[str, int, int], None] | None = None) -> list[Row]:
+    """Run every row; ``progress(description, done, total)`` is called as repetitions finish."""
+    if opts.receivers < 1 or opts.repeats < 1:
+        raise ValueError("--receivers and --repeats must be at least 1")
+    for backend in opts.backends:
+        if backend == "naive":
+            raise ValueError("backend 'naive' hands tensors over inside one process: there is no transport to bench")
+    specs = _specs(opts)
+    planned = plan_rows(opts)
+    total_ticks = len(planned) * opts.repeats
+    done = 0
+    rows: list[Row] = []
+    for kind, mb in planned:
+        label = f"{kind}" + (f" {mb} MiB buckets" if mb else "")
+        overrides = [f"update_weights_bucket_megabytes={mb}", f"timeout_s={opts.timeout_s}", *opts.overrides] if mb else []
+        job = Job(kind, specs, opts.receivers, opts.repeats, overrides, opts.model, opts.work_dir, opts.timeout_s)
+
+        def tick(n: int, label: str = label) -> None:
+            nonlocal done
+            done += 1
+            if progress is not None:
+                progress(label, done, total_ticks)
+
+        if progress is not None:
+            progress(label, done, total_ticks)
+        rows.append(_run_row(job, mb, tick))
+    _add_ratios(rows)
+    return rows
+
+
+def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None]) -> Row:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs: list[mp.process.BaseProcess] = []
+    results: dict[int, dict[str, Any]] = {}
+    expected = 1 if job.kind == "memcpy-ceiling" else job.receivers + 1
+
+    def spawn(target, *args) -> None:
+        p = ctx.Process(target=target, args=(*args,), daemon=True)
+        p.start()
+        procs.append(p)
+
+    collective = job.kind in (*ALTERNATIVES, "broadcast-ceiling")  # our own Gloo group
+    if job.kind == "memcpy-ceiling":
+        spawn(memcpy_ceiling, job, q)
+    elif collective:
+        spawn(alternative, job, 0, None, q)
+    else:
+        spawn(sync_sender, job, q)
+    deadline = time.monotonic() + job.timeout_s * (job.repeats + 2)
+    try:
+        while len(results) < expected:
+            try:
+                kind, rank, payload = q.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise BenchError(f"{job.kind}: a process died (exit code {dead[0].exitcode})") from None
+                if time.monotonic() > deadline:
+                    raise BenchError(f"{job.kind}: no result within {job.timeout_s * (job.repeats + 2):.0f} s") from None
+                continue
+            if kind == "ready" and rank == 0 and job.kind != "memcpy-ceiling":
+                for r in range(job.receivers):  # peers join once rank 0 listens
+                    if collective:
+                        spawn(alternative, job, r + 1, payload, q)
+                    else:
+                        spawn(sync_receiver, job, payload, r, q)
+            elif kind == "tick":
+                tick(payload)
+            elif kind == "result":
+                results[rank] = payload
+            elif kind == "error":
+                raise BenchError(f"{job.kind}{f' ({bucket_mb} MiB buckets)' if bucket_mb else ''}: process {rank} failed: {payload}")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():  # only the processes this row started
+                p.kill()
+                p.join(timeout=5)
+        if job.kind == "safetensors-reload":
+            cleanup_disk(job, os.getpid())
+    digests = {r: res["digest"] for r, res in results.items() if "digest" in res}
+    if len(set(digests.values())) > 1:
+        raise BenchError(f"{job.kind}: receivers do not hold the sender's bytes: {digests}")
+    sender = results[0]
+    receivers = [results[r] for r in results if r != 0]
+    return Row(
+        backend=job.kind,
+        bucket_mb=bucket_mb,
+        receivers=job.receivers,
+        bytes=sum(s.nbytes for s in job.specs),
+        tensors=len(job.specs),
+        seconds=statistics.median(sender["seconds"]),
+        sender_peak_rss_mb=sender["peak_rss_mb"],
+        receiver_peak_rss_mb=max((r["peak_rss_mb"] for r in receivers), default=None),
+        sender_overhead_mb=sender["overhead_mb"],
+        receiver_overhead_mb=max((r["overhead_mb"] for r in receivers), default=None),
+        repeats=sender["seconds"],
+    )
+
+
+def _add_ratios(rows: list[Row]) -> None:
+    by_kind = {r.backend: r for r in rows if r.bucket_mb is None}
+    for row in rows:
+        if row.bucket_mb is None:
+            continue
+        ceiling = by_kind.get(CEILING_OF.get(row.backend, ""))
+        per_tensor = by_kind.get("per-tensor-broadcast")
+        disk = by_kind.get("safetensors-reload")
+        row.ratios = {
+            "ratio_to_ceiling": round(ceiling.seconds / row.seconds, 3) if ceiling else None,
+            "speedup_vs_per_tensor": round(per_tensor.seconds / row.seconds, 2) if per_tensor else None,
+            "speedup_vs_disk": round(disk.seconds / row.seconds, 2) if disk else None,
+        }

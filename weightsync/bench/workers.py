@@ -1,0 +1,226 @@
+"""Process bodies of the benchmark (importable under ``spawn``).
+
+Every row runs in fresh processes, so each one's peak RSS belongs to that row alone. Each
+body reports on a queue: ``("ready", rank, info)`` when peers may join, ``("tick", rank, n)``
+after each timed repetition, and finally ``("result", rank, dict)`` or ``("error", rank, text)``.
+The timed part of a repetition starts when every process is set up and ends when every
+receiver holds the whole version.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightsync import platform
+from weightsync.bench import models
+from weightsync.config import EngineConfig
+from weightsync.plan import TensorSpec
+
+
+@dataclass
+class Job:
+    """What one row's processes need to know."""
+
+    kind: str  # a weightsync backend, or an alternative ("per-tensor-broadcast", ...)
+    specs: list[TensorSpec]
+    receivers: int
+    repeats: int  # timed repetitions, after one untimed warm-up
+    overrides: list[str] = field(default_factory=list)
+    model_dir: str | None = None
+    work_dir: str | None = None
+    timeout_s: float = 300.0
+
+    def sender_state(self) -> dict[str, torch.Tensor]:
+        return models.load_directory(self.model_dir) if self.model_dir else models.filled(self.specs)
+
+    @property
+    def versions(self) -> range:
+        return range(1, self.repeats + 2)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _memory(baseline_mb: float) -> dict[str, float]:
+    peak = _peak_rss_mb()
+    return {"peak_rss_mb": round(peak, 1), "overhead_mb": round(peak - baseline_mb, 1)}
+
+
+def _guard(queue, rank: int, body) -> None:
+    torch.set_num_threads(1)  # N+1 processes share this host's cores
+    try:
+        queue.put(("result", rank, body()))
+    except BaseException as e:  # the runner reports it and stops the row
+        queue.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"))
+
+
+# ---------------------------------------------------------------------------- weightsync
+def sync_sender(job: Job, queue) -> None:
+    from weightsync import Sender
+
+    def body() -> dict[str, Any]:
+        state = job.sender_state()
+        baseline = _rss_mb()
+        config = EngineConfig.from_overrides([f"backend={job.kind}", *job.overrides])
+        seconds = []
+        with Sender(config, "127.0.0.1:0", job.receivers) as sender:
+            queue.put(("ready", 0, sender.address))
+            for v in job.versions:
+                models.bump(state, v)
+                stats = sender.send(state, version=v)
+                if v > 1:  # the first sync also sets up groups and touches buffers
+                    seconds.append(stats.seconds)
+                    queue.put(("tick", 0, v))
+            return {"seconds": seconds, "digest": models.digest(state), "buckets": stats.buckets, **_memory(baseline)}
+
+    _guard(queue, 0, body)
+
+
+def sync_receiver(job: Job, address: str, rank: int, queue) -> None:
+    from weightsync import Receiver
+
+    def body() -> dict[str, Any]:
+        state = models.zeros(job.specs)
+        module = models.module_of(state)
+        baseline = _rss_mb()
+        config = EngineConfig.from_overrides([f"backend={job.kind}", *job.overrides])
+        with Receiver(config, address, rank) as receiver:
+            for v in job.versions:
+                receiver.load_into(module, version=v)
+        return {"digest": models.digest(state), **_memory(baseline)}
+
+    _guard(queue, rank + 1, body)
+
+
+# ---------------------------------------------------------------------------- alternatives
+def _group(rank: int, world: int, queue, port: int | None, timeout_s: float) -> dist.ProcessGroup:
+    """A Gloo group over a store on loopback: rank 0 hosts it and announces its port."""
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=_td(timeout_s), wait_for_workers=False)
+        queue.put(("ready", 0, store.port))
+    else:
+        store = dist.TCPStore("127.0.0.1", port, world, False, timeout=_td(timeout_s))
+    return platform.new_process_group("gloo", store, rank, world, timeout_s, bind_host="127.0.0.1")
+
+
+def _td(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
+
+
+def _barrier(group: dist.ProcessGroup) -> None:
+    group.allreduce([torch.zeros(1)]).wait()
+
+
+def alternative(job: Job, rank: int, port: int | None, queue) -> None:
+    """One process of an alternative path; rank 0 is the trainer."""
+
+    def body() -> dict[str, Any]:
+        sender = rank == 0
+        state = job.sender_state() if sender else models.zeros(job.specs)
+        total = sum(s.nbytes for s in job.specs)
+        flat = None
+        if job.kind == "broadcast-ceiling":  # the same bytes as one buffer: the transport's best
+            flat = torch.zeros(total, dtype=torch.uint8)
+        baseline = _rss_mb()
+        group = _group(rank, job.receivers + 1, queue, port, job.timeout_s)
+        seconds = []
+        for v in job.versions:
+            if sender:
+                models.bump(state, v)
+            _barrier(group)
+            t0 = time.perf_counter()
+            if job.kind == "per-tensor-broadcast":
+                for t in state.values():  # what many RL frameworks do: one call per tensor
+                    group.broadcast(t, 0).wait()
+            elif job.kind == "broadcast-ceiling":
+                group.broadcast(flat, 0).wait()
+            elif job.kind == "safetensors-reload":
+                _disk_round(job, state, v, sender, group)
+            else:
+                raise ValueError(f"unknown alternative {job.kind!r}")
+            _barrier(group)
+            if v > 1:
+                seconds.append(time.perf_counter() - t0)
+                if sender:
+                    queue.put(("tick", 0, v))
+        out: dict[str, Any] = {"seconds": seconds, **_memory(baseline)}
+        if job.kind != "broadcast-ceiling":
+            out["digest"] = models.digest(state)
+        return out
+
+    _guard(queue, rank, body)
+
+
+def _disk_round(job: Job, state: dict[str, torch.Tensor], version: int, sender: bool, group) -> None:
+    """The reload-from-disk path: the trainer saves safetensors (published by rename),
+    every receiver reads them and copies into its model."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    directory = Path(job.work_dir or tempfile.gettempdir())
+    path = directory / f"weightsync-bench-{os.getppid()}-v{version}.safetensors"
+    if sender:
+        tmp = path.with_suffix(".tmp")
+        save_file(state, str(tmp))
+        os.replace(tmp, path)  # readers never see a partial file
+        _remove_stale(directory, version)
+    _barrier(group)
+    if not sender:
+        with safe_open(str(path), framework="pt") as f:
+            for name, t in state.items():
+                t.copy_(f.get_tensor(name))
+
+
+def _remove_stale(directory: Path, version: int) -> None:
+    old = directory / f"weightsync-bench-{os.getppid()}-v{version - 1}.safetensors"
+    old.unlink(missing_ok=True)
+
+
+def cleanup_disk(job: Job, parent_pid: int) -> None:
+    for path in Path(job.work_dir or tempfile.gettempdir()).glob(f"weightsync-bench-{parent_pid}-v*"):
+        path.unlink(missing_ok=True)
+
+
+def memcpy_ceiling(job: Job, queue) -> None:
+    """One process copying the bytes every receiver needs (receivers x model bytes): the
+    reading work a shared-memory sync cannot avoid, at single-process memcpy speed."""
+
+    def body() -> dict[str, Any]:
+        torch.set_num_threads(os.cpu_count() or 1)  # a single process may use every core
+        total = sum(s.nbytes for s in job.specs)
+        src = torch.ones(total, dtype=torch.uint8)
+        dst = torch.zeros(total, dtype=torch.uint8)
+        baseline = _rss_mb()
+        queue.put(("ready", 0, None))
+        seconds = []
+        for v in job.versions:
+            t0 = time.perf_counter()
+            for _ in range(job.receivers):
+                dst.copy_(src)
+            if v > 1:
+                seconds.append(time.perf_counter() - t0)
+                queue.put(("tick", 0, v))
+        return {"seconds": seconds, **_memory(baseline)}
+
+    try:
+        queue.put(("result", 0, body()))
+    except BaseException as e:
+        queue.put(("error", 0, f"{type(e).__name__}: {e}"))
