@@ -15,6 +15,7 @@ from weightsync.plan import (
     PlanBuilder,
     TensorSpec,
     as_bytes,
+    direct_bytes,
     dtype_name,
     make_plan,
     pack_pieces,
@@ -130,7 +131,7 @@ def test_plan_serializes_without_pickle_and_hash_is_stable():
     assert make_plan(specs, 192).hash != plan.hash
     assert make_plan(specs[::-1], 128).hash != plan.hash
     # Fixed value: a change to the layout rule must bump PLAN_FORMAT, not silently change this.
-    assert plan.hash == "e2ca91fc617b931575a109e195a7b8a63b8f0e2fdd3a4866f6c97715ff85ae10"
+    assert plan.hash == "98cdb6375d659f5bb0485015ee4b48b69f424e40e90497cc99dcd071f6d2c33a"
 
 
 def test_streaming_builder_matches_whole_plan():
@@ -147,3 +148,23 @@ def test_bad_specs_are_rejected_with_the_tensor_name():
         TensorSpec("w", (-1,), "float32")
     with pytest.raises(ValueError, match="'x' appears twice"):
         make_plan([TensorSpec("x", (1,), "int8"), TensorSpec("x", (1,), "int8")], 64)
+
+
+def test_large_tensors_travel_alone_and_small_ones_stay_packed():
+    mib = 1 << 20
+    specs = [
+        TensorSpec("norm0", (256,), "float32"),
+        TensorSpec("big", (3 * mib // 4 + 10,), "float32"),  # 3 MiB + 40 bytes: two 2 MiB buckets
+        TensorSpec("norm1", (256,), "float32"),
+        TensorSpec("mid", (mib // 4,), "float32"),  # exactly 1 MiB: the direct threshold
+    ]
+    plan = make_plan(specs, 2 * mib)
+    assert direct_bytes(2 * mib) == mib
+    alone = [b for b in plan.buckets if any(plan.tensors[p.tensor].name in ("big", "mid") for p in b.pieces)]
+    # Every bucket of a large tensor holds one range of it, at offset 0, nothing else.
+    assert all(len(b.pieces) == 1 and b.pieces[0].bucket_offset == 0 for b in alone)
+    assert [b.nbytes for b in alone] == [2 * mib, mib + 40, mib]
+    # The small ones share one bucket, which stayed open while the large ones passed.
+    packed = [b for b in plan.buckets if b not in alone]
+    assert len(packed) == 1 and [plan.tensors[p.tensor].name for p in packed[0].pieces] == ["norm0", "norm1"]
+    assert [b.index for b in plan.buckets] == list(range(len(plan.buckets)))

@@ -500,7 +500,7 @@ class Receiver:
         specs: list[TensorSpec] = list(plan.tensors) if plan is not None else []
         next_bucket = self._plan_reader(plan) if plan is not None else self._stream_reader(ch, specs, deadline)
         assembler = Assembler(specs, self.device, sink.destination if sink is not None else None)
-        buckets = self._engine.recv_buckets(next_bucket)
+        buckets = self._engine.recv_buckets(next_bucket, assembler.landing if sink is not None else None)
         consumer_error: BaseException | None = None
         ok = False
         t0 = time.perf_counter()

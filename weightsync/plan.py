@@ -5,10 +5,15 @@ tensor specs and bucket size, so once the plan is agreed (by its hash) no per-bu
 metadata has to travel. A tensor larger than a bucket is split into byte-range pieces over
 consecutive buckets and merged on the receiver.
 
-Layout rule, fixed by ``PLAN_FORMAT``: tensors are placed in the order given; each piece
-starts at a multiple of ``ALIGNMENT`` inside its bucket (so a receiver can view bucket bytes
-as any dtype); a tensor that does not fit in the space left starts a new bucket if it fits
-in a whole one, and is otherwise split, its first piece filling the space left.
+Layout rule, fixed by ``PLAN_FORMAT``: tensors are placed in the order given. A large
+tensor (at least ``direct_bytes(bucket_bytes)``) travels alone, in buckets of its own that
+hold nothing else: such a bucket is one range of one tensor, so the sender sends it from
+the tensor's memory and a receiver lands it straight in its model's parameter (no packing
+on either side). Small tensors are packed: each piece starts at a multiple of
+``ALIGNMENT`` inside its bucket (so a receiver can view bucket bytes as any dtype); a
+tensor that does not fit in the space left starts a new bucket if it fits in a whole one,
+and is otherwise split, its first piece filling the space left. Buckets are numbered in
+the order they close: a packed bucket stays open while large tensors pass it.
 """
 
 from __future__ import annotations
@@ -23,8 +28,16 @@ from typing import Any
 
 import torch
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2
 ALIGNMENT = 64  # bytes; a multiple of every dtype's size, and a cache line
+DIRECT_MIN_BYTES = 1 << 20
+
+
+def direct_bytes(bucket_bytes: int) -> int:
+    """Tensors this large travel alone, unpacked. Packing costs a copy on the sender and
+    on every receiver; a bucket of its own costs one more transfer call. From 1 MiB (or
+    1/64 of a bucket) up, the saved copies outweigh the call."""
+    return max(DIRECT_MIN_BYTES, bucket_bytes // 64)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -132,6 +145,7 @@ class PlanBuilder:
         if bucket_bytes < ALIGNMENT:
             raise ValueError(f"bucket size must be at least {ALIGNMENT} bytes, got {bucket_bytes}")
         self.bucket_bytes = bucket_bytes
+        self.direct_bytes = direct_bytes(bucket_bytes)
         self.specs: list[TensorSpec] = []
         self._pieces: list[Piece] = []
         self._used = 0
@@ -161,6 +175,12 @@ class PlanBuilder:
         self.specs.append(spec)
         n = spec.nbytes
         closed: list[Bucket] = []
+        if n >= self.direct_bytes:  # alone, in whole buckets; the packed bucket stays open
+            for offset in range(0, n, self.bucket_bytes):
+                length = min(self.bucket_bytes, n - offset)
+                closed.append(Bucket(self._next_index, length, (Piece(index, offset, length, 0),)))
+                self._next_index += 1
+            return closed
         if n == 0 or n <= self._space_left():
             self._put(index, 0, n)
             return closed
@@ -275,6 +295,26 @@ class Assembler:
         self.destination = destination
         self._partial: dict[int, torch.Tensor] = {}
 
+    def landing(self, bucket: Bucket) -> torch.Tensor | None:
+        """Where the transport may write a bucket that is one range of one tensor: that
+        range of the tensor's destination (the model's own parameter), or None."""
+        if self.destination is None or len(bucket.pieces) != 1:
+            return None
+        p = bucket.pieces[0]
+        if p.bucket_offset != 0 or not p.length:
+            return None
+        target = self._target(p.tensor)
+        return None if target is None else as_bytes(target)[p.tensor_offset : p.tensor_offset + p.length]
+
+    def _target(self, index: int) -> torch.Tensor | None:
+        if index in self._partial:
+            return self._partial[index]
+        spec = self.tensors[index]
+        target = self.destination(spec) if self.destination is not None else None
+        if target is None or not target.is_contiguous() or target.numel() * target.element_size() != spec.nbytes:
+            return None
+        return target
+
     def unpack(self, bucket: Bucket, buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         for p in bucket.pieces:
             spec = self.tensors[p.tensor]
@@ -288,13 +328,14 @@ class Assembler:
                 continue
             full = self._partial.get(p.tensor)
             if full is None:
-                full = self.destination(spec) if self.destination is not None else None
+                full = self._target(p.tensor)
                 if full is None:
                     full = torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.device)
                 self._partial[p.tensor] = full
-            as_bytes(full)[p.tensor_offset : p.tensor_offset + p.length].copy_(
-                buffer[p.bucket_offset : p.bucket_offset + p.length]
-            )
+            dst = as_bytes(full)[p.tensor_offset : p.tensor_offset + p.length]
+            src = buffer[p.bucket_offset : p.bucket_offset + p.length]
+            if dst.data_ptr() != src.data_ptr() or dst.device != src.device:  # else it landed in place
+                dst.copy_(src)
             if p.tensor_offset + p.length == spec.nbytes:
                 yield spec.name, self._partial.pop(p.tensor)
 

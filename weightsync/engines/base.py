@@ -27,6 +27,9 @@ from weightsync.plan import Bucket
 Producer = Callable[[torch.Tensor], "tuple[Bucket, torch.Tensor] | None"]
 # Returns the description of the next bucket to receive, or None when the sync is complete.
 NextBucket = Callable[[], "Bucket | None"]
+# Given a bucket, returns memory the bucket's bytes may be written to directly (a range of
+# the model's own parameter), or None to receive it into a transfer buffer.
+Landing = Callable[[Bucket], "torch.Tensor | None"]
 
 
 class EngineUnavailable(RuntimeError):
@@ -68,9 +71,13 @@ class Engine(ABC):
         the wire (so buffers and source tensors may be reused)."""
 
     @abstractmethod
-    def recv_buckets(self, next_bucket: NextBucket) -> Iterator[tuple[Bucket, torch.Tensor]]:
+    def recv_buckets(
+        self, next_bucket: NextBucket, landing: Landing | None = None
+    ) -> Iterator[tuple[Bucket, torch.Tensor]]:
         """Receiver: yield each bucket with a uint8 buffer holding its bytes. The buffer is
-        valid until the next item is requested."""
+        valid until the next item is requested. An engine that can write bytes anywhere
+        may receive a bucket straight into ``landing(bucket)`` (then yielded as the buffer);
+        others ignore it."""
 
     def finish(self, ok: bool) -> None:
         """End of one sync on this rank. ``ok`` is False when the transfer itself failed

@@ -27,7 +27,7 @@ class NaiveEngine(Engine):
     def send_buckets(self, produce):  # pragma: no cover - colocated engines move no buckets
         raise NotImplementedError("the naive engine hands tensors over in process, not in buckets")
 
-    def recv_buckets(self, next_bucket):  # pragma: no cover
+    def recv_buckets(self, next_bucket, landing=None):  # pragma: no cover
         raise NotImplementedError("the naive engine hands tensors over in process, not in buckets")
 
     @staticmethod

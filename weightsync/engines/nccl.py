@@ -4,7 +4,8 @@ Served by NCCL on CUDA, HCCL on Ascend and Gloo on CPU (``platform.collective_ba
 The group is our own, built from a TCP store hosted by the sender; the caller's default
 process group is never touched. Double-buffered: two bucket buffers per rank, so the
 sender fills bucket k+1 while bucket k is on the wire, and a receiver hands out bucket k
-while bucket k+1 arrives.
+while bucket k+1 arrives. Buckets that are one range of one tensor need no buffer: they
+are broadcast from the trainer's tensor into the receiver's parameter, several in flight.
 """
 
 from __future__ import annotations
@@ -19,10 +20,14 @@ import torch
 import torch.distributed as dist
 
 from weightsync import platform
-from weightsync.engines.base import Engine, NextBucket, Producer
+from weightsync.engines.base import Engine, Landing, NextBucket, Producer
 from weightsync.plan import Bucket
 
 log = logging.getLogger("weightsync.engines.nccl")
+
+# Broadcasts queued at once. Buckets sent from (or landing in) the model's own tensors need
+# no buffer, so more than two can be in flight, hiding each call's latency.
+WINDOW = 8
 
 
 class CollectiveEngine(Engine):
@@ -105,27 +110,30 @@ class CollectiveEngine(Engine):
     def send_buckets(self, produce: Producer) -> int:
         assert self._group is not None, "connect() first"
         bufs = self._bufs()
-        in_flight: list[dist.Work | None] = [None, None]
+        # Broadcasts in flight, oldest first, with the buffer slot each one reads (None: it
+        # reads the source tensor itself, which stays valid until the sync ends).
+        in_flight: deque[tuple[dist.Work, int | None]] = deque()
+        slot = 0
         sent = 0
-        k = 0
+        buckets = 0
         try:
             while True:
-                slot = k % 2
-                if in_flight[slot] is not None:
-                    in_flight[slot].wait()  # never refill a buffer still on the wire
-                    in_flight[slot] = None
+                # Never refill a buffer still on the wire; keep at most WINDOW calls queued.
+                while in_flight and (len(in_flight) >= WINDOW or any(s == slot for _, s in in_flight)):
+                    in_flight.popleft()[0].wait()
                 produced = produce(bufs[slot])
                 if produced is None:
                     break
                 bucket, payload = produced
+                packed = payload.data_ptr() == bufs[slot].data_ptr()
                 if bucket.nbytes:
-                    in_flight[slot] = self._group.broadcast(payload, 0)
+                    in_flight.append((self._group.broadcast(payload, 0), slot if packed else None))
+                if packed:
+                    slot = (slot + 1) % 2
                 sent += bucket.nbytes
-                k += 1
-            for slot in (k % 2, (k + 1) % 2):  # oldest first
-                if in_flight[slot] is not None:
-                    in_flight[slot].wait()
-                    in_flight[slot] = None
+                buckets += 1
+            while in_flight:
+                in_flight.popleft()[0].wait()
         except BaseException:
             # Let go of the failed group now (our works hold it, and the traceback holds
             # this frame): its sockets close and receivers waiting on them fail at once
@@ -136,33 +144,45 @@ class CollectiveEngine(Engine):
         platform.synchronize(self.device)
         return sent
 
-    def recv_buckets(self, next_bucket: NextBucket) -> Iterator[tuple[Bucket, torch.Tensor]]:
+    def recv_buckets(self, next_bucket: NextBucket, landing: Landing | None = None) -> Iterator[tuple[Bucket, torch.Tensor]]:
         assert self._group is not None, "connect() first"
         bufs = self._bufs()
-        posted: deque[tuple[Bucket, int, dist.Work | None]] = deque()
-        count = 0
+        free = [0, 1]  # buffer slots not holding a posted or handed-out bucket
+        posted: deque[tuple[Bucket, int | None, torch.Tensor, dist.Work | None]] = deque()
+        pending: Bucket | None = None
+        ended = False
 
-        def post() -> bool:
-            nonlocal count
-            bucket = next_bucket()
-            if bucket is None:
-                return False
-            slot = count % 2
-            view = bufs[slot][: bucket.nbytes]
-            work = self._group.broadcast(view, 0) if bucket.nbytes else None
-            posted.append((bucket, slot, work))
-            count += 1
-            return True
+        def post_ahead() -> None:
+            # Post receives in bucket order (the sender broadcasts in that order), up to
+            # WINDOW ahead; a bucket that needs a buffer waits for a free slot.
+            nonlocal pending, ended
+            while not ended and len(posted) < WINDOW:
+                if pending is None:
+                    pending = next_bucket()
+                    if pending is None:
+                        ended = True
+                        return
+                target = landing(pending) if landing is not None else None
+                slot = None
+                if target is None:
+                    if not free:
+                        return
+                    slot = free.pop(0)
+                    target = bufs[slot][: pending.nbytes]
+                work = self._group.broadcast(target, 0) if pending.nbytes else None
+                posted.append((pending, slot, target, work))
+                pending = None
 
-        more = post() and post()
+        post_ahead()
         while posted:
-            bucket, slot, work = posted.popleft()
+            bucket, slot, target, work = posted.popleft()
             if work is not None:
                 work.wait()
-            yield bucket, bufs[slot][: bucket.nbytes]
-            # The consumer asked for more: its views of this slot are released.
-            if more:
-                more = post()
+            yield bucket, target
+            # The consumer asked for more: its views of this bucket are released.
+            if slot is not None:
+                free.append(slot)
+            post_ahead()
         platform.synchronize(self.device)
 
     def reset(self) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from weightsync import platform
-from weightsync.engines.base import Engine, NextBucket, Producer
+from weightsync.engines.base import Engine, Landing, NextBucket, Producer
 from weightsync.plan import Bucket
 
 log = logging.getLogger("weightsync.engines.shm")
@@ -271,7 +271,8 @@ class ShmEngine(Engine):
             raise
         return sent
 
-    def recv_buckets(self, next_bucket: NextBucket) -> Iterator[tuple[Bucket, torch.Tensor]]:
+    def recv_buckets(self, next_bucket: NextBucket, landing: Landing | None = None) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        # ``landing`` is not used: the bytes are already in memory every receiver reads.
         assert self._peers, "connect() first"
         sender = self._peers[0]
         k = 0
