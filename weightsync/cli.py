@@ -154,7 +154,7 @@ def _bench_command(args: argparse.Namespace) -> int:
             task = bar.add_task("starting", total=None)
             rows = run_bench(opts, lambda label, done, total: bar.update(task, description=label, completed=done, total=total))
     except (BenchError, ValueError, FileNotFoundError, ConfigError) as e:
-        err.print(f"bench FAILED: {e}", markup=False)
+        print(f"bench FAILED: {e}", file=sys.stderr)
         return 1
     what = f"{args.model}" if args.model else f"synthetic {args.shape} {args.size_mb:g} MiB {args.dtype}"
     title = f"{what}, {rows[0].tensors} tensors, 1 sender -> {args.receivers} receivers"

@@ -1,0 +1,53 @@
+"""`weightsync bench` end to end: every row measured for real, bytes checked, JSON and plot."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from weightsync.bench import models
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+SYNC_KEYS = {"backend", "bucket_mb", "receivers", "bytes", "seconds", "gbps", "sender_peak_rss_mb", "receiver_peak_rss_mb"}
+RATIO_KEYS = {"ratio_to_ceiling", "speedup_vs_per_tensor", "speedup_vs_disk"}
+
+
+def bench(*args):
+    return subprocess.run([sys.executable, "-m", "weightsync.cli", "bench", *args],
+                          capture_output=True, text=True, timeout=380, check=False)
+
+
+def test_bench_json_has_every_row_with_ratios_and_a_plot(tmp_path):
+    plot = tmp_path / "bench.png"
+    out = bench("--size-mb", "24", "--receivers", "2", "--repeats", "1", "--bucket-mb", "4,16",
+                "--work-dir", str(tmp_path), "--json", "--plot", str(plot))
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    kinds = [(r["backend"], r["bucket_mb"]) for r in rows]
+    assert kinds == [("per-tensor-broadcast", None), ("safetensors-reload", None), ("broadcast-ceiling", None),
+                     ("memcpy-ceiling", None), ("nccl", 4), ("nccl", 16), ("shm", 4), ("shm", 16)]
+    expected_bytes = sum(s.nbytes for s in models.synthetic_specs("llm", 24, "bfloat16"))
+    for r in rows:
+        assert SYNC_KEYS <= set(r) and r["bytes"] == expected_bytes and r["receivers"] == 2
+        assert r["seconds"] > 0 and r["gbps"] > 0
+        if r["bucket_mb"] is not None:  # weightsync's own rows carry the ratios
+            assert RATIO_KEYS <= set(r) and all(r[k] > 0 for k in RATIO_KEYS)
+    assert plot.stat().st_size > 10_000
+    assert list(tmp_path.glob("weightsync-bench-*")) == []  # the disk path cleaned up
+
+
+def test_bench_reads_a_model_directory_and_explains_a_bad_one(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.randn(300, 500), "b": torch.zeros(7, dtype=torch.int64)}, str(tmp_path / "model.safetensors"))
+    out = bench("--model", str(tmp_path), "--receivers", "1", "--repeats", "1", "--bucket-mb", "1",
+                "--backend", "shm", "--no-alternatives")
+    assert out.returncode == 0, out.stderr
+    assert "shm" in out.stdout and "2 tensors" in out.stdout
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = bench("--model", str(empty), "--backend", "shm")
+    assert out.returncode == 1 and "no *.safetensors files" in out.stderr
