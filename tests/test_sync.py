@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -140,17 +141,17 @@ def test_two_trainer_ranks_only_rank_zero_sends():
 
 
 def test_receiver_that_never_connects_times_out_naming_it():
-    q = CTX.Queue()
     overrides = ["backend=nccl", "update_weights_bucket_megabytes=1", "timeout_s=3"]
-    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
-        procs = [start(workers.run_receiver, sender.address, 0, overrides, [1], q)]
-        try:
-            t0 = time.monotonic()
-            with pytest.raises(SyncTimeout, match=r"receiver rank\(s\) \[1\] never connected .* within 3.0 s \(1 of 2 connected\)"):
-                sender.send(workers.make_weights(1), version=1)
-            assert time.monotonic() - t0 < 10
-        finally:
-            stop(procs)
+    config = EngineConfig.from_overrides(overrides)
+    with Sender(config, "127.0.0.1:0", 2) as sender, Receiver(config, sender.address, 0) as present:
+        joiner = threading.Thread(target=present.connect, daemon=True)  # rank 0 joins, rank 1 never does
+        joiner.start()
+        t0 = time.monotonic()
+        with pytest.raises(SyncTimeout, match=r"receiver rank\(s\) \[1\] never connected .* within 3.0 s \(1 of 2 connected\)") as info:
+            sender.send(workers.make_weights(1), version=1)
+        assert info.value.ranks == [1]
+        assert time.monotonic() - t0 < 10
+        joiner.join(timeout=5)
 
 
 def test_sender_that_never_appears_times_out():

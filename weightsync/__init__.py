@@ -10,7 +10,16 @@ from weightsync.endpoints import Receiver, Sender
 from weightsync.engines import EngineUnavailable, register_engine
 from weightsync.engines.base import Engine
 from weightsync.plan import Plan, TensorSpec, make_plan
-from weightsync.session import HandshakeError, PeerLost, RemoteFailure, SyncError, SyncStats, SyncTimeout
+from weightsync.session import (
+    HandshakeError,
+    PeerLost,
+    ProtocolError,
+    RemoteFailure,
+    SyncError,
+    SyncStats,
+    SyncTimeout,
+    VerificationError,
+)
 from weightsync.sinks import ModuleSink, SinkError
 from weightsync.sources import WeightSource, as_source
 
@@ -25,6 +34,7 @@ __all__ = [
     "ModuleSink",
     "PeerLost",
     "Plan",
+    "ProtocolError",
     "Receiver",
     "RemoteFailure",
     "Sender",
@@ -33,6 +43,7 @@ __all__ = [
     "SyncStats",
     "SyncTimeout",
     "TensorSpec",
+    "VerificationError",
     "WeightSource",
     "as_source",
     "make_plan",

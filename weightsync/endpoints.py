@@ -28,13 +28,16 @@ from weightsync.session import (
     ControlServer,
     Deadline,
     HandshakeError,
+    ProtocolError,
     RemoteFailure,
     SyncError,
     SyncStats,
+    VerificationError,
     connect,
 )
 from weightsync.sinks import ModuleSink
 from weightsync.sources import WeightSource, as_source
+from weightsync.verify import checksum_fn
 
 log = logging.getLogger("weightsync")
 
@@ -151,7 +154,8 @@ class Sender:
         config: engine configuration (backend, bucket size, timeout, ...).
         address: ``host:port`` the sender listens on (rank 0); port 0 picks a free port,
             readable afterwards from ``sender.address``.
-        num_receivers: how many receivers take part in every sync.
+        num_receivers: how many receivers take part in every sync (ranks ``0 ..
+            num_receivers-1``; ``remove_receiver`` / ``add_receiver`` change the set).
         rank: this trainer's rank; over a transport only rank 0 sends and other ranks
             drain their source; with the colocated ``naive`` backend every rank hands its
             tensors to the receivers in its own process (default: the rank in the default
@@ -174,7 +178,7 @@ class Sender:
         if num_receivers < 1:
             raise ValueError(f"num_receivers={num_receivers}: need at least one receiver")
         self.config = config
-        self.num_receivers = num_receivers
+        self._members = set(range(num_receivers))
         self.rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
         self.wire_dtype = wire_dtype
         self.device = platform.local_device(device)
@@ -189,6 +193,40 @@ class Sender:
             self._server = ControlServer(address)
             self.address = self._server.address
 
+    # ------------------------------------------------------------------ membership
+    @property
+    def num_receivers(self) -> int:
+        return len(self._members)
+
+    @property
+    def receivers(self) -> list[int]:
+        """Ranks of the receivers every sync goes to."""
+        return sorted(self._members)
+
+    def remove_receiver(self, rank: int) -> None:
+        """Stop syncing to receiver ``rank`` (say, its process died: a failed ``send`` names
+        it in ``SyncError.ranks``). The next ``send`` goes to the others."""
+        if rank not in self._members:
+            raise ValueError(f"receiver rank {rank} is not a member (members: {self.receivers})")
+        if len(self._members) == 1:
+            raise ValueError(f"receiver rank {rank} is the last receiver; a sync needs at least one")
+        self._members.discard(rank)
+        if rank in self._channels:
+            self._drop_peers([rank])
+        if self._engine is not None:
+            self._engine.reset()  # the data plane is rebuilt for the new membership
+
+    def add_receiver(self, rank: int) -> None:
+        """Sync to receiver ``rank`` again (or a replacement with that rank); the next
+        ``send`` waits for it to connect."""
+        if not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"receiver rank must be a non-negative int, got {rank!r}")
+        self._members.add(rank)
+
+    def _group_rank(self, rank: int) -> int:
+        """A receiver's rank in the data-plane group: its place among the members, after 0."""
+        return self.receivers.index(rank) + 1
+
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> None:
         """Wait (up to ``timeout_s``) until every receiver is connected. ``send`` calls it."""
@@ -196,16 +234,15 @@ class Sender:
             return
         for rank in [r for r, ch in self._channels.items() if ch.is_dead()]:
             self._drop_peers([rank])  # it went away since the last sync: accept it anew
-        missing = set(range(self.num_receivers)) - set(self._channels)
+        missing = self._members - set(self._channels)
         if self._engine is None:
             self._engine = self.engine_cls(self.config, self.device, 0, self.num_receivers + 1)
             wildcard = self._server.host in ("", "0.0.0.0", "::")
             self._engine.local_host = None if wildcard else self._server.host
         if missing:
-            self._channels.update(
-                self._server.accept(missing, self.num_receivers, self.config.timeout_s, self.config.backend)
-            )
+            self._channels.update(self._server.accept(missing, self.config))
             self._engine.reset()  # new members: every rank joins a new data-plane group
+        self._engine.world_size = self.num_receivers + 1
 
     def _drop_peers(self, ranks: list[int] | None = None) -> None:
         for rank in list(self._channels) if ranks is None else ranks:
@@ -231,11 +268,15 @@ class Sender:
         self.close()
 
     # ------------------------------------------------------------------ sync
-    def send(self, source: Any, version: int, *, wire_dtype: torch.dtype | None = None) -> SyncStats:
+    def send(
+        self, source: Any, version: int, *, wire_dtype: torch.dtype | None = None, force: bool = False
+    ) -> SyncStats:
         """Send one weight version to every receiver and wait until all confirmed it.
 
         ``source``: an ``nn.Module``, a state dict, an iterable of ``(name, tensor)`` or a
-        ``WeightSource``. Raises ``SyncError`` (naming the peer) on any failure.
+        ``WeightSource``. A receiver refuses a version older than the one it holds unless
+        ``force`` (a deliberate rollback). Raises ``SyncError`` (naming the peer, with its
+        rank in ``.ranks``) on any failure.
         """
         src = as_source(source, wire_dtype or self.wire_dtype)
         start = time.perf_counter()
@@ -263,15 +304,26 @@ class Sender:
         try:
             self._engine.reserve(_capacity(plan, self.config.bucket_bytes))
             info = self._engine.prepare(self._server.host)
-            stats.plan_sent_to = self._handshake(version, plan, info)
+            stats.plan_sent_to = self._handshake(version, plan, info, force)
             self._engine.connect(info)
             stats.handshake_s = time.perf_counter() - start  # handshake and group join
             deadline = Deadline(self.config.timeout_s, f"in the transfer of version {version}")
             packer = _Packer(src, self.config.bucket_bytes, plan, lambda m: self._broadcast_msg(m, deadline))
+            checksum = checksum_fn(self.config.verify)
+            sums: list[int] = []
+
+            def produce(buffer: torch.Tensor) -> tuple[Bucket, torch.Tensor] | None:
+                produced = packer(buffer)
+                if produced is not None and checksum is not None:
+                    sums.append(checksum(produced[1]))  # what leaves, before the transport
+                return produced
+
             t0 = time.perf_counter()
-            stats.bytes = self._engine.send_buckets(packer)
+            stats.bytes = self._engine.send_buckets(produce)
             stats.transfer_s = time.perf_counter() - t0
             stats.buckets, stats.tensors = packer.buckets, packer.pulled
+            if checksum is not None:
+                self._broadcast_msg({"type": "verify", "mode": self.config.verify, "checksums": sums}, deadline)
             self._gather_done(version)
             outcome = "ok"
             log.info("sent version %d: %d tensors, %.1f MB in %d buckets to %d receivers",
@@ -302,7 +354,7 @@ class Sender:
         for ch in self._channels.values():
             ch.send(msg, deadline)
 
-    def _handshake(self, version: int, plan: Plan | None, info: dict[str, Any]) -> int:
+    def _handshake(self, version: int, plan: Plan | None, info: dict[str, Any], force: bool) -> int:
         """Agree on version, bucket size and plan with every receiver; return how many
         receivers got the full plan."""
         deadline = Deadline(self.config.timeout_s, f"in the handshake of version {version}")
@@ -314,37 +366,39 @@ class Sender:
                 "version": version,
                 "bucket_bytes": self.config.bucket_bytes,
                 "plan_hash": plan.hash if plan is not None else None,
-                "engine": info,
+                "force": force,
+                "verify": self.config.verify,
+                "engine": {**info, "rank": self._group_rank(rank)},
             }
             if plan is not None and self._acked_plan.get(rank) != plan.hash:
                 msg["plan"] = plan.to_wire()  # unchanged plans travel as their hash only
                 plans_sent += 1
             ch.send(msg, deadline)
-        refusals = []
+        refusals = {}
         for rank, ch in sorted(self._channels.items()):
             reply = ch.recv(deadline, expect=("ready", "error"))
             if reply["type"] == "error":
-                refusals.append(f"receiver rank {rank} refused version {version}: {reply.get('message')}")
+                refusals[rank] = f"receiver rank {rank} refused version {version}: {reply.get('message')}"
         if refusals:
-            reason = "; ".join(refusals)
+            reason = "; ".join(refusals.values())
             for ch in self._channels.values():
                 try:  # best effort: a refusing receiver may already have hung up
                     ch.send({"type": "abort", "message": reason}, deadline)
                 except SyncError:
                     pass
-            raise HandshakeError(reason)
+            raise HandshakeError(reason, ranks=list(refusals))
         self._broadcast_msg({"type": "go"}, deadline)
         return plans_sent
 
     def _gather_done(self, version: int) -> None:
         deadline = Deadline(self.config.timeout_s, f"waiting for receivers to confirm version {version}")
-        failures = []
+        failures = {}
         for rank, ch in sorted(self._channels.items()):
             reply = ch.recv(deadline, expect="done")
-            if not reply.get("ok"):
-                failures.append(f"receiver rank {rank} failed version {version}: {reply.get('message')}")
+            if reply.get("ok") is not True:
+                failures[rank] = f"receiver rank {rank} failed version {version}: {reply.get('message')}"
         if failures:
-            raise RemoteFailure("; ".join(failures))
+            raise RemoteFailure("; ".join(failures.values()), ranks=list(failures))
 
     def _explain(self, error: Exception, version: int) -> Exception:
         """Turn a transport error into one that names the peer(s) that went away."""
@@ -353,10 +407,11 @@ class Sender:
         # A crashed peer's sockets all close at once, but the transport may notice first:
         # give its control connection a moment to show the EOF.
         grace = time.monotonic() + min(2.0, self.config.timeout_s)
-        while not (dead := [ch.peer for ch in self._channels.values() if ch.is_dead()]) and time.monotonic() < grace:
+        while not (dead := [r for r, ch in self._channels.items() if ch.is_dead()]) and time.monotonic() < grace:
             time.sleep(0.02)
         if dead:
-            return SyncError(f"sync of version {version} failed: {', '.join(dead)} disconnected ({error})")
+            names = ", ".join(self._channels[r].peer for r in dead)
+            return SyncError(f"sync of version {version} failed: {names} disconnected ({error})", ranks=dead)
         return SyncError(f"sync of version {version} to {self.num_receivers} receiver(s) failed: {error}")
 
 
@@ -370,9 +425,16 @@ class Receiver:
         rank: this receiver's index, ``0 .. num_receivers-1``.
         device: device of the transfer buffers (default: this process's accelerator, or CPU).
 
-    ``version`` is the weight version this receiver fully holds (None before the first
-    sync); it advances only when every tensor of a version arrived. ``failed_version`` is
-    the version whose sync failed last, if the latest attempt failed.
+    State after each sync:
+
+    - ``version``: the last version that arrived completely (None before the first); it
+      advances only when every tensor of a version arrived (and passed ``verify``);
+    - ``failed_version``: the version whose sync failed, if the latest attempt failed;
+    - ``torn``: True when that failed sync had already delivered some tensors, so a model
+      loaded in place holds a mix of ``version`` and ``failed_version``. A later complete
+      sync (a retry of the same version, or a newer one) makes it whole again.
+
+    A version older than ``version`` is refused unless the sender passes ``force=True``.
     """
 
     def __init__(
@@ -391,6 +453,7 @@ class Receiver:
         self.engine_cls = get_engine(config.backend)
         self.version: int | None = None
         self.failed_version: int | None = None
+        self.torn = False
         self.last_stats: SyncStats | None = None
         self._channel: Channel | None = None
         self._engine: Engine | None = None
@@ -405,7 +468,7 @@ class Receiver:
             return
         if self._engine is None:
             self._engine = self.engine_cls(self.config, self.device, self.rank + 1, None)
-        self._channel = connect(self.address, self.rank, self.config.backend, self.config.timeout_s)
+        self._channel = connect(self.address, self.rank, self.config)
         self._engine.local_host = self._channel.sock.getsockname()[0]
         self._engine.sender_host = self._channel.sock.getpeername()[0]
 
@@ -489,24 +552,30 @@ class Receiver:
             v, plan = self._accept(msg, version, sink)
             self._engine.reserve(_capacity(plan, self.config.bucket_bytes))
             ch.recv(Deadline(self.config.timeout_s, f"for the go of version {v}"), expect="go")
+            self._engine.rank = msg["engine"]["rank"]  # our place in this sync's data-plane group
             self._engine.connect(msg["engine"])
         except HandshakeError:
             raise  # a clean refusal: both sides are between syncs, the connection stays
-        except Exception:
+        except SyncError:
             self._reset()
             raise
+        except Exception as e:  # a bad engine description, a data plane that cannot be joined
+            self._reset()
+            raise SyncError(f"receiver rank {self.rank}: joining the sync from {ch.peer} failed: {type(e).__name__}: {e}") from e
         stats = SyncStats(v, receivers=1, handshake_s=time.perf_counter() - start)
         deadline = Deadline(self.config.timeout_s, f"in the transfer of version {v}")
         specs: list[TensorSpec] = list(plan.tensors) if plan is not None else []
         next_bucket = self._plan_reader(plan) if plan is not None else self._stream_reader(ch, specs, deadline)
         assembler = Assembler(specs, self.device, sink.destination if sink is not None else None)
         buckets = self._engine.recv_buckets(next_bucket, assembler.landing if sink is not None else None)
+        checksum = checksum_fn(self.config.verify)
+        received: list[tuple[Bucket, int | None]] = []  # each bucket with its checksum
         consumer_error: BaseException | None = None
-        ok = False
+        problem: str | None = None
         t0 = time.perf_counter()
         try:
             for bucket, buffer in buckets:
-                stats.buckets += 1
+                received.append((bucket, checksum(buffer) if checksum is not None else None))
                 stats.bytes += bucket.nbytes
                 for item in assembler.unpack(bucket, buffer):
                     stats.tensors += 1
@@ -520,22 +589,41 @@ class Receiver:
             if consumer_error is not None:
                 for _ in buckets:  # keep the transfer going so the sender is not stranded
                     pass
+                problem = f"receiver rank {self.rank} did not complete version {v}: {consumer_error!r}"
             elif assembler.incomplete or stats.tensors != len(specs):
                 raise SyncError(f"version {v} ended with incomplete tensors: {assembler.incomplete}")
-            else:
-                ok = True
+            if checksum is not None:
+                sent = ch.recv(deadline, expect="verify").get("checksums")
+                if problem is None:
+                    problem = self._verify(v, specs, received, sent)
         except Exception as e:
-            self._finish(v, ok=False, message=f"transfer failed: {e}", broken=True)
+            self._finish(v, ok=False, message=f"transfer failed: {e}", broken=True, delivered=bool(received))
             raise (e if isinstance(e, SyncError) else SyncError(f"receiver rank {self.rank}: transfer of version {v} from {ch.peer} failed: {e}")) from e
+        stats.buckets = len(received)
         stats.transfer_s = time.perf_counter() - t0
-        message = None if ok else f"receiver rank {self.rank} did not complete version {v}: {consumer_error!r}"
-        self._finish(v, ok=ok, message=message)
+        self._finish(v, ok=problem is None, message=problem, delivered=bool(received))
         stats.seconds = time.perf_counter() - start
         self.last_stats = stats
         if consumer_error is not None:
             raise consumer_error
+        if problem is not None:
+            raise VerificationError(problem)
 
-    def _finish(self, version: int, ok: bool, message: str | None, broken: bool = False) -> None:
+    def _verify(self, version: int, specs: list[TensorSpec], received: list, sent: Any) -> str | None:
+        """Compare our checksums with the sender's; describe the damage, or None."""
+        if not isinstance(sent, list) or len(sent) != len(received):
+            return f"receiver rank {self.rank}: the sender's checksums of version {version} do not cover its {len(received)} buckets"
+        bad = [bucket for (bucket, mine), theirs in zip(received, sent) if mine != theirs]
+        if not bad:
+            return None
+        names = sorted({specs[p.tensor].name for b in bad for p in b.pieces})
+        return (
+            f"receiver rank {self.rank}: version {version} failed verification ({self.config.verify}) in "
+            f"{len(bad)} bucket(s) {[b.index for b in bad][:8]}; tensors affected: {', '.join(names[:16])}"
+            + (f" and {len(names) - 16} more" if len(names) > 16 else "")
+        )
+
+    def _finish(self, version: int, ok: bool, message: str | None, broken: bool = False, delivered: bool = False) -> None:
         assert self._engine is not None
         self._engine.finish(ok=not broken)  # mirrors the sender: only a broken transport rebuilds
         try:
@@ -548,9 +636,10 @@ class Receiver:
             self._reset()
             ok = False
         if ok:
-            self.version, self.failed_version = version, None
+            self.version, self.failed_version, self.torn = version, None, False
         else:
             self.failed_version = version
+            self.torn = self.torn or delivered
             if broken:  # the transport failed: reconnect at the next sync
                 self._reset()
 
@@ -567,6 +656,15 @@ class Receiver:
                 problem = f"version {v!r} is not an integer"
             elif expected is not None and v != expected:
                 problem = f"version: sender sends {v}, receiver expects {expected}"
+            elif self.version is not None and v < self.version and msg.get("force") is not True:
+                problem = (
+                    f"version {v} is older than version {self.version}, which this receiver holds "
+                    "(send it with force=True to roll back)"
+                )
+            elif msg.get("verify", "off") != self.config.verify:
+                problem = f"verify: sender {msg.get('verify')!r}, receiver {self.config.verify!r} (set the same value on both sides)"
+            elif not isinstance(msg.get("engine"), dict) or not isinstance(msg["engine"].get("rank"), int):
+                problem = "the sync message carries no valid engine description"
             elif msg.get("bucket_bytes") != self.config.bucket_bytes:
                 problem = (
                     f"bucket size: sender {msg.get('bucket_bytes')} bytes, receiver {self.config.bucket_bytes} bytes "
@@ -610,8 +708,10 @@ class Receiver:
                 return None
             specs.extend(TensorSpec.from_wire(t) for t in msg["tensors"])
             bucket = Bucket.from_wire(msg["bucket"])
-            if any(p.tensor >= len(specs) for p in bucket.pieces) or bucket.nbytes > self.config.bucket_bytes:
-                raise SyncError(f"sender announced bucket {bucket.index} with unknown tensors or oversize")
+            if bucket.nbytes > self.config.bucket_bytes or any(
+                p.tensor >= len(specs) or p.tensor_offset + p.length > specs[p.tensor].nbytes for p in bucket.pieces
+            ):
+                raise ProtocolError(f"{ch.peer} announced bucket {bucket.index} with unknown tensors, or out of bounds")
             return bucket
 
         return next_bucket

@@ -31,6 +31,7 @@ import torch
 PLAN_FORMAT = 2
 ALIGNMENT = 64  # bytes; a multiple of every dtype's size, and a cache line
 DIRECT_MIN_BYTES = 1 << 20
+MAX_PLAN_BUCKETS = 1 << 22  # a plan from the wire larger than this is refused, not built
 
 
 def direct_bytes(bucket_bytes: int) -> int:
@@ -86,6 +87,8 @@ class TensorSpec:
     @classmethod
     def from_wire(cls, data: Any) -> TensorSpec:
         name, shape, dtype = data
+        if not isinstance(shape, list | tuple) or not isinstance(dtype, str):
+            raise ValueError(f"malformed tensor spec {data!r:.200}")
         return cls(name, tuple(shape), dtype)
 
     @property
@@ -125,8 +128,19 @@ class Bucket:
 
     @classmethod
     def from_wire(cls, data: Any) -> Bucket:
+        """Parse and bounds-check a bucket from the wire (ValueError if it is not sane)."""
         index, nbytes, pieces = data
-        return cls(int(index), int(nbytes), tuple(Piece(*map(int, p)) for p in pieces))
+        bucket = cls(_wire_int(index), _wire_int(nbytes), tuple(Piece(*map(_wire_int, p)) for p in pieces))
+        for p in bucket.pieces:
+            if p.bucket_offset + p.length > bucket.nbytes:
+                raise ValueError(f"bucket {bucket.index}: a piece ends at {p.bucket_offset + p.length}, past its {bucket.nbytes} bytes")
+        return bucket
+
+
+def _wire_int(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"expected a non-negative integer, got {value!r}")
+    return value
 
 
 def _align(n: int) -> int:
@@ -232,10 +246,17 @@ class Plan:
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> Plan:
+        """Rebuild a plan from the wire, refusing one that would take unbounded memory."""
         if data.get("format") != PLAN_FORMAT:
             raise ValueError(f"plan format {data.get('format')!r} is not {PLAN_FORMAT}")
         specs = [TensorSpec.from_wire(t) for t in data["tensors"]]
-        return make_plan(specs, int(data["bucket_bytes"]))
+        bucket_bytes = _wire_int(data["bucket_bytes"])
+        if bucket_bytes < ALIGNMENT:
+            raise ValueError(f"bucket size {bucket_bytes} is below {ALIGNMENT} bytes")
+        buckets = sum(-(-s.nbytes // bucket_bytes) for s in specs) + 1
+        if buckets > MAX_PLAN_BUCKETS:
+            raise ValueError(f"the plan would have about {buckets} buckets (limit {MAX_PLAN_BUCKETS})")
+        return make_plan(specs, bucket_bytes)
 
 
 def plan_hash(tensors: Sequence[TensorSpec], bucket_bytes: int) -> str:

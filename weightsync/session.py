@@ -4,6 +4,12 @@ The sender (trainer rank 0) listens on one TCP address; each receiver connects a
 hello with its rank. Messages are msgpack maps in length-prefixed frames: no pickle, a size
 limit, and every read and write bounded by a deadline. Shared by every bucket engine.
 
+Joining::
+
+    sender -> receiver   challenge {protocol, nonce}
+    receiver -> sender   hello     {protocol, rank, backend, pid, nonce, [mac]}
+    sender -> receiver   welcome   {protocol, [mac]} | error {message}
+
 Per sync::
 
     sender -> receiver   sync   {version, protocol, bucket_bytes, plan_hash, [plan], engine}
@@ -17,24 +23,44 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import select
 import socket
 import struct
+import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from weightsync import auth
+from weightsync.config import SECRET_ENV
+
+if TYPE_CHECKING:
+    from weightsync.config import EngineConfig
+
 log = logging.getLogger("weightsync.session")
 
-PROTOCOL_VERSION = 1
-MAX_FRAME_BYTES = 64 << 20  # a plan of a 1T-parameter model is a few MB
+PROTOCOL_VERSION = 2
+MAX_FRAME_BYTES = 64 << 20  # from the sender: a plan of a 1T-parameter model is a few MB
+RECEIVER_MAX_FRAME_BYTES = 1 << 20  # from a receiver: only replies
+HELLO_MAX_BYTES = 4096  # anything before authentication
+HELLO_TIMEOUT_S = 10.0
+MAX_PENDING_HELLOS = 64
 _HEADER = struct.Struct("!I")
 
 
 class SyncError(RuntimeError):
-    """A sync failed; the message names the peer, the version and, where known, the tensor."""
+    """A sync failed; the message names the peer, the version and, where known, the tensor.
+
+    ``ranks``: the receivers known to have caused it (died, refused, failed to load), so a
+    controller can ``Sender.remove_receiver`` them; empty when no receiver is to blame.
+    """
+
+    def __init__(self, message: str, *, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks: list[int] = list(ranks or [])
 
 
 class SyncTimeout(SyncError, TimeoutError):
@@ -47,6 +73,20 @@ class PeerLost(SyncError):
 
 class HandshakeError(SyncError):
     """The two sides disagree on protocol, version, plan or bucket size."""
+
+
+class ProtocolError(SyncError):
+    """A peer sent something that is not a valid message here (malformed, oversized,
+    wrongly typed, out of order). Nothing it sent was acted on."""
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not accepted")
+
+
+class VerificationError(SyncError):
+    """Bytes arrived that differ from what the sender sent (``verify`` is on); the message
+    names the tensors affected. The receiver's version did not advance."""
 
 
 class RemoteFailure(SyncError):
@@ -80,9 +120,11 @@ class Deadline:
 class Channel:
     """One framed msgpack connection to a named peer."""
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, max_frame: int = MAX_FRAME_BYTES) -> None:
         self.sock = sock
         self.peer = peer
+        #: the largest frame accepted from this peer: nothing larger is ever allocated
+        self.max_frame = max_frame
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def send(self, msg: dict[str, Any], deadline: Deadline) -> None:
@@ -115,20 +157,22 @@ class Channel:
     def recv(self, deadline: Deadline, expect: str | tuple[str, ...] | None = None) -> dict[str, Any]:
         """Read one message; an ``error`` message from the peer raises ``HandshakeError``."""
         (size,) = _HEADER.unpack(self._read(_HEADER.size, deadline))
-        if size > MAX_FRAME_BYTES:
-            raise SyncError(f"{self.peer} sent a {size}-byte frame (limit {MAX_FRAME_BYTES}) {deadline.what}")
+        if size > self.max_frame:
+            raise ProtocolError(f"{self.peer} sent a {size}-byte frame (limit {self.max_frame}) {deadline.what}")
         try:
-            msg = msgpack.unpackb(self._read(size, deadline), raw=False, strict_map_key=True)
-        except (ValueError, msgpack.UnpackException) as e:
-            raise SyncError(f"{self.peer} sent a malformed message {deadline.what}: {e}") from None
+            # Plain data only: extension types are refused, so nothing but msgpack's own
+            # types (None, bool, int, float, str, bytes, list, dict) can come out of it.
+            msg = msgpack.unpackb(self._read(size, deadline), raw=False, strict_map_key=True, ext_hook=_no_ext)
+        except Exception as e:  # msgpack raises a variety of errors on hostile input
+            raise ProtocolError(f"{self.peer} sent a malformed message {deadline.what}: {type(e).__name__}: {e}") from None
         if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
-            raise SyncError(f"{self.peer} sent a message without a type {deadline.what}")
+            raise ProtocolError(f"{self.peer} sent a message without a type {deadline.what}")
         wanted = (expect,) if isinstance(expect, str) else expect
         if wanted is None or msg["type"] in wanted:
             return msg
         if msg["type"] in ("error", "abort"):
             raise HandshakeError(f"{self.peer} reported: {msg.get('message', '(no message)')}")
-        raise SyncError(f"{self.peer} sent {msg['type']!r} where {' or '.join(wanted)} was expected {deadline.what}")
+        raise ProtocolError(f"{self.peer} sent {msg['type']!r} where {' or '.join(wanted)} was expected {deadline.what}")
 
     def is_dead(self) -> bool:
         """True if the peer has closed the connection (checked without blocking)."""
@@ -148,7 +192,12 @@ class Channel:
 
 
 class ControlServer:
-    """The sender's listening socket; receivers connect to it and say hello."""
+    """The sender's listening socket; receivers connect to it and say hello.
+
+    Every connection is greeted in its own thread (challenge, hello, authentication), so a
+    stranger that connects and stays silent delays nobody; frames before authentication
+    are limited to ``HELLO_MAX_BYTES``.
+    """
 
     def __init__(self, address: str) -> None:
         host, port = parse_address(address)
@@ -168,58 +217,134 @@ class ControlServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def accept(self, ranks: set[int], num_receivers: int, timeout_s: float, backend: str) -> dict[int, Channel]:
+    def accept(self, ranks: set[int], config: EngineConfig) -> dict[int, Channel]:
         """Accept receivers until every rank in ``ranks`` said hello, or the deadline passes."""
-        deadline = Deadline(timeout_s, f"for receivers to connect to {self.address}")
+        deadline = Deadline(config.timeout_s, f"for receivers to connect to {self.address}")
+        secret = config.secret()
+        results: queue.Queue = queue.Queue()
+        stop = threading.Event()
         joined: dict[int, Channel] = {}
-        while len(joined) < len(ranks):
-            try:
-                self.sock.settimeout(deadline.left())
-                conn, peer = self.sock.accept()
-            except (socket.timeout, SyncTimeout):
-                missing = sorted(ranks - set(joined))
-                for ch in joined.values():
-                    ch.close()
-                raise SyncTimeout(
-                    f"receiver rank(s) {missing} never connected to {self.address} within "
-                    f"{timeout_s:.1f} s ({len(ranks) - len(missing)} of {len(ranks)} connected)"
-                ) from None
-            channel = Channel(conn, f"connection from {peer[0]}:{peer[1]}")
-            try:
-                hello = channel.recv(Deadline(min(10.0, deadline.left()), "for its hello"), expect="hello")
-                rank = hello.get("rank")
-                problem = None
-                if hello.get("protocol") != PROTOCOL_VERSION:
-                    problem = f"protocol version {hello.get('protocol')!r} != sender's {PROTOCOL_VERSION}"
-                elif hello.get("backend") != backend:
-                    problem = f"backend {hello.get('backend')!r} != sender's {backend!r}"
-                elif not isinstance(rank, int) or not 0 <= rank < num_receivers:
-                    problem = f"rank {rank!r} is outside 0..{num_receivers - 1}"
-                elif rank in joined:
-                    problem = f"rank {rank} is already connected"
-                elif rank not in ranks:
-                    problem = f"rank {rank} is not expected now"
-                if problem:
-                    log.warning("rejected %s: %s", channel.peer, problem)
-                    channel.send({"type": "error", "message": f"rejected by sender: {problem}"}, deadline)
-                    channel.close()
+        greeting = 0
+        try:
+            while len(joined) < len(ranks):
+                while greeting and not results.empty():
+                    greeting -= 1
+                    item = results.get()
+                    if item is not None:
+                        self._welcome(item, ranks, joined, secret)
+                if len(joined) == len(ranks):
+                    break
+                if time.monotonic() >= deadline.end:
+                    missing = sorted(ranks - set(joined))
+                    raise SyncTimeout(
+                        f"receiver rank(s) {missing} never connected to {self.address} within "
+                        f"{config.timeout_s:.1f} s ({len(ranks) - len(missing)} of {len(ranks)} connected)",
+                        ranks=missing,
+                    )
+                try:  # short waits: greetings finished meanwhile are welcomed promptly
+                    self.sock.settimeout(min(0.05, max(0.001, deadline.end - time.monotonic())))
+                    conn, peer = self.sock.accept()
+                except TimeoutError:
                     continue
-                channel.peer = f"receiver rank {rank} (pid {hello.get('pid')}, {peer[0]}:{peer[1]})"
-                channel.send({"type": "welcome", "protocol": PROTOCOL_VERSION}, deadline)
-                joined[rank] = channel
-                log.debug("%s connected", channel.peer)
-            except SyncError as e:
-                log.warning("dropped %s during hello: %s", channel.peer, e)
-                channel.close()
+                if greeting >= MAX_PENDING_HELLOS:
+                    log.warning("refused %s:%s: %d connections are already saying hello", peer[0], peer[1], greeting)
+                    conn.close()
+                    continue
+                greeting += 1
+                threading.Thread(
+                    target=_greet, args=(conn, peer, config.backend, secret, results, stop),
+                    name="weightsync-hello", daemon=True,
+                ).start()
+        except BaseException:
+            for ch in joined.values():
+                ch.close()
+            raise
+        finally:
+            stop.set()  # greetings still under way close their own connections
+            while not results.empty():
+                item = results.get()
+                if item is not None:
+                    item[0].close()
         return joined
+
+    @staticmethod
+    def _welcome(item: tuple, ranks: set[int], joined: dict[int, Channel], secret: bytes | None) -> None:
+        channel, rank, server_nonce, client_nonce = item
+        problem = None
+        if rank not in ranks:
+            problem = f"rank {rank} is not expected (expected: {sorted(ranks)})"
+        elif rank in joined:
+            problem = f"rank {rank} is already connected"
+        deadline = Deadline(HELLO_TIMEOUT_S, "sending the welcome")
+        try:
+            if problem:
+                log.warning("rejected %s: %s", channel.peer, problem)
+                channel.send({"type": "error", "message": f"rejected by sender: {problem}"}, deadline)
+                channel.close()
+                return
+            welcome: dict[str, Any] = {"type": "welcome", "protocol": PROTOCOL_VERSION}
+            if secret is not None:
+                welcome["mac"] = auth.mac(secret, "welcome", server_nonce, client_nonce, rank)
+            channel.send(welcome, deadline)
+        except SyncError as e:
+            log.warning("dropped %s: %s", channel.peer, e)
+            channel.close()
+            return
+        channel.max_frame = RECEIVER_MAX_FRAME_BYTES  # receivers only ever send small replies
+        joined[rank] = channel
+        log.debug("%s connected", channel.peer)
 
     def close(self) -> None:
         self.sock.close()
 
 
-def connect(address: str, rank: int, backend: str, timeout_s: float) -> Channel:
-    """Receiver side: connect to the sender (retrying until it listens) and say hello."""
+def _greet(conn: socket.socket, peer: tuple, backend: str, secret: bytes | None, results: queue.Queue,
+           stop: threading.Event) -> None:
+    """Challenge one new connection and check its hello; put ``(channel, rank, nonces)``
+    on ``results`` for the accepting thread, or None if it was rejected."""
+    channel = Channel(conn, f"connection from {peer[0]}:{peer[1]}", max_frame=HELLO_MAX_BYTES)
+    try:
+        deadline = Deadline(HELLO_TIMEOUT_S, "for its hello")
+        server_nonce = auth.new_nonce()
+        channel.send({"type": "challenge", "protocol": PROTOCOL_VERSION, "nonce": server_nonce}, deadline)
+        hello = channel.recv(deadline, expect="hello")
+        rank, client_nonce = hello.get("rank"), hello.get("nonce")
+        problem = None
+        if hello.get("protocol") != PROTOCOL_VERSION:
+            problem = f"protocol version {hello.get('protocol')!r} != sender's {PROTOCOL_VERSION}"
+        elif hello.get("backend") != backend:
+            problem = f"backend {hello.get('backend')!r} != sender's {backend!r}"
+        elif not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            problem = f"rank {rank!r} is not a receiver rank"
+        elif not isinstance(client_nonce, bytes) or len(client_nonce) != auth.NONCE_BYTES:
+            problem = "its hello carries no valid nonce"
+        elif secret is not None and not auth.verify(secret, hello.get("mac"), "hello", server_nonce, client_nonce, rank, backend):
+            problem = "authentication failed (missing or wrong shared secret)"
+        if problem:
+            log.warning("rejected %s: %s", channel.peer, problem)
+            channel.send({"type": "error", "message": f"rejected by sender: {problem}"}, deadline)
+            channel.close()
+            results.put(None)
+            return
+        pid = hello.get("pid")
+        channel.peer = f"receiver rank {rank} (pid {pid if isinstance(pid, int) else '?'}, {peer[0]}:{peer[1]})"
+    except SyncError as e:
+        log.warning("dropped %s during its hello: %s", channel.peer, e)
+        channel.close()
+        results.put(None)
+        return
+    if stop.is_set():
+        channel.close()
+        results.put(None)
+        return
+    results.put((channel, rank, server_nonce, client_nonce))
+
+
+def connect(address: str, rank: int, config: EngineConfig) -> Channel:
+    """Receiver side: connect to the sender (retrying until it listens), answer its
+    challenge and check that it holds the shared secret too, if one is set."""
     host, port = parse_address(address)
+    timeout_s = config.timeout_s
     deadline = Deadline(timeout_s, f"connecting receiver rank {rank} to the sender at {address}")
     last: Exception | None = None
     while True:
@@ -235,9 +360,33 @@ def connect(address: str, rank: int, backend: str, timeout_s: float) -> Channel:
         except OSError as e:
             last = e
             time.sleep(min(0.05, max(0.0, deadline.end - time.monotonic())))
-    channel = Channel(sock, f"sender at {address}")
-    channel.send({"type": "hello", "protocol": PROTOCOL_VERSION, "rank": rank, "backend": backend, "pid": os.getpid()}, deadline)
-    channel.recv(deadline, expect="welcome")
+    channel = Channel(sock, f"sender at {address}", max_frame=HELLO_MAX_BYTES)
+    try:
+        challenge = channel.recv(deadline, expect="challenge")
+        server_nonce = challenge.get("nonce")
+        if challenge.get("protocol") != PROTOCOL_VERSION:
+            raise HandshakeError(f"protocol version: sender {challenge.get('protocol')!r}, receiver {PROTOCOL_VERSION}")
+        if not isinstance(server_nonce, bytes) or len(server_nonce) != auth.NONCE_BYTES:
+            raise HandshakeError(f"the sender at {address} sent no valid challenge")
+        secret = config.secret()
+        client_nonce = auth.new_nonce()
+        hello: dict[str, Any] = {
+            "type": "hello", "protocol": PROTOCOL_VERSION, "rank": rank, "backend": config.backend,
+            "pid": os.getpid(), "nonce": client_nonce,
+        }
+        if secret is not None:
+            hello["mac"] = auth.mac(secret, "hello", server_nonce, client_nonce, rank, config.backend)
+        channel.send(hello, deadline)
+        welcome = channel.recv(deadline, expect="welcome")
+        if secret is not None and not auth.verify(secret, welcome.get("mac"), "welcome", server_nonce, client_nonce, rank):
+            raise HandshakeError(
+                f"the sender at {address} failed authentication: it does not hold the shared secret "
+                f"(auth_secret or ${SECRET_ENV})"
+            )
+    except BaseException:
+        channel.close()
+        raise
+    channel.max_frame = MAX_FRAME_BYTES  # the authenticated sender may send whole plans
     return channel
 
 

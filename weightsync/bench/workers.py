@@ -170,8 +170,9 @@ def alternative(job: Job, rank: int, port: int | None, queue) -> None:
 
 
 def _disk_round(job: Job, state: dict[str, torch.Tensor], version: int, sender: bool, group) -> None:
-    """The reload-from-disk path: the trainer saves safetensors (published by rename),
-    every receiver reads them and copies into its model."""
+    """The reload-from-disk path: the trainer saves safetensors, flushes them to storage
+    (as a shared file system must before other hosts can read them) and publishes them by
+    rename; every receiver reads them and copies into its model."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -180,6 +181,8 @@ def _disk_round(job: Job, state: dict[str, torch.Tensor], version: int, sender: 
     if sender:
         tmp = path.with_suffix(".tmp")
         save_file(state, str(tmp))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)  # readers never see a partial file
         _remove_stale(directory, version)
     _barrier(group)
