@@ -112,3 +112,69 @@ def run_sharded_trainer(rank, store_port, address_queue, overrides, num_receiver
     except Exception as e:
         result_queue.put((rank, "error", f"{type(e).__name__}: {e}", None))
         traceback.print_exc()
+
+
+def resources() -> dict[str, float]:
+    """This process's open descriptors, threads and resident memory (MB)."""
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return {"fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")), "rss_mb": rss}
+
+
+def run_resilient_receiver(address, rank, overrides, versions, queue, kill_at=None):
+    """Like ``run_receiver``, but a failed sync is reported as ``(rank, "error", message,
+    receiver.version, attempted, torn)`` and the next version is tried with the same
+    ``Receiver``. ``kill_at=(version, n)``: SIGKILL itself after n tensors of that version."""
+    import faulthandler
+    import signal
+
+    faulthandler.enable(all_threads=True)
+    torch.set_num_threads(1)
+    with Receiver(EngineConfig.from_overrides(overrides), address, rank) as receiver:
+        for v in versions:
+            got = {}
+            try:
+                for name, t in receiver.receive(version=v):
+                    got[name] = digest(t)
+                    if kill_at == (v, len(got)):
+                        os.kill(os.getpid(), signal.SIGKILL)
+                queue.put((rank, v, got, receiver.version))
+            except Exception as e:
+                queue.put((rank, "error", f"{type(e).__name__}: {e}", receiver.version, v, receiver.torn))
+
+
+def run_soak_receiver(address, rank, overrides, versions, queue):
+    """Load every version into a ``Small`` model; report its digests each time, and this
+    process's resources after the first sync and after the last."""
+    torch.set_num_threads(1)
+    model = Small(seed=100 + rank)
+    with Receiver(EngineConfig.from_overrides(overrides), address, rank) as receiver:
+        for i, v in enumerate(versions):
+            receiver.load_into(model, version=v)
+            queue.put((rank, v, module_digests(model), resources() if i in (0, len(versions) - 1) else None))
+
+
+def big_weights(version):
+    """make_weights plus 48 MB more: a peer can die while most buckets are still to come."""
+    g = torch.Generator().manual_seed(version)
+    return {**make_weights(version), **{f"extra.{i}": torch.randn(1 << 18, generator=g) for i in range(48)}}
+
+
+def run_sender(address, overrides, num_receivers, versions, queue):
+    """A trainer in its own process (so a test can kill it): send ``big_weights`` for each
+    version, reporting ``("listening", address)`` and then ``("sent", version)``."""
+    torch.set_num_threads(1)
+    with Sender(EngineConfig.from_overrides(overrides), address, num_receivers) as sender:
+        queue.put(("listening", sender.address))
+        for v in versions:
+            sender.send(big_weights(v), version=v)
+            queue.put(("sent", v))
+
+
+def bump_small(model: torch.nn.Module, version: int) -> None:
+    """Deterministic new weights for a version, the same in every process."""
+    g = torch.Generator().manual_seed(5000 + version)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
+        model.count.fill_(version)

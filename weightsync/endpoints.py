@@ -28,6 +28,7 @@ from weightsync.session import (
     ControlServer,
     Deadline,
     HandshakeError,
+    PeerLost,
     ProtocolError,
     RemoteFailure,
     SyncError,
@@ -223,6 +224,13 @@ class Sender:
             raise ValueError(f"receiver rank must be a non-negative int, got {rank!r}")
         self._members.add(rank)
 
+    def _watch_peers(self) -> None:
+        """Raise if a receiver's control connection closed (its process is likely gone)."""
+        dead = [r for r, ch in self._channels.items() if ch.is_dead()]
+        if dead:
+            names = ", ".join(self._channels[r].peer for r in dead)
+            raise PeerLost(f"{names} disconnected during the transfer", ranks=dead)
+
     def _group_rank(self, rank: int) -> int:
         """A receiver's rank in the data-plane group: its place among the members, after 0."""
         return self.receivers.index(rank) + 1
@@ -237,6 +245,7 @@ class Sender:
         missing = self._members - set(self._channels)
         if self._engine is None:
             self._engine = self.engine_cls(self.config, self.device, 0, self.num_receivers + 1)
+            self._engine.watch = self._watch_peers
             wildcard = self._server.host in ("", "0.0.0.0", "::")
             self._engine.local_host = None if wildcard else self._server.host
         if missing:
@@ -458,6 +467,7 @@ class Receiver:
         self._channel: Channel | None = None
         self._engine: Engine | None = None
         self._plan: Plan | None = None
+        self._receiving: int | None = None  # the version in transfer, for messages
 
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> None:
@@ -468,9 +478,15 @@ class Receiver:
             return
         if self._engine is None:
             self._engine = self.engine_cls(self.config, self.device, self.rank + 1, None)
+            self._engine.watch = self._watch_sender
         self._channel = connect(self.address, self.rank, self.config)
         self._engine.local_host = self._channel.sock.getsockname()[0]
         self._engine.sender_host = self._channel.sock.getpeername()[0]
+
+    def _watch_sender(self) -> None:
+        ch = self._channel
+        if ch is not None and ch.is_dead():
+            raise PeerLost(f"{ch.peer} closed the control connection during the transfer of version {self._receiving}")
 
     def _reset(self) -> None:
         if self._channel is not None:
@@ -563,6 +579,7 @@ class Receiver:
             self._reset()
             raise SyncError(f"receiver rank {self.rank}: joining the sync from {ch.peer} failed: {type(e).__name__}: {e}") from e
         stats = SyncStats(v, receivers=1, handshake_s=time.perf_counter() - start)
+        self._receiving = v
         deadline = Deadline(self.config.timeout_s, f"in the transfer of version {v}")
         specs: list[TensorSpec] = list(plan.tensors) if plan is not None else []
         next_bucket = self._plan_reader(plan) if plan is not None else self._stream_reader(ch, specs, deadline)
@@ -597,6 +614,7 @@ class Receiver:
                 if problem is None:
                     problem = self._verify(v, specs, received, sent)
         except Exception as e:
+            buckets.close()  # let the engine drop its pending receives now
             self._finish(v, ok=False, message=f"transfer failed: {e}", broken=True, delivered=bool(received))
             raise (e if isinstance(e, SyncError) else SyncError(f"receiver rank {self.rank}: transfer of version {v} from {ch.peer} failed: {e}")) from e
         stats.buckets = len(received)
@@ -687,6 +705,10 @@ class Receiver:
         deadline = Deadline(self.config.timeout_s, f"answering the sync of version {v}")
         if problem is not None:
             self._channel.send({"type": "error", "message": problem}, deadline)
+            try:  # the sender answers every refusal with an abort: take it off the line
+                self._channel.recv(deadline, expect="abort")
+            except SyncError:
+                self._reset()
             raise HandshakeError(f"receiver rank {self.rank} refused version {v}: {problem}")
         if plan is not None:  # a streamed sync leaves the agreed plan as it was
             self._plan = plan

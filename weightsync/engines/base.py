@@ -55,6 +55,9 @@ class Engine(ABC):
         self.local_host: str | None = None
         #: receivers: the sender's address as reached over the control connection
         self.sender_host: str | None = None
+        #: called now and then while the engine waits on its transport; raises to abandon
+        #: the wait (set by the session: it raises when a peer's control connection closed)
+        self.watch: Callable[[], None] | None = None
 
     def prepare(self, host: str) -> dict[str, Any]:
         """Sender only: set up what receivers need to join; return it (msgpack-safe)."""

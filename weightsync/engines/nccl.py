@@ -11,7 +11,11 @@ are broadcast from the trainer's tensor into the receiver's parameter, several i
 from __future__ import annotations
 
 import datetime
+import atexit
 import logging
+import secrets
+import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +28,24 @@ from weightsync.engines.base import Engine, Landing, NextBucket, Producer
 from weightsync.plan import Bucket
 
 log = logging.getLogger("weightsync.engines.nccl")
+
+_burials: list[threading.Thread] = []
+
+
+def _bury(holder: list) -> None:
+    """Destroy a failed group in a background thread. ``holder`` is a one-item list that
+    must hold the only reference, so the last one goes away in that thread."""
+    thread = threading.Thread(target=holder.clear, name="weightsync-drop-group", daemon=True)
+    thread.start()
+    _burials[:] = [t for t in _burials if t.is_alive()] + [thread]
+
+
+@atexit.register
+def _await_burials(limit_s: float = 30.0) -> None:
+    # A group still being destroyed when the interpreter exits would abort the process.
+    end = time.monotonic() + limit_s
+    for thread in _burials:
+        thread.join(max(0.0, end - time.monotonic()))
 
 # Broadcasts queued at once. Buckets sent from (or landing in) the model's own tensors need
 # no buffer, so more than two can be in flight, hiding each call's latency.
@@ -41,6 +63,7 @@ class CollectiveEngine(Engine):
         self._group: dist.ProcessGroup | None = None
         self._group_key: tuple | None = None
         self._generation = 0
+        self._token = ""
         self._buffers: list[torch.Tensor] | None = None
 
     @property
@@ -56,10 +79,14 @@ class CollectiveEngine(Engine):
             )
         if self._group is None:
             self._generation += 1
+            # torch's store listens on every interface and has no authentication: an
+            # unguessable key prefix, known only to the (authenticated) control channel,
+            # keeps strangers from reading or planting the group's rendezvous keys.
+            self._token = secrets.token_hex(16)
         return {
             "host": host,
             "port": self._store.port,
-            "group": f"{self._kwargs.group_name}/{self._generation}",
+            "group": f"{self._kwargs.group_name}/{self._generation}/{self._token}",
             "library": self.library,
             "world_size": self.world_size,
         }
@@ -87,12 +114,39 @@ class CollectiveEngine(Engine):
         )
         self._group_key = key
 
-    def _drop_group(self) -> None:
-        group, self._group, self._group_key = self._group, None, None
-        if group is not None and self.library != "gloo":
-            shutdown = getattr(group, "shutdown", None)
+    def _drop_group(self, failed: bool = False) -> None:
+        """Leave the group. ``failed``: operations may still be pending on it."""
+        holder = [self._group]  # the only reference from here on (see _bury)
+        self._group = self._group_key = None
+        if holder[0] is None:
+            return
+        if self.library != "gloo":
+            shutdown = getattr(holder[0], "shutdown", None)  # aborts operations still pending
             if shutdown is not None:
                 shutdown()
+        elif failed:
+            # Gloo cannot abort: destroying a group whose operations are still blocked on a
+            # peer waits until they time out. That happens in the background; the next
+            # sync joins a new group meanwhile.
+            _bury(holder)
+
+    def _wait(self, work: dist.Work) -> None:
+        """Wait for one operation; while it is pending, ``watch`` (if set) may abandon it."""
+        try:
+            if self.watch is not None:
+                pause, next_watch = 0.0002, time.monotonic() + 0.02
+                while not work.is_completed():
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.002)
+                    if time.monotonic() >= next_watch:
+                        self.watch()
+                        next_watch = time.monotonic() + 0.05
+            work.wait()  # raises the operation's error, if it failed
+        except BaseException:
+            # The traceback keeps this frame: it must not keep the operation, whose
+            # sockets would then stay open and leave the peers waiting until their timeout.
+            del work
+            raise
 
     def reserve(self, nbytes: int) -> None:
         nbytes = min(max(nbytes, 1), self.config.bucket_bytes)
@@ -120,7 +174,7 @@ class CollectiveEngine(Engine):
             while True:
                 # Never refill a buffer still on the wire; keep at most WINDOW calls queued.
                 while in_flight and (len(in_flight) >= WINDOW or any(s == slot for _, s in in_flight)):
-                    in_flight.popleft()[0].wait()
+                    self._wait(in_flight.popleft()[0])
                 produced = produce(bufs[slot])
                 if produced is None:
                     break
@@ -133,13 +187,13 @@ class CollectiveEngine(Engine):
                 sent += bucket.nbytes
                 buckets += 1
             while in_flight:
-                in_flight.popleft()[0].wait()
+                self._wait(in_flight.popleft()[0])
         except BaseException:
             # Let go of the failed group now (our works hold it, and the traceback holds
             # this frame): its sockets close and receivers waiting on them fail at once
             # instead of at their timeout.
             in_flight.clear()
-            self._drop_group()
+            self._drop_group(failed=True)
             raise
         platform.synchronize(self.device)
         return sent
@@ -173,16 +227,25 @@ class CollectiveEngine(Engine):
                 posted.append((pending, slot, target, work))
                 pending = None
 
-        post_ahead()
-        while posted:
-            bucket, slot, target, work = posted.popleft()
-            if work is not None:
-                work.wait()
-            yield bucket, target
-            # The consumer asked for more: its views of this bucket are released.
-            if slot is not None:
-                free.append(slot)
+        try:
             post_ahead()
+            while posted:
+                bucket, slot, target, work = posted.popleft()
+                if work is not None:
+                    self._wait(work)
+                del work
+                yield bucket, target
+                # The consumer asked for more: its views of this bucket are released.
+                if slot is not None:
+                    free.append(slot)
+                post_ahead()
+        except BaseException:
+            # The sync failed or was abandoned: let go of the group and of our pending
+            # receives at once, so the sender's side fails now, not at its timeout.
+            posted.clear()
+            work = None
+            self._drop_group(failed=True)
+            raise
         platform.synchronize(self.device)
 
     def reset(self) -> None:
@@ -191,7 +254,7 @@ class CollectiveEngine(Engine):
     def finish(self, ok: bool) -> None:
         # A failed collective leaves the group in an unknown state: build a new one next time.
         if not ok or self._kwargs.rebuild_group:
-            self._drop_group()
+            self._drop_group(failed=not ok)
         if self._kwargs.rebuild_group:
             self._buffers = None
             platform.empty_cache()

@@ -1,0 +1,331 @@
+"""Fault injection: every case is bounded by a timeout and asserts the error message and the
+state afterwards. See docs/reliability.md for the promise each case proves."""
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from weightsync import EngineConfig, HandshakeError, Receiver, Sender, SyncError, VerificationError
+from weightsync.session import RemoteFailure
+from weightsync.sources import IteratorSource
+
+import workers
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+CTX = mp.get_context("spawn")
+
+
+def start(target, *args):
+    p = CTX.Process(target=target, args=args, daemon=True)
+    p.start()
+    return p
+
+
+def stop(procs):
+    for p in procs:  # only the children this test started
+        p.join(timeout=20)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def config(*extra, backend="nccl", timeout=30):
+    return [f"backend={backend}", "update_weights_bucket_megabytes=1", f"timeout_s={timeout}", *extra]
+
+
+big_weights = workers.big_weights
+
+
+def digests(weights):
+    return {n: workers.digest(t.contiguous()) for n, t in weights.items()}
+
+
+# ---------------------------------------------------------------------------- killed peers
+@pytest.mark.parametrize("backend", ["nccl", "shm"])
+def test_receiver_sigkilled_mid_sync_then_survivors_sync_bit_exact(backend):
+    q = CTX.Queue()
+    overrides = config(backend=backend, timeout=20)
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 3) as sender:
+        victim = start(workers.run_resilient_receiver, sender.address, 0, overrides, [1], q, (1, 3))
+        survivors = [start(workers.run_resilient_receiver, sender.address, r, overrides, [1, 2], q) for r in (1, 2)]
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(SyncError, match=r"receiver rank 0 \(pid \d+.*\) disconnected") as failure:
+                sender.send(big_weights(1), version=1)
+            assert time.monotonic() - t0 < 25
+            assert failure.value.ranks == [0]
+            victim.join(timeout=10)
+            assert victim.exitcode == -signal.SIGKILL
+            # Every survivor gets a clear error well within its deadline, holds no version
+            # and knows the failed sync delivered part of version 1.
+            for _ in survivors:
+                rank, status, message, held, attempted, torn = q.get(timeout=30)
+                assert (status, held, attempted) == ("error", None, 1), message
+                assert "version 1" in message
+            assert time.monotonic() - t0 < 20
+            # Same sender, same surviving processes: drop the dead one, the next sync is exact.
+            sender.remove_receiver(0)
+            assert sender.receivers == [1, 2]
+            sender.send(big_weights(2), version=2)
+            for _ in survivors:
+                rank, version, got, held = q.get(timeout=60)
+                assert (version, held) == (2, 2) and got == digests(big_weights(2))
+        finally:
+            stop([victim, *survivors])
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sender_sigkilled_mid_sync_then_a_new_sender_completes_the_version():
+    address = f"127.0.0.1:{free_port()}"
+    overrides = config(timeout=20)
+    q = CTX.Queue()
+    sender = start(workers.run_sender, address, overrides, 1, [1, 2], q)
+    replacement = None
+    try:
+        with Receiver(EngineConfig.from_overrides(overrides), address, 0) as receiver:
+            assert {n: workers.digest(t) for n, t in receiver.receive(version=1)} == digests(big_weights(1))
+            # Version 2: the trainer dies after the first tensor arrived.
+            t0 = time.monotonic()
+            with pytest.raises(SyncError, match=r"receiver rank 0: transfer of version 2 from sender at 127.0.0.1:\d+ failed"):
+                for i, _ in enumerate(receiver.receive(version=2)):
+                    if i == 0:
+                        os.kill(sender.pid, signal.SIGKILL)
+            assert time.monotonic() - t0 < 15
+            assert (receiver.version, receiver.failed_version, receiver.torn) == (1, 2, True)
+            # A new trainer process on the same address: the same receiver joins it by itself.
+            replacement = start(workers.run_sender, address, overrides, 1, [2], q)
+            got = {n: workers.digest(t) for n, t in receiver.receive(version=2)}
+            assert got == digests(big_weights(2))
+            assert (receiver.version, receiver.failed_version, receiver.torn) == (2, None, False)
+    finally:
+        stop([p for p in (sender, replacement) if p is not None])
+
+
+# ---------------------------------------------------------------------------- dropped connection
+class CuttingProxy:
+    """A TCP proxy for the control connection that cuts the first connection after forwarding
+    ``cut_after`` frames from the sender; later connections pass untouched."""
+
+    def __init__(self, target: str, cut_after: int) -> None:
+        self.target = target
+        self.cut_after = cut_after
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.connections = 0
+        self.cut = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            host, port = self.target.rsplit(":", 1)
+            upstream = socket.create_connection((host, int(port)))
+            first = self.connections == 1
+            threading.Thread(target=self._pump, args=(client, upstream, None), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, self.cut_after if first else None), daemon=True).start()
+
+    def _pump(self, src, dst, cut_after):
+        frames = 0
+        try:
+            while True:
+                header = src.recv(4, socket.MSG_WAITALL)
+                if len(header) < 4:
+                    break
+                body = src.recv(int.from_bytes(header, "big"), socket.MSG_WAITALL)
+                dst.sendall(header + body)
+                frames += 1
+                if cut_after is not None and frames >= cut_after:
+                    self.cut.set()
+                    break
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self):
+        self.listener.close()
+
+
+def test_dropped_control_connection_fails_both_sides_then_the_next_sync_is_exact():
+    overrides = config(timeout=20)
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 1) as sender:
+        # challenge, welcome, sync, go, then 3 bucket announcements (streamed source): cut.
+        proxy = CuttingProxy(sender.address, cut_after=7)
+        receiver = start(workers.run_resilient_receiver, proxy.address, 0, overrides, [1, 1], q)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(SyncError, match="receiver rank 0 .* disconnected|lost|closed"):
+                sender.send(IteratorSource(iter(big_weights(1).items())), version=1)
+            assert proxy.cut.is_set()
+            rank, status, message, held, attempted, torn = q.get(timeout=30)
+            assert (status, held, attempted, torn) == ("error", None, 1, True), message
+            assert time.monotonic() - t0 < 12  # both sides, long before their 20 s deadline
+            # The retry of the same version reconnects through a fresh connection.
+            sender.send(big_weights(1), version=1)
+            rank, version, got, held = q.get(timeout=60)
+            assert (version, held) == (1, 1) and got == digests(big_weights(1))
+            assert proxy.connections == 2
+        finally:
+            proxy.close()
+            stop([receiver])
+
+
+# ---------------------------------------------------------------------------- corrupted bytes
+def test_corrupted_bucket_is_caught_by_verification_naming_the_tensors(monkeypatch):
+    overrides = config("verify=crc32", "custom_backend_module=faulty_engine", backend="corrupting-nccl")
+    q = CTX.Queue()
+    weights = big_weights(1)
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
+        procs = [start(workers.run_resilient_receiver, sender.address, r, overrides, [1, 1], q) for r in range(2)]
+        try:
+            monkeypatch.setenv("WEIGHTSYNC_TEST_CORRUPT", "1")
+            with pytest.raises(RemoteFailure, match=r"failed verification \(crc32\) in 1 bucket\(s\) \[1\]; tensors affected: ") as failure:
+                sender.send(weights, version=1)
+            assert failure.value.ranks == [0, 1]
+            for _ in range(2):
+                rank, status, message, held, attempted, torn = q.get(timeout=30)
+                assert status == "error" and message.startswith("VerificationError") and (held, torn) == (None, True)
+            # The retry of the same version, undamaged, completes it on the same connections.
+            monkeypatch.delenv("WEIGHTSYNC_TEST_CORRUPT")
+            sender.send(weights, version=1)
+            for _ in range(2):
+                rank, version, got, held = q.get(timeout=30)
+                assert (version, held) == (1, 1) and got == digests(weights)
+        finally:
+            stop(procs)
+
+
+def test_verification_names_the_damaged_tensor_of_a_whole_tensor_bucket():
+    """In one process: corrupt the receiver's copy of a direct bucket; the message names it."""
+    from weightsync.plan import make_plan, TensorSpec
+    from weightsync.verify import checksum_fn
+
+    crc = checksum_fn("crc32")
+    t = torch.arange(1 << 19, dtype=torch.float32)  # 2 MiB: a bucket of its own
+    plan = make_plan([TensorSpec.of("layers.0.mlp.weight", t)], 1 << 20)
+    assert all(len(b.pieces) == 1 for b in plan.buckets)
+    sent = [crc(t.view(torch.uint8).reshape(-1)[b.pieces[0].tensor_offset:][: b.nbytes]) for b in plan.buckets]
+    damaged = t.clone()
+    damaged[-1] += 1
+    received = [(b, crc(damaged.view(torch.uint8).reshape(-1)[b.pieces[0].tensor_offset:][: b.nbytes])) for b in plan.buckets]
+    receiver = Receiver(EngineConfig.from_overrides(["backend=nccl", "verify=crc32"]), "127.0.0.1:1", 0)
+    message = receiver._verify(3, list(plan.tensors), received, sent)
+    assert message == "receiver rank 0: version 3 failed verification (crc32) in 1 bucket(s) [1]; tensors affected: layers.0.mlp.weight"
+    assert VerificationError.__mro__[1] is SyncError
+
+
+# ---------------------------------------------------------------------------- versions
+def test_stale_version_is_refused_unless_forced():
+    overrides = config(timeout=20)
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 1) as sender:
+        proc = start(workers.run_resilient_receiver, sender.address, 0, overrides, [None, None, None], q)
+        try:
+            sender.send(workers.make_weights(5), version=5)
+            assert q.get(timeout=60)[3] == 5  # the version the receiver holds
+            with pytest.raises(HandshakeError, match="version 3 is older than version 5, which this receiver holds"):
+                sender.send(workers.make_weights(3), version=3)
+            rank, status, message, held, attempted, torn = q.get(timeout=30)
+            assert (status, held, torn) == ("error", 5, False) and "force=True" in message
+            sender.send(workers.make_weights(3), version=3, force=True)  # a deliberate rollback
+            rank, version, got, held = q.get(timeout=30)
+            assert held == 3 and got == workers.expected_digests(3)
+        finally:
+            stop([proc])
+
+
+# ---------------------------------------------------------------------------- strangers
+def test_peer_with_a_wrong_secret_is_rejected_and_logged_while_the_sync_goes_on(monkeypatch, caplog):
+    overrides = config(timeout=20)
+    monkeypatch.setenv("WEIGHTSYNC_SECRET", "correct horse")  # children inherit it
+    q = CTX.Queue()
+    caplog.set_level(logging.WARNING, logger="weightsync.session")
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
+        # A stranger claiming rank 0 with the wrong secret, before the real receivers start.
+        stranger_config = EngineConfig.from_overrides([*overrides, "auth_secret=battery staple"])
+        stranger_error: list[Exception] = []
+
+        def stranger():
+            try:
+                Receiver(stranger_config, sender.address, 0).connect()
+            except Exception as e:
+                stranger_error.append(e)
+
+        intruder = threading.Thread(target=stranger, daemon=True)
+        intruder.start()
+        procs = [start(workers.run_resilient_receiver, sender.address, r, overrides, [1], q) for r in range(2)]
+        try:
+            sender.send(workers.make_weights(1), version=1)
+            for _ in range(2):
+                rank, version, got, held = q.get(timeout=60)
+                assert version == 1 and got == workers.expected_digests(1)
+            intruder.join(timeout=10)
+            assert "authentication failed" in str(stranger_error[0])
+            assert any("rejected connection from 127.0.0.1" in r.message and "authentication failed" in r.message
+                       for r in caplog.records)
+        finally:
+            stop(procs)
+
+
+def test_receiver_refuses_a_sender_without_the_secret(monkeypatch):
+    overrides = config(timeout=5)
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 1) as sender:
+        threading.Thread(target=lambda: _quietly(sender.connect), daemon=True).start()
+        receiver = Receiver(EngineConfig.from_overrides([*overrides, "auth_secret=s3cret"]), sender.address, 0)
+        with pytest.raises(HandshakeError, match="failed authentication: it does not hold the shared secret"):
+            receiver.connect()
+
+
+def _quietly(fn):
+    try:
+        fn()
+    except Exception:
+        pass
+
+
+def test_malformed_and_silent_strangers_do_not_delay_or_break_the_sync(caplog):
+    overrides = config(timeout=20)
+    q = CTX.Queue()
+    caplog.set_level(logging.WARNING, logger="weightsync.session")
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 1) as sender:
+        host, port = sender.address.rsplit(":", 1)
+        silent = socket.create_connection((host, int(port)))  # connects and says nothing
+        oversized = socket.create_connection((host, int(port)))
+        oversized.sendall((1 << 30).to_bytes(4, "big"))  # claims a 1 GiB hello
+        garbage = socket.create_connection((host, int(port)))
+        garbage.sendall(b"\x00\x00\x00\x05\xc1\xc1\xc1\xc1\xc1")  # 0xc1 is never valid msgpack
+        proc = start(workers.run_resilient_receiver, sender.address, 0, overrides, [1], q)
+        try:
+            t0 = time.monotonic()
+            sender.send(workers.make_weights(1), version=1)
+            assert time.monotonic() - t0 < 15  # not held up by the silent one's hello timeout
+            rank, version, got, held = q.get(timeout=30)
+            assert version == 1 and got == workers.expected_digests(1)
+            messages = " | ".join(r.message for r in caplog.records)
+            assert "limit 4096" in messages and "malformed message" in messages
+        finally:
+            for s in (silent, oversized, garbage):
+                s.close()
+            stop([proc])
