@@ -1,0 +1,55 @@
+"""Soak: 50 consecutive syncs with changing weights to 3 receivers, all bit-exact, with no
+growth in open descriptors, threads, shared-memory segments or memory beyond a bound."""
+
+import multiprocessing as mp
+import os
+
+import pytest
+
+from weightsync import EngineConfig, Sender
+
+import workers
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+CTX = mp.get_context("spawn")
+SYNCS = 50
+# Bounds on growth between the first sync and the last (after warm-up): descriptors and
+# threads must not grow at all beyond noise; memory may wobble with the allocator.
+FD_SLACK, THREAD_SLACK, RSS_SLACK_MB = 2, 1, 32
+
+
+@pytest.mark.parametrize("backend,verify", [("nccl", "xxh3"), ("shm", "off")])
+def test_fifty_syncs_to_three_receivers_stay_exact_and_flat(backend, verify):
+    overrides = [f"backend={backend}", "update_weights_bucket_megabytes=1", "timeout_s=60", f"verify={verify}"]
+    versions = list(range(1, SYNCS + 1))
+    q = CTX.Queue()
+    trainer = workers.Small(seed=3)
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 3) as sender:
+        procs = [CTX.Process(target=workers.run_soak_receiver, args=(sender.address, r, overrides, versions, q), daemon=True)
+                 for r in range(3)]
+        for p in procs:
+            p.start()
+        try:
+            usage = {}
+            for v in versions:
+                workers.bump_small(trainer, v)
+                sender.send(trainer, version=v)
+                expected = workers.module_digests(trainer)
+                for _ in range(3):
+                    rank, version, got, res = q.get(timeout=60)
+                    assert version == v and got == expected, f"receiver {rank} differs at version {v}"
+                    if res is not None:
+                        usage.setdefault(rank, []).append(res)
+                if v in (1, SYNCS):
+                    usage.setdefault("sender", []).append(workers.resources())
+            for who, (first, last) in usage.items():
+                assert last["fds"] - first["fds"] <= FD_SLACK, (who, first, last)
+                assert last["threads"] - first["threads"] <= THREAD_SLACK, (who, first, last)
+                assert last["rss_mb"] - first["rss_mb"] <= RSS_SLACK_MB, (who, first, last)
+            assert [n for n in os.listdir("/dev/shm") if "weightsync" in n] == []
+        finally:
+            for p in procs:
+                p.join(timeout=20)
+                if p.is_alive():
+                    p.kill()
