@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -86,6 +87,7 @@ class ReplicaReceiver:
     def status(self) -> dict[str, Any]:
         return {
             "rank": self.receiver.rank if self.receiver is not None else None,
+            "pid": os.getpid(),
             "version": self.version,
             "failed_version": self.failed_version,
             "mixed": self.mixed,

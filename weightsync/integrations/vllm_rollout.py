@@ -70,6 +70,12 @@ class LLMReplica:
         self.llm.wake_up(tags=["scheduling"])
 
     def release_kv_cache(self) -> None:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # vLLM 0.32's CPU worker refuses it ("Selective discard is not supported on
+            # CPU") and the engine then stops scheduling: refuse before touching it.
+            raise NotImplementedError("vLLM cannot release the KV cache on the CPU backend")
         self.llm.release_kv_cache_memory()
 
     def restore_kv_cache(self) -> None:
@@ -190,19 +196,22 @@ class VLLMRollout:
         failures: dict[str, str] = {}
         t0 = time.perf_counter()
         for r in self.replicas:
+            step = "pause"
             try:
                 r.pause(mode)
                 self._paused.add(r.name)
                 if release_kv_cache:
+                    step = "releasing the KV cache"  # vLLM 0.32 supports it on GPUs only
                     r.release_kv_cache()
             except Exception as e:
-                failures[r.name] = f"pause failed: {type(e).__name__}: {e}"
+                failures[r.name] = f"{step} failed: {type(e).__name__}: {e}"
         report.pause_s = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         sync_error: Exception | None = None
         statuses: dict[str, Any] = {}
-        if not failures:
+        futures_started = not failures
+        if futures_started:
             rpc_timeout = self.config.timeout_s * 2 + 30  # the receiver's own deadlines end first
             futures: dict[str, Future] = {
                 r.name: self._pool.submit(r.call, "weightsync_receive", version, timeout=rpc_timeout)
@@ -221,12 +230,15 @@ class VLLMRollout:
 
         t0 = time.perf_counter()
         for r in self.replicas:
-            rep = self._report(r, statuses.get(r.name), failures.get(r.name))
+            status = statuses.get(r.name)
+            if status is None and r.name in failures and not futures_started:
+                status = self._ask_status(r)  # the update stopped before the sync: weights untouched
+            rep = self._report(r, status, failures.get(r.name))
             if rep.ok and sync_error is not None and rep.version != version:
                 rep.ok = False
-            if not rep.mixed and r.name not in failures:
+            if not rep.mixed and r.name in self._paused:
                 try:  # its weights are one whole version: it may serve again
-                    if release_kv_cache:
+                    if release_kv_cache and r.name not in failures:
                         r.restore_kv_cache()
                     r.resume()
                     self._paused.discard(r.name)
@@ -246,8 +258,14 @@ class VLLMRollout:
         log.info("%s", report.summary())
         return report
 
+    def _ask_status(self, replica: Replica) -> list[dict[str, Any]] | None:
+        try:
+            return replica.call("weightsync_status", timeout=self.config.timeout_s)
+        except Exception:
+            return None
+
     def _report(self, replica: Replica, status: Any, failure: str | None) -> ReplicaReport:
-        if failure is not None or not status:
+        if not status:
             return ReplicaReport(replica.name, version=None, ok=False, error=failure or "no status")
         # One status per worker; the replica serves a version only if all its workers do.
         versions = {s.get("version") for s in status}
@@ -256,8 +274,8 @@ class VLLMRollout:
         return ReplicaReport(
             replica.name,
             version=None if mixed else versions.pop(),
-            ok=all(s.get("ok") for s in status),
-            error="; ".join(errors) or None,
+            ok=failure is None and all(s.get("ok", True) for s in status),
+            error=failure or "; ".join(errors) or None,
             failed_version=next((s["failed_version"] for s in status if s.get("failed_version") is not None), None),
             mixed=mixed,
             seconds=max(s.get("seconds", 0.0) for s in status),
