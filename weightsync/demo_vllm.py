@@ -107,9 +107,10 @@ def trainer_greedy(model: torch.nn.Module, prompts: list[list[int]], new_tokens:
 
 
 def train_until_changed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: list[int],
-                        before: list[list[int]], new_tokens: int, max_iters: int = 200) -> tuple[float, int]:
+                        before: list[list[int]], new_tokens: int, max_iters: int = 300) -> tuple[float, int]:
     """Train towards ``target`` after every prompt until the greedy outputs differ from
-    ``before`` and the last loss is low enough to make greedy decoding unambiguous."""
+    ``before`` and the loss is low enough that greedy decoding has no near ties (vLLM's CPU
+    kernels and transformers round differently; a near tie could flip either way)."""
     batch = torch.tensor([p[-3:] + target for p in PROMPTS])
     labels = batch.clone()
     labels[:, :3] = -100
@@ -120,7 +121,7 @@ def train_until_changed(model: torch.nn.Module, optimizer: torch.optim.Optimizer
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss = loss_t.item()
-        if it % 10 == 0 and loss < 0.5 and trainer_greedy(model, PROMPTS, new_tokens) != before:
+        if it % 10 == 0 and loss < 0.05 and trainer_greedy(model, PROMPTS, new_tokens) != before:
             return loss, it
     return loss, max_iters
 

@@ -166,13 +166,38 @@ def _worker_reload(worker: Any) -> Reload:
     """Load through the worker's ``reload_weights`` (checkpoint format, layerwise)."""
 
     def reload(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        model = worker.model_runner.get_model()
         try:
             worker.reload_weights(weights_iterator=weights)
         except BaseException:
-            _finalize(worker.model_runner.get_model(), worker.vllm_config)
+            _finalize(model, worker.vllm_config)
             raise
+        _reprocess_tied(model, worker.vllm_config)
 
     return reload
+
+
+def _reprocess_tied(model: torch.nn.Module, vllm_config: Any) -> None:
+    """Redo the post-load processing of modules whose weight is tied to an earlier one's.
+
+    vLLM's layerwise reload processes a layer when its own weights arrive. A tied lm_head
+    gets none (the checkpoint carries only the embedding), so where the backend keeps a
+    processed copy (the CPU backend packs linear weights into an opaque form, vLLM 0.32) it
+    would go on computing logits with the old weights although its parameter is new.
+    """
+    from vllm.config import set_current_vllm_config
+
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            owners.setdefault(id(weight), []).append(module)
+    with set_current_vllm_config(vllm_config):
+        for modules in owners.values():
+            for module in modules[1:]:
+                method = getattr(module, "quant_method", None)
+                if method is not None and hasattr(method, "process_weights_after_loading"):
+                    method.process_weights_after_loading(module)
 
 
 def _finalize(model: torch.nn.Module, vllm_config: Any) -> None:
@@ -297,6 +322,7 @@ def _engine_classes() -> tuple[type, type, type]:
                 except BaseException:
                     _finalize(self.model, self.vllm_config)
                     raise
+                _reprocess_tied(self.model, self.vllm_config)
 
             status = self.state.receive(update_info.version, reload)
             if not status["ok"]:
