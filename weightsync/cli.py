@@ -29,6 +29,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="any configuration key (repeatable), e.g. --set timeout_s=60")
     p.add_argument("--address", default="127.0.0.1:0", help="sender's control address (default: 127.0.0.1, a free port)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--rollout", choices=("process", "vllm"), default="process",
+                   help="rollout side: plain PyTorch processes (default) or vLLM replicas (needs weightsync[vllm])")
+    p.add_argument("--pause-mode", choices=("keep", "abort", "wait"), default="keep",
+                   help="--rollout vllm: what pausing does to in-flight requests (default: keep)")
 
 
 def _csv(kind):
@@ -120,9 +124,26 @@ def _config_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vllm_demo_command(args: argparse.Namespace) -> int:
+    from weightsync.demo_vllm import VLLMDemoOptions, run_vllm_demo
+
+    opts = VLLMDemoOptions(
+        model=args.model, replicas=args.receivers, steps=args.steps, bucket_mb=args.bucket_mb,
+        overrides=args.overrides, address=args.address, seed=args.seed, mode=args.pause_mode,
+    )
+    try:
+        run_vllm_demo(opts)
+    except Exception as e:
+        print(f"demo FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _demo_command(args: argparse.Namespace) -> int:
     from weightsync.demo import DemoOptions, run_demo
 
+    if args.rollout == "vllm":
+        return _vllm_demo_command(args)
     opts = DemoOptions(
         model=args.model, receivers=args.receivers, steps=args.steps, backend=args.backend,
         bucket_mb=args.bucket_mb, overrides=args.overrides, address=args.address, seed=args.seed,

@@ -1,0 +1,228 @@
+"""Real vLLM (CPU build) replicas as receivers: parity with the trainer, byte-equality with
+vLLM's own reload from disk, pause modes, vLLM's weight-transfer registry, a killed replica.
+
+Two replicas are started once for the module (about 20 s each on 2 cores); the tests run in
+file order and the last one kills a replica.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="needs the vllm extra: pip install weightsync[vllm]")
+
+from weightsync import EngineConfig, Sender  # noqa: E402
+from weightsync.demo_vllm import (  # noqa: E402
+    PROMPTS,
+    replica_greedy,
+    save_tiny_model,
+    start_replica,
+    train_until_changed,
+    trainer_greedy,
+    vllm_environment,
+)
+from weightsync.integrations.vllm_rollout import LLMReplica, ReplicaUpdateError, VLLMRollout  # noqa: E402
+from weightsync.sources import StateDictSource  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(240)]
+
+NEW = 8
+# vocab 5000 x hidden 64 x fp32 = 1.28 MB: the embedding and lm_head span two 1 MiB buckets.
+VOCAB = 5000
+TIMEOUT_S = 20
+OVERRIDES = ["backend=nccl", "update_weights_bucket_megabytes=1", f"timeout_s={TIMEOUT_S}"]
+
+
+class Setup:
+    def __init__(self, tmp: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        vllm_environment()
+        self.dir = save_tiny_model(os.path.join(tmp, "model"), seed=3, vocab_size=VOCAB)
+        self.tmp = tmp
+        self.model = AutoModelForCausalLM.from_pretrained(self.dir, dtype=torch.float32)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.gen = torch.Generator().manual_seed(7)
+        # B also has weightsync as its vLLM weight-transfer engine (the registry path).
+        self.llms = [
+            start_replica(self.dir, max_model_len=256),
+            start_replica(self.dir, max_model_len=256, weight_transfer_config={"backend": "weightsync"}),
+        ]
+        self.replicas = [LLMReplica(llm, name) for llm, name in zip(self.llms, ("A", "B"))]
+        self.rollout = VLLMRollout(self.replicas, OVERRIDES)
+        self.version = 0
+
+    def train(self) -> list[list[int]]:
+        """One training step that changes the greedy outputs; returns the new outputs."""
+        before = trainer_greedy(self.model, PROMPTS, NEW)
+        target = torch.randint(0, VOCAB, (NEW,), generator=self.gen).tolist()
+        train_until_changed(self.model, self.optimizer, target, before, NEW)
+        after = trainer_greedy(self.model, PROMPTS, NEW)
+        assert after != before
+        return after
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    s = Setup(str(tmp_path_factory.mktemp("vllm")))
+    yield s
+    s.rollout.close()
+    for llm in s.llms:
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+
+
+def prompt_logprobs(llm) -> list[list[float]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in outs]
+
+
+def test_two_versions_reach_both_replicas_with_greedy_parity(setup):
+    bucket = EngineConfig.from_overrides(OVERRIDES).bucket_bytes
+    assert max(t.nbytes for t in setup.model.state_dict().values()) > bucket  # split over buckets
+    for _ in range(2):
+        old = [replica_greedy(llm, PROMPTS, NEW) for llm in setup.llms]
+        expected = setup.train()
+        setup.version += 1
+        report = setup.rollout.update(setup.model, setup.version, mode="abort")
+        assert report.ok and report.stats.buckets >= 3
+        assert [(r.name, r.version, r.resumed) for r in report.replicas] == [("A", setup.version, True), ("B", setup.version, True)]
+        for llm, before in zip(setup.llms, old):
+            got = replica_greedy(llm, PROMPTS, NEW)
+            assert got == expected and got != before
+    assert [(r.name, r.version, r.mixed) for r in setup.rollout.status()] == [("A", 2, False), ("B", 2, False)]
+
+
+def test_kv_cache_release_refused_on_cpu_leaves_replicas_serving(setup):
+    """vLLM 0.32 frees KV cache memory only on GPUs: the update stops before the sync,
+    names the replicas, and both resume on their old version."""
+    served = [replica_greedy(llm, PROMPTS, NEW) for llm in setup.llms]
+    with pytest.raises(ReplicaUpdateError, match="releasing the KV cache failed") as info:
+        setup.rollout.update(setup.model, setup.version + 1, release_kv_cache=True)
+    assert [(r.version, r.resumed) for r in info.value.report.replicas] == [(setup.version, True)] * 2
+    assert [replica_greedy(llm, PROMPTS, NEW) for llm in setup.llms] == served
+
+
+def test_synced_replica_equals_vllm_reload_from_disk(setup):
+    """B reloads version N from a safetensors directory with vLLM's own reload_weights;
+    A gets version N through weightsync; their parameters, buffers and prompt logprobs are
+    identical."""
+    setup.train()
+    disk = os.path.join(setup.tmp, "from_disk")
+    setup.model.save_pretrained(disk)
+    a, b = setup.llms
+    seconds = b.collective_rpc("weightsync_reload_from_path", args=(disk,))[0]
+    from_disk = b.collective_rpc("weightsync_digests")[0]
+    disk_logprobs = prompt_logprobs(b)
+    before = a.collective_rpc("weightsync_digests")[0]
+    assert before != from_disk
+    setup.version += 1
+    report = setup.rollout.update(setup.model, setup.version)
+    synced = a.collective_rpc("weightsync_digests")[0]
+    assert synced.keys() == from_disk.keys() and len(synced) > 10
+    assert synced == from_disk
+    assert prompt_logprobs(a) == disk_logprobs
+    print(f"\nvLLM reload_weights from disk: {seconds:.3f} s; weightsync update: sync {report.sync_s:.3f} s")
+
+
+def test_keep_mode_carries_an_in_flight_request_across_the_update(setup):
+    from vllm import SamplingParams
+
+    a = setup.llms[0]
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    setup.train()
+    setup.version += 1
+    a.enqueue([{"prompt_token_ids": PROMPTS[0]}], long, use_tqdm=False)
+    report = setup.rollout.update(setup.model, setup.version, mode="keep")
+    assert report.ok
+    (out,) = a.wait_for_completion(use_tqdm=False)
+    assert out.finished and out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 200
+    # The same in abort mode ends the request instead.
+    setup.version += 1
+    a.enqueue([{"prompt_token_ids": PROMPTS[0]}], long, use_tqdm=False)
+    assert setup.rollout.update(setup.model, setup.version, mode="abort").ok
+    (out,) = a.wait_for_completion(use_tqdm=False)
+    assert out.outputs[0].finish_reason == "abort"
+
+
+def test_vllm_weight_transfer_registry_backend(setup):
+    """vLLM's own RL API (init_weight_transfer_engine, start/update/finish_weight_update)
+    with weightsync as the registered backend."""
+    b = setup.llms[1]
+    expected = setup.train()
+    config = EngineConfig.from_overrides(OVERRIDES)
+    with Sender(config, "127.0.0.1:0", num_receivers=1) as sender:
+        b.collective_rpc("init_weight_transfer_engine",
+                         args=({"address": sender.address, "rank_offset": 0, "overrides": OVERRIDES},))
+        b.collective_rpc("start_weight_update")
+        errors: list[BaseException] = []
+
+        def update() -> None:
+            try:
+                b.collective_rpc("update_weights", args=({"version": 100},))
+            except BaseException as e:
+                errors.append(e)
+
+        t = threading.Thread(target=update)
+        t.start()
+        stats = sender.send(setup.model, version=100)
+        t.join(timeout=60)
+        assert not errors and stats.version == 100
+        b.collective_rpc("finish_weight_update")
+        b.collective_rpc("shutdown_weight_transfer_engine")
+    assert replica_greedy(b, PROMPTS, NEW) == expected
+
+
+def test_replica_killed_during_a_sync_fails_fast_naming_it_and_the_other_keeps_serving(setup):
+    a, b = setup.llms
+    setup.version += 1
+    assert setup.rollout.update(setup.model, setup.version).ok  # both on the same version again
+    served = setup.version
+    old_outputs = replica_greedy(a, PROMPTS, NEW)
+    assert old_outputs == trainer_greedy(setup.model, PROMPTS, NEW)
+    setup.train()
+    victim = b.collective_rpc("weightsync_status")[0]["pid"]
+
+    class KillingSource(StateDictSource):
+        """The trainer's weights; B's worker is killed once the sync has started (the
+        replicas were paused and joined, the sender is about to handshake)."""
+
+        def specs(self):
+            os.kill(victim, signal.SIGKILL)
+            while _alive(victim):
+                time.sleep(0.05)
+            return super().specs()
+
+    t0 = time.monotonic()
+    with pytest.raises(ReplicaUpdateError, match=r"replica 'B' \(receiver rank 1\)") as info:
+        setup.rollout.update(KillingSource(dict(setup.model.state_dict())), served + 1)
+    assert time.monotonic() - t0 < TIMEOUT_S + 10
+    report = info.value.report
+    ra, rb = report.replicas
+    assert (rb.name, rb.ok, rb.version) == ("B", False, None)
+    assert (ra.name, ra.version, ra.mixed, ra.resumed) == ("A", served, False, True)
+    assert ra.failed_version == served + 1
+    assert replica_greedy(a, PROMPTS, NEW) == old_outputs
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a killed child of another process lingers as a zombie until reaped
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,359 @@
+"""vLLM replicas as weightsync receivers: the worker side.
+
+Every vLLM worker process of a replica joins the weightsync session as one receiver and
+streams each version, bucket by bucket, through vLLM's in-place reload path
+(``model_runner.reload_weights(weights_iterator=...)``). That path runs the model's own
+``load_weights`` (which fuses q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, ...)
+and redoes the post-load processing layer by layer (the CPU backend's repacking of linear
+weights, quantization), so no second full copy of the model is ever held: at most the
+tensors of the layers still being completed, plus weightsync's two transfer buckets.
+
+Two ways in, both from vLLM's own extension points:
+
+- ``worker_extension_cls="weightsync.integrations.vllm.WeightsyncWorkerExtension"``: methods
+  reached through ``LLM.collective_rpc`` (or the server's ``/collective_rpc``). The trainer
+  side in ``weightsync.integrations.vllm_rollout`` drives replicas this way.
+- ``weight_transfer_config={"backend": "weightsync"}``: vLLM's weight-transfer engine
+  registry (``vllm.distributed.weight_transfer``), reached through vLLM's RL API
+  (``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
+  ``finish_weight_update``, also as HTTP routes of the OpenAI-compatible server). The
+  engine is registered by this module's import and by the ``vllm.general_plugins`` entry
+  point, so every vLLM process knows it.
+
+Version semantics (reported by ``weightsync_status`` and after every receive):
+``version`` is the version whose weights the replica fully serves. A sync that fails
+before any tensor was applied leaves the weights and ``version`` as they were
+(``failed_version`` names the attempt). A sync that fails after some tensors were
+applied leaves a mix of two versions: ``version`` becomes None and ``mixed`` True until a
+later sync completes; such a replica should not serve (the trainer side keeps it paused).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from weightsync.config import EngineConfig
+from weightsync.endpoints import Receiver
+
+log = logging.getLogger("weightsync.vllm")
+
+#: The name of weightsync in vLLM's weight-transfer engine registry.
+BACKEND_NAME = "weightsync"
+
+Reload = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
+
+
+class ReplicaReceiver:
+    """One vLLM worker's receiver and the version state of the weights it serves.
+
+    Independent of how vLLM calls it: the worker extension and the weight-transfer engine
+    both hold one and pass their own ``reload`` (a call that loads an iterator of
+    checkpoint-format ``(name, tensor)`` into the running model).
+    """
+
+    def __init__(self) -> None:
+        self.receiver: Receiver | None = None
+        self.version: int | None = None
+        self.failed_version: int | None = None
+        self.mixed = False
+        self.last: dict[str, Any] = {}
+
+    def open(self, address: str, rank: int, overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
+        """Create the receiver (it connects at the first sync). Idempotent for one address/rank."""
+        config = (
+            EngineConfig.from_dict(overrides) if isinstance(overrides, dict) else EngineConfig.from_overrides(list(overrides))
+        )
+        if self.receiver is not None:
+            if (self.receiver.address, self.receiver.rank) == (address, rank):
+                return self.status()
+            self.receiver.close()
+        self.receiver = Receiver(config, address, rank)
+        return self.status()
+
+    def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "rank": self.receiver.rank if self.receiver is not None else None,
+            "pid": os.getpid(),
+            "version": self.version,
+            "failed_version": self.failed_version,
+            "mixed": self.mixed,
+            **self.last,
+        }
+
+    def receive(self, version: int, reload: Reload) -> dict[str, Any]:
+        """Receive ``version`` and load it through ``reload``; return the status.
+
+        Never raises for a failed sync: the status says what happened (``ok``, ``error``),
+        so the trainer gets every replica's account, not just the first exception.
+        """
+        if self.receiver is None:
+            raise RuntimeError("weightsync receiver not initialized: call weightsync_init first")
+        start = time.perf_counter()
+        items = self.receiver.receive(version)
+        applied = 0
+        error: BaseException | None = None
+        try:
+            # The handshake happens here: if it fails, the model was not touched.
+            first = next(items, None)
+        except Exception as e:
+            error, first = e, None
+        load_s = 0.0
+        if first is not None:
+
+            def stream() -> Iterator[tuple[str, torch.Tensor]]:
+                nonlocal applied, error
+                item: tuple[str, torch.Tensor] | None = first
+                while item is not None:
+                    name, tensor = item
+                    # vLLM's layerwise reload keeps each tensor until its whole layer has
+                    # arrived, and ours are views of a reused transfer buffer: hand it a copy
+                    # (held only until that layer is processed).
+                    yield name, tensor.clone()
+                    applied += 1
+                    try:
+                        item = next(items, None)
+                    except Exception as e:
+                        # End the stream cleanly so that vLLM finalizes the reload (layers that
+                        # got nothing keep their tensors) instead of leaving them half set up.
+                        error = e
+                        return
+
+            t0 = time.perf_counter()
+            try:
+                reload(stream())
+            except Exception as e:  # the model's loader refused a tensor
+                error = error or e
+                try:
+                    items.throw(e)  # let the receiver drain the sync and tell the sender
+                except Exception:
+                    pass
+            load_s = time.perf_counter() - t0
+        stats = self.receiver.last_stats
+        if error is None:
+            self.version, self.failed_version, self.mixed = version, None, False
+        else:
+            self.failed_version = version
+            if applied:
+                self.version, self.mixed = None, True
+            log.warning("weightsync: version %s failed after %d tensor(s): %s", version, applied, error)
+        self.last = {
+            "ok": error is None,
+            "error": None if error is None else f"{type(error).__name__}: {error}",
+            "applied": applied,
+            "tensors": stats.tensors if stats is not None and error is None else applied,
+            "bytes": stats.bytes if stats is not None and error is None else 0,
+            "seconds": time.perf_counter() - start,
+            "load_s": load_s,
+        }
+        return self.status()
+
+
+def _worker_reload(worker: Any) -> Reload:
+    """Load through the worker's ``reload_weights`` (checkpoint format, layerwise)."""
+
+    def reload(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        model = worker.model_runner.get_model()
+        try:
+            worker.reload_weights(weights_iterator=weights)
+        except BaseException:
+            _finalize(model, worker.vllm_config)
+            raise
+        _reprocess_tied(model, worker.vllm_config)
+
+    return reload
+
+
+def _reprocess_tied(model: torch.nn.Module, vllm_config: Any) -> None:
+    """Redo the post-load processing of modules whose weight is tied to an earlier one's.
+
+    vLLM's layerwise reload processes a layer when its own weights arrive. A tied lm_head
+    gets none (the checkpoint carries only the embedding), so where the backend keeps a
+    processed copy (the CPU backend packs linear weights into an opaque form, vLLM 0.32) it
+    would go on computing logits with the old weights although its parameter is new.
+    """
+    from vllm.config import set_current_vllm_config
+
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            owners.setdefault(id(weight), []).append(module)
+    with set_current_vllm_config(vllm_config):
+        for modules in owners.values():
+            for module in modules[1:]:
+                method = getattr(module, "quant_method", None)
+                if method is not None and hasattr(method, "process_weights_after_loading"):
+                    method.process_weights_after_loading(module)
+
+
+def _finalize(model: torch.nn.Module, vllm_config: Any) -> None:
+    """After a reload that raised: put every layer back on its own tensors (vLLM moved
+    them to the meta device for loading), so the replica still runs."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    try:
+        with set_current_vllm_config(vllm_config):
+            finalize_layerwise_reload(model, vllm_config.model_config)
+    except Exception:  # best effort: the original error is the one to report
+        log.exception("weightsync: could not finalize the interrupted reload")
+
+
+def tensor_digests(model: torch.nn.Module) -> dict[str, str]:
+    """``dtype|shape|blake2b`` of every parameter and buffer of ``model``, by name."""
+    out: dict[str, str] = {}
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for name, t in named:
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+        out[name] = f"{t.dtype}|{tuple(t.shape)}|{hashlib.blake2b(data, digest_size=16).hexdigest()}"
+    return out
+
+
+class WeightsyncWorkerExtension:
+    """Mixed into vLLM's worker class via ``worker_extension_cls``; call through
+    ``llm.collective_rpc("weightsync_...", args=(...))``. Every method runs in every worker
+    of the replica; results come back one per worker."""
+
+    def _weightsync(self) -> ReplicaReceiver:
+        state = getattr(self, "_weightsync_state", None)
+        if state is None:
+            state = self._weightsync_state = ReplicaReceiver()
+        return state
+
+    def weightsync_init(self, address: str, rank_offset: int, overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
+        """Join the sender at ``address`` as receiver ``rank_offset + this worker's rank``."""
+        return self._weightsync().open(address, rank_offset + int(getattr(self, "rank", 0)), overrides)
+
+    def weightsync_receive(self, version: int) -> dict[str, Any]:
+        """Receive ``version`` into the running model; return this worker's status."""
+        return self._weightsync().receive(version, _worker_reload(self))
+
+    def weightsync_status(self) -> dict[str, Any]:
+        """The version this worker serves, the last failed one, and the last sync's figures."""
+        return self._weightsync().status()
+
+    def weightsync_close(self) -> None:
+        """Leave the session (the engine keeps serving its current weights)."""
+        self._weightsync().close()
+
+    def weightsync_digests(self) -> dict[str, str]:
+        """Digests of the running model's parameters and buffers, as vLLM holds them."""
+        return tensor_digests(self.model_runner.get_model())
+
+    def weightsync_reload_from_path(self, path: str) -> float:
+        """vLLM's own reload from a weights directory on disk; returns its seconds (the
+        baseline that weightsync's sync is measured against)."""
+        t0 = time.perf_counter()
+        self.reload_weights(weights_path=path)
+        return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------- weight-transfer engine
+@functools.cache
+def _engine_classes() -> tuple[type, type, type]:
+    """Built on first use: vLLM is imported only where it is installed and wanted."""
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+
+    @dataclass
+    class WeightsyncInitInfo(WeightTransferInitInfo):
+        """``init_weight_transfer_engine(init_info={...})``: where the sender listens,
+        this replica's first receiver rank, and weightsync configuration overrides."""
+
+        address: str
+        rank_offset: int = 0
+        overrides: list[str] = field(default_factory=list)
+
+    @dataclass
+    class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
+        """``update_weights(update_info={"version": N})``: the version to receive."""
+
+        version: int
+
+    class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
+        """vLLM weight-transfer engine ``weightsync``: one ``update_weights`` call receives a
+        whole version through weightsync and reloads it in place (layerwise), so
+        ``start_weight_update`` and ``finish_weight_update`` have nothing to do."""
+
+        init_info_cls = WeightsyncInitInfo
+        update_info_cls = WeightsyncUpdateInfo
+        supports_draft_weight_update = False
+
+        def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+            super().__init__(config, vllm_config, device, model)
+            self.state = ReplicaReceiver()
+
+        def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
+            import torch.distributed as dist
+
+            local = dist.get_rank() if dist.is_initialized() else 0  # this worker in its replica
+            self.state.open(init_info.address, init_info.rank_offset + local, init_info.overrides)
+
+        def start_weight_update(self) -> None:
+            pass
+
+        def finish_weight_update(self) -> None:
+            pass
+
+        def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
+            from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+            def reload(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+                try:
+                    reload_weights(self.vllm_config, self.model, weights_iterator=weights,
+                                   weights_path=None, is_checkpoint_format=True)
+                except BaseException:
+                    _finalize(self.model, self.vllm_config)
+                    raise
+                _reprocess_tied(self.model, self.vllm_config)
+
+            status = self.state.receive(update_info.version, reload)
+            if not status["ok"]:
+                raise RuntimeError(f"weightsync: version {update_info.version} failed: {status['error']}")
+
+        def shutdown(self) -> None:
+            self.state.close()
+
+    return WeightsyncInitInfo, WeightsyncUpdateInfo, WeightsyncTransferEngine
+
+
+def __getattr__(name: str) -> Any:
+    classes = dict(zip(("WeightsyncInitInfo", "WeightsyncUpdateInfo", "WeightsyncTransferEngine"), _engine_classes()))
+    if name in classes:
+        return classes[name]
+    raise AttributeError(name)
+
+
+def register() -> None:
+    """Register ``weightsync`` in vLLM's weight-transfer engine registry (idempotent).
+
+    Run by this module's import and by vLLM's plugin loader (entry point
+    ``vllm.general_plugins``), so worker processes know the backend before they build
+    their engine.
+    """
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:  # vLLM not installed: the trainer side does not need it
+        return
+    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND_NAME, __name__, "WeightsyncTransferEngine")
+
+
+register()

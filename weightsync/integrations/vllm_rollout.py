@@ -1,0 +1,316 @@
+"""vLLM replicas as the rollout side: the trainer's update call.
+
+    rollout = VLLMRollout([LLMReplica(llm_a), LLMReplica(llm_b)], ["backend=nccl"])
+    report = rollout.update(model, version=step, mode="keep")   # pause, sync, resume
+    print(report.summary())
+
+Each replica is a vLLM engine started with
+``worker_extension_cls="weightsync.integrations.vllm.WeightsyncWorkerExtension"``; each of its
+workers is one weightsync receiver. ``update`` pauses generation on every replica (``abort``
+drops in-flight requests, ``keep`` freezes them and they continue after the resume),
+optionally releases the KV cache, syncs the version through one weightsync ``Sender`` while
+every replica receives it, and resumes. Every replica reports the version it serves. A
+failed update raises ``ReplicaUpdateError`` naming each failed replica and carrying the
+full report; replicas whose weights are intact (their old version) are resumed, replicas
+left with a mix of two versions stay paused until a later update succeeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from weightsync.config import EngineConfig
+from weightsync.endpoints import Sender
+from weightsync.session import SyncError, SyncStats
+
+log = logging.getLogger("weightsync.vllm")
+
+EXTENSION = "weightsync.integrations.vllm.WeightsyncWorkerExtension"
+
+PauseMode = Literal["abort", "keep", "wait"]
+PAUSE_MODES: tuple[str, ...] = ("abort", "keep", "wait")
+
+
+class Replica(Protocol):
+    """One inference engine, as the update call needs it. ``LLMReplica`` wraps vLLM's
+    offline ``LLM``; a server-backed replica implements the same methods over HTTP."""
+
+    name: str
+
+    def workers(self) -> int: ...
+    def pause(self, mode: PauseMode) -> None: ...
+    def resume(self) -> None: ...
+    def release_kv_cache(self) -> None: ...
+    def restore_kv_cache(self) -> None: ...
+    def call(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]: ...
+
+
+class LLMReplica:
+    """A ``vllm.LLM`` (started with ``worker_extension_cls=EXTENSION``) as a replica.
+
+    Pausing is vLLM's level-0 sleep (scheduling only: weights and KV cache stay);
+    ``release_kv_cache`` frees the KV cache memory until ``restore_kv_cache``.
+    """
+
+    def __init__(self, llm: Any, name: str | None = None) -> None:
+        self.llm = llm
+        self.name = name or f"vllm-{id(llm):x}"
+
+    def workers(self) -> int:
+        return int(self.llm.llm_engine.vllm_config.parallel_config.world_size)
+
+    def pause(self, mode: PauseMode) -> None:
+        self.llm.sleep(level=0, mode=mode)
+
+    def resume(self) -> None:
+        self.llm.wake_up(tags=["scheduling"])
+
+    def release_kv_cache(self) -> None:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # vLLM 0.32's CPU worker refuses it ("Selective discard is not supported on
+            # CPU") and the engine then stops scheduling: refuse before touching it.
+            raise NotImplementedError("vLLM cannot release the KV cache on the CPU backend")
+        self.llm.release_kv_cache_memory()
+
+    def restore_kv_cache(self) -> None:
+        self.llm.wake_up(tags=["kv_cache"])
+
+    def call(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        return self.llm.collective_rpc(method, timeout=timeout, args=args)
+
+
+@dataclass
+class ReplicaReport:
+    """One replica's account of an update (or of its current state)."""
+
+    name: str
+    #: the version whose weights it fully serves (None: never synced, or a mix after a failure)
+    version: int | None
+    ok: bool
+    error: str | None = None
+    #: the version of the last failed attempt, if the latest attempt failed
+    failed_version: int | None = None
+    #: weights are a mix of two versions (a sync failed after applying some tensors)
+    mixed: bool = False
+    #: whether generation was resumed after the update
+    resumed: bool = False
+    #: seconds the replica spent receiving and reloading
+    seconds: float = 0.0
+    bytes: int = 0
+
+
+@dataclass
+class UpdateReport:
+    """Timing and outcome of one ``VLLMRollout.update``."""
+
+    version: int
+    pause_s: float = 0.0
+    sync_s: float = 0.0
+    resume_s: float = 0.0
+    stats: SyncStats | None = None
+    replicas: list[ReplicaReport] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.replicas) and all(r.ok and r.version == self.version for r in self.replicas)
+
+    @property
+    def gbps(self) -> float:
+        """Payload GB/s of the sync (bytes sent once, broadcast to every replica)."""
+        return self.stats.bytes / self.sync_s / 1e9 if self.stats is not None and self.sync_s > 0 else 0.0
+
+    def summary(self) -> str:
+        parts = [f"version {self.version}: pause {self.pause_s:.3f} s, sync {self.sync_s:.3f} s, "
+                 f"resume {self.resume_s:.3f} s, {self.gbps:.2f} GB/s"]
+        for r in self.replicas:
+            parts.append(f"{r.name}: " + (f"serves version {r.version}" if r.ok else f"FAILED ({r.error}); serves {r.version}"))
+        return "; ".join(parts)
+
+
+class ReplicaUpdateError(SyncError):
+    """An update that did not reach every replica; ``report`` has every replica's account."""
+
+    def __init__(self, message: str, report: UpdateReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class VLLMRollout:
+    """The trainer side for a set of vLLM replicas: one ``Sender``, one receiver per worker.
+
+    Args:
+        replicas: the engines, each started with ``worker_extension_cls=EXTENSION``.
+        config: weightsync configuration (an ``EngineConfig`` or overrides such as
+            ``["backend=nccl", "update_weights_bucket_megabytes=256"]``); the replicas get
+            the same. The colocated ``naive`` backend cannot reach other processes.
+        address: where the sender listens (``host:port``; port 0 picks a free one).
+        wire_dtype: cast floating weights to this dtype for the wire (e.g. bf16 replicas
+            fed from fp32 master weights).
+    """
+
+    def __init__(self, replicas: list[Replica], config: EngineConfig | list[str], *,
+                 address: str = "127.0.0.1:0", wire_dtype: Any = None) -> None:
+        if not replicas:
+            raise ValueError("VLLMRollout needs at least one replica")
+        names = [r.name for r in replicas]
+        if len(set(names)) != len(names):
+            raise ValueError(f"replica names must be unique, got {names}")
+        self.config = config if isinstance(config, EngineConfig) else EngineConfig.from_overrides(config)
+        if self.config.backend == "naive":
+            raise ValueError("backend 'naive' hands tensors over inside one process; vLLM workers are other "
+                             "processes: use backend=nccl (Gloo on CPU) or another transport")
+        self.replicas = list(replicas)
+        self._first_rank: dict[str, int] = {}
+        rank = 0
+        for r in self.replicas:
+            self._first_rank[r.name] = rank
+            rank += r.workers()
+        self.sender = Sender(self.config, address, num_receivers=rank, wire_dtype=wire_dtype)
+        self._pool = ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="weightsync-replica")
+        overrides = [f"{k}={'null' if v is None else v}" for k, v in self.config.to_flat().items()]
+        for r in self.replicas:
+            r.call("weightsync_init", self.sender.address, self._first_rank[r.name], overrides,
+                   timeout=self.config.timeout_s)
+        self._paused: set[str] = set()
+
+    # ------------------------------------------------------------------ the update
+    def update(self, source: Any, version: int, *, mode: PauseMode = "keep",
+               release_kv_cache: bool = False) -> UpdateReport:
+        """Pause every replica, sync ``version`` from ``source``, resume; return the report.
+
+        ``source``: an ``nn.Module``, a state dict or ``(name, tensor)`` iterable in
+        checkpoint (Hugging Face) names. ``mode``: ``keep`` freezes in-flight requests and
+        continues them after the resume, ``abort`` drops them, ``wait`` lets them finish
+        first. Raises ``ReplicaUpdateError`` (naming every failed replica) if any replica
+        does not end on ``version``.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode={mode!r}: expected one of {', '.join(PAUSE_MODES)}")
+        report = UpdateReport(version)
+        failures: dict[str, str] = {}
+        t0 = time.perf_counter()
+        for r in self.replicas:
+            step = "pause"
+            try:
+                r.pause(mode)
+                self._paused.add(r.name)
+                if release_kv_cache:
+                    step = "releasing the KV cache"  # vLLM 0.32 supports it on GPUs only
+                    r.release_kv_cache()
+            except Exception as e:
+                failures[r.name] = f"{step} failed: {type(e).__name__}: {e}"
+        report.pause_s = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        sync_error: Exception | None = None
+        statuses: dict[str, Any] = {}
+        futures_started = not failures
+        if futures_started:
+            rpc_timeout = self.config.timeout_s * 2 + 30  # the receiver's own deadlines end first
+            futures: dict[str, Future] = {
+                r.name: self._pool.submit(r.call, "weightsync_receive", version, timeout=rpc_timeout)
+                for r in self.replicas
+            }
+            try:
+                report.stats = self.sender.send(source, version)
+            except Exception as e:
+                sync_error = e
+            for name, fut in futures.items():
+                try:
+                    statuses[name] = fut.result(timeout=rpc_timeout + 10)
+                except Exception as e:  # the replica itself went away or the call timed out
+                    failures[name] = f"{type(e).__name__}: {e}".strip()
+        report.sync_s = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        for r in self.replicas:
+            status = statuses.get(r.name)
+            if status is None and r.name in failures and not futures_started:
+                status = self._ask_status(r)  # the update stopped before the sync: weights untouched
+            rep = self._report(r, status, failures.get(r.name))
+            if rep.ok and sync_error is not None and rep.version != version:
+                rep.ok = False
+            if not rep.mixed and r.name in self._paused:
+                try:  # its weights are one whole version: it may serve again
+                    if release_kv_cache and r.name not in failures:
+                        r.restore_kv_cache()
+                    r.resume()
+                    self._paused.discard(r.name)
+                    rep.resumed = True
+                except Exception as e:
+                    rep.ok, rep.error = False, rep.error or f"resume failed: {type(e).__name__}: {e}"
+            report.replicas.append(rep)
+        report.resume_s = time.perf_counter() - t0
+
+        if not report.ok:
+            bad = [r for r in report.replicas if not (r.ok and r.version == version)]
+            lines = [f"replica {r.name!r} (receiver rank {self._first_rank[r.name]}): {r.error or 'not updated'}; "
+                     f"serves {'a mix of versions (kept paused)' if r.mixed else f'version {r.version}'}" for r in bad]
+            if sync_error is not None:
+                lines.append(f"sender: {self._name_ranks(str(sync_error))}")
+            raise ReplicaUpdateError(f"update to version {version} failed: " + "; ".join(lines), report)
+        log.info("%s", report.summary())
+        return report
+
+    def _ask_status(self, replica: Replica) -> list[dict[str, Any]] | None:
+        try:
+            return replica.call("weightsync_status", timeout=self.config.timeout_s)
+        except Exception:
+            return None
+
+    def _report(self, replica: Replica, status: Any, failure: str | None) -> ReplicaReport:
+        if not status:
+            return ReplicaReport(replica.name, version=None, ok=False, error=failure or "no status")
+        # One status per worker; the replica serves a version only if all its workers do.
+        versions = {s.get("version") for s in status}
+        errors = [s["error"] for s in status if s.get("error")]
+        mixed = any(s.get("mixed") for s in status) or len(versions) > 1
+        return ReplicaReport(
+            replica.name,
+            version=None if mixed else versions.pop(),
+            ok=failure is None and all(s.get("ok", True) for s in status),
+            error=failure or "; ".join(errors) or None,
+            failed_version=next((s["failed_version"] for s in status if s.get("failed_version") is not None), None),
+            mixed=mixed,
+            seconds=max(s.get("seconds", 0.0) for s in status),
+            bytes=sum(s.get("bytes", 0) for s in status),
+        )
+
+    def _name_ranks(self, message: str) -> str:
+        """Add the replica's name after every ``receiver rank N`` in a sender error."""
+        for r in self.replicas:
+            first = self._first_rank[r.name]
+            for k in range(first, first + r.workers()):
+                message = message.replace(f"receiver rank {k} ", f"receiver rank {k} (replica {r.name!r}) ")
+        return message
+
+    # ------------------------------------------------------------------ state
+    def status(self) -> list[ReplicaReport]:
+        """Every replica's current version (asked from its workers)."""
+        out = []
+        for r in self.replicas:
+            try:
+                st = r.call("weightsync_status", timeout=self.config.timeout_s)
+                rep = self._report(r, st, None)
+                rep.ok = rep.version is not None and not rep.mixed
+                out.append(rep)
+            except Exception as e:
+                out.append(ReplicaReport(r.name, version=None, ok=False, error=f"{type(e).__name__}: {e}"))
+        return out
+
+    def close(self) -> None:
+        """Close the sender; replicas keep serving their current weights."""
+        self.sender.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> VLLMRollout:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
