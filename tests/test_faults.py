@@ -2,7 +2,6 @@
 state afterwards. See docs/reliability.md for the promise each case proves."""
 
 import logging
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -17,24 +16,9 @@ from weightsync.session import RemoteFailure
 from weightsync.sources import IteratorSource
 
 import workers
+from procs import CTX, free_port, start, stop
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
-
-CTX = mp.get_context("spawn")
-
-
-def start(target, *args):
-    p = CTX.Process(target=target, args=args, daemon=True)
-    p.start()
-    return p
-
-
-def stop(procs):
-    for p in procs:  # only the children this test started
-        p.join(timeout=20)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
 
 
 def config(*extra, backend="nccl", timeout=30):
@@ -80,12 +64,6 @@ def test_receiver_sigkilled_mid_sync_then_survivors_sync_bit_exact(backend):
                 assert (version, held) == (2, 2) and got == digests(big_weights(2))
         finally:
             stop([victim, *survivors])
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sender_sigkilled_mid_sync_then_a_new_sender_completes_the_version():

@@ -2,7 +2,6 @@
 versions, failures that name the peer within the deadline."""
 
 import asyncio
-import multiprocessing as mp
 import os
 import shutil
 import socket
@@ -18,10 +17,10 @@ from weightsync.session import RemoteFailure
 from weightsync.sources import IteratorSource
 
 import workers
+from procs import CTX, collect, free_port, start, stop
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-CTX = mp.get_context("spawn")
 BASE = ["backend=nccl", "update_weights_bucket_megabytes=1", "timeout_s=60"]
 # The transports the data-path tests run on: collective broadcast (Gloo) and shared memory.
 TRANSPORTS = ["nccl", "shm"]
@@ -29,27 +28,6 @@ TRANSPORTS = ["nccl", "shm"]
 
 def base(backend):
     return [f"backend={backend}"] + BASE[1:]
-
-
-def start(target, *args):
-    p = CTX.Process(target=target, args=args, daemon=True)
-    p.start()
-    return p
-
-
-def collect(q, n, timeout=90):
-    out = []
-    for _ in range(n):
-        out.append(q.get(timeout=timeout))
-    return out
-
-
-def stop(procs):
-    for p in procs:  # only the children this test started
-        p.join(timeout=20)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
 
 
 @pytest.mark.parametrize("backend", TRANSPORTS)
@@ -113,12 +91,6 @@ def test_iterator_source_streams_buckets_without_specs_up_front(backend):
                 assert version == 5 and got == workers.expected_digests(5)
         finally:
             stop(procs)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_trainer_ranks_only_rank_zero_sends():
