@@ -18,6 +18,7 @@ left with a mix of two versions stay paused until a later update succeeds.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -133,6 +134,27 @@ class UpdateReport:
         return "; ".join(parts)
 
 
+def _within(fn: Any, timeout_s: float, what: str) -> Any:
+    """Run an engine call with a deadline: an engine whose worker died may never answer.
+    The call runs in a daemon thread, which is left behind if it does not return."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=run, name="weightsync-engine-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not return within {timeout_s:.0f} s")
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
 class ReplicaUpdateError(SyncError):
     """An update that did not reach every replica; ``report`` has every replica's account."""
 
@@ -198,7 +220,7 @@ class VLLMRollout:
         for r in self.replicas:
             step = "pause"
             try:
-                r.pause(mode)
+                _within(lambda r=r: r.pause(mode), self.config.timeout_s, f"pausing replica {r.name!r}")
                 self._paused.add(r.name)
                 if release_kv_cache:
                     step = "releasing the KV cache"  # vLLM 0.32 supports it on GPUs only
@@ -236,11 +258,13 @@ class VLLMRollout:
             rep = self._report(r, status, failures.get(r.name))
             if rep.ok and sync_error is not None and rep.version != version:
                 rep.ok = False
-            if not rep.mixed and r.name in self._paused:
-                try:  # its weights are one whole version: it may serve again
+            # Resume only a replica whose workers answered and hold one whole version; one
+            # that did not answer (its worker died) would not answer the resume either.
+            if status is not None and not rep.mixed and r.name in self._paused:
+                try:
                     if release_kv_cache and r.name not in failures:
-                        r.restore_kv_cache()
-                    r.resume()
+                        _within(r.restore_kv_cache, self.config.timeout_s, f"restoring the KV cache of {r.name!r}")
+                    _within(r.resume, self.config.timeout_s, f"resuming replica {r.name!r}")
                     self._paused.discard(r.name)
                     rep.resumed = True
                 except Exception as e:
