@@ -190,6 +190,7 @@ class Sender:
         self._engine: Engine | None = None
         self._channels: dict[int, Channel] = {}
         self._acked_plan: dict[int, str] = {}
+        self._sending: int | None = None  # the version in transfer, for messages
         if self.rank == 0 and not self.engine_cls.colocated:  # only rank 0 sends over a transport
             self._server = ControlServer(address)
             self.address = self._server.address
@@ -229,7 +230,7 @@ class Sender:
         dead = [r for r, ch in self._channels.items() if ch.is_dead()]
         if dead:
             names = ", ".join(self._channels[r].peer for r in dead)
-            raise PeerLost(f"{names} disconnected during the transfer", ranks=dead)
+            raise PeerLost(f"{names} disconnected during the transfer of version {self._sending}", ranks=dead)
 
     def _group_rank(self, rank: int) -> int:
         """A receiver's rank in the data-plane group: its place among the members, after 0."""
@@ -302,6 +303,7 @@ class Sender:
 
         self.connect()  # waiting for receivers to start is not part of the sync's time
         start = time.perf_counter()
+        self._sending = version
         assert self._engine is not None
         specs = src.specs()
         plan = make_plan(specs, self.config.bucket_bytes) if specs is not None else None
