@@ -77,6 +77,23 @@ def test_modules_load_in_place_with_tied_weights_and_rebuilt_groups():
 
 
 @pytest.mark.parametrize("backend", TRANSPORTS)
+def test_owned_tensors_stay_valid_after_the_sync(backend):
+    """receive(owned=True): every tensor kept until the end still holds its own bytes
+    (large ones landed in new tensors, packed ones copied out of the reused buffers)."""
+    q = CTX.Queue()
+    overrides = base(backend)
+    weights = workers.big_weights(4)
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
+        procs = [start(workers.run_receiver, sender.address, r, overrides, [4], q, None, True) for r in range(2)]
+        try:
+            sender.send(weights, version=4)
+            for rank, version, got, held in collect(q, 2):
+                assert version == 4 and got == {n: workers.digest(t.contiguous()) for n, t in weights.items()}
+        finally:
+            stop(procs)
+
+
+@pytest.mark.parametrize("backend", TRANSPORTS)
 def test_iterator_source_streams_buckets_without_specs_up_front(backend):
     q = CTX.Queue()
     overrides = base(backend)

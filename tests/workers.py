@@ -37,19 +37,24 @@ def expected_digests(version: int) -> dict[str, str]:
     return {n: digest(t.contiguous()) for n, t in make_weights(version).items()}
 
 
-def run_receiver(address, rank, overrides, versions, queue, die_after_tensors=None):
+def run_receiver(address, rank, overrides, versions, queue, die_after_tensors=None, owned=False):
     """Receive each version and report ``(rank, version, digests, receiver.version)``;
-    on error report ``(rank, "error", message, receiver.version)``."""
+    on error report ``(rank, "error", message, receiver.version)``. ``owned``: keep every
+    tensor received and take the digests only at the end (proving none was overwritten)."""
     torch.set_num_threads(1)
     receiver = None
     try:
         receiver = Receiver(EngineConfig.from_overrides(overrides), address, rank)
         for v in versions:
-            got = {}
-            for name, t in receiver.receive(version=v):
+            got, kept = {}, {}
+            for name, t in receiver.receive(version=v, owned=owned):
+                if owned:
+                    kept[name] = t
                 got[name] = digest(t)
                 if die_after_tensors is not None and len(got) >= die_after_tensors:
                     os._exit(9)  # a crash in the middle of a sync
+            if owned:
+                got = {name: digest(t) for name, t in kept.items()}
             queue.put((rank, v, got, receiver.version))
     except Exception as e:
         queue.put((rank, "error", f"{type(e).__name__}: {e}", receiver.version if receiver else None))

@@ -509,15 +509,17 @@ class Receiver:
         self.close()
 
     # ------------------------------------------------------------------ public sync API
-    def receive(self, version: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def receive(self, version: int | None = None, *, owned: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Receive one weight version, yielding ``(name, tensor)``.
 
         ``version``: the version expected (a different one fails on both sides); None
         takes whatever the sender sends. A yielded tensor may be a view into a transfer
-        buffer: it is valid until the next item is requested, so copy what you keep.
+        buffer: it is valid until the next item is requested, so copy what you keep; or
+        pass ``owned=True`` to get tensors you may keep (a large tensor is then received
+        straight into a new tensor where the backend allows, not copied twice).
         Stopping early (``break``) drains the rest and marks the version as failed.
         """
-        return self._sync(version, sink=None)
+        return self._sync(version, sink=None, owned=owned)
 
     def load_into(self, module: torch.nn.Module, version: int | None = None) -> SyncStats:
         """Receive one version and copy it in place into ``module`` by name.
@@ -555,9 +557,9 @@ class Receiver:
         return await asyncio.to_thread(self.load_into, module, version)
 
     # ------------------------------------------------------------------ internals
-    def _sync(self, version: int | None, sink: ModuleSink | None) -> Iterator[tuple[str, torch.Tensor]]:
+    def _sync(self, version: int | None, sink: ModuleSink | None, owned: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         if self.engine_cls.colocated:
-            yield from self._sync_colocated(version, sink)
+            yield from self._sync_colocated(version, sink, owned)
             return
         start = time.perf_counter()
         self.connect()
@@ -585,8 +587,8 @@ class Receiver:
         deadline = Deadline(self.config.timeout_s, f"in the transfer of version {v}")
         specs: list[TensorSpec] = list(plan.tensors) if plan is not None else []
         next_bucket = self._plan_reader(plan) if plan is not None else self._stream_reader(ch, specs, deadline)
-        assembler = Assembler(specs, self.device, sink.destination if sink is not None else None)
-        buckets = self._engine.recv_buckets(next_bucket, assembler.landing if sink is not None else None)
+        assembler = Assembler(specs, self.device, sink.destination if sink is not None else None, owned=owned)
+        buckets = self._engine.recv_buckets(next_bucket, assembler.landing if assembler.destination is not None else None)
         checksum = checksum_fn(self.config.verify)
         received: list[tuple[Bucket, int | None]] = []  # each bucket with its checksum
         consumer_error: BaseException | None = None
@@ -740,7 +742,9 @@ class Receiver:
 
         return next_bucket
 
-    def _sync_colocated(self, version: int | None, sink: ModuleSink | None) -> Iterator[tuple[str, torch.Tensor]]:
+    def _sync_colocated(
+        self, version: int | None, sink: ModuleSink | None, owned: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         start = time.perf_counter()
         v, src = NaiveEngine.collect(self.address, self.version, version, self.config.timeout_s)
         specs = src.specs()
@@ -751,7 +755,7 @@ class Receiver:
             for name, tensor in src.tensors():
                 stats.tensors += 1
                 stats.bytes += tensor.nbytes
-                yield name, tensor
+                yield name, tensor.clone() if owned else tensor  # else: the trainer's own memory
         except BaseException:
             self.failed_version = v
             raise

@@ -303,6 +303,10 @@ class Assembler:
     Whole tensors come out as views into the bucket buffer (valid until the next bucket
     is requested); split tensors are merged into the tensor ``destination(spec)`` returns
     (a sink's own parameter: no temporary, no second copy), or else into a new tensor.
+
+    ``owned``: every tensor that comes out is the caller's to keep. Without a
+    ``destination``, a bucket that is one range of one tensor then lands in a new tensor
+    (no copy), and a tensor packed with others is copied out of the buffer.
     """
 
     def __init__(
@@ -310,11 +314,20 @@ class Assembler:
         tensors: Sequence[TensorSpec],
         device: torch.device,
         destination: Callable[[TensorSpec], torch.Tensor | None] | None = None,
+        *,
+        owned: bool = False,
     ) -> None:
         self.tensors = tensors
         self.device = device
+        self.owned = owned
+        if owned and destination is None:
+            destination = self._new_tensor
         self.destination = destination
         self._partial: dict[int, torch.Tensor] = {}
+        self._landed: set[int] = set()  # buckets written straight into their destination
+
+    def _new_tensor(self, spec: TensorSpec) -> torch.Tensor:
+        return torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.device)
 
     def landing(self, bucket: Bucket) -> torch.Tensor | None:
         """Where the transport may write a bucket that is one range of one tensor: that
@@ -325,7 +338,12 @@ class Assembler:
         if p.bucket_offset != 0 or not p.length:
             return None
         target = self._target(p.tensor)
-        return None if target is None else as_bytes(target)[p.tensor_offset : p.tensor_offset + p.length]
+        if target is None:
+            return None
+        if p.length != self.tensors[p.tensor].nbytes:
+            self._partial.setdefault(p.tensor, target)  # its other pieces go to the same tensor
+        self._landed.add(bucket.index)
+        return as_bytes(target)[p.tensor_offset : p.tensor_offset + p.length]
 
     def _target(self, index: int) -> torch.Tensor | None:
         if index in self._partial:
@@ -345,7 +363,8 @@ class Assembler:
                     yield spec.name, torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.device)
                 else:
                     raw = buffer[p.bucket_offset : p.bucket_offset + p.length]
-                    yield spec.name, raw.view(spec.torch_dtype).view(spec.shape)
+                    tensor = raw.view(spec.torch_dtype).view(spec.shape)
+                    yield spec.name, tensor.clone() if self.owned and bucket.index not in self._landed else tensor
                 continue
             full = self._partial.get(p.tensor)
             if full is None:
@@ -358,6 +377,7 @@ class Assembler:
             if dst.data_ptr() != src.data_ptr() or dst.device != src.device:  # else it landed in place
                 dst.copy_(src)
             if p.tensor_offset + p.length == spec.nbytes:
+                self._landed.discard(bucket.index)
                 yield spec.name, self._partial.pop(p.tensor)
 
     @property

@@ -103,7 +103,10 @@ class ReplicaReceiver:
         if self.receiver is None:
             raise RuntimeError("weightsync receiver not initialized: call weightsync_init first")
         start = time.perf_counter()
-        items = self.receiver.receive(version)
+        # Owned tensors: vLLM's layerwise reload keeps each tensor until its whole layer has
+        # arrived, so it must not get views of a reused transfer buffer. Large tensors are
+        # received straight into new tensors; packed small ones are copied out.
+        items = self.receiver.receive(version, owned=True)
         applied = 0
         error: BaseException | None = None
         try:
@@ -118,11 +121,7 @@ class ReplicaReceiver:
                 nonlocal applied, error
                 item: tuple[str, torch.Tensor] | None = first
                 while item is not None:
-                    name, tensor = item
-                    # vLLM's layerwise reload keeps each tensor until its whole layer has
-                    # arrived, and ours are views of a reused transfer buffer: hand it a copy
-                    # (held only until that layer is processed).
-                    yield name, tensor.clone()
+                    yield item
                     applied += 1
                     try:
                         item = next(items, None)
