@@ -8,7 +8,7 @@ import traceback
 
 import torch
 
-from weightsync import EngineConfig, Receiver, Sender
+from weightsync import EngineConfig, Receiver, Sender, SyncError
 from weightsync.plan import as_bytes
 
 
@@ -37,22 +37,31 @@ def expected_digests(version: int) -> dict[str, str]:
     return {n: digest(t.contiguous()) for n, t in make_weights(version).items()}
 
 
-def run_receiver(address, rank, overrides, versions, queue, die_after_tensors=None, owned=False):
+def run_receiver(address, rank, overrides, versions, queue, die_after_tensors=None, owned=False, keep_going=False,
+                 die_in_version=None):
     """Receive each version and report ``(rank, version, digests, receiver.version)``;
-    on error report ``(rank, "error", message, receiver.version)``. ``owned``: keep every
-    tensor received and take the digests only at the end (proving none was overwritten)."""
+    on error report ``(rank, "error", message, receiver.version)`` and stop (or, with
+    ``keep_going``, go on with the next version); ``die_after_tensors`` (in version
+    ``die_in_version``, or any): exit abruptly mid-sync. ``owned``: keep every tensor received
+    and take the digests only at the end (proving none was overwritten)."""
     torch.set_num_threads(1)
     receiver = None
     try:
         receiver = Receiver(EngineConfig.from_overrides(overrides), address, rank)
         for v in versions:
             got, kept = {}, {}
-            for name, t in receiver.receive(version=v, owned=owned):
-                if owned:
-                    kept[name] = t
-                got[name] = digest(t)
-                if die_after_tensors is not None and len(got) >= die_after_tensors:
-                    os._exit(9)  # a crash in the middle of a sync
+            try:
+                for name, t in receiver.receive(version=v, owned=owned):
+                    if owned:
+                        kept[name] = t
+                    got[name] = digest(t)
+                    if die_after_tensors is not None and len(got) >= die_after_tensors and die_in_version in (None, v):
+                        os._exit(9)  # a crash in the middle of a sync
+            except Exception as e:
+                if not keep_going:
+                    raise
+                queue.put((rank, "error", f"{type(e).__name__}: {e}", receiver.version))
+                continue
             if owned:
                 got = {name: digest(t) for name, t in kept.items()}
             queue.put((rank, v, got, receiver.version))
@@ -183,3 +192,22 @@ def bump_small(model: torch.nn.Module, version: int) -> None:
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
         model.count.fill_(version)
+
+
+def run_paired_trainer(address, rank, num_trainers, overrides, num_receivers, versions, queue, weights=None):
+    """Trainer rank > 0 of the ``paired`` backend: send its share of each version; report
+    ``(("trainer", rank), version, bytes sent, buckets sent)``, or an error and go on."""
+    torch.set_num_threads(1)
+    try:
+        config = EngineConfig.from_overrides(overrides)
+        with Sender(config, address, num_receivers, rank=rank, num_trainers=num_trainers) as sender:
+            for v in versions:
+                try:
+                    stats = sender.send((weights or make_weights)(v), version=v)
+                except SyncError as e:  # rank 0 decides what comes next; follow it
+                    queue.put((("trainer", rank), "error", f"{type(e).__name__}: {e}", None))
+                    continue
+                queue.put((("trainer", rank), v, stats.bytes, stats.buckets))
+    except Exception as e:
+        queue.put((("trainer", rank), "error", f"{type(e).__name__}: {e}", None))
+        traceback.print_exc()

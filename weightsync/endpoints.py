@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -56,18 +57,22 @@ class _Packer:
 
     With a plan, buckets come from it; without one (a bare iterator), buckets are planned
     as tensors arrive and ``announce`` tells receivers each bucket before it is sent.
-    Each tensor is held only until its last piece is packed.
+    Each tensor is held only until its last piece is packed. ``sends(bucket)`` (plan
+    mode) says which buckets this rank sends; the others are passed over, their tensors
+    still pulled in order (materializing a sharded tensor may be collective).
     """
 
-    def __init__(self, source: WeightSource, bucket_bytes: int, plan: Plan | None, announce) -> None:
+    def __init__(self, source: WeightSource, bucket_bytes: int, plan: Plan | None, announce, sends=None) -> None:
         self.items = iter(source.tensors())
         self.plan = plan
         self.announce = announce
+        self.sends = sends
         self.builder = None if plan is not None else PlanBuilder(bucket_bytes)
         self.ready: list[Bucket] = []
         self.held: dict[int, torch.Tensor] = {}
         self.pulled = 0
-        self.buckets = 0
+        self.position = 0  # buckets of the plan walked past
+        self.buckets = 0  # buckets produced
         self.announced_specs = 0
         self.done = False
 
@@ -94,7 +99,14 @@ class _Packer:
 
     def _next_bucket(self) -> Bucket | None:
         if self.plan is not None:
-            return self.plan.buckets[self.buckets] if self.buckets < len(self.plan.buckets) else None
+            while self.position < len(self.plan.buckets):
+                bucket = self.plan.buckets[self.position]
+                self.position += 1
+                if self.sends is None or self.sends(bucket):
+                    return bucket
+                self._pull_for(bucket)  # another rank sends it: walk past, keep order
+                self._release(bucket)
+            return None
         while not self.ready and not self.done:
             if not self._pull():
                 self.ready += self.builder.finish()
@@ -111,18 +123,12 @@ class _Packer:
             if self.builder is not None:
                 self.announce({"type": "end", "plan_hash": plan_hash(self.builder.specs, self.builder.bucket_bytes)})
             return None
-        specs = self.plan.tensors if self.plan is not None else self.builder.specs
-        last = max((p.tensor for p in bucket.pieces), default=-1)
-        while self.pulled <= last:  # plan mode: pull what this bucket needs
-            if not self._pull():
-                raise SyncError(f"the source ended after {self.pulled} of {len(specs)} announced tensors")
+        last = self._pull_for(bucket)
         payload = self._direct(bucket, buffer)
         if payload is None:
             pack_pieces(bucket, buffer, self.held)
             payload = buffer[: bucket.nbytes]
-        for p in bucket.pieces:
-            if p.tensor_offset + p.length == specs[p.tensor].nbytes:
-                self.held.pop(p.tensor, None)  # its last piece is out: let it go
+        self._release(bucket)
         if self.builder is not None:
             new = self.builder.specs[self.announced_specs : last + 1]
             self.announced_specs = max(self.announced_specs, last + 1)
@@ -135,6 +141,24 @@ class _Packer:
             )
         self.buckets += 1
         return bucket, payload
+
+    @property
+    def _specs(self) -> list[TensorSpec]:
+        return list(self.plan.tensors) if self.plan is not None else self.builder.specs
+
+    def _pull_for(self, bucket: Bucket) -> int:
+        """Pull tensors until every one ``bucket`` needs is held; the last one's index."""
+        last = max((p.tensor for p in bucket.pieces), default=-1)
+        while self.pulled <= last:  # plan mode: pull what this bucket needs
+            if not self._pull():
+                raise SyncError(f"the source ended after {self.pulled} of {len(self._specs)} announced tensors")
+        return last
+
+    def _release(self, bucket: Bucket) -> None:
+        specs = self.plan.tensors if self.plan is not None else self.builder.specs
+        for p in bucket.pieces:
+            if p.tensor_offset + p.length == specs[p.tensor].nbytes:
+                self.held.pop(p.tensor, None)  # its last piece is out: let it go
 
     def _direct(self, bucket: Bucket, buffer: torch.Tensor) -> torch.Tensor | None:
         """The bucket's bytes as a view of its source tensor, if it is one range of one
@@ -158,9 +182,12 @@ class Sender:
         num_receivers: how many receivers take part in every sync (ranks ``0 ..
             num_receivers-1``; ``remove_receiver`` / ``add_receiver`` change the set).
         rank: this trainer's rank; over a transport only rank 0 sends and other ranks
-            drain their source; with the colocated ``naive`` backend every rank hands its
-            tensors to the receivers in its own process (default: the rank in the default
-            process group, or 0).
+            drain their source, except with ``paired``, where every rank sends a share (ranks
+            > 0 connect to rank 0 at ``address``); with the colocated ``naive`` backend every
+            rank hands its tensors to the receivers in its own process (default: the rank in
+            the default process group, or 0).
+        num_trainers: trainer ranks taking part (``paired`` only; default: the default
+            process group's size, or 1). Every one of them calls ``send`` for every version.
         device: device of the transfer buffers (default: this process's accelerator, or CPU).
         wire_dtype: cast multi-byte floating tensors to this dtype for the wire.
     """
@@ -172,6 +199,7 @@ class Sender:
         num_receivers: int,
         *,
         rank: int | None = None,
+        num_trainers: int | None = None,
         device: str | torch.device | None = None,
         wire_dtype: torch.dtype | None = None,
     ) -> None:
@@ -181,6 +209,9 @@ class Sender:
         self.config = config
         self._members = set(range(num_receivers))
         self.rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
+        self.num_trainers = num_trainers or (dist.get_world_size() if dist.is_initialized() else 1)
+        if not 0 <= self.rank < self.num_trainers:
+            raise ValueError(f"rank {self.rank} is not one of the {self.num_trainers} trainer rank(s)")
         self.wire_dtype = wire_dtype
         self.device = platform.local_device(device)
         self.engine_cls = get_engine(config.backend)
@@ -189,9 +220,11 @@ class Sender:
         self._server: ControlServer | None = None
         self._engine: Engine | None = None
         self._channels: dict[int, Channel] = {}
+        # ``paired``: rank 0's connections to the other trainer ranks; theirs to rank 0
+        self._trainers: dict[int, Channel] = {}
         self._acked_plan: dict[int, str] = {}
         self._sending: int | None = None  # the version in transfer, for messages
-        if self.rank == 0 and not self.engine_cls.colocated:  # only rank 0 sends over a transport
+        if self.rank == 0 and not self.engine_cls.colocated:  # rank 0 runs the session
             self._server = ControlServer(address)
             self.address = self._server.address
 
@@ -226,11 +259,17 @@ class Sender:
         self._members.add(rank)
 
     def _watch_peers(self) -> None:
-        """Raise if a receiver's control connection closed (its process is likely gone)."""
+        """Raise if a peer's control connection closed (its process is likely gone)."""
         dead = [r for r, ch in self._channels.items() if ch.is_dead()]
-        if dead:
-            names = ", ".join(self._channels[r].peer for r in dead)
+        gone = [ch.peer for ch in self._trainers.values() if ch.is_dead()]
+        if dead or gone:
+            names = ", ".join([self._channels[r].peer for r in dead] + gone)
             raise PeerLost(f"{names} disconnected during the transfer of version {self._sending}", ranks=dead)
+
+    @property
+    def _shares_work(self) -> bool:
+        """Every trainer rank sends (``paired``), not rank 0 alone."""
+        return self.engine_cls.all_ranks_send
 
     def _group_rank(self, rank: int) -> int:
         """A receiver's rank in the data-plane group: its place among the members, after 0."""
@@ -238,26 +277,55 @@ class Sender:
 
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> None:
-        """Wait (up to ``timeout_s``) until every receiver is connected. ``send`` calls it."""
+        """Wait (up to ``timeout_s``) until every receiver (and, with ``paired``, every
+        other trainer rank) is connected. ``send`` calls it."""
         if self._server is None:
+            if self._shares_work and self.rank != 0:
+                self._connect_to_rank0()
             return
         for rank in [r for r, ch in self._channels.items() if ch.is_dead()]:
             self._drop_peers([rank])  # it went away since the last sync: accept it anew
-        missing = self._members - set(self._channels)
+        for i in [i for i, ch in self._trainers.items() if ch.is_dead()]:
+            self._trainers.pop(i).close()
+        trainers = self.num_trainers if self._shares_work else 1
+        missing = (self._members - set(self._channels)) | {("trainer", i) for i in range(1, trainers) if i not in self._trainers}
         if self._engine is None:
-            self._engine = self.engine_cls(self.config, self.device, 0, self.num_receivers + 1)
+            self._engine = self.engine_cls(self.config, self.device, 0, self.num_receivers + trainers)
             self._engine.watch = self._watch_peers
             wildcard = self._server.host in ("", "0.0.0.0", "::")
             self._engine.local_host = None if wildcard else self._server.host
         if missing:
-            self._channels.update(self._server.accept(missing, self.config))
+            for key, ch in self._server.accept(missing, self.config).items():
+                if isinstance(key, int):
+                    self._channels[key] = ch
+                else:
+                    self._trainers[key[1]] = ch
             self._engine.reset()  # new members: every rank joins a new data-plane group
-        self._engine.world_size = self.num_receivers + 1
+        self._engine.world_size = self.num_receivers + trainers
+        self._engine.num_senders = trainers
+
+    def _connect_to_rank0(self) -> None:
+        """Trainer rank > 0 of ``paired``: join rank 0's session (once; again after a failure)."""
+        ch = self._trainers.get(0)
+        if ch is not None and not ch.is_dead():
+            return
+        self._drop_peers()
+        self._trainers[0] = ch = connect(self.address, self.rank, self.config, role="trainer")
+        if self._engine is None:
+            self._engine = self.engine_cls(self.config, self.device, self.rank, None)
+            self._engine.watch = self._watch_peers
+        self._engine.local_host = ch.sock.getsockname()[0]
+        self._engine.sender_host = ch.sock.getpeername()[0]
 
     def _drop_peers(self, ranks: list[int] | None = None) -> None:
+        """Close connections to these receivers (None: to every peer, trainers included)."""
         for rank in list(self._channels) if ranks is None else ranks:
             self._channels.pop(rank).close()
             self._acked_plan.pop(rank, None)
+        if ranks is None:
+            for ch in self._trainers.values():
+                ch.close()
+            self._trainers.clear()
 
     def close(self) -> None:
         """Close connections, the engine and the listening socket."""
@@ -297,60 +365,173 @@ class Sender:
             specs = src.specs() or []
             stats = SyncStats(version, tensors=len(specs), bytes=sum(s.nbytes for s in specs), receivers=self.num_receivers)
             return self._finish_stats(stats, start)
-        if self.rank != 0:
+        if self.rank != 0 and not self._shares_work:
             count = sum(1 for _ in src.tensors())  # materializing shards is collective
             return self._finish_stats(SyncStats(version, tensors=count), start)
 
-        self.connect()  # waiting for receivers to start is not part of the sync's time
+        specs = src.specs()
+        plan = make_plan(specs, self.config.bucket_bytes) if specs is not None else None
+        self._check_plan(plan)  # before waiting for anyone
+        self.connect()  # waiting for peers to start is not part of the sync's time
         start = time.perf_counter()
         self._sending = version
         assert self._engine is not None
-        specs = src.specs()
-        plan = make_plan(specs, self.config.bucket_bytes) if specs is not None else None
+        if self.rank != 0:
+            return self._finish_stats(self._send_share(src, version, plan), start)
         stats = SyncStats(version, receivers=self.num_receivers)
         # "broken": the transport or a peer failed mid-protocol, so connections and group
         # are in an unknown state and are rebuilt; "refused": a receiver refused or failed
         # cleanly, everyone is between syncs and the connections stay.
         outcome = "broken"
+        went = False  # the go was given: other trainer ranks then wait for the outcome
         try:
             self._engine.reserve(_capacity(plan, self.config.bucket_bytes))
             info = self._engine.prepare(self._server.host)
             stats.plan_sent_to = self._handshake(version, plan, info, force)
+            went = True
             self._engine.connect(info)
             stats.handshake_s = time.perf_counter() - start  # handshake and group join
             deadline = Deadline(self.config.timeout_s, f"in the transfer of version {version}")
-            packer = _Packer(src, self.config.bucket_bytes, plan, lambda m: self._broadcast_msg(m, deadline))
-            checksum = checksum_fn(self.config.verify)
-            sums: list[int] = []
-
-            def produce(buffer: torch.Tensor) -> tuple[Bucket, torch.Tensor] | None:
-                produced = packer(buffer)
-                if produced is not None and checksum is not None:
-                    sums.append(checksum(produced[1]))  # what leaves, before the transport
-                return produced
-
+            packer, produce, sums = self._producer(src, plan, deadline)
             t0 = time.perf_counter()
             stats.bytes = self._engine.send_buckets(produce)
             stats.transfer_s = time.perf_counter() - t0
             stats.buckets, stats.tensors = packer.buckets, packer.pulled
-            if checksum is not None:
-                self._broadcast_msg({"type": "verify", "mode": self.config.verify, "checksums": sums}, deadline)
+            if self._trainers:
+                stats.bytes += self._gather_shares(version, sums, deadline)
+                stats.buckets = len(plan.buckets)
+            if self.config.verify != "off":
+                order = [sums[b.index] for b in plan.buckets] if plan is not None else list(sums.values())
+                self._broadcast_msg({"type": "verify", "mode": self.config.verify, "checksums": order}, deadline)
             self._gather_done(version)
             outcome = "ok"
             log.info("sent version %d: %d tensors, %.1f MB in %d buckets to %d receivers",
                      version, stats.tensors, stats.bytes / 1e6, stats.buckets, self.num_receivers)
-        except (HandshakeError, RemoteFailure):
+        except (HandshakeError, RemoteFailure) as e:
             outcome = "refused"
+            if went:
+                self._tell_trainers(version, str(e))
             raise
         except Exception as e:
             raise self._explain(e, version) from e
         finally:
+            if outcome == "ok":
+                self._tell_trainers(version, None)
             self._engine.finish(ok=outcome != "broken")
             if outcome == "ok" and plan is not None:
                 self._acked_plan = {r: plan.hash for r in self._channels}
             if outcome == "broken":
                 self._drop_peers()  # receivers see the failure and reconnect
         return self._finish_stats(stats, start)
+
+    def _check_plan(self, plan: Plan | None) -> None:
+        """Refuse what the backend cannot carry, before anything is sent."""
+        if self._shares_work and plan is None:
+            raise SyncError(
+                f"backend {self.config.backend!r} needs a source that announces its tensors up front "
+                "(a module or a state dict, the same on every trainer rank), not a bare iterator"
+            )
+        if plan is None or self.engine_cls.splits_tensors:
+            return
+        bucket = self.config.bucket_bytes
+        for spec in plan.tensors:
+            if spec.nbytes > bucket:
+                raise SyncError(
+                    f"backend {self.config.backend!r} never splits a tensor, and tensor {spec.name!r} "
+                    f"({spec.nbytes / 2**20:.1f} MiB) is larger than a bucket ({bucket / 2**20:g} MiB): "
+                    f"set update_weights_bucket_megabytes to at least {math.ceil(spec.nbytes / 2**20)}"
+                )
+
+    def _producer(self, src: WeightSource, plan: Plan | None, deadline: Deadline):
+        """The packer over ``src`` and a producer for the engine that also records each
+        sent bucket's checksum (bucket index -> checksum) when ``verify`` is on."""
+        packer = _Packer(
+            src, self.config.bucket_bytes, plan, lambda m: self._broadcast_msg(m, deadline),
+            sends=self._engine.sends if self._shares_work else None,
+        )
+        checksum = checksum_fn(self.config.verify)
+        sums: dict[int, int] = {}
+
+        def produce(buffer: torch.Tensor) -> tuple[Bucket, torch.Tensor] | None:
+            produced = packer(buffer)
+            if produced is not None and checksum is not None:
+                sums[produced[0].index] = checksum(produced[1])  # what leaves, before the transport
+            return produced
+
+        return packer, produce, sums
+
+    def _gather_shares(self, version: int, sums: dict[int, int], deadline: Deadline) -> int:
+        """Rank 0 of ``paired``: wait until every other trainer rank sent its share; merge
+        their checksums into ``sums``; return the bytes they sent."""
+        sent = 0
+        for i, ch in sorted(self._trainers.items()):
+            reply = ch.recv(deadline, expect="sent")
+            if reply.get("ok") is not True:
+                raise SyncError(f"trainer rank {i} failed to send its share of version {version}: {reply.get('message')}")
+            for index, value in reply.get("checksums") or []:
+                sums[int(index)] = value
+            sent += int(reply.get("bytes") or 0)
+        return sent
+
+    def _tell_trainers(self, version: int, failure: str | None) -> None:
+        """Rank 0 of ``paired``: the outcome, so every trainer rank's ``send`` agrees."""
+        deadline = Deadline(self.config.timeout_s, f"reporting version {version} to the trainer ranks")
+        for ch in list(self._trainers.values()):
+            try:
+                ch.send({"type": "result", "ok": failure is None, "message": failure}, deadline)
+            except SyncError:
+                pass  # it went away; it reconnects at its next send
+
+    def _send_share(self, src: WeightSource, version: int, plan: Plan) -> SyncStats:
+        """Trainer rank > 0 of ``paired``: follow rank 0's sync, send this rank's share."""
+        assert self._engine is not None
+        ch = self._trainers[0]
+        stats = SyncStats(version, receivers=self.num_receivers)
+        msg = ch.recv(Deadline(self.config.timeout_s, f"for trainer rank 0 to start version {version}"), expect="sync")
+        deadline = Deadline(self.config.timeout_s, f"in the transfer of version {version}")
+        problem = None
+        if msg.get("version") != version:
+            problem = f"trainer rank 0 sends version {msg.get('version')!r}, trainer rank {self.rank} version {version}"
+        elif msg.get("plan_hash") != plan.hash:
+            problem = (
+                f"trainer rank {self.rank} holds other tensors than trainer rank 0 (plan {plan.hash[:12]} vs "
+                f"{str(msg.get('plan_hash'))[:12]}): every rank must pass the same names, shapes and dtypes"
+            )
+        elif msg.get("verify") != self.config.verify or msg.get("bucket_bytes") != self.config.bucket_bytes:
+            problem = f"trainer rank {self.rank}'s verify / bucket size differ from trainer rank 0's"
+        if problem is not None:
+            ch.send({"type": "error", "message": problem}, deadline)
+            ch.recv(deadline, expect="abort")
+            raise HandshakeError(problem)
+        ch.send({"type": "ready"}, deadline)
+        ch.recv(deadline, expect="go")  # an abort raises HandshakeError here
+        ok = False
+        try:
+            info = msg["engine"]
+            self._engine.rank = int(info["rank"])
+            self._engine.connect(info)
+            packer, produce, sums = self._producer(src, plan, deadline)
+            t0 = time.perf_counter()
+            stats.bytes = self._engine.send_buckets(produce)
+            stats.transfer_s = time.perf_counter() - t0
+            stats.buckets, stats.tensors = packer.buckets, packer.pulled
+            ch.send({"type": "sent", "ok": True, "bytes": stats.bytes, "checksums": list(sums.items())}, deadline)
+            result = ch.recv(Deadline(self.config.timeout_s, f"for the outcome of version {version}"), expect="result")
+            ok = True
+        except Exception as e:
+            try:
+                ch.send({"type": "sent", "ok": False, "message": f"{type(e).__name__}: {e}"}, deadline)
+            except SyncError:
+                pass
+            self._drop_peers()  # connect anew at the next send
+            raise e if isinstance(e, SyncError) else SyncError(
+                f"trainer rank {self.rank}: sending its share of version {version} failed: {e}"
+            ) from e
+        finally:
+            self._engine.finish(ok=ok)
+        if result.get("ok") is not True:
+            raise SyncError(f"version {version} failed (reported by trainer rank 0): {result.get('message')}")
+        return stats
 
     async def send_async(self, source: Any, version: int, **kwargs: Any) -> SyncStats:
         """``send`` in a worker thread, for asyncio controllers."""
@@ -385,41 +566,55 @@ class Sender:
                 msg["plan"] = plan.to_wire()  # unchanged plans travel as their hash only
                 plans_sent += 1
             ch.send(msg, deadline)
+        for i, ch in self._trainers.items():  # they computed the plan themselves: hash only
+            ch.send({**msg, "plan": None, "engine": {**info, "rank": self.num_receivers + i}}, deadline)
+        peers = [(f"receiver rank {r}", r, ch) for r, ch in sorted(self._channels.items())]
+        peers += [(f"trainer rank {i}", None, ch) for i, ch in sorted(self._trainers.items())]
         refusals = {}
-        for rank, ch in sorted(self._channels.items()):
+        for name, rank, ch in peers:
             reply = ch.recv(deadline, expect=("ready", "error"))
             if reply["type"] == "error":
-                refusals[rank] = f"receiver rank {rank} refused version {version}: {reply.get('message')}"
+                refusals[name] = (rank, f"{name} refused version {version}: {reply.get('message')}")
         if refusals:
-            reason = "; ".join(refusals.values())
-            for ch in self._channels.values():
-                try:  # best effort: a refusing receiver may already have hung up
+            reason = "; ".join(text for _, text in refusals.values())
+            for _, _, ch in peers:
+                try:  # best effort: a refusing peer may already have hung up
                     ch.send({"type": "abort", "message": reason}, deadline)
                 except SyncError:
                     pass
-            raise HandshakeError(reason, ranks=list(refusals))
-        self._broadcast_msg({"type": "go"}, deadline)
+            raise HandshakeError(reason, ranks=[r for r, _ in refusals.values() if r is not None])
+        for _, _, ch in peers:
+            ch.send({"type": "go"}, deadline)
         return plans_sent
 
     def _gather_done(self, version: int) -> None:
         deadline = Deadline(self.config.timeout_s, f"waiting for receivers to confirm version {version}")
-        failures = {}
+        failures, lost = {}, {}
         for rank, ch in sorted(self._channels.items()):
-            reply = ch.recv(deadline, expect="done")
+            try:
+                reply = ch.recv(deadline, expect="done")
+            except PeerLost as e:  # read the others: they tell whether this one was alone
+                lost[rank] = str(e)
+                continue
             if reply.get("ok") is not True:
                 failures[rank] = f"receiver rank {rank} failed version {version}: {reply.get('message')}"
+        if lost:  # a receiver gone without a word is to blame; the others' failures follow from it
+            raise PeerLost("; ".join([*lost.values(), *failures.values()]), ranks=list(lost))
         if failures:
             raise RemoteFailure("; ".join(failures.values()), ranks=list(failures))
 
     def _explain(self, error: Exception, version: int) -> Exception:
         """Turn a transport error into one that names the peer(s) that went away."""
-        if isinstance(error, SyncError):
+        if isinstance(error, SyncError) and error.ranks:
             return error
         # A crashed peer's sockets all close at once, but the transport may notice first:
         # give its control connection a moment to show the EOF.
         grace = time.monotonic() + min(2.0, self.config.timeout_s)
         while not (dead := [r for r, ch in self._channels.items() if ch.is_dead()]) and time.monotonic() < grace:
             time.sleep(0.02)
+        if isinstance(error, SyncError):  # raised by the session: it names the peer already
+            error.ranks = dead
+            return error
         if dead:
             names = ", ".join(self._channels[r].peer for r in dead)
             return SyncError(f"sync of version {version} failed: {names} disconnected ({error})", ranks=dead)

@@ -7,7 +7,7 @@ limit, and every read and write bounded by a deadline. Shared by every bucket en
 Joining::
 
     sender -> receiver   challenge {protocol, nonce}
-    receiver -> sender   hello     {protocol, rank, backend, pid, nonce, [mac]}
+    receiver -> sender   hello     {protocol, rank, role, backend, pid, nonce, [mac]}
     sender -> receiver   welcome   {protocol, [mac]} | error {message}
 
 Per sync::
@@ -17,6 +17,10 @@ Per sync::
     sender -> receiver   go | abort {message}
     (bucket bytes move through the engine; in streaming mode each bucket is announced first)
     receiver -> sender   done   {ok, message, tensors, bytes}
+
+A backend where every trainer rank sends (``paired``): trainer ranks > 0 connect like
+receivers (role ``trainer``), get the same sync/go, send their share of the buckets, answer
+``sent {ok, message, checksums}``, and finally get ``result {ok, message}``.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ MAX_FRAME_BYTES = 64 << 20  # from the sender: a plan of a 1T-parameter model is
 RECEIVER_MAX_FRAME_BYTES = 1 << 20  # from a receiver: only replies
 HELLO_MAX_BYTES = 4096  # anything before authentication
 HELLO_TIMEOUT_S = 10.0
+ROLES = ("receiver", "trainer")  # who may say hello: rollout receivers, other trainer ranks
 MAX_PENDING_HELLOS = 64
 _HEADER = struct.Struct("!I")
 
@@ -217,8 +222,13 @@ class ControlServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def accept(self, ranks: set[int], config: EngineConfig) -> dict[int, Channel]:
-        """Accept receivers until every rank in ``ranks`` said hello, or the deadline passes."""
+    def accept(self, ranks: set[Any], config: EngineConfig) -> dict[Any, Channel]:
+        """Accept peers until every member of ``ranks`` said hello, or the deadline passes.
+
+        A member is a receiver's rank (an int) or ``("trainer", i)`` for trainer rank ``i``
+        of a backend where every trainer rank sends (``paired``); the result is keyed alike.
+        """
+        ranks = {_member(m) for m in ranks}
         deadline = Deadline(config.timeout_s, f"for receivers to connect to {self.address}")
         secret = config.secret()
         results: queue.Queue = queue.Queue()
@@ -237,9 +247,9 @@ class ControlServer:
                 if time.monotonic() >= deadline.end:
                     missing = sorted(ranks - set(joined))
                     raise SyncTimeout(
-                        f"receiver rank(s) {missing} never connected to {self.address} within "
+                        f"{_describe(missing)} never connected to {self.address} within "
                         f"{config.timeout_s:.1f} s ({len(ranks) - len(missing)} of {len(ranks)} connected)",
-                        ranks=missing,
+                        ranks=[r for role, r in missing if role == "receiver"],
                     )
                 try:  # short waits: greetings finished meanwhile are welcomed promptly
                     self.sock.settimeout(min(0.05, max(0.001, deadline.end - time.monotonic())))
@@ -265,16 +275,16 @@ class ControlServer:
                 item = results.get()
                 if item is not None:
                     item[0].close()
-        return joined
+        return {(rank if role == "receiver" else (role, rank)): ch for (role, rank), ch in joined.items()}
 
     @staticmethod
-    def _welcome(item: tuple, ranks: set[int], joined: dict[int, Channel], secret: bytes | None) -> None:
-        channel, rank, server_nonce, client_nonce = item
+    def _welcome(item: tuple, ranks: set[tuple[str, int]], joined: dict, secret: bytes | None) -> None:
+        channel, member, server_nonce, client_nonce = item
         problem = None
-        if rank not in ranks:
-            problem = f"rank {rank} is not expected (expected: {sorted(ranks)})"
-        elif rank in joined:
-            problem = f"rank {rank} is already connected"
+        if member not in ranks:
+            problem = f"{_describe([member])} is not expected (expected: {_describe(sorted(ranks))})"
+        elif member in joined:
+            problem = f"{_describe([member])} is already connected"
         deadline = Deadline(HELLO_TIMEOUT_S, "sending the welcome")
         try:
             if problem:
@@ -284,14 +294,14 @@ class ControlServer:
                 return
             welcome: dict[str, Any] = {"type": "welcome", "protocol": PROTOCOL_VERSION}
             if secret is not None:
-                welcome["mac"] = auth.mac(secret, "welcome", server_nonce, client_nonce, rank)
+                welcome["mac"] = auth.mac(secret, "welcome", server_nonce, client_nonce, *member)
             channel.send(welcome, deadline)
         except SyncError as e:
             log.warning("dropped %s: %s", channel.peer, e)
             channel.close()
             return
-        channel.max_frame = RECEIVER_MAX_FRAME_BYTES  # receivers only ever send small replies
-        joined[rank] = channel
+        channel.max_frame = RECEIVER_MAX_FRAME_BYTES  # peers only ever send small replies
+        joined[member] = channel
         log.debug("%s connected", channel.peer)
 
     def close(self) -> None:
@@ -308,17 +318,21 @@ def _greet(conn: socket.socket, peer: tuple, backend: str, secret: bytes | None,
         server_nonce = auth.new_nonce()
         channel.send({"type": "challenge", "protocol": PROTOCOL_VERSION, "nonce": server_nonce}, deadline)
         hello = channel.recv(deadline, expect="hello")
-        rank, client_nonce = hello.get("rank"), hello.get("nonce")
+        rank, client_nonce, role = hello.get("rank"), hello.get("nonce"), hello.get("role", "receiver")
         problem = None
-        if hello.get("protocol") != PROTOCOL_VERSION:
+        if role not in ROLES:
+            problem = f"role {role!r} is not one of {ROLES}"
+        elif hello.get("protocol") != PROTOCOL_VERSION:
             problem = f"protocol version {hello.get('protocol')!r} != sender's {PROTOCOL_VERSION}"
         elif hello.get("backend") != backend:
             problem = f"backend {hello.get('backend')!r} != sender's {backend!r}"
         elif not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            problem = f"rank {rank!r} is not a receiver rank"
+            problem = f"rank {rank!r} is not a {role} rank"
         elif not isinstance(client_nonce, bytes) or len(client_nonce) != auth.NONCE_BYTES:
             problem = "its hello carries no valid nonce"
-        elif secret is not None and not auth.verify(secret, hello.get("mac"), "hello", server_nonce, client_nonce, rank, backend):
+        elif secret is not None and not auth.verify(
+            secret, hello.get("mac"), "hello", server_nonce, client_nonce, role, rank, backend
+        ):
             problem = "authentication failed (missing or wrong shared secret)"
         if problem:
             log.warning("rejected %s: %s", channel.peer, problem)
@@ -327,7 +341,7 @@ def _greet(conn: socket.socket, peer: tuple, backend: str, secret: bytes | None,
             results.put(None)
             return
         pid = hello.get("pid")
-        channel.peer = f"receiver rank {rank} (pid {pid if isinstance(pid, int) else '?'}, {peer[0]}:{peer[1]})"
+        channel.peer = f"{role} rank {rank} (pid {pid if isinstance(pid, int) else '?'}, {peer[0]}:{peer[1]})"
     except SyncError as e:
         log.warning("dropped %s during its hello: %s", channel.peer, e)
         channel.close()
@@ -337,22 +351,31 @@ def _greet(conn: socket.socket, peer: tuple, backend: str, secret: bytes | None,
         channel.close()
         results.put(None)
         return
-    results.put((channel, rank, server_nonce, client_nonce))
+    results.put((channel, (role, rank), server_nonce, client_nonce))
 
 
-def connect(address: str, rank: int, config: EngineConfig) -> Channel:
-    """Receiver side: connect to the sender (retrying until it listens), answer its
-    challenge and check that it holds the shared secret too, if one is set."""
+def _member(m: Any) -> tuple[str, int]:
+    return ("receiver", m) if isinstance(m, int) else tuple(m)
+
+
+def _describe(members: list[tuple[str, int]]) -> str:
+    return ", ".join(f"{role} rank {rank}" for role, rank in members)
+
+
+def connect(address: str, rank: int, config: EngineConfig, role: str = "receiver") -> Channel:
+    """Connect to the sender (retrying until it listens), answer its challenge and check
+    that it holds the shared secret too, if one is set. ``role``: ``"receiver"``, or
+    ``"trainer"`` for a trainer rank > 0 of a backend where every trainer rank sends."""
     host, port = parse_address(address)
     timeout_s = config.timeout_s
-    deadline = Deadline(timeout_s, f"connecting receiver rank {rank} to the sender at {address}")
+    deadline = Deadline(timeout_s, f"connecting {role} rank {rank} to the sender at {address}")
     last: Exception | None = None
     while True:
         try:
             left = deadline.left()
         except SyncTimeout:
             raise SyncTimeout(
-                f"receiver rank {rank} could not reach the sender at {address} within {timeout_s:.1f} s: {last}"
+                f"{role} rank {rank} could not reach the sender at {address} within {timeout_s:.1f} s: {last}"
             ) from None
         try:
             sock = socket.create_connection((host, port), timeout=min(left, 5.0))
@@ -371,14 +394,14 @@ def connect(address: str, rank: int, config: EngineConfig) -> Channel:
         secret = config.secret()
         client_nonce = auth.new_nonce()
         hello: dict[str, Any] = {
-            "type": "hello", "protocol": PROTOCOL_VERSION, "rank": rank, "backend": config.backend,
+            "type": "hello", "protocol": PROTOCOL_VERSION, "rank": rank, "role": role, "backend": config.backend,
             "pid": os.getpid(), "nonce": client_nonce,
         }
         if secret is not None:
-            hello["mac"] = auth.mac(secret, "hello", server_nonce, client_nonce, rank, config.backend)
+            hello["mac"] = auth.mac(secret, "hello", server_nonce, client_nonce, role, rank, config.backend)
         channel.send(hello, deadline)
         welcome = channel.recv(deadline, expect="welcome")
-        if secret is not None and not auth.verify(secret, welcome.get("mac"), "welcome", server_nonce, client_nonce, rank):
+        if secret is not None and not auth.verify(secret, welcome.get("mac"), "welcome", server_nonce, client_nonce, role, rank):
             raise HandshakeError(
                 f"the sender at {address} failed authentication: it does not hold the shared secret "
                 f"(auth_secret or ${SECRET_ENV})"

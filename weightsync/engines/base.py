@@ -7,6 +7,10 @@ session calls, in order:
   handshake; then ``connect(info)`` on every rank (may block until all ranks joined);
 - ``send_buckets(produce)`` on the sender and ``recv_buckets(next_bucket)`` on receivers;
 - ``finish()`` on every rank (success or failure), and ``close()`` once at the end.
+
+An engine with ``all_ranks_send`` (``paired``) has several senders: trainer rank 0 is rank
+0, receivers are 1..N, trainer ranks 1..M-1 are N+1..N+M-1; each trainer rank's
+``send_buckets`` gets only the buckets for which its ``sends(bucket)`` is True.
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ class Engine(ABC):
     name: ClassVar[str]
     #: A colocated engine hands tensors over inside one process (no buckets, no session).
     colocated: ClassVar[bool] = False
+    #: Every trainer rank sends a share of the buckets, not rank 0 alone.
+    all_ranks_send: ClassVar[bool] = False
+    #: A tensor larger than a bucket may travel in pieces over several buckets; if False,
+    #: such a tensor is an error at plan time.
+    splits_tensors: ClassVar[bool] = True
 
     def __init__(self, config: EngineConfig, device: torch.device, rank: int, world_size: int | None) -> None:
         """``world_size``: sender and receivers together; a receiver does not know it
@@ -58,6 +67,8 @@ class Engine(ABC):
         #: called now and then while the engine waits on its transport; raises to abandon
         #: the wait (set by the session: it raises when a peer's control connection closed)
         self.watch: Callable[[], None] | None = None
+        #: trainer ranks that send (``all_ranks_send`` engines; set by the session)
+        self.num_senders = 1
 
     def prepare(self, host: str) -> dict[str, Any]:
         """Sender only: set up what receivers need to join; return it (msgpack-safe)."""
@@ -66,6 +77,11 @@ class Engine(ABC):
     @abstractmethod
     def connect(self, info: dict[str, Any]) -> None:
         """Join the data plane described by ``info`` (no-op if already joined to it)."""
+
+    def sends(self, bucket: Bucket) -> bool:
+        """Sender side: whether this rank sends ``bucket``. Called for every bucket of the
+        plan, in plan order, before ``send_buckets`` produces it."""
+        return True
 
     @abstractmethod
     def send_buckets(self, produce: Producer) -> int:

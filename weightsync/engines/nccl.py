@@ -92,27 +92,30 @@ class CollectiveEngine(Engine):
         }
 
     def connect(self, info: dict[str, Any]) -> None:
-        if info.get("library") != self.library:
-            raise RuntimeError(
-                f"collective library mismatch: sender uses {info.get('library')!r}, "
-                f"receiver rank {self.rank} uses {self.library!r} (are both on the same platform?)"
-            )
         key = (info["host"], info["port"], info["group"])
-        world_size = int(info["world_size"])
         if self._group is not None and key == self._group_key:
             return
         self._drop_group()
+        store = self._rendezvous(info)
+        log.debug("rank %d joining group %s (%s)", self.rank, info["group"], self.library)
+        self._group = platform.new_process_group(
+            self.library, store, self.rank, int(info["world_size"]), self.config.timeout_s, bind_host=self.local_host
+        )
+        self._group_key = key
+
+    def _rendezvous(self, info: dict[str, Any]) -> dist.Store:
+        """The key space of the group described by ``info``, in the store rank 0 hosts."""
+        if info.get("library") != self.library:
+            raise RuntimeError(
+                f"collective library mismatch: sender uses {info.get('library')!r}, "
+                f"rank {self.rank} uses {self.library!r} (are both on the same platform?)"
+            )
         store = self._store
         if self.rank != 0:
             host = self.sender_host or info["host"]  # the address that reached the sender
-            store = dist.TCPStore(host, int(info["port"]), world_size, False, timeout=self._timeout)
+            store = dist.TCPStore(host, int(info["port"]), int(info["world_size"]), False, timeout=self._timeout)
             self._store = store
-        prefixed = dist.PrefixStore(f"weightsync/{info['group']}", store)
-        log.debug("rank %d joining group %s (%s)", self.rank, info["group"], self.library)
-        self._group = platform.new_process_group(
-            self.library, prefixed, self.rank, world_size, self.config.timeout_s, bind_host=self.local_host
-        )
-        self._group_key = key
+        return dist.PrefixStore(f"weightsync/{info['group']}", store)
 
     def _drop_group(self, failed: bool = False) -> None:
         """Leave the group. ``failed``: operations may still be pending on it."""

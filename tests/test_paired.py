@@ -1,0 +1,118 @@
+"""Backend ``paired``: several trainer ranks, each feeding its own replica over a two-rank
+Gloo group, replicas forwarding along a ring. Real processes, real Gloo."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from weightsync import EngineConfig, Sender, SyncError
+from weightsync.engines.paired import Deal, partner
+from weightsync.plan import TensorSpec, make_plan
+
+import workers
+from procs import CTX, collect, start, stop
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+# 2 MiB buckets: the largest test tensor (1.4 MB) fits, since paired never splits a tensor.
+BASE = ["backend=paired", "update_weights_bucket_megabytes=2", "timeout_s=30"]
+
+
+def test_partner_is_a_derangement_and_the_deal_is_balanced():
+    for n in range(2, 9):
+        assert sorted(partner(s, n) for s in range(n)) == list(range(n))
+        assert all(partner(s, n) != s for s in range(n))
+    specs = [s for s in workers_specs(40)]
+    plan = make_plan(specs, 1 << 20)
+    deal = Deal(3)
+    shares = [deal(b) for b in plan.buckets]
+    assert set(shares) == {0, 1, 2}
+    assert max(deal.loads) - min(deal.loads) <= max(b.nbytes for b in plan.buckets)
+
+
+def workers_specs(n):
+    return [TensorSpec(f"t{i}", (50000 + 997 * i,), "float32") for i in range(n)]
+
+
+def _split_reports(reports):
+    trainers = [r for r in reports if isinstance(r[0], tuple)]
+    receivers = [r for r in reports if not isinstance(r[0], tuple)]
+    return trainers, receivers
+
+
+@pytest.mark.parametrize("trainers,receivers", [(2, 3), (1, 1), (3, 2)])
+def test_every_replica_gets_every_tensor_bit_exact(trainers, receivers):
+    versions = [1, 2, 3]
+    q = CTX.Queue()
+    overrides = BASE + ["verify=crc32"]
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", receivers, rank=0, num_trainers=trainers) as sender:
+        procs = [start(workers.run_receiver, sender.address, r, overrides, versions, q) for r in range(receivers)]
+        procs += [
+            start(workers.run_paired_trainer, sender.address, i, trainers, overrides, receivers, versions, q)
+            for i in range(1, trainers)
+        ]
+        try:
+            for v in versions:
+                stats = sender.send(workers.make_weights(v), version=v)
+                assert stats.tensors == 9
+                reports = collect(q, receivers + trainers - 1)
+                shares, got = _split_reports(reports)
+                assert all(version == v for _, version, *_ in shares), shares
+                for rank, version, digests, held in got:
+                    assert version == v, digests
+                    assert held == v
+                    assert digests == workers.expected_digests(v), f"receiver {rank} differs at version {v}"
+                # Every trainer rank with a bucket dealt to it sent a share; rank 0 (the
+                # first bucket is its) counts them all, together the whole model.
+                plan = make_plan([TensorSpec.of(n, t) for n, t in workers.make_weights(v).items()], 2 << 20)
+                assert stats.bytes == sum(b.nbytes for b in plan.buckets)
+                others = [sent for _, _, sent, _ in shares]
+                assert sum(others) < stats.bytes
+                assert sum(1 for sent in others if sent) == min(trainers, len(plan.buckets)) - 1
+        finally:
+            stop(procs)
+
+
+def test_a_tensor_larger_than_a_bucket_is_refused_naming_it():
+    overrides = ["backend=paired", "update_weights_bucket_megabytes=1", "timeout_s=5"]
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 1) as sender:
+        with pytest.raises(SyncError, match=r"'embed\.weight' \(1\.4 MiB\).*at least 2"):
+            sender.send(workers.make_weights(1), version=1)
+
+
+def test_a_receiver_killed_mid_transfer_is_named_and_the_survivors_go_on():
+    q = CTX.Queue()
+    trainers, receivers = 2, 3
+    overrides = BASE
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", receivers, rank=0, num_trainers=trainers) as sender:
+        # Receiver rank 1 dies after its first tensor of version 2.
+        procs = [
+            start(workers.run_receiver, sender.address, r, overrides, [1, 2, 3], q, 1 if r == 1 else None, False, True, 2)
+            for r in range(receivers)
+        ]
+        procs += [start(workers.run_paired_trainer, sender.address, 1, trainers, overrides, receivers, [1, 2, 3], q)]
+        try:
+            sender.send(workers.make_weights(1), version=1)
+            collect(q, receivers + 1)
+            t0 = time.monotonic()
+            with pytest.raises(SyncError) as err:
+                sender.send(workers.make_weights(2), version=2)
+            assert time.monotonic() - t0 < 15  # noticed, not waited out (timeout_s is 30)
+            assert err.value.ranks == [1], err.value
+            assert "receiver rank 1" in str(err.value)
+            # The other trainer rank and the survivors saw version 2 fail too.
+            failed = collect(q, 3)
+            assert all(r[1] == "error" for r in failed), failed
+            sender.remove_receiver(1)
+            sender.send(workers.make_weights(3), version=3)
+            shares, got = _split_reports(collect(q, 3))
+            assert [s[1] for s in shares] == [3]
+            assert sorted(r[0] for r in got) == [0, 2]
+            for rank, version, digests, held in got:
+                assert (version, held) == (3, 3)
+                assert digests == workers.expected_digests(3)
+        finally:
+            stop(procs)

@@ -1,0 +1,232 @@
+"""Backend ``paired``: every trainer rank feeds a different replica; replicas pass it on.
+
+M trainer ranks send to N receivers (rollout replicas). The plan's buckets are dealt into
+M shares of nearly equal bytes (each bucket, in plan order, to the share with the fewest
+bytes so far: every rank computes the same deal without a word). Trainer rank s sends
+share s to replica d(s) = (s + 1) mod N, a cyclic derangement: where trainer and rollout
+processes share device indices, no trainer rank feeds the replica on its own device. Each
+share then travels the ring of replicas d(s) -> d(s)+1 -> ... (N - 1 hops), each replica
+forwarding a bucket as soon as it holds it. So every byte crosses each link at most once:
+a trainer rank's link carries 1/M of the model, a replica's inbound link the whole model
+and its outbound link (N-1)/N of it, and all M trainer links work at once, where a
+broadcast from rank 0 puts the whole model on one trainer link.
+
+Transport: persistent two-rank process groups (NCCL / HCCL / Gloo, chosen as for
+``nccl``), one per link: trainer rank -> its replica, and replica -> next replica. Each
+group carries bytes one way only, as broadcasts from its rank 0, so both ends issue its
+operations in the same (plan) order, which collectives need; Gloo's point-to-point calls
+would not do: their completion cannot be polled, so a dead peer could not be noticed
+while waiting. Groups are kept across syncs and rebuilt only when membership changes or
+a transfer failed. Tensors are
+never split over buckets (``splits_tensors``): every bucket holds complete named tensors,
+so a replica can apply it on its own.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightsync import platform
+from weightsync.engines.base import Landing, NextBucket, Producer
+from weightsync.engines.nccl import WINDOW, CollectiveEngine, _bury
+from weightsync.plan import Bucket
+
+
+def partner(share: int, replicas: int) -> int:
+    """The replica trainer rank ``share`` sends to: a cyclic derangement of the indices
+    (with one replica there is no choice)."""
+    return (share + 1) % replicas
+
+
+class Deal:
+    """Deals buckets, in plan order, into ``shares`` shares of nearly equal bytes."""
+
+    def __init__(self, shares: int) -> None:
+        self.loads = [0] * shares
+
+    def __call__(self, bucket: Bucket) -> int:
+        share = min(range(len(self.loads)), key=self.loads.__getitem__)  # lowest on ties
+        self.loads[share] += bucket.nbytes
+        return share
+
+
+class PairedEngine(CollectiveEngine):
+    name = "paired"
+    all_ranks_send = True
+    splits_tensors = False
+
+    def __init__(self, config, device, rank, world_size) -> None:
+        super().__init__(config, device, rank, world_size)
+        self._groups: dict[tuple[int, int], dist.ProcessGroup] = {}
+        self._trainers = 1
+        self._replicas = 0
+        self._deal = Deal(1)
+
+    # ------------------------------------------------------------------ layout
+    def _trainer_rank(self, share: int) -> int:
+        return 0 if share == 0 else self._replicas + share
+
+    @property
+    def _share(self) -> int:
+        """This trainer rank's share (trainer ranks only)."""
+        return 0 if self.rank == 0 else self.rank - self._replicas
+
+    def _links(self) -> list[tuple[int, int]]:
+        """Every link of the layout as (from, to) engine ranks, in one order all ranks
+        agree on. Ranks join their links' groups in this order, so the lowest link not
+        yet built always has both its ends waiting for it: no deadlock."""
+        links = {(self._trainer_rank(s), partner(s, self._replicas) + 1) for s in range(self._trainers)}
+        if self._replicas > 1:
+            links |= {(j + 1, (j + 1) % self._replicas + 1) for j in range(self._replicas)}
+        return sorted(links)
+
+    def _send_op(self, to: int, tensor: torch.Tensor) -> dist.Work:
+        return self._groups[(self.rank, to)].broadcast(tensor, 0)
+
+    def _recv_op(self, source: int, tensor: torch.Tensor) -> dist.Work:
+        return self._groups[(source, self.rank)].broadcast(tensor, 0)
+
+    # ------------------------------------------------------------------ groups
+    def prepare(self, host: str) -> dict[str, Any]:
+        return {**super().prepare(host), "senders": self.num_senders}
+
+    def connect(self, info: dict[str, Any]) -> None:
+        key = (info["host"], info["port"], info["group"])
+        if self._groups and key == self._group_key:
+            return
+        self._drop_group()
+        self._trainers = int(info["senders"])
+        self._replicas = int(info["world_size"]) - self._trainers
+        if self._trainers < 1 or self._replicas < 1:
+            raise RuntimeError(f"paired: {self._trainers} trainer rank(s) and {self._replicas} receiver(s) cannot pair")
+        store = self._rendezvous(info)
+        for a, b in self._links():
+            if self.rank in (a, b):
+                self._groups[(a, b)] = platform.new_process_group(
+                    self.library, dist.PrefixStore(f"link/{a}-{b}", store), (a, b).index(self.rank), 2,
+                    self.config.timeout_s, bind_host=self.local_host,
+                )
+        self._group_key = key
+
+    def _drop_group(self, failed: bool = False) -> None:
+        groups = list(self._groups.values())
+        self._groups.clear()
+        self._group = self._group_key = None
+        if self.library != "gloo":
+            for group in groups:
+                shutdown = getattr(group, "shutdown", None)  # aborts operations still pending
+                if shutdown is not None:
+                    shutdown()
+        elif failed and groups:
+            _bury(groups)  # Gloo cannot abort: see nccl._bury
+        groups = []
+
+    # ------------------------------------------------------------------ data
+    def sends(self, bucket: Bucket) -> bool:
+        return self._deal(bucket) == self._share
+
+    def send_buckets(self, produce: Producer) -> int:
+        assert self._groups, "connect() first"
+        self._deal = Deal(self._trainers)  # ``produce`` consults ``sends`` for every bucket
+        peer = partner(self._share, self._replicas) + 1
+        bufs = self._bufs()
+        in_flight: deque[tuple[dist.Work, int | None]] = deque()
+        slot = sent = 0
+        try:
+            while True:
+                while in_flight and (len(in_flight) >= WINDOW or any(s == slot for _, s in in_flight)):
+                    self._wait(in_flight.popleft()[0])
+                produced = produce(bufs[slot])
+                if produced is None:
+                    break
+                bucket, payload = produced
+                packed = payload.data_ptr() == bufs[slot].data_ptr()
+                if bucket.nbytes:
+                    in_flight.append((self._send_op(peer, payload), slot if packed else None))
+                if packed:
+                    slot = (slot + 1) % 2
+                sent += bucket.nbytes
+            while in_flight:
+                self._wait(in_flight.popleft()[0])
+        except BaseException:
+            in_flight.clear()
+            self._drop_group(failed=True)
+            raise
+        platform.synchronize(self.device)
+        return sent
+
+    def recv_buckets(self, next_bucket: NextBucket, landing: Landing | None = None) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        assert self._groups, "connect() first"
+        deal = Deal(self._trainers)
+        me, n = self.rank - 1, self._replicas
+        left, right = (me - 1) % n + 1, (me + 1) % n + 1  # ring neighbours' engine ranks
+        bufs = self._bufs()
+        free = [0, 1]
+        # Receives posted, in plan order: (bucket, slot, target, work, forward to right?).
+        posted: deque[tuple[Bucket, int | None, torch.Tensor, dist.Work | None, bool]] = deque()
+        # Forwards on the wire: (work, slot its bytes are in, or None for a landed bucket).
+        forwarding: deque[tuple[dist.Work, int | None]] = deque()
+        pending: Bucket | None = None
+        ended = False
+
+        def reclaim(block: bool) -> None:
+            # A slot is free again once its bucket is forwarded (and consumed, see below).
+            while forwarding and (block or forwarding[0][0].is_completed()):
+                work, slot = forwarding.popleft()
+                self._wait(work)
+                if slot is not None:
+                    free.append(slot)
+                block = False
+
+        def post_ahead() -> None:
+            nonlocal pending, ended
+            while not ended and len(posted) < WINDOW:
+                if pending is None:
+                    pending = next_bucket()
+                    if pending is None:
+                        ended = True
+                        return
+                target = landing(pending) if landing is not None else None
+                slot = None
+                if target is None:
+                    reclaim(block=not free and not posted)
+                    if not free:
+                        return
+                    slot = free.pop(0)
+                    target = bufs[slot][: pending.nbytes]
+                share = deal(pending)
+                hop = (me - partner(share, n)) % n  # 0: straight from the trainer rank
+                source = self._trainer_rank(share) if hop == 0 else left
+                work = self._recv_op(source, target) if pending.nbytes else None
+                posted.append((pending, slot, target, work, hop < n - 1 and pending.nbytes > 0))
+                pending = None
+
+        try:
+            post_ahead()
+            while posted:
+                bucket, slot, target, work, forward = posted.popleft()
+                if work is not None:
+                    self._wait(work)
+                del work
+                if forward:
+                    forwarding.append((self._send_op(right, target), slot))
+                yield bucket, target
+                if slot is not None and not forward:
+                    free.append(slot)
+                reclaim(block=False)
+                post_ahead()
+            reclaim(block=True)
+            while forwarding:
+                reclaim(block=True)
+        except BaseException:
+            posted.clear()
+            forwarding.clear()
+            work = None
+            self._drop_group(failed=True)
+            raise
+        platform.synchronize(self.device)
