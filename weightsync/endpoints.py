@@ -36,7 +36,7 @@ from weightsync.session import (
     VerificationError,
     connect,
 )
-from weightsync.sinks import ModuleSink
+from weightsync.sinks import ModuleSink, SinkError
 from weightsync.sources import WeightSource, as_source
 from weightsync.verify import checksum_fn
 
@@ -191,7 +191,7 @@ class Sender:
         self._channels: dict[int, Channel] = {}
         self._acked_plan: dict[int, str] = {}
         self._sending: int | None = None  # the version in transfer, for messages
-        if self.rank == 0 and not self.engine_cls.colocated:  # only rank 0 sends over a transport
+        if self.rank == 0 and not self.engine_cls.sessionless:  # only rank 0 sends over a transport
             self._server = ControlServer(address)
             self.address = self._server.address
 
@@ -239,7 +239,7 @@ class Sender:
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> None:
         """Wait (up to ``timeout_s``) until every receiver is connected. ``send`` calls it."""
-        if self._server is None:
+        if self._server is None:  # a sessionless backend, or not rank 0
             return
         for rank in [r for r, ch in self._channels.items() if ch.is_dead()]:
             self._drop_peers([rank])  # it went away since the last sync: accept it anew
@@ -300,6 +300,11 @@ class Sender:
         if self.rank != 0:
             count = sum(1 for _ in src.tensors())  # materializing shards is collective
             return self._finish_stats(SyncStats(version, tensors=count), start)
+        if self.engine_cls.sessionless:  # the engine publishes and gathers acks itself (disk)
+            if self._engine is None:
+                self._engine = self.engine_cls(self.config, self.device, 0, None)
+            self._sending = version
+            return self._finish_stats(self._engine.publish(src, version, self.receivers, force), start)
 
         self.connect()  # waiting for receivers to start is not part of the sync's time
         start = time.perf_counter()
@@ -476,7 +481,7 @@ class Receiver:
         """Connect to the sender (retrying until ``timeout_s``). ``receive`` calls it."""
         if self._channel is not None and self._channel.is_dead():
             self._reset()  # the sender dropped us after a failed sync: join again
-        if self.engine_cls.colocated or self._channel is not None:
+        if self.engine_cls.sessionless or self._channel is not None:
             return
         if self._engine is None:
             self._engine = self.engine_cls(self.config, self.device, self.rank + 1, None)
@@ -560,6 +565,9 @@ class Receiver:
     def _sync(self, version: int | None, sink: ModuleSink | None, owned: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         if self.engine_cls.colocated:
             yield from self._sync_colocated(version, sink, owned)
+            return
+        if self.engine_cls.sessionless:
+            yield from self._sync_sessionless(version, sink)
             return
         start = time.perf_counter()
         self.connect()
@@ -761,3 +769,41 @@ class Receiver:
             raise
         stats.seconds = time.perf_counter() - start
         self.version, self.failed_version, self.last_stats = v, None, stats
+
+    def _sync_sessionless(self, version: int | None, sink: ModuleSink | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Take one published version from a sessionless engine (disk) and acknowledge it;
+        the version, failure and torn states follow the same rules as over a session."""
+        start = time.perf_counter()
+        if self._engine is None:
+            self._engine = self.engine_cls(self.config, self.device, self.rank + 1, None)
+        engine = self._engine
+        pub = engine.open(self.rank, self.version, version)
+        v = pub.version
+        problem = engine.refusal(pub, self.version)
+        if problem is None and sink is not None:
+            try:
+                sink.check(pub.specs)  # before anything is written, as over a session
+            except SinkError as e:
+                problem = str(e)
+        if problem is not None:  # a clean refusal: nothing read, the state stays
+            engine.ack(pub, self.rank, "refused", problem)
+            raise HandshakeError(f"receiver rank {self.rank} refused version {v}: {problem}")
+        engine.ack(pub, self.rank, "reading")
+        self._receiving = v
+        stats = SyncStats(v, receivers=1, buckets=len(pub.shards), handshake_s=time.perf_counter() - start)
+        t0 = time.perf_counter()
+        try:
+            for name, tensor in pub.tensors(self.rank, self.device):
+                stats.tensors += 1
+                stats.bytes += tensor.nbytes
+                yield name, tensor  # a new tensor: owned by the caller either way
+        except BaseException as e:  # a damaged shard, a failed or stopped consumer
+            self.failed_version = v
+            self.torn = self.torn or stats.tensors > 0
+            what = "stopped early" if isinstance(e, GeneratorExit) else repr(e)
+            engine.ack(pub, self.rank, "failed", f"receiver rank {self.rank} did not complete version {v}: {what}")
+            raise
+        engine.ack(pub, self.rank, "ok")
+        stats.transfer_s = time.perf_counter() - t0
+        stats.seconds = time.perf_counter() - start
+        self.version, self.failed_version, self.torn, self.last_stats = v, None, False, stats

@@ -7,6 +7,9 @@ session calls, in order:
   handshake; then ``connect(info)`` on every rank (may block until all ranks joined);
 - ``send_buckets(produce)`` on the sender and ``recv_buckets(next_bucket)`` on receivers;
 - ``finish()`` on every rank (success or failure), and ``close()`` once at the end.
+
+A ``sessionless`` engine skips all of this: ``Sender`` and ``Receiver`` hand the whole
+version to it (see ``naive`` and ``disk``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ class Engine(ABC):
     name: ClassVar[str]
     #: A colocated engine hands tensors over inside one process (no buckets, no session).
     colocated: ClassVar[bool] = False
+    #: A sessionless engine needs no control session (no listening socket, no handshake):
+    #: it agrees with receivers through its own medium, as ``naive`` (one process) and
+    #: ``disk`` (a shared directory) do. Colocated engines are sessionless.
+    sessionless: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, device: torch.device, rank: int, world_size: int | None) -> None:
         """``world_size``: sender and receivers together; a receiver does not know it
