@@ -29,6 +29,7 @@ Only JSON and safetensors are read; nothing is unpickled.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ import secrets
 import shutil
 import socket
 import struct
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -545,3 +547,24 @@ class DiskEngine(Engine):
             _write_json(self.root / ACKS / ack_name(pub.version, rank), ack, durable=False)
         except OSError as e:  # the sender then times out naming this rank; say why here
             log.warning("receiver rank %d: cannot write its ack of version %d in %s: %s", rank, pub.version, self.root, e)
+
+
+# ---------------------------------------------------------------------------- demo and bench
+@contextlib.contextmanager
+def scratch_overrides(overrides: list[str], parent: str | None = None) -> Iterator[list[str]]:
+    """``overrides`` as they are, or, when they select ``backend=disk`` without a path,
+    with ``engine_kwargs.disk.path`` set to a new temporary directory (under ``parent``)
+    that is removed on exit. For the demo and the bench, which run on one machine."""
+    from weightsync.config import EngineConfig, _parse_overrides
+
+    config = EngineConfig()
+    for key, value in _parse_overrides(overrides):
+        config.set(key, value)
+    if config.backend != "disk" or config.engine_kwargs.disk.path:
+        yield list(overrides)
+        return
+    path = tempfile.mkdtemp(prefix="weightsync-disk-", dir=parent)
+    try:
+        yield [*overrides, f"engine_kwargs.disk.path={path}"]
+    finally:
+        _remove_tree(Path(path))
