@@ -183,3 +183,24 @@ def bump_small(model: torch.nn.Module, version: int) -> None:
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
         model.count.fill_(version)
+
+
+def slow_weights(version, queue, after=12):
+    """``big_weights`` yielded one by one, stalling for a minute after ``after`` tensors
+    (reported on ``queue`` as ``("writing", pid)``): a writer to kill mid-write."""
+    import time
+
+    for i, item in enumerate(big_weights(version).items()):
+        if i == after:
+            queue.put(("writing", os.getpid()))
+            time.sleep(60)
+        yield item
+
+
+def run_slow_sender(overrides, num_receivers, version, queue):
+    """A trainer that stalls in the middle of writing ``version`` (see ``slow_weights``)."""
+    from weightsync.sources import IteratorSource
+
+    torch.set_num_threads(1)
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", num_receivers) as sender:
+        sender.send(IteratorSource(slow_weights(version, queue)), version=version)

@@ -287,8 +287,10 @@ class DiskEngine(Engine):
         super().__init__(config, device, rank, world_size)
         self.root = Path(config.engine_kwargs.disk.path)
         self.keep = config.engine_kwargs.disk.keep
-        #: receivers: the publication last read completely, (version, id)
-        self.held: tuple[int, str] | None = None
+        #: receivers: the publication last read, whole or not, as (version, id). A receive
+        #: waits for another one, as a receive over a session waits for another send: so a
+        #: retry after a failure reads the sender's new publication, never the failed one.
+        self.last_read: tuple[int, str] | None = None
 
     def connect(self, info: dict[str, Any]) -> None:  # nothing to join
         pass
@@ -488,8 +490,8 @@ class DiskEngine(Engine):
 
     # ------------------------------------------------------------------ receiver
     def open(self, rank: int, held: int | None, version: int | None) -> Publication:
-        """Wait (``timeout_s``) for ``version`` to be published, or, if None, for a
-        publication other than the one held (a newer version, or a rollback or retry)."""
+        """Wait (``timeout_s``) for a publication of ``version`` (None: of the newest
+        version) other than the one this receiver read last."""
         root = self.root
         timeout = self.config.timeout_s
         end = time.monotonic() + timeout
@@ -497,33 +499,30 @@ class DiskEngine(Engine):
         while True:
             published = published_versions(root)
             newest = published[-1] if published else None
-            target = None
-            if version is not None:
-                if version in published:
-                    target = version
-                elif newest is not None and version < newest:
+            target = version if version is not None else newest
+            if version is not None and version not in published:
+                target = None
+                if newest is not None and version < newest:
                     kept = ", ".join(map(str, published))
                     raise SyncError(
                         f"receiver rank {rank}: version {version} is not in {root}: it is older than the newest "
                         f"published version {newest}, so it was pruned (keep={self.keep}; kept: {kept}) or never published"
                     )
-            elif newest is not None and (self.held is None or newest != self.held[0]):
-                target = newest
-            elif newest is not None:  # the held version is the newest: a new publication of it?
-                manifest = _read_json(root / version_dir(newest) / MANIFEST)
-                if isinstance(manifest, dict) and manifest.get("id") != self.held[1]:
-                    target = newest
+            read_before = False
             if target is not None:
+                # None: renamed away between listing and reading (a retry replacing it)
                 manifest = _read_json(root / version_dir(target) / MANIFEST)
                 if isinstance(manifest, dict):
-                    return Publication(root, target, manifest)
-                # renamed away between listing and reading (a retry replacing it): look again
+                    read_before = self.last_read == (target, manifest.get("id"))
+                    if not read_before:
+                        return Publication(root, target, manifest)
             if time.monotonic() >= end:
                 have = "none" if newest is None else str(newest)
-                want = (f"version {version} was" if version is not None else
+                what = (f"version {version} was not" if version is not None else
                         f"no version newer than {held} was" if held is not None else "no version was")
-                raise SyncTimeout(f"receiver rank {rank}: {want} published in {root} within {timeout:.1f} s "
-                                  f"(newest published: {have})")
+                again = f"; this receiver already read its publication {self.last_read[1]}" if read_before and version is not None else ""
+                raise SyncTimeout(f"receiver rank {rank}: {what} published in {root} within {timeout:.1f} s "
+                                  f"(newest published: {have}{again})")
             time.sleep(poll)
             poll = min(poll * 2, POLL_MAX_S)
 
@@ -539,8 +538,8 @@ class DiskEngine(Engine):
     def ack(self, pub: Publication, rank: int, state: str, message: str | None = None) -> None:
         """Tell the sender how this receiver is doing with ``pub``: ``reading``, ``ok``,
         ``failed`` or ``refused``."""
-        if state == "ok":
-            self.held = (pub.version, pub.id)
+        if state in ("ok", "failed"):
+            self.last_read = (pub.version, pub.id)
         ack = {"version": pub.version, "id": pub.id, "rank": rank, "state": state, "message": message,
                "reader": _identity(), "time": time.time()}
         try:
