@@ -271,6 +271,8 @@ def test_a_writer_killed_mid_write_publishes_nothing_and_a_new_writer_does(tmp_p
             with pytest.raises(SyncTimeout, match=r"version 1 was not published in .* within 1.0 s \(newest published: none\)"):
                 next(receiver.receive(version=1))
             assert (receiver.version, receiver.failed_version) == (None, None)
+            # A new queue: the killed writer may have died holding the old one's write lock.
+            q = CTX.Queue()
             replacement = start(workers.run_sender, "unused:0", ov, 1, [1], q)
             receiver.config.timeout_s = 60
             got = {n: workers.digest(t) for n, t in receiver.receive(version=1)}

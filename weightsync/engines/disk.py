@@ -129,7 +129,11 @@ def _alive(who: Any) -> bool | None:
         return False
     except PermissionError:  # it exists, under another user
         return True
-    return True
+    try:  # a dead child not yet reaped by its parent (the sender may be that parent) is a zombie
+        with open(f"/proc/{who['pid']}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _fsync_dir(path: Path) -> None:
