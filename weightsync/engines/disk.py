@@ -136,8 +136,8 @@ def _alive(who: Any) -> bool | None:
         return True
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make a directory's entries (new files, renames) durable."""
+def _fsync(path: Path) -> None:
+    """Make a file's bytes, or a directory's entries (new files, renames), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -176,7 +176,7 @@ def _host_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def _write_shard(path: Path, items: list[tuple[str, torch.Tensor]], checksum) -> list[int | None]:
     """Write one safetensors file from ``items`` (host tensors), streaming each tensor's
-    bytes from its own memory, and flush it to storage. Returns each tensor's checksum."""
+    bytes from its own memory. Returns each tensor's checksum."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}  # transformers checks "format"
     views = []
     offset = 0
@@ -196,8 +196,6 @@ def _write_shard(path: Path, items: list[tuple[str, torch.Tensor]], checksum) ->
         for data in views:
             if data.numel():
                 f.write(memoryview(data.numpy()))
-        f.flush()
-        os.fsync(f.fileno())  # before the rename publishes it: a shared FS must hold the bytes
     return [checksum(data) if checksum is not None else None for data in views]
 
 
@@ -347,7 +345,7 @@ class DiskEngine(Engine):
             _write_json(tmp / INDEX, index, durable=True)
             _write_json(tmp / MANIFEST, manifest, durable=True)
             (tmp / _WRITER).unlink()
-            _fsync_dir(tmp)
+            _fsync(tmp)
             if force:  # a rollback: versions newer than it are withdrawn first
                 for v in published:
                     if v > version:
@@ -355,7 +353,7 @@ class DiskEngine(Engine):
             if (root / version_dir(version)).exists():
                 self._retire(version)  # a retry of a published version replaces it
             os.rename(tmp, root / version_dir(version))
-            _fsync_dir(root)
+            _fsync(root)
         except BaseException:
             _remove_tree(tmp)
             raise
@@ -406,6 +404,10 @@ class DiskEngine(Engine):
             final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             os.rename(tmp / shard["file"], tmp / final)
             shard["file"] = final
+        # Durable before the rename publishes them (a shared FS must hold the bytes). Once at
+        # the end, not per shard: writing the next shard overlaps the previous' writeback.
+        for shard in shards:
+            _fsync(tmp / shard["file"])
         stats.buckets = len(shards)
         return specs, shards
 
