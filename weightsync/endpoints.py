@@ -154,7 +154,8 @@ class Sender:
     Args:
         config: engine configuration (backend, bucket size, timeout, ...).
         address: ``host:port`` the sender listens on (rank 0); port 0 picks a free port,
-            readable afterwards from ``sender.address``.
+            readable afterwards from ``sender.address``. Not used by ``disk``, which
+            publishes into ``engine_kwargs.disk.path`` instead (see docs/disk.md).
         num_receivers: how many receivers take part in every sync (ranks ``0 ..
             num_receivers-1``; ``remove_receiver`` / ``add_receiver`` change the set).
         rank: this trainer's rank; over a transport only rank 0 sends and other ranks
