@@ -211,3 +211,23 @@ def run_paired_trainer(address, rank, num_trainers, overrides, num_receivers, ve
     except Exception as e:
         queue.put((("trainer", rank), "error", f"{type(e).__name__}: {e}", None))
         traceback.print_exc()
+
+def slow_weights(version, queue, after=12):
+    """``big_weights`` yielded one by one, stalling for a minute after ``after`` tensors
+    (reported on ``queue`` as ``("writing", pid)``): a writer to kill mid-write."""
+    import time
+
+    for i, item in enumerate(big_weights(version).items()):
+        if i == after:
+            queue.put(("writing", os.getpid()))
+            time.sleep(60)
+        yield item
+
+
+def run_slow_sender(overrides, num_receivers, version, queue):
+    """A trainer that stalls in the middle of writing ``version`` (see ``slow_weights``)."""
+    from weightsync.sources import IteratorSource
+
+    torch.set_num_threads(1)
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", num_receivers) as sender:
+        sender.send(IteratorSource(slow_weights(version, queue)), version=version)

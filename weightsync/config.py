@@ -79,12 +79,47 @@ class MooncakeKwargs:
     )
 
 
+#: fewest published versions the ``disk`` backend keeps (see ``DiskKwargs.keep``)
+DISK_MIN_KEEP = 2
+
+
+@dataclass
+class DiskKwargs:
+    """``engine_kwargs.disk``: checkpoints published in a shared directory."""
+
+    path: str = field(
+        default="",
+        metadata=_doc(
+            "Directory shared by the trainer and every receiver (a shared file system across "
+            "hosts). Each version is published there as a Hugging Face style checkpoint "
+            "(`v000000000007/`: safetensors shards, index, `weightsync.json` manifest); receivers "
+            "acknowledge under `acks/`. Required by `backend=disk`.",
+            "训练端与所有接收端共享的目录（跨机时为共享文件系统）。每个版本以 Hugging Face 风格的检查点"
+            "发布于此（`v000000000007/`：safetensors 分片、索引、`weightsync.json` 清单）；接收端在 `acks/` "
+            "下确认。`backend=disk` 时必填。",
+        ),
+    )
+    keep: int = field(
+        default=2,
+        metadata=_doc(
+            "Published versions kept in `path`; older ones are deleted after each publish. At "
+            "least 2: with 1, publishing a version would delete the previous one while a reader "
+            "the sender no longer waits for (a receiver that timed out or was removed, or an "
+            "inference engine loading the directory itself) may still be reading it.",
+            "`path` 中保留的已发布版本数；每次发布后删除更旧的版本。至少为 2：若为 1，发布新版本会删除上一版本，"
+            "而发送端已不再等待的读取者（超时或被移除的接收端，或直接从该目录加载的推理引擎）可能仍在读取它。",
+            allowed=f">= {DISK_MIN_KEEP}",
+        ),
+    )
+
+
 @dataclass
 class EngineKwargs:
     """``engine_kwargs``: per-backend options."""
 
     nccl: NcclKwargs = field(default_factory=NcclKwargs)
     mooncake: MooncakeKwargs = field(default_factory=MooncakeKwargs)
+    disk: DiskKwargs = field(default_factory=DiskKwargs)
 
 
 @dataclass
@@ -121,9 +156,11 @@ class EngineConfig:
         metadata=_doc(
             "Transfer backend: `naive` (colocated, same process), `nccl` (collective broadcast; "
             "HCCL on Ascend, Gloo on CPU), `shm` (one host: shared memory, CUDA IPC on GPUs), "
+            "`disk` (checkpoints in a shared directory, `engine_kwargs.disk.path`), "
             "or one registered by `custom_backend_module`.",
             "传输后端：`naive`（同进程共置）、`nccl`（集合通信广播；昇腾上为 HCCL，CPU 上为 Gloo）、"
-            "`shm`（单机共享内存，GPU 上为 CUDA IPC），或由 `custom_backend_module` 注册的后端。",
+            "`shm`（单机共享内存，GPU 上为 CUDA IPC）、`disk`（共享目录中的检查点，见 "
+            "`engine_kwargs.disk.path`），或由 `custom_backend_module` 注册的后端。",
             choices="registered backends",
         ),
     )
@@ -272,6 +309,11 @@ class EngineConfig:
             raise ConfigError(f"timeout_s={self.timeout_s}: must be a positive number of seconds")
         if not self.engine_kwargs.nccl.group_name:
             raise ConfigError("engine_kwargs.nccl.group_name='': must not be empty")
+        if self.engine_kwargs.disk.keep < DISK_MIN_KEEP:
+            raise ConfigError(
+                f"engine_kwargs.disk.keep={self.engine_kwargs.disk.keep}: must be at least {DISK_MIN_KEEP}; "
+                "with 1, publishing a version deletes the previous one while a reader may still read it"
+            )
         for k in all_keys():
             choices = k.meta.get("choices")
             if isinstance(choices, tuple) and self.get(k.path) not in choices:
@@ -297,6 +339,11 @@ class EngineConfig:
             raise ConfigError(
                 f"backend={self.backend!r} is not a known backend{_suggest(self.backend, known)}; "
                 f"known backends: {', '.join(known)}"
+            )
+        if self.backend == "disk" and not self.engine_kwargs.disk.path:
+            raise ConfigError(
+                "engine_kwargs.disk.path='': backend=disk needs a directory shared by the trainer and "
+                "every receiver, e.g. engine_kwargs.disk.path=/mnt/shared/weights"
             )
         if self.trainer.trainer_mode == "separate_async" and self.backend == "naive":
             raise ConfigError(
@@ -456,6 +503,8 @@ def docs_markdown(lang: str = "en") -> str:
         choices = k.meta.get("choices")
         if isinstance(choices, tuple):
             allowed = ", ".join(f"`{c}`" for c in choices)
+        elif k.meta.get("allowed"):
+            allowed = k.meta["allowed"]
         elif choices:
             from weightsync.engines import builtin_backends
 

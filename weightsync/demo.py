@@ -7,6 +7,7 @@ which checks every tensor bit-exact against the trainer's checksums.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import multiprocessing as mp
@@ -127,7 +128,16 @@ def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, gen: t
 
 
 def run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
-    """Run the demo; raise ``DemoFailed`` (or a sync error) on any mismatch or failure."""
+    """Run the demo; raise ``DemoFailed`` (or a sync error) on any mismatch or failure.
+    ``backend=disk`` without ``engine_kwargs.disk.path`` publishes into a temporary
+    directory, removed at the end."""
+    from weightsync.engines.disk import scratch_overrides
+
+    with scratch_overrides([f"backend={opts.backend}", *opts.overrides]) as overrides:
+        return _run_demo(dataclasses.replace(opts, overrides=overrides[1:]), console)
+
+
+def _run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
     from rich.console import Console
     from rich.table import Table
 

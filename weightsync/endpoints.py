@@ -37,7 +37,7 @@ from weightsync.session import (
     VerificationError,
     connect,
 )
-from weightsync.sinks import ModuleSink
+from weightsync.sinks import ModuleSink, SinkError
 from weightsync.sources import WeightSource, as_source
 from weightsync.verify import checksum_fn
 
@@ -178,7 +178,8 @@ class Sender:
     Args:
         config: engine configuration (backend, bucket size, timeout, ...).
         address: ``host:port`` the sender listens on (rank 0); port 0 picks a free port,
-            readable afterwards from ``sender.address``.
+            readable afterwards from ``sender.address``. Not used by ``disk``, which
+            publishes into ``engine_kwargs.disk.path`` instead (see docs/disk.md).
         num_receivers: how many receivers take part in every sync (ranks ``0 ..
             num_receivers-1``; ``remove_receiver`` / ``add_receiver`` change the set).
         rank: this trainer's rank; over a transport only rank 0 sends and other ranks
@@ -224,7 +225,7 @@ class Sender:
         self._trainers: dict[int, Channel] = {}
         self._acked_plan: dict[int, str] = {}
         self._sending: int | None = None  # the version in transfer, for messages
-        if self.rank == 0 and not self.engine_cls.colocated:  # rank 0 runs the session
+        if self.rank == 0 and not self.engine_cls.sessionless:  # rank 0 runs the session
             self._server = ControlServer(address)
             self.address = self._server.address
 
@@ -279,7 +280,7 @@ class Sender:
     def connect(self) -> None:
         """Wait (up to ``timeout_s``) until every receiver (and, with ``paired``, every
         other trainer rank) is connected. ``send`` calls it."""
-        if self._server is None:
+        if self._server is None:  # a sessionless backend, or not rank 0
             if self._shares_work and self.rank != 0:
                 self._connect_to_rank0()
             return
@@ -368,6 +369,11 @@ class Sender:
         if self.rank != 0 and not self._shares_work:
             count = sum(1 for _ in src.tensors())  # materializing shards is collective
             return self._finish_stats(SyncStats(version, tensors=count), start)
+        if self.engine_cls.sessionless:  # the engine publishes and gathers acks itself (disk)
+            if self._engine is None:
+                self._engine = self.engine_cls(self.config, self.device, 0, None)
+            self._sending = version
+            return self._finish_stats(self._engine.publish(src, version, self.receivers, force), start)
 
         specs = src.specs()
         plan = make_plan(specs, self.config.bucket_bytes) if specs is not None else None
@@ -671,7 +677,7 @@ class Receiver:
         """Connect to the sender (retrying until ``timeout_s``). ``receive`` calls it."""
         if self._channel is not None and self._channel.is_dead():
             self._reset()  # the sender dropped us after a failed sync: join again
-        if self.engine_cls.colocated or self._channel is not None:
+        if self.engine_cls.sessionless or self._channel is not None:
             return
         if self._engine is None:
             self._engine = self.engine_cls(self.config, self.device, self.rank + 1, None)
@@ -755,6 +761,9 @@ class Receiver:
     def _sync(self, version: int | None, sink: ModuleSink | None, owned: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         if self.engine_cls.colocated:
             yield from self._sync_colocated(version, sink, owned)
+            return
+        if self.engine_cls.sessionless:
+            yield from self._sync_sessionless(version, sink)
             return
         start = time.perf_counter()
         self.connect()
@@ -956,3 +965,41 @@ class Receiver:
             raise
         stats.seconds = time.perf_counter() - start
         self.version, self.failed_version, self.last_stats = v, None, stats
+
+    def _sync_sessionless(self, version: int | None, sink: ModuleSink | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Take one published version from a sessionless engine (disk) and acknowledge it;
+        the version, failure and torn states follow the same rules as over a session."""
+        start = time.perf_counter()
+        if self._engine is None:
+            self._engine = self.engine_cls(self.config, self.device, self.rank + 1, None)
+        engine = self._engine
+        pub = engine.open(self.rank, self.version, version)
+        v = pub.version
+        problem = engine.refusal(pub, self.version)
+        if problem is None and sink is not None:
+            try:
+                sink.check(pub.specs)  # before anything is written, as over a session
+            except SinkError as e:
+                problem = str(e)
+        if problem is not None:  # a clean refusal: nothing read, the state stays
+            engine.ack(pub, self.rank, "refused", problem)
+            raise HandshakeError(f"receiver rank {self.rank} refused version {v}: {problem}")
+        engine.ack(pub, self.rank, "reading")
+        self._receiving = v
+        stats = SyncStats(v, receivers=1, buckets=len(pub.shards), handshake_s=time.perf_counter() - start)
+        t0 = time.perf_counter()
+        try:
+            for name, tensor in pub.tensors(self.rank, self.device):
+                stats.tensors += 1
+                stats.bytes += tensor.nbytes
+                yield name, tensor  # a new tensor: owned by the caller either way
+        except BaseException as e:  # a damaged shard, a failed or stopped consumer
+            self.failed_version = v
+            self.torn = self.torn or stats.tensors > 0
+            what = "stopped early" if isinstance(e, GeneratorExit) else repr(e)
+            engine.ack(pub, self.rank, "failed", f"receiver rank {self.rank} did not complete version {v}: {what}")
+            raise
+        engine.ack(pub, self.rank, "ok")
+        stats.transfer_s = time.perf_counter() - t0
+        stats.seconds = time.perf_counter() - start
+        self.version, self.failed_version, self.torn, self.last_stats = v, None, False, stats

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.bench import models
+from weightsync.engines.disk import scratch_overrides
 from weightsync.bench.workers import Job, alternative, cleanup_disk, memcpy_ceiling, sync_receiver, sync_sender
 from weightsync.plan import TensorSpec
 
@@ -120,7 +121,6 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int, int], None] | No
     for kind, mb in planned:
         label = f"{kind}" + (f" {mb} MiB buckets" if mb else "")
         overrides = [f"update_weights_bucket_megabytes={mb}", f"timeout_s={opts.timeout_s}", *opts.overrides] if mb else []
-        job = Job(kind, specs, opts.receivers, opts.repeats, overrides, opts.model, opts.work_dir, opts.timeout_s)
 
         def tick(n: int, label: str = label) -> None:
             nonlocal done
@@ -130,7 +130,10 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int, int], None] | No
 
         if progress is not None:
             progress(label, done, total_ticks)
-        rows.append(_run_row(job, mb, tick))
+        # backend=disk without a path publishes into a temporary directory under --work-dir
+        with scratch_overrides([f"backend={kind}", *overrides] if mb else [], opts.work_dir) as row_overrides:
+            job = Job(kind, specs, opts.receivers, opts.repeats, row_overrides[1:], opts.model, opts.work_dir, opts.timeout_s)
+            rows.append(_run_row(job, mb, tick))
     _add_ratios(rows)
     return rows
 

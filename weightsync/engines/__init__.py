@@ -20,6 +20,7 @@ _BUILTIN: dict[str, str] = {
     "nccl": "weightsync.engines.nccl:CollectiveEngine",
     "shm": "weightsync.engines.shm:ShmEngine",
     "paired": "weightsync.engines.paired:PairedEngine",
+    "disk": "weightsync.engines.disk:DiskEngine",
 }
 _registry: dict[str, type[Engine] | str] = dict(_BUILTIN)
 _failed: dict[str, str] = {}

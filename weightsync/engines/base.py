@@ -11,6 +11,9 @@ session calls, in order:
 An engine with ``all_ranks_send`` (``paired``) has several senders: trainer rank 0 is rank
 0, receivers are 1..N, trainer ranks 1..M-1 are N+1..N+M-1; each trainer rank's
 ``send_buckets`` gets only the buckets for which its ``sends(bucket)`` is True.
+
+A ``sessionless`` engine skips all of this: ``Sender`` and ``Receiver`` hand the whole
+version to it (see ``naive`` and ``disk``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ class Engine(ABC):
     #: A tensor larger than a bucket may travel in pieces over several buckets; if False,
     #: such a tensor is an error at plan time.
     splits_tensors: ClassVar[bool] = True
+    #: A sessionless engine needs no control session (no listening socket, no handshake):
+    #: it agrees with receivers through its own medium, as ``naive`` (one process) and
+    #: ``disk`` (a shared directory) do. Colocated engines are sessionless.
+    sessionless: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, device: torch.device, rank: int, world_size: int | None) -> None:
         """``world_size``: sender and receivers together; a receiver does not know it

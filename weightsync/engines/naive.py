@@ -20,6 +20,7 @@ _changed = threading.Condition()
 class NaiveEngine(Engine):
     name = "naive"
     colocated = True
+    sessionless = True
 
     def connect(self, info: dict[str, Any]) -> None:  # nothing to join
         pass
