@@ -211,11 +211,11 @@ class Sender:
         self._members = set(range(num_receivers))
         self.rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
         self.num_trainers = num_trainers or (dist.get_world_size() if dist.is_initialized() else 1)
-        if not 0 <= self.rank < self.num_trainers:
-            raise ValueError(f"rank {self.rank} is not one of the {self.num_trainers} trainer rank(s)")
+        self.engine_cls = get_engine(config.backend)
+        if self.engine_cls.all_ranks_send and not 0 <= self.rank < self.num_trainers:
+            raise ValueError(f"rank {self.rank} is not one of the {self.num_trainers} trainer rank(s) (num_trainers)")
         self.wire_dtype = wire_dtype
         self.device = platform.local_device(device)
-        self.engine_cls = get_engine(config.backend)
         self.address = address
         self.last_stats: SyncStats | None = None
         self._server: ControlServer | None = None

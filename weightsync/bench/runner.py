@@ -28,7 +28,7 @@ from weightsync.plan import TensorSpec
 
 ALTERNATIVES = ("per-tensor-broadcast", "safetensors-reload")
 #: the ceiling row that bounds each backend (backends not listed have none measured)
-CEILING_OF = {"nccl": "broadcast-ceiling", "shm": "memcpy-ceiling"}
+CEILING_OF = {"nccl": "broadcast-ceiling", "paired": "broadcast-ceiling", "shm": "memcpy-ceiling"}
 
 
 class BenchError(RuntimeError):
