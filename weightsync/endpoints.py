@@ -313,6 +313,7 @@ class Sender:
         # cleanly, everyone is between syncs and the connections stay.
         outcome = "broken"
         try:
+            self._engine.begin(version)
             self._engine.reserve(_capacity(plan, self.config.bucket_bytes))
             info = self._engine.prepare(self._server.host)
             stats.plan_sent_to = self._handshake(version, plan, info, force)
@@ -570,6 +571,7 @@ class Receiver:
             msg = ch.recv(Deadline(self.config.timeout_s, f"for the sender to start a sync{what}"), expect="sync")
             start = time.perf_counter()  # the sync starts when the sender starts it
             v, plan = self._accept(msg, version, sink)
+            self._engine.begin(v)
             self._engine.reserve(_capacity(plan, self.config.bucket_bytes))
             ch.recv(Deadline(self.config.timeout_s, f"for the go of version {v}"), expect="go")
             self._engine.rank = msg["engine"]["rank"]  # our place in this sync's data-plane group

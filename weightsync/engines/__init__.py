@@ -19,6 +19,7 @@ _BUILTIN: dict[str, str] = {
     "naive": "weightsync.engines.naive:NaiveEngine",
     "nccl": "weightsync.engines.nccl:CollectiveEngine",
     "shm": "weightsync.engines.shm:ShmEngine",
+    "mooncake": "weightsync.engines.mooncake:MooncakeEngine",
 }
 _registry: dict[str, type[Engine] | str] = dict(_BUILTIN)
 _failed: dict[str, str] = {}
