@@ -284,10 +284,14 @@ class MooncakeEngine(Engine):
         key = (info["token"], info["generation"], info["world_size"])
         if self._key == key:
             return
-        if self.rank == 0:
-            self._build_chain(int(info["world_size"]))
-        else:
-            self._join(info)
+        try:
+            if self.rank == 0:
+                self._build_chain(int(info["world_size"]))
+            else:
+                self._join(info)
+        except BaseException:
+            self._drop()  # close what was opened: the neighbours fail at once, not at their deadline
+            raise
         self._key = key
 
     def _accept(self, listener: socket.socket, count: int, check: Callable[[dict, dict], int], what: str) -> dict:
