@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # multi-GB CUDA build. On a GPU machine: make TORCH=torch==<cuda build> ...
 TORCH  ?= torch==2.13.0
 
-.PHONY: install install-vllm demo demo-vllm test test-fast docs clean
+.PHONY: install install-vllm install-mooncake demo demo-vllm test test-fast docs clean
 
 install: $(VENV)/.installed
 
@@ -26,13 +26,27 @@ $(VENV)/.installed-vllm: $(VENV)/.installed
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
+# Mooncake Transfer Engine for the mooncake backend. Its CPU wheel (the mooncake extra:
+# mooncake-transfer-engine-non-cuda) runs over TCP and still links against the RDMA and
+# netlink libraries, so those come from apt first when missing (sudo only when not root).
+MOONCAKE_DEBS := libibverbs1 libnl-3-200 libnl-route-3-200
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+install-mooncake: $(VENV)/.installed-mooncake
+
+$(VENV)/.installed-mooncake: $(VENV)/.installed
+	dpkg -s $(MOONCAKE_DEBS) >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
+		$(SUDO) apt-get install -y --no-install-recommends $(MOONCAKE_DEBS); }
+	$(BIN)/pip install --quiet "$(TORCH)" -e ".[test,mooncake]"
+	touch $@
+
 demo: install
 	$(BIN)/weightsync demo
 
 demo-vllm: install-vllm
 	$(BIN)/weightsync demo --rollout vllm
 
-test: install-vllm
+test: install-vllm install-mooncake
 	$(BIN)/python -m pytest -q
 
 test-fast: install

@@ -33,7 +33,7 @@ def digests(weights):
 
 
 # ---------------------------------------------------------------------------- killed peers
-@pytest.mark.parametrize("backend", ["nccl", "shm"])
+@pytest.mark.parametrize("backend", ["nccl", "shm", pytest.param("mooncake", marks=workers.needs_mooncake)])
 def test_receiver_sigkilled_mid_sync_then_survivors_sync_bit_exact(backend):
     q = CTX.Queue()
     overrides = config(backend=backend, timeout=20)

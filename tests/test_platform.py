@@ -2,6 +2,7 @@
 
 import logging
 
+import pytest
 import torch
 
 from weightsync import platform
@@ -25,3 +26,14 @@ def test_cpu_machine_resolves_to_cpu_and_gloo():
     assert platform.local_device("cpu") == torch.device("cpu")
     assert platform.collective_backend("nccl") == "gloo"
     platform.synchronize(torch.device("cpu"))  # a no-op, but callable everywhere
+
+
+def test_mooncake_protocol_follows_the_buffer_device(caplog):
+    with caplog.at_level(logging.INFO, logger="weightsync.platform"):
+        assert platform.mooncake_protocol("cpu") == "tcp"
+        assert platform.mooncake_protocol("cuda") == "rdma"
+        assert platform.mooncake_protocol("npu") == "ascend_direct"
+        assert platform.mooncake_protocol("auto") == "tcp"  # this CPU machine
+    assert "backend 'mooncake' with device npu uses Mooncake protocol ascend_direct" in [r.getMessage() for r in caplog.records]
+    with pytest.raises(ValueError, match="engine_kwargs.mooncake.device='tpu'"):
+        platform.mooncake_protocol("tpu")

@@ -19,7 +19,9 @@ SYNCS = 50
 FD_SLACK, THREAD_SLACK, RSS_SLACK_MB = 2, 1, 32
 
 
-@pytest.mark.parametrize("backend,verify", [("nccl", "xxh3"), ("shm", "off")])
+@pytest.mark.parametrize(
+    "backend,verify", [("nccl", "xxh3"), ("shm", "off"), pytest.param("mooncake", "off", marks=workers.needs_mooncake)]
+)
 def test_fifty_syncs_to_three_receivers_stay_exact_and_flat(backend, verify):
     overrides = [f"backend={backend}", "update_weights_bucket_megabytes=1", "timeout_s=60", f"verify={verify}"]
     versions = list(range(1, SYNCS + 1))

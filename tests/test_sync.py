@@ -22,8 +22,9 @@ from procs import CTX, collect, free_port, start, stop
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 BASE = ["backend=nccl", "update_weights_bucket_megabytes=1", "timeout_s=60"]
-# The transports the data-path tests run on: collective broadcast (Gloo) and shared memory.
-TRANSPORTS = ["nccl", "shm"]
+# The transports the data-path tests run on: collective broadcast (Gloo), shared memory and
+# Mooncake Transfer Engine over TCP (a chain of receivers).
+TRANSPORTS = ["nccl", "shm", pytest.param("mooncake", marks=workers.needs_mooncake)]
 
 
 def base(backend):

@@ -68,8 +68,11 @@ def test_strangers_sending_anything_are_turned_away_and_the_server_keeps_accepti
         ch = Channel(s, "server")
         challenge = ch.recv(Deadline(10, "for the challenge"), expect="challenge")
         assert challenge["protocol"] == PROTOCOL_VERSION and len(challenge["nonce"]) == 32
-        s.sendall(payload)
-        s.shutdown(socket.SHUT_WR)  # a truncated frame ends here
+        try:
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)  # a truncated frame ends here
+        except OSError:
+            pass  # the server already hung up on what it read so far
         try:
             reply = ch.recv(Deadline(15, "for the verdict"))
             assert reply["type"] == "error", reply  # turned away with a reason, never welcomed

@@ -62,19 +62,21 @@ class MooncakeKwargs:
     device: str = field(
         default="auto",
         metadata=_doc(
-            "Device of the transfer buffers; `auto` detects the platform (cuda, npu or cpu). "
-            "On Ascend it must be `npu`, which selects Mooncake's ascend_direct protocol.",
-            "传输缓冲区所在设备；`auto` 自动检测平台（cuda、npu 或 cpu）。"
-            "昇腾上必须为 `npu`，即选用 Mooncake 的 ascend_direct 协议。",
+            "Device of the transfer buffers, which picks Mooncake's protocol: `cpu` -> TCP, "
+            "`cuda` -> RDMA, `npu` -> ascend_direct; `auto` uses the process's device. On Ascend "
+            "it must be `npu` (or `auto`).",
+            "传输缓冲区所在设备，并据此选择 Mooncake 协议：`cpu` -> TCP，`cuda` -> RDMA，"
+            "`npu` -> ascend_direct；`auto` 使用进程所在设备。昇腾上必须为 `npu`（或 `auto`）。",
             choices=MOONCAKE_DEVICES,
         ),
     )
     device_name: str = field(
         default="",
         metadata=_doc(
-            "NIC / device name filter for Mooncake (empty: all). Read by the `mooncake` backend "
-            "(a plugin until it is built in).",
-            "Mooncake 使用的网卡/设备名过滤（为空表示全部）。由 `mooncake` 后端读取（内置之前以插件形式提供）。",
+            "NIC / device name filter for Mooncake (empty: all), passed to Mooncake Transfer "
+            "Engine as its device filter (comma-separated RDMA device names; unused over TCP).",
+            "Mooncake 使用的网卡/设备名过滤（为空表示全部），作为设备过滤传给 Mooncake Transfer Engine"
+            "（逗号分隔的 RDMA 设备名；TCP 下不使用）。",
         ),
     )
 
@@ -156,11 +158,14 @@ class EngineConfig:
         metadata=_doc(
             "Transfer backend: `naive` (colocated, same process), `nccl` (collective broadcast; "
             "HCCL on Ascend, Gloo on CPU), `shm` (one host: shared memory, CUDA IPC on GPUs), "
-            "`disk` (checkpoints in a shared directory, `engine_kwargs.disk.path`), "
-            "or one registered by `custom_backend_module`.",
+            "`paired` (every trainer rank feeds its own replica, replicas forward along a ring), "
+            "`mooncake` (Mooncake Transfer Engine, point to point along a chain of receivers; "
+            "needs the `mooncake` extra), `disk` (checkpoints in a shared directory, "
+            "`engine_kwargs.disk.path`), or one registered by `custom_backend_module`.",
             "传输后端：`naive`（同进程共置）、`nccl`（集合通信广播；昇腾上为 HCCL，CPU 上为 Gloo）、"
-            "`shm`（单机共享内存，GPU 上为 CUDA IPC）、`disk`（共享目录中的检查点，见 "
-            "`engine_kwargs.disk.path`），或由 `custom_backend_module` 注册的后端。",
+            "`shm`（单机共享内存，GPU 上为 CUDA IPC）、`paired`（每个训练 rank 发给各自的副本，副本沿环转发）、"
+            "`mooncake`（Mooncake Transfer Engine，沿接收端链点对点传输；需要 `mooncake` 可选依赖）、"
+            "`disk`（共享目录中的检查点，见 `engine_kwargs.disk.path`），或由 `custom_backend_module` 注册的后端。",
             choices="registered backends",
         ),
     )

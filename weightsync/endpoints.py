@@ -391,6 +391,7 @@ class Sender:
         outcome = "broken"
         went = False  # the go was given: other trainer ranks then wait for the outcome
         try:
+            self._engine.begin(version)
             self._engine.reserve(_capacity(plan, self.config.bucket_bytes))
             info = self._engine.prepare(self._server.host)
             stats.plan_sent_to = self._handshake(version, plan, info, force)
@@ -515,6 +516,7 @@ class Sender:
         try:
             info = msg["engine"]
             self._engine.rank = int(info["rank"])
+            self._engine.begin(version)
             self._engine.connect(info)
             packer, produce, sums = self._producer(src, plan, deadline)
             t0 = time.perf_counter()
@@ -774,6 +776,7 @@ class Receiver:
             msg = ch.recv(Deadline(self.config.timeout_s, f"for the sender to start a sync{what}"), expect="sync")
             start = time.perf_counter()  # the sync starts when the sender starts it
             v, plan = self._accept(msg, version, sink)
+            self._engine.begin(v)
             self._engine.reserve(_capacity(plan, self.config.bucket_bytes))
             ch.recv(Deadline(self.config.timeout_s, f"for the go of version {v}"), expect="go")
             self._engine.rank = msg["engine"]["rank"]  # our place in this sync's data-plane group

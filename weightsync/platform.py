@@ -110,6 +110,30 @@ def collective_backend(requested: str = "nccl", kind: str | None = None) -> str:
     return library
 
 
+# Mooncake Transfer Engine names its transports by protocol; which one moves the bytes
+# follows the device the buffers live on. This table is the one place that maps them.
+_MOONCAKE_PROTOCOL = {
+    # CUDA GPUs: RDMA (GPUDirect where the NIC supports it; device_name picks the NICs).
+    "cuda": "rdma",
+    # Ascend NPUs: Mooncake's own transport for NPU memory.
+    "npu": "ascend_direct",
+    # CPU: plain TCP, also the way to run it on a machine without RDMA NICs.
+    "cpu": "tcp",
+}
+
+
+def mooncake_protocol(device: str = "auto") -> str:
+    """The Mooncake protocol for ``engine_kwargs.mooncake.device``: ``cpu`` -> ``tcp``,
+    ``cuda`` -> ``rdma``, ``npu`` -> ``ascend_direct``; ``auto`` uses this process's
+    platform. Logged, so the transport in use is visible."""
+    kind = current_platform().kind if device == "auto" else device
+    if kind not in _MOONCAKE_PROTOCOL:
+        raise ValueError(f"engine_kwargs.mooncake.device={device!r}: expected one of auto, {', '.join(_MOONCAKE_PROTOCOL)}")
+    protocol = _MOONCAKE_PROTOCOL[kind]
+    log.info("backend 'mooncake' with device %s uses Mooncake protocol %s", device, protocol)
+    return protocol
+
+
 def new_process_group(
     library: str, store: dist.Store, rank: int, world_size: int, timeout_s: float, bind_host: str | None = None
 ) -> dist.ProcessGroup:

@@ -21,6 +21,7 @@ _BUILTIN: dict[str, str] = {
     "shm": "weightsync.engines.shm:ShmEngine",
     "paired": "weightsync.engines.paired:PairedEngine",
     "disk": "weightsync.engines.disk:DiskEngine",
+    "mooncake": "weightsync.engines.mooncake:MooncakeEngine",
 }
 _registry: dict[str, type[Engine] | str] = dict(_BUILTIN)
 _failed: dict[str, str] = {}

@@ -3,6 +3,7 @@
 Roles: rank 0 of an engine's group is the sender; receivers are ranks 1..N. Per sync the
 session calls, in order:
 
+- ``begin(version)`` on every rank once the version is known;
 - sender: ``info = prepare(host)``; the session sends ``info`` to every receiver in the
   handshake; then ``connect(info)`` on every rank (may block until all ranks joined);
 - ``send_buckets(produce)`` on the sender and ``recv_buckets(next_bucket)`` on receivers;
@@ -76,6 +77,13 @@ class Engine(ABC):
         self.watch: Callable[[], None] | None = None
         #: trainer ranks that send (``all_ranks_send`` engines; set by the session)
         self.num_senders = 1
+        #: the weight version of the sync in progress (set by ``begin``)
+        self.version: int | None = None
+
+    def begin(self, version: int) -> None:
+        """A sync of weight ``version`` starts (called on every rank before ``connect``):
+        engines that tag their signals with the version read ``self.version``."""
+        self.version = version
 
     def prepare(self, host: str) -> dict[str, Any]:
         """Sender only: set up what receivers need to join; return it (msgpack-safe)."""
