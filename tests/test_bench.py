@@ -51,3 +51,16 @@ def test_bench_reads_a_model_directory_and_explains_a_bad_one(tmp_path):
     empty.mkdir()
     out = bench("--model", str(empty), "--backend", "shm")
     assert out.returncode == 1 and "no *.safetensors files" in out.stderr
+
+
+def test_bench_rows_for_all_five_transports(tmp_path):
+    # The smallest synthetic model (149 MB) has a 64 MiB embedding: paired needs 64 MiB buckets.
+    out = bench("--backend", "mooncake,paired,disk,nccl,shm", "--size-mb", "16", "--receivers", "2",
+                "--repeats", "1", "--bucket-mb", "64", "--work-dir", str(tmp_path), "--json")
+    assert out.returncode == 0, out.stderr
+    rows = {r["backend"]: r for r in json.loads(out.stdout)}
+    expected_bytes = sum(s.nbytes for s in models.synthetic_specs("llm", 16, "bfloat16"))
+    for backend in ("mooncake", "paired", "disk", "nccl", "shm"):
+        assert rows[backend]["bytes"] == expected_bytes and rows[backend]["gbps"] > 0, backend
+        assert rows[backend]["speedup_vs_disk"] > 0 and rows[backend]["speedup_vs_per_tensor"] > 0
+    assert rows["paired"]["ratio_to_ceiling"] > 0  # the broadcast ceiling bounds it too

@@ -38,3 +38,12 @@ def test_demo_fails_loudly():
     out = run_demo("--backend", "ncl", "--steps", "1")
     assert out.returncode != 0
     assert "did you mean 'nccl'" in out.stderr
+
+
+@pytest.mark.parametrize("backend", ["paired", "mooncake", "disk"])
+def test_demo_on_the_point_to_point_and_disk_backends(tied_llama_dir, backend):
+    # 2 MiB buckets: paired never splits a tensor, and the tied embedding is 1.15 MB.
+    out = run_demo("--backend", backend, "--model", str(tied_llama_dir), "--bucket-mb", "2", "--receivers", "3",
+                   "--steps", "2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "demo OK: 2 syncs to 3 receivers, bit-exact" in out.stdout

@@ -103,9 +103,12 @@ def test_a_receiver_killed_mid_transfer_is_named_and_the_survivors_go_on():
             assert time.monotonic() - t0 < 15  # noticed, not waited out (timeout_s is 30)
             assert err.value.ranks == [1], err.value
             assert "receiver rank 1" in str(err.value)
-            # The other trainer rank and the survivors saw version 2 fail too.
-            failed = collect(q, 3)
-            assert all(r[1] == "error" for r in failed), failed
+            # The other trainer rank saw version 2 fail; each survivor either failed it too
+            # or had received all of it (then it holds it, bit-exact) before the failure.
+            shares, got = _split_reports(collect(q, 3))
+            assert [s[1] for s in shares] == ["error"], shares
+            for rank, version, digests, held in got:
+                assert version == "error" or (version, held, digests) == (2, 2, workers.expected_digests(2))
             sender.remove_receiver(1)
             sender.send(workers.make_weights(3), version=3)
             shares, got = _split_reports(collect(q, 3))

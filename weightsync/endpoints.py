@@ -329,7 +329,13 @@ class Sender:
             self._trainers.clear()
 
     def close(self) -> None:
-        """Close connections, the engine and the listening socket."""
+        """Close connections (telling receivers the session ends, so they do not wait to
+        join again), the engine and the listening socket."""
+        for ch in self._channels.values():
+            try:
+                ch.send({"type": "closing"}, Deadline(1.0, "saying goodbye"))
+            except SyncError:
+                pass
         self._drop_peers()
         if self._engine is not None:
             self._engine.close()
@@ -773,7 +779,22 @@ class Receiver:
         ch = self._channel
         what = f" of version {version}" if version is not None else ""
         try:
-            msg = ch.recv(Deadline(self.config.timeout_s, f"for the sender to start a sync{what}"), expect="sync")
+            waiting = Deadline(self.config.timeout_s, f"for the sender to start a sync{what}")
+            while True:
+                try:
+                    msg = ch.recv(waiting, expect=("sync", "closing"))
+                except PeerLost:
+                    # The sender drops every connection after a sync that failed anywhere
+                    # (ours may have gone well): join again, within the same deadline.
+                    waiting.left()
+                    self._reset()
+                    self.connect()
+                    ch = self._channel
+                    assert ch is not None
+                    continue
+                if msg["type"] == "closing":
+                    raise PeerLost(f"{ch.peer} closed the session (the trainer has stopped sending)")
+                break
             start = time.perf_counter()  # the sync starts when the sender starts it
             v, plan = self._accept(msg, version, sink)
             self._engine.begin(v)

@@ -17,6 +17,10 @@ Per sync::
     sender -> receiver   go | abort {message}
     (bucket bytes move through the engine; in streaming mode each bucket is announced first)
     receiver -> sender   done   {ok, message, tensors, bytes}
+    sender -> receiver   closing          (between syncs: the session ends; don't rejoin)
+
+A sender drops every connection after a sync that failed anywhere; a receiver waiting for
+the next sync then connects again (within its deadline).
 
 A backend where every trainer rank sends (``paired``): trainer ranks > 0 connect like
 receivers (role ``trainer``), get the same sync/go, send their share of the buckets, answer
