@@ -59,6 +59,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", type=_csv(str), default=["nccl", "shm"], help="comma-separated backends (default: nccl,shm)")
     p.add_argument("--bucket-mb", type=_csv(int), default=[64], help="comma-separated bucket sizes in MiB (default: 64)")
     p.add_argument("--receivers", type=int, default=3, help="receiver processes (default: 3)")
+    p.add_argument("--trainers", type=int, default=1,
+                   help="trainer processes for backends where every trainer rank sends: paired (default: 1)")
     p.add_argument("--size-mb", type=float, default=1024, help="synthetic model size in MiB (default: 1024)")
     p.add_argument("--shape", choices=("llm", "small-tensors"), default="llm",
                    help="synthetic model: a Qwen2-like decoder, or only 256 KiB tensors (default: llm)")
@@ -164,7 +166,8 @@ def _bench_command(args: argparse.Namespace) -> int:
     from weightsync.bench.report import plot, table, to_json
 
     opts = BenchOptions(
-        backends=args.backend, bucket_mb=args.bucket_mb, receivers=args.receivers, size_mb=args.size_mb,
+        backends=args.backend, bucket_mb=args.bucket_mb, receivers=args.receivers, trainers=args.trainers,
+        size_mb=args.size_mb,
         shape=args.shape, dtype=args.dtype, model=args.model, repeats=args.repeats,
         alternatives=args.alternatives, overrides=args.overrides, work_dir=args.work_dir,
     )
@@ -178,7 +181,8 @@ def _bench_command(args: argparse.Namespace) -> int:
         print(f"bench FAILED: {e}", file=sys.stderr)
         return 1
     what = f"{args.model}" if args.model else f"synthetic {args.shape} {args.size_mb:g} MiB {args.dtype}"
-    title = f"{what}, {rows[0].tensors} tensors, 1 sender -> {args.receivers} receivers"
+    senders = f"{args.trainers} trainer ranks (paired), else 1 sender" if args.trainers > 1 else "1 sender"
+    title = f"{what}, {rows[0].tensors} tensors, {senders} -> {args.receivers} receivers"
     if args.json:
         print(to_json(rows))
     else:

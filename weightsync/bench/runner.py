@@ -27,6 +27,8 @@ from weightsync.bench.workers import Job, alternative, cleanup_disk, memcpy_ceil
 from weightsync.plan import TensorSpec
 
 ALTERNATIVES = ("per-tensor-broadcast", "safetensors-reload")
+#: backends where every trainer rank sends a share (``--trainers`` applies to them)
+_ALL_RANKS_SEND = ("paired",)
 #: the ceiling row that bounds each backend (backends not listed have none measured)
 CEILING_OF = {"nccl": "broadcast-ceiling", "paired": "broadcast-ceiling", "shm": "memcpy-ceiling"}
 
@@ -40,6 +42,8 @@ class BenchOptions:
     backends: list[str] = field(default_factory=lambda: ["nccl", "shm"])
     bucket_mb: list[int] = field(default_factory=lambda: [64])
     receivers: int = 3
+    #: trainer processes for backends where every trainer rank sends (``paired``)
+    trainers: int = 1
     size_mb: float = 1024
     shape: str = "llm"
     dtype: str = "bfloat16"
@@ -101,15 +105,15 @@ def plan_rows(opts: BenchOptions) -> list[tuple[str, int | None]]:
     rows: list[tuple[str, int | None]] = []
     if opts.alternatives:
         rows += [(alt, None) for alt in ALTERNATIVES]
-        rows += [(CEILING_OF[b], None) for b in dict.fromkeys(opts.backends) if b in CEILING_OF]
+        rows += [(c, None) for c in dict.fromkeys(CEILING_OF[b] for b in opts.backends if b in CEILING_OF)]
     rows += [(b, mb) for b in opts.backends for mb in opts.bucket_mb]
     return rows
 
 
 def run_bench(opts: BenchOptions, progress: Callable[[str, int, int], None] | None = None) -> list[Row]:
     """Run every row; ``progress(description, done, total)`` is called as repetitions finish."""
-    if opts.receivers < 1 or opts.repeats < 1:
-        raise ValueError("--receivers and --repeats must be at least 1")
+    if opts.receivers < 1 or opts.repeats < 1 or opts.trainers < 1:
+        raise ValueError("--receivers, --trainers and --repeats must be at least 1")
     for backend in opts.backends:
         if backend == "naive":
             raise ValueError("backend 'naive' hands tensors over inside one process: there is no transport to bench")
@@ -132,7 +136,8 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int, int], None] | No
             progress(label, done, total_ticks)
         # backend=disk without a path publishes into a temporary directory under --work-dir
         with scratch_overrides([f"backend={kind}", *overrides] if mb else [], opts.work_dir) as row_overrides:
-            job = Job(kind, specs, opts.receivers, opts.repeats, row_overrides[1:], opts.model, opts.work_dir, opts.timeout_s)
+            job = Job(kind, specs, opts.receivers, opts.repeats, row_overrides[1:], opts.model, opts.work_dir, opts.timeout_s,
+                      trainers=opts.trainers if kind in _ALL_RANKS_SEND else 1)
             rows.append(_run_row(job, mb, tick))
     _add_ratios(rows)
     return rows
@@ -143,7 +148,7 @@ def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None]) -> Ro
     q = ctx.Queue()
     procs: list[mp.process.BaseProcess] = []
     results: dict[int, dict[str, Any]] = {}
-    expected = 1 if job.kind == "memcpy-ceiling" else job.receivers + 1
+    expected = 1 if job.kind == "memcpy-ceiling" else job.receivers + job.trainers
 
     def spawn(target, *args) -> None:
         p = ctx.Process(target=target, args=(*args,), daemon=True)
@@ -175,6 +180,8 @@ def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None]) -> Ro
                         spawn(alternative, job, r + 1, payload, q)
                     else:
                         spawn(sync_receiver, job, payload, r, q)
+                for t in range(1, job.trainers):  # the other trainer ranks (paired)
+                    spawn(sync_sender, job, q, t, payload)
             elif kind == "tick":
                 tick(payload)
             elif kind == "result":
@@ -193,7 +200,7 @@ def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None]) -> Ro
     if len(set(digests.values())) > 1:
         raise BenchError(f"{job.kind}: receivers do not hold the sender's bytes: {digests}")
     sender = results[0]
-    receivers = [results[r] for r in results if r != 0]
+    receivers = [results[r + 1] for r in range(job.receivers)]
     return Row(
         backend=job.kind,
         bucket_mb=bucket_mb,

@@ -39,6 +39,7 @@ class Job:
     model_dir: str | None = None
     work_dir: str | None = None
     timeout_s: float = 300.0
+    trainers: int = 1  # trainer processes that send (paired); the others' results are keyed receivers + rank
 
     def sender_state(self) -> dict[str, torch.Tensor]:
         return models.load_directory(self.model_dir) if self.model_dir else models.filled(self.specs)
@@ -71,7 +72,9 @@ def _guard(queue, rank: int, body) -> None:
 
 
 # ---------------------------------------------------------------------------- weightsync
-def sync_sender(job: Job, queue) -> None:
+def sync_sender(job: Job, queue, rank: int = 0, address: str = "127.0.0.1:0") -> None:
+    """Trainer rank ``rank``: rank 0 listens and times the syncs; with ``paired`` the other
+    trainer ranks (``job.trainers``) connect to it and send their shares."""
     from weightsync import Sender
 
     def body() -> dict[str, Any]:
@@ -79,17 +82,18 @@ def sync_sender(job: Job, queue) -> None:
         baseline = _rss_mb()
         config = EngineConfig.from_overrides([f"backend={job.kind}", *job.overrides])
         seconds = []
-        with Sender(config, "127.0.0.1:0", job.receivers) as sender:
-            queue.put(("ready", 0, sender.address))
+        with Sender(config, address, job.receivers, rank=rank, num_trainers=job.trainers) as sender:
+            if rank == 0:
+                queue.put(("ready", 0, sender.address))
             for v in job.versions:
                 models.bump(state, v)
                 stats = sender.send(state, version=v)
-                if v > 1:  # the first sync also sets up groups and touches buffers
+                if v > 1 and rank == 0:  # the first sync also sets up groups and touches buffers
                     seconds.append(stats.seconds)
                     queue.put(("tick", 0, v))
             return {"seconds": seconds, "digest": models.digest(state), "buckets": stats.buckets, **_memory(baseline)}
 
-    _guard(queue, 0, body)
+    _guard(queue, 0 if rank == 0 else job.receivers + rank, body)
 
 
 def sync_receiver(job: Job, address: str, rank: int, queue) -> None:
