@@ -1,12 +1,9 @@
 """Backend ``paired``: several trainer ranks, each feeding its own replica over a two-rank
 Gloo group, replicas forwarding along a ring. Real processes, real Gloo."""
 
-import os
-import signal
 import time
 
 import pytest
-import torch
 
 from weightsync import EngineConfig, Sender, SyncError
 from weightsync.engines.paired import Deal, partner

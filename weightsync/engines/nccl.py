@@ -164,15 +164,18 @@ class CollectiveEngine(Engine):
         return self._buffers
 
     # ------------------------------------------------------------------ data
-    def send_buckets(self, produce: Producer) -> int:
+    def _post_send(self, payload: torch.Tensor) -> dist.Work:
+        """Start moving one bucket's bytes from this rank (here: a broadcast to all)."""
         assert self._group is not None, "connect() first"
+        return self._group.broadcast(payload, 0)
+
+    def send_buckets(self, produce: Producer) -> int:
         bufs = self._bufs()
         # Broadcasts in flight, oldest first, with the buffer slot each one reads (None: it
         # reads the source tensor itself, which stays valid until the sync ends).
         in_flight: deque[tuple[dist.Work, int | None]] = deque()
         slot = 0
         sent = 0
-        buckets = 0
         try:
             while True:
                 # Never refill a buffer still on the wire; keep at most WINDOW calls queued.
@@ -184,11 +187,10 @@ class CollectiveEngine(Engine):
                 bucket, payload = produced
                 packed = payload.data_ptr() == bufs[slot].data_ptr()
                 if bucket.nbytes:
-                    in_flight.append((self._group.broadcast(payload, 0), slot if packed else None))
+                    in_flight.append((self._post_send(payload), slot if packed else None))
                 if packed:
                     slot = (slot + 1) % 2
                 sent += bucket.nbytes
-                buckets += 1
             while in_flight:
                 self._wait(in_flight.popleft()[0])
         except BaseException:

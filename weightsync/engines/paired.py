@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync import platform
-from weightsync.engines.base import Landing, NextBucket, Producer
+from weightsync.engines.base import Landing, NextBucket
 from weightsync.engines.nccl import WINDOW, CollectiveEngine, _bury
 from weightsync.plan import Bucket
 
@@ -65,7 +65,7 @@ class PairedEngine(CollectiveEngine):
         self._groups: dict[tuple[int, int], dist.ProcessGroup] = {}
         self._trainers = 1
         self._replicas = 0
-        self._deal = Deal(1)
+        self._deal: Deal | None = None  # the sender's deal of the sync in progress
 
     # ------------------------------------------------------------------ layout
     def _trainer_rank(self, share: int) -> int:
@@ -127,38 +127,18 @@ class PairedEngine(CollectiveEngine):
         groups = []
 
     # ------------------------------------------------------------------ data
+    def begin(self, version: int) -> None:
+        super().begin(version)
+        self._deal = None  # a new sync deals from the first bucket again
+
     def sends(self, bucket: Bucket) -> bool:
+        if self._deal is None:
+            self._deal = Deal(self._trainers)
         return self._deal(bucket) == self._share
 
-    def send_buckets(self, produce: Producer) -> int:
-        assert self._groups, "connect() first"
-        self._deal = Deal(self._trainers)  # ``produce`` consults ``sends`` for every bucket
-        peer = partner(self._share, self._replicas) + 1
-        bufs = self._bufs()
-        in_flight: deque[tuple[dist.Work, int | None]] = deque()
-        slot = sent = 0
-        try:
-            while True:
-                while in_flight and (len(in_flight) >= WINDOW or any(s == slot for _, s in in_flight)):
-                    self._wait(in_flight.popleft()[0])
-                produced = produce(bufs[slot])
-                if produced is None:
-                    break
-                bucket, payload = produced
-                packed = payload.data_ptr() == bufs[slot].data_ptr()
-                if bucket.nbytes:
-                    in_flight.append((self._send_op(peer, payload), slot if packed else None))
-                if packed:
-                    slot = (slot + 1) % 2
-                sent += bucket.nbytes
-            while in_flight:
-                self._wait(in_flight.popleft()[0])
-        except BaseException:
-            in_flight.clear()
-            self._drop_group(failed=True)
-            raise
-        platform.synchronize(self.device)
-        return sent
+    def _post_send(self, payload: torch.Tensor) -> dist.Work:
+        # ``send_buckets`` (inherited) sends what ``sends`` picked, to this rank's replica
+        return self._send_op(partner(self._share, self._replicas) + 1, payload)
 
     def recv_buckets(self, next_bucket: NextBucket, landing: Landing | None = None) -> Iterator[tuple[Bucket, torch.Tensor]]:
         assert self._groups, "connect() first"
