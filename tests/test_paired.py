@@ -52,9 +52,14 @@ def test_every_replica_gets_every_tensor_bit_exact(trainers, receivers):
             for i in range(1, trainers)
         ]
         try:
+            links = None
             for v in versions:
                 stats = sender.send(workers.make_weights(v), version=v)
                 assert stats.tensors == 9
+                # The two-rank groups persist across versions: built once, then reused.
+                now = dict(sender._engine._groups)
+                assert links is None or now == links
+                links = now
                 reports = collect(q, receivers + trainers - 1)
                 shares, got = _split_reports(reports)
                 assert all(version == v for _, version, *_ in shares), shares

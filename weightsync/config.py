@@ -41,16 +41,19 @@ class NcclKwargs:
     group_name: str = field(
         default="default",
         metadata=_doc(
-            "Name of the weight-sync process group (its rendezvous namespace).",
-            "权重同步进程组的名称（其集合通信会合命名空间）。",
+            "Name of the weight-sync process group (its rendezvous namespace). Read by `nccl` "
+            "and `paired` (whose two-rank groups use the same collective library).",
+            "权重同步进程组的名称（其集合通信会合命名空间）。由 `nccl` 和 `paired`（其两 rank 进程组使用同一集合通信库）读取。",
         ),
     )
     rebuild_group: bool = field(
         default=False,
         metadata=_doc(
             "Destroy the process group after every update and build it again at the next one "
-            "(frees communicator memory between updates, costs a rendezvous per update).",
-            "每次更新后销毁进程组，下次更新时重建（更新间释放通信器显存，代价是每次更新都要重新会合）。",
+            "(frees communicator memory between updates, costs a rendezvous per update). Read by "
+            "`nccl` and `paired`.",
+            "每次更新后销毁进程组，下次更新时重建（更新间释放通信器显存，代价是每次更新都要重新会合）。"
+            "由 `nccl` 和 `paired` 读取。",
         ),
     )
 

@@ -77,7 +77,7 @@ class CollectiveEngine(Engine):
             self._store = dist.TCPStore(
                 host, 0, self.world_size, True, timeout=self._timeout, wait_for_workers=False
             )
-        if self._group is None:
+        if not self._joined():
             self._generation += 1
             # torch's store listens on every interface and has no authentication: an
             # unguessable key prefix, known only to the (authenticated) control channel,
@@ -90,6 +90,10 @@ class CollectiveEngine(Engine):
             "library": self.library,
             "world_size": self.world_size,
         }
+
+    def _joined(self) -> bool:
+        """This rank is in a working group (its key is reused by the next sync)."""
+        return self._group is not None
 
     def connect(self, info: dict[str, Any]) -> None:
         key = (info["host"], info["port"], info["group"])

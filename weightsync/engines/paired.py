@@ -95,6 +95,9 @@ class PairedEngine(CollectiveEngine):
     def prepare(self, host: str) -> dict[str, Any]:
         return {**super().prepare(host), "senders": self.num_senders}
 
+    def _joined(self) -> bool:
+        return bool(self._groups)
+
     def connect(self, info: dict[str, Any]) -> None:
         key = (info["host"], info["port"], info["group"])
         if self._groups and key == self._group_key:
