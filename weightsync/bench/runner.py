@@ -200,7 +200,7 @@ def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None]) -> Ro
     if len(set(digests.values())) > 1:
         raise BenchError(f"{job.kind}: receivers do not hold the sender's bytes: {digests}")
     sender = results[0]
-    receivers = [results[r + 1] for r in range(job.receivers)]
+    receivers = [results[r + 1] for r in range(job.receivers) if r + 1 in results]  # none for memcpy-ceiling
     return Row(
         backend=job.kind,
         bucket_mb=bucket_mb,
