@@ -33,8 +33,8 @@ _burials: list[threading.Thread] = []
 
 
 def _bury(holder: list) -> None:
-    """Destroy a failed group in a background thread. ``holder`` is a one-item list that
-    must hold the only reference, so the last one goes away in that thread."""
+    """Destroy failed groups in a background thread. ``holder`` is a list that must hold
+    the only references, so the last ones go away in that thread."""
     thread = threading.Thread(target=holder.clear, name="weightsync-drop-group", daemon=True)
     thread.start()
     _burials[:] = [t for t in _burials if t.is_alive()] + [thread]
@@ -121,16 +121,22 @@ class CollectiveEngine(Engine):
             self._store = store
         return dist.PrefixStore(f"weightsync/{info['group']}", store)
 
-    def _drop_group(self, failed: bool = False) -> None:
-        """Leave the group. ``failed``: operations may still be pending on it."""
-        holder = [self._group]  # the only reference from here on (see _bury)
+    def _take_groups(self) -> list[dist.ProcessGroup]:
+        """Forget this rank's groups; return them (the only references from here on)."""
+        groups = [self._group] if self._group is not None else []
         self._group = self._group_key = None
-        if holder[0] is None:
+        return groups
+
+    def _drop_group(self, failed: bool = False) -> None:
+        """Leave the group(s). ``failed``: operations may still be pending on them."""
+        holder = self._take_groups()  # the only references from here on (see _bury)
+        if not holder:
             return
         if self.library != "gloo":
-            shutdown = getattr(holder[0], "shutdown", None)  # aborts operations still pending
-            if shutdown is not None:
-                shutdown()
+            for group in holder:
+                shutdown = getattr(group, "shutdown", None)  # aborts operations still pending
+                if shutdown is not None:
+                    shutdown()
         elif failed:
             # Gloo cannot abort: destroying a group whose operations are still blocked on a
             # peer waits until they time out. That happens in the background; the next

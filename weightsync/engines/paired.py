@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from weightsync import platform
 from weightsync.engines.base import Landing, NextBucket
-from weightsync.engines.nccl import WINDOW, CollectiveEngine, _bury
+from weightsync.engines.nccl import WINDOW, CollectiveEngine
 from weightsync.plan import Bucket
 
 
@@ -116,18 +116,11 @@ class PairedEngine(CollectiveEngine):
                 )
         self._group_key = key
 
-    def _drop_group(self, failed: bool = False) -> None:
+    def _take_groups(self) -> list[dist.ProcessGroup]:
         groups = list(self._groups.values())
         self._groups.clear()
-        self._group = self._group_key = None
-        if self.library != "gloo":
-            for group in groups:
-                shutdown = getattr(group, "shutdown", None)  # aborts operations still pending
-                if shutdown is not None:
-                    shutdown()
-        elif failed and groups:
-            _bury(groups)  # Gloo cannot abort: see nccl._bury
-        groups = []
+        self._group_key = None
+        return groups
 
     # ------------------------------------------------------------------ data
     def begin(self, version: int) -> None:
