@@ -12,7 +12,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -143,8 +143,8 @@ class _Packer:
         return bucket, payload
 
     @property
-    def _specs(self) -> list[TensorSpec]:
-        return list(self.plan.tensors) if self.plan is not None else self.builder.specs
+    def _specs(self) -> Sequence[TensorSpec]:
+        return self.plan.tensors if self.plan is not None else self.builder.specs
 
     def _pull_for(self, bucket: Bucket) -> int:
         """Pull tensors until every one ``bucket`` needs is held; the last one's index."""
@@ -155,7 +155,7 @@ class _Packer:
         return last
 
     def _release(self, bucket: Bucket) -> None:
-        specs = self.plan.tensors if self.plan is not None else self.builder.specs
+        specs = self._specs
         for p in bucket.pieces:
             if p.tensor_offset + p.length == specs[p.tensor].nbytes:
                 self.held.pop(p.tensor, None)  # its last piece is out: let it go
