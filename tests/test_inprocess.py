@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from weightsync import EngineConfig, ModuleSink, Receiver, Sender, SinkError, TensorSpec
+from weightsync import EngineConfig, HandshakeError, ModuleSink, Receiver, Sender, SinkError, TensorSpec
 from weightsync.sources import IteratorSource, ModuleSource, as_source
 
 
@@ -74,7 +74,7 @@ def test_naive_backend_hands_over_in_process_and_advances_versions():
 def test_naive_receiver_that_finds_nothing_times_out_with_a_clear_message():
     config = EngineConfig.from_overrides(["timeout_s=0.2"])
     with Receiver(config, "nobody-sends-here", 0) as receiver:
-        with pytest.raises(TimeoutError, match="naive backend: waited 0.2 s at 'nobody-sends-here'"):
+        with pytest.raises(TimeoutError, match="naive backend: receiver rank 0 waited 0.2 s at 'nobody-sends-here'"):
             receiver.load_into(Tied())
         assert receiver.version is None
 
@@ -83,9 +83,10 @@ def test_naive_failed_load_leaves_version_unchanged():
     config = EngineConfig()
     with Sender(config, "colocated-bad", 1) as sender, Receiver(config, "colocated-bad", 0) as receiver:
         sender.send({"embed.weight": torch.zeros(11, 7)}, version=1)
-        with pytest.raises(SinkError, match="embed.weight"):
+        # Checked before anything is written, so a clean refusal, as over a session.
+        with pytest.raises(HandshakeError, match="embed.weight"):
             receiver.load_into(Tied(), version=1)
-        assert receiver.version is None
+        assert (receiver.version, receiver.failed_version, receiver.torn) == (None, None, False)
 
 
 def test_naive_async_api():

@@ -6,9 +6,8 @@ Bit-exact, versioned, through pluggable backends (``naive``, ``nccl``/HCCL/Gloo,
 """
 
 from weightsync.config import ConfigError, EngineConfig
-from weightsync.endpoints import Receiver, Sender
 from weightsync.engines import EngineUnavailable, register_engine
-from weightsync.engines.base import Engine
+from weightsync.engines.base import Engine, Join, Offer, Publisher, Transport
 from weightsync.plan import Plan, TensorSpec, make_plan
 from weightsync.session import (
     HandshakeError,
@@ -20,8 +19,11 @@ from weightsync.session import (
     SyncTimeout,
     VerificationError,
 )
+from weightsync.receiver import Receiver
+from weightsync.sender import Sender
 from weightsync.sinks import ModuleSink, SinkError
 from weightsync.sources import WeightSource, as_source
+from weightsync.state import VersionState
 
 __version__ = "0.1.0"
 
@@ -31,6 +33,11 @@ __all__ = [
     "EngineConfig",
     "EngineUnavailable",
     "HandshakeError",
+    "Join",
+    "Offer",
+    "Publisher",
+    "Transport",
+    "VersionState",
     "ModuleSink",
     "PeerLost",
     "Plan",

@@ -131,7 +131,7 @@ def run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
     """Run the demo; raise ``DemoFailed`` (or a sync error) on any mismatch or failure.
     ``backend=disk`` without ``engine_kwargs.disk.path`` publishes into a temporary
     directory, removed at the end."""
-    from weightsync.engines.disk import scratch_overrides
+    from weightsync.cli import scratch_overrides
 
     with scratch_overrides([f"backend={opts.backend}", *opts.overrides]) as overrides:
         return _run_demo(dataclasses.replace(opts, overrides=overrides[1:]), console)

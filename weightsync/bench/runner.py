@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.bench import models
-from weightsync.engines.disk import scratch_overrides
+from weightsync.cli import scratch_overrides
 from weightsync.bench.workers import Job, alternative, cleanup_disk, memcpy_ceiling, sync_receiver, sync_sender
 from weightsync.plan import TensorSpec
 

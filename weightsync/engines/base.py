@@ -1,32 +1,50 @@
-"""The engine interface: an engine moves bucket bytes, and knows nothing of models.
+"""The two engine contracts. An engine moves bytes or versions, and knows nothing of models.
 
-Roles: rank 0 of an engine's group is the sender; receivers are ranks 1..N. Per sync the
-session calls, in order:
+A backend belongs to one of two families:
 
-- ``begin(version)`` on every rank once the version is known;
-- sender: ``info = prepare(host)``; the session sends ``info`` to every receiver in the
-  handshake; then ``connect(info)`` on every rank (may block until all ranks joined);
-- ``send_buckets(produce)`` on the sender and ``recv_buckets(next_bucket)`` on receivers;
-- ``finish()`` on every rank (success or failure), and ``close()`` once at the end.
+- a **Transport** moves bucket bytes inside a control session (``nccl``, ``shm``,
+  ``paired``, ``mooncake``). The session (``Sender`` / ``Receiver``) agrees on version
+  and plan with every peer, then drives the transport, then gathers acknowledgements;
+- a **Publisher** hands a whole version over through its own medium, without a session
+  (``naive``: inside one process; ``disk``: a shared directory). It agrees with receivers
+  through that medium and reports the outcome itself.
 
-An engine with ``all_ranks_send`` (``paired``) has several senders: trainer rank 0 is rank
-0, receivers are 1..N, trainer ranks 1..M-1 are N+1..N+M-1; each trainer rank's
+``Sender`` and ``Receiver`` know only these two contracts, never a concrete engine. A
+third-party backend is one module with a subclass of either, registered by name
+(``weightsync.register_engine``, imported through ``custom_backend_module``).
+
+Transport, per sync (the session calls, in order):
+
+1. sender (trainer rank 0): ``info = prepare(join)``; the session sends ``info`` to every
+   peer in the handshake;
+2. every rank: ``connect(join, info)`` (may block until all ranks joined; a no-op when the
+   group of the previous sync is still the one ``info`` describes);
+3. ``send_buckets(produce)`` on ranks that send, ``recv_buckets(next_bucket, landing)``
+   on receivers;
+4. ``finish(ok)`` on every rank, success or failure; ``close()`` once at the end.
+
+Everything a transport needs from the session comes in the ``Join`` record of that sync;
+a transport never reads the session's state, and the session never sets a transport's
+attributes.
+
+A transport with ``all_ranks_send`` (``paired``) has several senders: trainer rank 0 is
+rank 0, receivers are 1..N, trainer ranks 1..M-1 are N+1..N+M-1; each trainer rank's
 ``send_buckets`` gets only the buckets for which its ``sends(bucket)`` is True.
-
-A ``sessionless`` engine skips all of this: ``Sender`` and ``Receiver`` hand the whole
-version to it (see ``naive`` and ``disk``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from weightsync.config import EngineConfig
-from weightsync.plan import Bucket
+from weightsync.plan import Bucket, TensorSpec
+from weightsync.session import SyncStats
+from weightsync.sources import WeightSource
 
 # Given a free bucket buffer, returns the next bucket and a uint8 tensor holding its bytes,
 # or None when there are no more buckets. The bytes are usually the buffer's prefix, filled
@@ -44,53 +62,65 @@ class EngineUnavailable(RuntimeError):
     """A backend is unknown or its module (or a dependency of it) cannot be imported."""
 
 
-class Engine(ABC):
-    """Base class of transfer backends. One instance per process and session."""
+@dataclass(frozen=True)
+class Join:
+    """What the session tells a transport about one sync, on one rank.
+
+    A new record comes with every sync; a transport may keep it for that sync only.
+    """
+
+    #: the weight version of this sync (transports that tag their signals use it)
+    version: int
+    #: this process's place in the sync's data-plane group: 0 is trainer rank 0 (which
+    #: hosts the group), receivers are 1..N, further trainer ranks follow (``paired``)
+    rank: int
+    #: ranks in the group: receivers plus trainer ranks that send
+    world_size: int
+    #: trainer ranks that send (1 unless the transport has ``all_ranks_send``)
+    senders: int
+    #: bytes of the largest bucket of this sync (buffers never need to be larger)
+    capacity: int
+    #: how errors and logs name this process ("receiver rank 2", "trainer rank 0")
+    name: str
+    #: this process's receiver rank (None on trainer ranks): what peers report as lost
+    receiver_rank: int | None = None
+    #: the local address of this process's control connection; data-plane sockets bind to
+    #: it, so bytes travel on the interface the user chose (None: no specific interface)
+    local_host: str | None = None
+    #: receivers and trainer ranks > 0: the sender's address as reached over the control
+    #: connection (None on the sender)
+    sender_host: str | None = None
+    #: called now and then while the transport waits; raises to abandon the wait (the
+    #: session raises when a peer's control connection closed)
+    watch: Callable[[], None] | None = None
+
+    def check(self) -> None:
+        """Call ``watch`` if there is one."""
+        if self.watch is not None:
+            self.watch()
+
+
+class Transport(ABC):
+    """A backend that moves bucket bytes inside a session. One instance per process."""
 
     name: ClassVar[str]
-    #: A colocated engine hands tensors over inside one process (no buckets, no session).
-    colocated: ClassVar[bool] = False
     #: Every trainer rank sends a share of the buckets, not rank 0 alone.
     all_ranks_send: ClassVar[bool] = False
     #: A tensor larger than a bucket may travel in pieces over several buckets; if False,
     #: such a tensor is an error at plan time.
     splits_tensors: ClassVar[bool] = True
-    #: A sessionless engine needs no control session (no listening socket, no handshake):
-    #: it agrees with receivers through its own medium, as ``naive`` (one process) and
-    #: ``disk`` (a shared directory) do. Colocated engines are sessionless.
-    sessionless: ClassVar[bool] = False
 
-    def __init__(self, config: EngineConfig, device: torch.device, rank: int, world_size: int | None) -> None:
-        """``world_size``: sender and receivers together; a receiver does not know it
-        before the handshake (None) and takes it from ``connect``'s info."""
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
-        self.rank = rank
-        self.world_size = world_size
-        #: the local address of this process's control connection; data-plane sockets
-        #: bind to it, so bytes travel on the interface the user chose (set by the session)
-        self.local_host: str | None = None
-        #: receivers: the sender's address as reached over the control connection
-        self.sender_host: str | None = None
-        #: called now and then while the engine waits on its transport; raises to abandon
-        #: the wait (set by the session: it raises when a peer's control connection closed)
-        self.watch: Callable[[], None] | None = None
-        #: trainer ranks that send (``all_ranks_send`` engines; set by the session)
-        self.num_senders = 1
-        #: the weight version of the sync in progress (set by ``begin``)
-        self.version: int | None = None
 
-    def begin(self, version: int) -> None:
-        """A sync of weight ``version`` starts (called on every rank before ``connect``):
-        engines that tag their signals with the version read ``self.version``."""
-        self.version = version
-
-    def prepare(self, host: str) -> dict[str, Any]:
-        """Sender only: set up what receivers need to join; return it (msgpack-safe)."""
+    def prepare(self, join: Join) -> dict[str, Any]:
+        """Trainer rank 0 only: set up what the other ranks need to join; return it
+        (msgpack-safe). Called every sync before the handshake."""
         return {}
 
     @abstractmethod
-    def connect(self, info: dict[str, Any]) -> None:
+    def connect(self, join: Join, info: dict[str, Any]) -> None:
         """Join the data plane described by ``info`` (no-op if already joined to it)."""
 
     def sends(self, bucket: Bucket) -> bool:
@@ -105,13 +135,11 @@ class Engine(ABC):
         the wire (so buffers and source tensors may be reused)."""
 
     @abstractmethod
-    def recv_buckets(
-        self, next_bucket: NextBucket, landing: Landing | None = None
-    ) -> Iterator[tuple[Bucket, torch.Tensor]]:
+    def recv_buckets(self, next_bucket: NextBucket, landing: Landing | None = None) -> Iterator[tuple[Bucket, torch.Tensor]]:
         """Receiver: yield each bucket with a uint8 buffer holding its bytes. The buffer is
-        valid until the next item is requested. An engine that can write bytes anywhere
+        valid until the next item is requested. A transport that can write bytes anywhere
         may receive a bucket straight into ``landing(bucket)`` (then yielded as the buffer);
-        others ignore it."""
+        others ignore it. Closing the generator early abandons the transfer."""
 
     def finish(self, ok: bool) -> None:
         """End of one sync on this rank. ``ok`` is False when the transfer itself failed
@@ -121,10 +149,65 @@ class Engine(ABC):
     def reset(self) -> None:
         """Sender only: membership changed, the next ``prepare`` starts a new group."""
 
-    def reserve(self, nbytes: int) -> None:
-        """Make the transfer buffers hold buckets of ``nbytes`` (at most the configured
-        bucket size): called once the plan is known, so a model smaller than a bucket
-        does not cost two full buckets of memory."""
-
     def close(self) -> None:
         """Release everything."""
+
+
+class Offer(ABC):
+    """One published version as a receiver finds it, before reading it."""
+
+    #: the version offered
+    version: int
+    #: the publisher sent it with ``force`` (a deliberate rollback)
+    force: bool = False
+    #: its tensors, when known before reading (checked against a model first)
+    specs: Sequence[TensorSpec] | None = None
+    #: how many units (shards, ...) it is read in, for the stats
+    parts: int = 0
+
+    def refusal(self, config: EngineConfig) -> str | None:
+        """Why a receiver configured with ``config`` must not take it (beyond the version
+        rules every receiver applies), or None."""
+        return None
+
+    @abstractmethod
+    def tensors(self, device: torch.device, owned: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor of the version. ``owned``: the caller keeps them (else they may be
+        the publisher's own memory, valid until the next item is requested)."""
+
+    def ack(self, state: str, message: str | None = None) -> None:
+        """Tell the publisher how this receiver is doing: ``reading``, ``ok``, ``failed``
+        or ``refused`` (with a message)."""
+
+
+class Publisher(ABC):
+    """A backend that hands whole versions over without a session. One instance per
+    process; the same class serves the sending and the receiving side."""
+
+    name: ClassVar[str]
+    #: Every trainer rank hands its tensors to the receivers of its own process (``naive``);
+    #: otherwise trainer rank 0 publishes and other trainer ranks drain their source.
+    colocated: ClassVar[bool] = False
+
+    def __init__(self, config: EngineConfig, device: torch.device, address: str) -> None:
+        self.config = config
+        self.device = device
+        self.address = address
+
+    @abstractmethod
+    def publish(self, source: WeightSource, version: int, receivers: Sequence[int], force: bool) -> SyncStats:
+        """Sender: hand ``version`` over to ``receivers``; return when they took it (or at
+        once, where the medium has no acknowledgements). Raises ``SyncError`` naming the
+        receivers that failed, refused, died or did not answer in time."""
+
+    @abstractmethod
+    def offer(self, rank: int, version: int | None) -> Offer:
+        """Receiver ``rank``: wait (``timeout_s``) for a publication of ``version`` (None:
+        the newest) that this receiver has not read yet."""
+
+    def close(self) -> None:
+        """Release everything (a sender's publication may go with it)."""
+
+
+#: Either family: what the registry holds.
+Engine = Transport | Publisher

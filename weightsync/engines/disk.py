@@ -29,7 +29,6 @@ Only JSON and safetensors are read; nothing is unpickled.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -38,15 +37,15 @@ import secrets
 import shutil
 import socket
 import struct
-import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from weightsync.engines.base import Engine
+from weightsync.config import EngineConfig
+from weightsync.engines.base import Offer, Publisher
 from weightsync.plan import TensorSpec, as_bytes, plan_hash
 from weightsync.session import HandshakeError, PeerLost, RemoteFailure, SyncError, SyncStats, SyncTimeout, VerificationError
 from weightsync.sources import WeightSource
@@ -200,11 +199,13 @@ def _write_shard(path: Path, items: list[tuple[str, torch.Tensor]], checksum) ->
 
 
 # ---------------------------------------------------------------------------- receiver view
-class Publication:
+class Publication(Offer):
     """One published version as a receiver sees it: its manifest, checked."""
 
-    def __init__(self, root: Path, version: int, manifest: dict[str, Any]) -> None:
-        self.root = root
+    def __init__(self, publisher: DiskPublisher, rank: int, version: int, manifest: dict[str, Any]) -> None:
+        self.publisher = publisher
+        self.rank = rank
+        root = self.root = publisher.root
         self.directory = root / version_dir(version)
         self.version = version
         try:
@@ -220,6 +221,7 @@ class Publication:
             if plan_hash(self.specs, bucket_bytes) != manifest.get("plan_hash"):
                 raise ValueError("its plan hash does not match its tensors")
             self.shards: list[dict[str, Any]] = manifest["shards"]
+            self.parts = len(self.shards)
             names = [n for s in self.shards for n in s["tensors"]]
             if names != [s.name for s in self.specs]:
                 raise ValueError("its shards do not hold its tensors in order")
@@ -233,12 +235,29 @@ class Publication:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
 
-    def tensors(self, rank: int, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    def refusal(self, config: EngineConfig) -> str | None:
+        if self.verify != config.verify:
+            return f"verify: sender {self.verify!r}, receiver {config.verify!r} (set the same value on both sides)"
+        return None
+
+    def ack(self, state: str, message: str | None = None) -> None:
+        """Tell the sender how this receiver is doing with this publication, in a file."""
+        if state in ("ok", "failed"):
+            self.publisher.last_read = (self.version, self.id)
+        ack = {"version": self.version, "id": self.id, "rank": self.rank, "state": state, "message": message,
+               "reader": _identity(), "time": time.time()}
+        try:
+            _write_json(self.root / ACKS / ack_name(self.version, self.rank), ack, durable=False)
+        except OSError as e:  # the sender then times out naming this rank; say why here
+            log.warning("receiver rank %d: cannot write its ack of version %d in %s: %s", self.rank, self.version, self.root, e)
+
+    def tensors(self, device: torch.device, owned: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor, one shard at a time (memory: one shard). With ``verify`` on, all
         tensors of a shard are checked before the first of them is yielded. Yielded
-        tensors are new (the caller may keep them)."""
+        tensors are new (the caller may keep them, ``owned`` or not)."""
         from safetensors import SafetensorError, safe_open
 
+        rank = self.rank
         checksum = checksum_fn(self.verify)
         specs = iter(self.specs)
         for shard in self.shards:
@@ -275,18 +294,17 @@ class Publication:
 
 
 # ---------------------------------------------------------------------------- engine
-class DiskEngine(Engine):
+class DiskPublisher(Publisher):
     """Publishes versions into ``engine_kwargs.disk.path``; receivers read them there.
 
-    Sessionless: ``Sender`` calls ``publish``; ``Receiver`` calls ``open``, reads
-    ``Publication.tensors`` and answers with ``ack``.
+    ``Sender`` calls ``publish``; ``Receiver`` calls ``offer``, reads the
+    ``Publication``'s tensors and answers with its ``ack``.
     """
 
     name = "disk"
-    sessionless = True
 
-    def __init__(self, config, device, rank, world_size) -> None:
-        super().__init__(config, device, rank, world_size)
+    def __init__(self, config: EngineConfig, device: torch.device, address: str) -> None:
+        super().__init__(config, device, address)
         self.root = Path(config.engine_kwargs.disk.path)
         self.keep = config.engine_kwargs.disk.keep
         #: receivers: the publication last read, whole or not, as (version, id). A receive
@@ -294,17 +312,8 @@ class DiskEngine(Engine):
         #: retry after a failure reads the sender's new publication, never the failed one.
         self.last_read: tuple[int, str] | None = None
 
-    def connect(self, info: dict[str, Any]) -> None:  # nothing to join
-        pass
-
-    def send_buckets(self, produce):  # pragma: no cover - the disk engine moves no buckets
-        raise NotImplementedError("the disk engine publishes whole versions, not buckets")
-
-    def recv_buckets(self, next_bucket, landing=None):  # pragma: no cover
-        raise NotImplementedError("the disk engine publishes whole versions, not buckets")
-
     # ------------------------------------------------------------------ sender
-    def publish(self, source: WeightSource, version: int, receivers: list[int], force: bool) -> SyncStats:
+    def publish(self, source: WeightSource, version: int, receivers: Sequence[int], force: bool) -> SyncStats:
         """Write ``version`` from ``source``, publish it, prune old versions, then wait
         (``timeout_s``) until every receiver in ``receivers`` acknowledged it."""
         start = time.perf_counter()
@@ -495,7 +504,7 @@ class DiskEngine(Engine):
         raise RemoteFailure(message, ranks=ranks)
 
     # ------------------------------------------------------------------ receiver
-    def open(self, rank: int, held: int | None, version: int | None) -> Publication:
+    def offer(self, rank: int, version: int | None) -> Publication:
         """Wait (``timeout_s``) for a publication of ``version`` (None: of the newest
         version) other than the one this receiver read last."""
         root = self.root
@@ -521,9 +530,10 @@ class DiskEngine(Engine):
                 if isinstance(manifest, dict):
                     read_before = self.last_read == (target, manifest.get("id"))
                     if not read_before:
-                        return Publication(root, target, manifest)
+                        return Publication(self, rank, target, manifest)
             if time.monotonic() >= end:
                 have = "none" if newest is None else str(newest)
+                held = self.last_read[0] if self.last_read is not None else None
                 what = (f"version {version} was not" if version is not None else
                         f"no version newer than {held} was" if held is not None else "no version was")
                 again = f"; this receiver already read its publication {self.last_read[1]}" if read_before and version is not None else ""
@@ -531,45 +541,3 @@ class DiskEngine(Engine):
                                   f"(newest published: {have}{again})")
             time.sleep(poll)
             poll = min(poll * 2, POLL_MAX_S)
-
-    def refusal(self, pub: Publication, held: int | None) -> str | None:
-        """Why a receiver holding ``held`` must not take ``pub``, or None."""
-        if held is not None and pub.version < held and not pub.force:
-            return (f"version {pub.version} is older than version {held}, which this receiver holds "
-                    "(send it with force=True to roll back)")
-        if pub.verify != self.config.verify:
-            return f"verify: sender {pub.verify!r}, receiver {self.config.verify!r} (set the same value on both sides)"
-        return None
-
-    def ack(self, pub: Publication, rank: int, state: str, message: str | None = None) -> None:
-        """Tell the sender how this receiver is doing with ``pub``: ``reading``, ``ok``,
-        ``failed`` or ``refused``."""
-        if state in ("ok", "failed"):
-            self.last_read = (pub.version, pub.id)
-        ack = {"version": pub.version, "id": pub.id, "rank": rank, "state": state, "message": message,
-               "reader": _identity(), "time": time.time()}
-        try:
-            _write_json(self.root / ACKS / ack_name(pub.version, rank), ack, durable=False)
-        except OSError as e:  # the sender then times out naming this rank; say why here
-            log.warning("receiver rank %d: cannot write its ack of version %d in %s: %s", rank, pub.version, self.root, e)
-
-
-# ---------------------------------------------------------------------------- demo and bench
-@contextlib.contextmanager
-def scratch_overrides(overrides: list[str], parent: str | None = None) -> Iterator[list[str]]:
-    """``overrides`` as they are, or, when they select ``backend=disk`` without a path,
-    with ``engine_kwargs.disk.path`` set to a new temporary directory (under ``parent``)
-    that is removed on exit. For the demo and the bench, which run on one machine."""
-    from weightsync.config import EngineConfig, _parse_overrides
-
-    config = EngineConfig()
-    for key, value in _parse_overrides(overrides):
-        config.set(key, value)
-    if config.backend != "disk" or config.engine_kwargs.disk.path:
-        yield list(overrides)
-        return
-    path = tempfile.mkdtemp(prefix="weightsync-disk-", dir=parent)
-    try:
-        yield [*overrides, f"engine_kwargs.disk.path={path}"]
-    finally:
-        _remove_tree(Path(path))

@@ -30,21 +30,19 @@ closes its sockets, so its neighbours fail at once rather than at their deadline
 
 from __future__ import annotations
 
-import hmac
 import logging
 import secrets
-import selectors
 import socket
-import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import msgpack
 import torch
 
 from weightsync import platform
-from weightsync.engines.base import Engine, Landing, NextBucket, Producer
+from weightsync.engines import ring
+from weightsync.engines.base import Join, Landing, NextBucket, Producer, Transport
+from weightsync.engines.ring import DONE, FAIL, READY, SLOTS, PeerError, Signals
 from weightsync.plan import Bucket
 
 try:
@@ -58,112 +56,13 @@ except ImportError as e:  # the registry reports this as "backend 'mooncake' can
 
 log = logging.getLogger("weightsync.engines.mooncake")
 
-#: bucket slots per process: one being written by the upstream while one is read and forwarded
-SLOTS = 2
-_SIGNAL = struct.Struct("<B7xqqq")  # (kind, weight version, bucket sequence number, byte count)
-READY, DONE, FAIL = 1, 2, 3  # FAIL: the byte count field holds the lost receiver's rank
-_KINDS = {READY: "ready", DONE: "done", FAIL: "fail"}
-_MAX_MESSAGE = 4096  # set-up messages are small; nothing larger is read from a stranger
-_POLL_S = 0.2  # how often a wait looks at ``watch``
+_POLL_S = ring.POLL_S
 # Ring memory that a transfer may still have been using when its sync was abandoned: kept,
 # never freed, so Mooncake cannot write into memory that was given back.
 _ORPHANS: list[Any] = []
 
-
-class MooncakePeerError(ConnectionError):
-    """A neighbour in the chain went away, broke protocol, or a Mooncake write to it failed.
-
-    ``lost``: the receiver rank known to be gone, if any (passed up the chain)."""
-
-    def __init__(self, message: str, lost: int | None = None) -> None:
-        super().__init__(message)
-        self.lost = lost
-
-
-def _pack(obj: dict[str, Any]) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
-    return len(body).to_bytes(4, "big") + body
-
-
-def _unpack(body: bytes) -> dict[str, Any]:
-    def no_ext(code: int, data: bytes) -> Any:
-        raise ValueError(f"msgpack extension type {code} is not accepted")
-
-    obj = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=no_ext)
-    if not isinstance(obj, dict):
-        raise ValueError("a set-up message must be a map")
-    return obj
-
-
-def _int(msg: dict[str, Any], key: str) -> int:
-    value = msg.get(key)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{key}={value!r} is not an integer")
-    return value
-
-
-class _Link:
-    """One neighbour's signal connection: fixed frames, every wait bounded in time."""
-
-    def __init__(
-        self, sock: socket.socket, label: int | None, timeout_s: float, watch: Callable[[], None] | None
-    ) -> None:
-        """``label``: the peer's receiver rank, None for the sender."""
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setblocking(True)
-        sock.settimeout(timeout_s)
-        self.sock = sock
-        self.label = label
-        self.peer = "the sender (mooncake)" if label is None else f"receiver rank {label} (mooncake)"
-        self.timeout_s = timeout_s
-        self.watch = watch
-        self._buf = bytearray()
-
-    def send(self, kind: int, version: int, seq: int, nbytes: int) -> None:
-        try:
-            self.sock.sendall(_SIGNAL.pack(kind, version, seq, nbytes))
-        except OSError as e:
-            raise MooncakePeerError(f"{self.peer} closed its connection ({e})", self.label) from e
-
-    def wait(self, kind: int, version: int, seq: int) -> int:
-        """The byte count of the next frame, which must be ``(kind, version, seq)``."""
-        deadline = time.monotonic() + self.timeout_s
-        while len(self._buf) < _SIGNAL.size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(
-                    f"no {_KINDS[kind]} signal for bucket {seq} of version {version} from {self.peer} "
-                    f"within {self.timeout_s} s"
-                )
-            self.sock.settimeout(min(_POLL_S, left))
-            try:
-                chunk = self.sock.recv(_SIGNAL.size - len(self._buf))
-            except TimeoutError:
-                if self.watch is not None:
-                    self.watch()
-                continue
-            except OSError as e:
-                raise MooncakePeerError(f"{self.peer} closed its connection ({e})", self.label) from e
-            if not chunk:
-                raise MooncakePeerError(f"{self.peer} closed its connection", self.label)
-            self._buf += chunk
-        got_kind, got_version, got_seq, nbytes = _SIGNAL.unpack(self._buf[: _SIGNAL.size])
-        del self._buf[: _SIGNAL.size]
-        if got_kind == FAIL:
-            raise MooncakePeerError(
-                f"receiver rank {nbytes} (mooncake) closed its connection, as {self.peer} reports "
-                f"(bucket {got_seq} of version {got_version})",
-                nbytes,
-            )
-        if (got_kind, got_version, got_seq) != (kind, version, seq):
-            raise MooncakePeerError(
-                f"{self.peer} sent {_KINDS.get(got_kind, got_kind)} for bucket {got_seq} of version "
-                f"{got_version} where {_KINDS[kind]} for bucket {seq} of version {version} was due"
-            )
-        return nbytes
-
-    def close(self) -> None:
-        self.sock.close()
+# Kept for callers that caught the old name.
+MooncakePeerError = PeerError
 
 
 class _Local:
@@ -190,8 +89,7 @@ class _Local:
         self.inflight: set[int] = set()  # batch ids of writes not yet seen complete
 
     def slot(self, k: int) -> torch.Tensor:
-        start = (k % SLOTS) * self.slot_bytes
-        return self.ring[start : start + self.slot_bytes]
+        return ring.slot(self.ring, self.slot_bytes, k)
 
     def release(self) -> None:
         if self.inflight:  # a write may still read the ring: let a failing peer's resolve
@@ -208,14 +106,12 @@ class _Local:
         self.ring = None  # type: ignore[assignment]
 
 
-class MooncakeEngine(Engine):
+class MooncakeEngine(Transport):
     name = "mooncake"
 
-    def __init__(self, config, device, rank, world_size) -> None:
-        super().__init__(config, device, rank, world_size)
-        # A receiver is created with its own receiver rank + 1; the session then sets
-        # ``rank`` to its place in each sync's chain. Peers are named by the former.
-        self._label = rank - 1
+    def __init__(self, config, device) -> None:
+        super().__init__(config, device)
+        self._join_record: Join | None = None  # the sync in progress
         self._capacity = 0  # bytes per slot
         self._generation = 0
         self._token = ""
@@ -223,8 +119,8 @@ class MooncakeEngine(Engine):
         self._info: dict[str, Any] | None = None  # sender: what prepare handed out
         self._listener: socket.socket | None = None
         self._local: _Local | None = None
-        self._up: _Link | None = None  # receivers: where buckets come from
-        self._down: _Link | None = None  # where buckets go (None at the end of the chain)
+        self._up: Signals | None = None  # receivers: where buckets come from
+        self._down: Signals | None = None  # where buckets go (None at the end of the chain)
         self._target = ""  # Mooncake segment of the downstream process: "host:rpc_port"
         self._target_ring = 0  # address of its ring
 
@@ -242,11 +138,16 @@ class MooncakeEngine(Engine):
         log.debug("mooncake: %d slots of %d bytes on %s, %s on %s:%d",
                   SLOTS, self._capacity, device, protocol, host, self._local.rpc_port)
 
-    def _bind_host(self, host: str | None = None) -> str:
+    @property
+    def _sync(self) -> Join:
+        assert self._join_record is not None, "connect() first"
+        return self._join_record
+
+    @staticmethod
+    def _bind_host(join: Join) -> str:
         """Where our sockets and Mooncake listen: the control connection's interface."""
-        for candidate in (self.local_host, host):
-            if candidate and candidate not in ("0.0.0.0", "::"):
-                return candidate
+        if join.local_host and join.local_host not in ("0.0.0.0", "::"):
+            return join.local_host
         return socket.gethostbyname(socket.gethostname())
 
     def _listen(self, host: str) -> socket.socket:
@@ -256,18 +157,14 @@ class MooncakeEngine(Engine):
         listener.listen(8)
         return listener
 
-    def reserve(self, nbytes: int) -> None:
-        nbytes = min(max(nbytes, 1), self.config.bucket_bytes)
-        if self.rank == 0 and nbytes > self._capacity:
-            self._drop()  # receivers join the new, larger chain at the next connect
-            self._capacity = nbytes
-
-    def prepare(self, host: str) -> dict[str, Any]:
+    def prepare(self, join: Join) -> dict[str, Any]:
+        capacity = min(max(join.capacity, 1), self.config.bucket_bytes)
+        if capacity > self._capacity:
+            self._drop()  # receivers join the new, larger chain at this sync's connect
+            self._capacity = capacity
         if self._info is None:
             self._drop()
-            if self._capacity == 0:
-                self._capacity = self.config.bucket_bytes
-            bind = self._bind_host(host)
+            bind = self._bind_host(join)
             self._open_local(bind)
             self._listener = self._listen(bind)
             self._generation += 1
@@ -278,105 +175,47 @@ class MooncakeEngine(Engine):
                 "generation": self._generation,
                 "slot_bytes": self._capacity,
             }
-        return {**self._info, "world_size": self.world_size}
+        return dict(self._info)
 
-    def connect(self, info: dict[str, Any]) -> None:
-        key = (info["token"], info["generation"], info["world_size"])
+    def connect(self, join: Join, info: dict[str, Any]) -> None:
+        self._join_record = join
+        for link in (self._up, self._down):
+            if link is not None:
+                link.watch = join.watch
+        key = (info["token"], info["generation"], join.world_size)
         if self._key == key:
             return
         try:
-            if self.rank == 0:
-                self._build_chain(int(info["world_size"]))
+            if join.rank == 0:
+                self._build_chain(join)
             else:
-                self._join(info)
+                self._join(join, info)
         except BaseException:
             self._drop()  # close what was opened: the neighbours fail at once, not at their deadline
             raise
         self._key = key
 
-    def _accept(self, listener: socket.socket, count: int, check: Callable[[dict, dict], int], what: str) -> dict:
-        """Accept ``count`` connections whose first message passes ``check`` (which returns
-        the peer's chain rank or raises ValueError); strangers are logged and closed, and a
-        silent one delays nobody. Returns ``{rank: (socket, message, address)}``."""
-        deadline = time.monotonic() + self.config.timeout_s
-        sel = selectors.DefaultSelector()
-        listener.setblocking(False)
-        sel.register(listener, selectors.EVENT_READ, None)
-        pending: dict[socket.socket, bytearray] = {}
-        accepted: dict[int, tuple[socket.socket, dict, str]] = {}
-        try:
-            while len(accepted) < count:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"mooncake: {count - len(accepted)} {what} did not connect within {self.config.timeout_s} s")
-                for key, _ in sel.select(min(_POLL_S, left)):
-                    if key.data is None:
-                        try:
-                            sock, addr = listener.accept()
-                        except BlockingIOError:
-                            continue
-                        sock.setblocking(False)
-                        pending[sock] = bytearray()
-                        sel.register(sock, selectors.EVENT_READ, addr[0])
-                        continue
-                    sock = key.fileobj  # type: ignore[assignment]
-                    buf = pending[sock]
-                    try:
-                        chunk = sock.recv(_MAX_MESSAGE + 4 - len(buf))
-                        if not chunk:
-                            raise ValueError("it closed before introducing itself")
-                        buf += chunk
-                        if len(buf) < 4:
-                            continue
-                        size = int.from_bytes(buf[:4], "big")
-                        if size > _MAX_MESSAGE:
-                            raise ValueError(f"its first message has {size} bytes")
-                        if len(buf) < 4 + size:
-                            continue
-                        msg = _unpack(bytes(buf[4 : 4 + size]))
-                        if not hmac.compare_digest(str(msg.get("token", "")).encode(), self._token.encode()):
-                            raise ValueError("wrong session token")
-                        rank = check(msg, accepted)
-                    except (OSError, ValueError, TypeError, msgpack.UnpackException) as e:
-                        log.warning("mooncake: rejected a connection from %s on the signal port: %s", key.data, e)
-                        sel.unregister(sock)
-                        del pending[sock]
-                        sock.close()
-                        continue
-                    sel.unregister(sock)
-                    del pending[sock]
-                    accepted[rank] = (sock, msg, key.data)
-                if self.watch is not None:
-                    self.watch()
-        except BaseException:
-            for sock, _, _ in accepted.values():
-                sock.close()
-            raise
-        finally:
-            for sock in pending:
-                sock.close()
-            sel.close()
-        return accepted
-
-    def _build_chain(self, world_size: int) -> None:
+    def _build_chain(self, join: Join) -> None:
         """Sender: every receiver registers; tell each who is up- and downstream of it."""
         assert self._listener is not None and self._local is not None
-        generation = self._generation
+        generation, world_size, timeout = self._generation, join.world_size, self.config.timeout_s
 
-        def check(msg: dict, taken: dict) -> int:
-            if _int(msg, "generation") != generation:
+        def check(msg: dict, sock: socket.socket, taken: dict) -> int:
+            if ring.int_field(msg, "generation") != generation:
                 raise ValueError(f"generation {msg.get('generation')} is not the current one ({generation})")
-            rank = _int(msg, "rank")
+            rank = ring.int_field(msg, "rank")
             if not 1 <= rank < world_size or rank in taken:
                 raise ValueError(f"rank {rank} is not a free receiver rank of this sync")
             for field in ("label", "rpc_port", "ring", "signal_port"):
-                _int(msg, field)
+                ring.int_field(msg, field)
             return rank
 
-        peers = self._accept(self._listener, world_size - 1, check, "receiver(s)")
+        peers = ring.accept_peers(
+            self._listener, world_size - 1, self._token, check, timeout, join.watch, "mooncake receiver(s)"
+        )
         self._listener.close()  # everyone joined: nobody else may attach to this chain
         self._listener = None
-        deadline = time.monotonic() + self.config.timeout_s
+        deadline = time.monotonic() + timeout
         try:
             for rank, (sock, _, _) in peers.items():
                 up = None
@@ -388,48 +227,51 @@ class MooncakeEngine(Engine):
                     _, msg, addr = peers[rank + 1]
                     down = {"host": addr, "rpc_port": msg["rpc_port"], "ring": msg["ring"], "label": msg["label"]}
                 sock.settimeout(max(0.01, deadline - time.monotonic()))
-                sock.sendall(_pack({"up": up, "down": down}))
+                sock.sendall(ring.pack_message({"up": up, "down": down}))
         except OSError as e:
             for sock, _, _ in peers.values():
                 sock.close()
-            raise MooncakePeerError(f"mooncake: a receiver left while the chain was set up ({e})") from e
+            raise PeerError(f"mooncake: a receiver left while the chain was set up ({e})") from e
         first, msg, addr = peers[1]
         for rank, (sock, _, _) in peers.items():
             if rank != 1:
                 sock.close()  # they talk to their neighbours now
-        self._down = _Link(first, int(msg["label"]), self.config.timeout_s, self.watch)
+        label = int(msg["label"])
+        self._down = Signals(first, f"receiver rank {label} (mooncake)", label, timeout, join.watch)
         self._target, self._target_ring = f"{addr}:{msg['rpc_port']}", int(msg["ring"])
 
-    def _join(self, info: dict[str, Any]) -> None:
+    def _join(self, join: Join, info: dict[str, Any]) -> None:
         """Receiver: register with the sender, link to the neighbours it names."""
         self._drop()
-        self.world_size = int(info["world_size"])
-        self._capacity = int(info["slot_bytes"])
+        capacity = int(info["slot_bytes"])
+        if not 0 < capacity <= self.config.bucket_bytes:
+            raise PeerError(f"mooncake: the sender asks for slots of {capacity} bytes; buckets are {self.config.bucket_bytes}")
+        self._capacity = capacity
         self._token = str(info["token"])
-        host = self._bind_host()
+        host = self._bind_host(join)
         self._open_local(host)
         assert self._local is not None
-        last = self.rank == self.world_size - 1
+        last = join.rank == join.world_size - 1
         self._listener = None if last else self._listen(host)
         timeout = self.config.timeout_s
-        sender = (self.sender_host or host, int(info["signal_port"]))
+        sender = (join.sender_host or host, int(info["signal_port"]))
         try:
             reg = socket.create_connection(sender, timeout=timeout, source_address=(host, 0))
         except OSError as e:
-            raise MooncakePeerError(f"mooncake: could not reach the sender's signal port {sender}: {e}") from e
+            raise PeerError(f"mooncake: could not reach the sender's signal port {sender}: {e}") from e
         try:
-            reg.sendall(_pack({
-                "token": self._token, "generation": int(info["generation"]), "rank": self.rank,
-                "label": self._label, "rpc_port": self._local.rpc_port, "ring": self._local.ring.data_ptr(),
+            reg.sendall(ring.pack_message({
+                "token": self._token, "generation": int(info["generation"]), "rank": join.rank,
+                "label": join.receiver_rank, "rpc_port": self._local.rpc_port, "ring": self._local.ring.data_ptr(),
                 "signal_port": self._listener.getsockname()[1] if self._listener is not None else 0,
             }))
-            route = self._read_message(reg, "the sender (mooncake)")
+            route = ring.read_message(reg, "the sender (mooncake)", timeout, join.watch)
         except BaseException:
             reg.close()
             raise
         up = route.get("up")
         if up is None:
-            self._up = _Link(reg, None, timeout, self.watch)
+            self._up = Signals(reg, "the sender (mooncake)", None, timeout, join.watch)
         else:
             reg.close()
             upstream = (str(up["host"]), int(up["signal_port"]))
@@ -437,58 +279,31 @@ class MooncakeEngine(Engine):
             try:
                 sock = socket.create_connection(upstream, timeout=timeout, source_address=(host, 0))
             except OSError as e:
-                raise MooncakePeerError(f"mooncake: could not reach {name} at {upstream}: {e}") from e
-            self._up = _Link(sock, int(up["label"]), timeout, self.watch)
+                raise PeerError(f"mooncake: could not reach {name} at {upstream}: {e}") from e
+            self._up = Signals(sock, name, int(up["label"]), timeout, join.watch)
             try:
-                sock.sendall(_pack({"token": self._token, "generation": int(info["generation"]), "rank": self.rank}))
+                sock.sendall(ring.pack_message({"token": self._token, "generation": int(info["generation"]), "rank": join.rank}))
             except OSError as e:
-                raise MooncakePeerError(f"{name} closed its connection ({e})") from e
+                raise PeerError(f"{name} closed its connection ({e})") from e
         down = route.get("down")
         if down is not None and self._listener is not None:
-            want = self.rank + 1
+            want = join.rank + 1
             generation = int(info["generation"])
 
-            def check(msg: dict, taken: dict) -> int:
-                if _int(msg, "generation") != generation or _int(msg, "rank") != want:
+            def check(msg: dict, sock: socket.socket, taken: dict) -> int:
+                if ring.int_field(msg, "generation") != generation or ring.int_field(msg, "rank") != want:
                     raise ValueError(f"generation {msg.get('generation')}, rank {msg.get('rank')}: not our downstream")
                 return want
 
-            sock, _, _ = self._accept(self._listener, 1, check, f"downstream receiver (rank {down['label']})")[want]
-            self._down = _Link(sock, int(down["label"]), timeout, self.watch)
+            sock, _, _ = ring.accept_peers(
+                self._listener, 1, self._token, check, timeout, join.watch, f"downstream receiver (rank {down['label']})"
+            )[want]
+            label = int(down["label"])
+            self._down = Signals(sock, f"receiver rank {label} (mooncake)", label, timeout, join.watch)
             self._target, self._target_ring = f"{down['host']}:{int(down['rpc_port'])}", int(down["ring"])
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-
-    def _read_message(self, sock: socket.socket, peer: str) -> dict[str, Any]:
-        """One length-prefixed msgpack message, waiting at most ``timeout_s``."""
-        deadline = time.monotonic() + self.config.timeout_s
-        buf = bytearray()
-        need = 4
-        while len(buf) < need:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"mooncake: no set-up message from {peer} within {self.config.timeout_s} s")
-            sock.settimeout(min(_POLL_S, left))
-            try:
-                chunk = sock.recv(need - len(buf))
-            except TimeoutError:
-                if self.watch is not None:
-                    self.watch()
-                continue
-            except OSError as e:
-                raise MooncakePeerError(f"{peer} closed its connection ({e})") from e
-            if not chunk:
-                raise MooncakePeerError(f"{peer} closed its connection during set-up")
-            buf += chunk
-            if need == 4 and len(buf) == 4:
-                need = 4 + int.from_bytes(buf, "big")
-                if need > 4 + _MAX_MESSAGE:
-                    raise MooncakePeerError(f"{peer} sent a {need - 4}-byte set-up message")
-        try:
-            return _unpack(bytes(buf[4:]))
-        except (ValueError, msgpack.UnpackException) as e:
-            raise MooncakePeerError(f"{peer} sent a malformed set-up message ({e})") from e
 
     # ------------------------------------------------------------------ data
     def _write(self, k: int, nbytes: int) -> int | None:
@@ -501,7 +316,7 @@ class MooncakeEngine(Engine):
             self._target, self._local.ring.data_ptr() + offset, self._target_ring + offset, nbytes
         )
         if batch is None or batch <= 0:
-            raise MooncakePeerError(
+            raise PeerError(
                 f"Mooncake could not start writing bucket {k} to {self._down.peer} (returned {batch})", self._down.label
             )
         self._local.inflight.add(batch)
@@ -519,25 +334,24 @@ class MooncakeEngine(Engine):
         while (status := te.transfer_check_status(batch)) == 0:
             now = time.monotonic()
             if now > deadline:
-                raise TimeoutError(f"writing bucket {k} of version {self.version} to {self._down.peer} "
+                raise TimeoutError(f"writing bucket {k} of version {self._sync.version} to {self._down.peer} "
                                    f"took longer than {self.config.timeout_s} s")
             if now > next_watch:
                 next_watch = now + _POLL_S
-                if self.watch is not None:
-                    self.watch()
+                self._sync.check()
             time.sleep(pause)
             pause = min(pause * 2, 0.002)
         self._local.inflight.discard(batch)  # its id is freed once reported; never ask again
         if status != 1:
-            raise MooncakePeerError(
-                f"Mooncake failed to write bucket {k} of version {self.version} to {self._down.peer} "
+            raise PeerError(
+                f"Mooncake failed to write bucket {k} of version {self._sync.version} to {self._down.peer} "
                 f"({'timed out' if status == -2 else f'status {status}'})",
                 self._down.label,
             )
 
     def send_buckets(self, produce: Producer) -> int:
         assert self._down is not None and self._local is not None, "connect() first"
-        version = self.version or 0
+        version = self._sync.version
         down = self._down
         sent = 0
         k = 0
@@ -575,14 +389,14 @@ class MooncakeEngine(Engine):
     def recv_buckets(self, next_bucket: NextBucket, landing: Landing | None = None) -> Iterator[tuple[Bucket, torch.Tensor]]:
         # ``landing`` is not used: the upstream writes into our registered slots.
         assert self._up is not None and self._local is not None, "connect() first"
-        version = self.version or 0
+        version = self._sync.version
         up, down = self._up, self._down
         k = 0
         try:
             while (bucket := next_bucket()) is not None:
                 nbytes = up.wait(READY, version, k)
                 if nbytes != bucket.nbytes:
-                    raise MooncakePeerError(f"{up.peer} wrote {nbytes} bytes for bucket {k}, the plan says {bucket.nbytes}")
+                    raise PeerError(f"{up.peer} wrote {nbytes} bytes for bucket {k}, the plan says {bucket.nbytes}")
                 batch = None
                 if down is not None:  # forward while our consumer reads the bucket
                     if k >= SLOTS:
@@ -599,7 +413,7 @@ class MooncakeEngine(Engine):
                 for seq in range(max(0, k - SLOTS), k):
                     down.wait(DONE, version, seq)
         except BaseException as e:
-            if isinstance(e, MooncakePeerError) and e.lost is not None and e.lost != up.label:
+            if isinstance(e, PeerError) and e.lost is not None and e.lost != up.label:
                 try:  # tell the chain upstream who was lost, so the sender names it
                     up.send(FAIL, version, k, e.lost)
                 except MooncakePeerError:

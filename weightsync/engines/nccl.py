@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync import platform
-from weightsync.engines.base import Engine, Landing, NextBucket, Producer
+from weightsync.engines.base import Join, Landing, NextBucket, Producer, Transport
 from weightsync.plan import Bucket
 
 log = logging.getLogger("weightsync.engines.nccl")
@@ -52,11 +52,11 @@ def _await_burials(limit_s: float = 30.0) -> None:
 WINDOW = 8
 
 
-class CollectiveEngine(Engine):
+class CollectiveEngine(Transport):
     name = "nccl"
 
-    def __init__(self, config, device, rank, world_size) -> None:
-        super().__init__(config, device, rank, world_size)
+    def __init__(self, config, device) -> None:
+        super().__init__(config, device)
         self.library = platform.collective_backend("nccl", device.type)
         self._kwargs = config.engine_kwargs.nccl
         self._store: dist.TCPStore | None = None
@@ -65,17 +65,24 @@ class CollectiveEngine(Engine):
         self._generation = 0
         self._token = ""
         self._buffers: list[torch.Tensor] | None = None
+        self._join: Join | None = None  # the sync in progress
 
     @property
     def _timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.config.timeout_s)
 
     # ------------------------------------------------------------------ group
-    def prepare(self, host: str) -> dict[str, Any]:
+    @property
+    def rank(self) -> int:
+        assert self._join is not None, "connect() first"
+        return self._join.rank
+
+    def prepare(self, join: Join) -> dict[str, Any]:
+        host = join.local_host or "0.0.0.0"
         if self._store is None:
             # Port 0: the OS picks a free port; receivers learn it from the handshake.
             self._store = dist.TCPStore(
-                host, 0, self.world_size, True, timeout=self._timeout, wait_for_workers=False
+                host, 0, join.world_size, True, timeout=self._timeout, wait_for_workers=False
             )
         if not self._joined():
             self._generation += 1
@@ -88,36 +95,37 @@ class CollectiveEngine(Engine):
             "port": self._store.port,
             "group": f"{self._kwargs.group_name}/{self._generation}/{self._token}",
             "library": self.library,
-            "world_size": self.world_size,
         }
 
     def _joined(self) -> bool:
         """This rank is in a working group (its key is reused by the next sync)."""
         return self._group is not None
 
-    def connect(self, info: dict[str, Any]) -> None:
-        key = (info["host"], info["port"], info["group"])
+    def connect(self, join: Join, info: dict[str, Any]) -> None:
+        self._join = join
+        self._reserve(join.capacity)
+        key = (info["host"], info["port"], info["group"], join.world_size)
         if self._group is not None and key == self._group_key:
             return
         self._drop_group()
-        store = self._rendezvous(info)
-        log.debug("rank %d joining group %s (%s)", self.rank, info["group"], self.library)
+        store = self._rendezvous(join, info)
+        log.debug("%s joining group %s as rank %d (%s)", join.name, info["group"], join.rank, self.library)
         self._group = platform.new_process_group(
-            self.library, store, self.rank, int(info["world_size"]), self.config.timeout_s, bind_host=self.local_host
+            self.library, store, join.rank, join.world_size, self.config.timeout_s, bind_host=join.local_host
         )
         self._group_key = key
 
-    def _rendezvous(self, info: dict[str, Any]) -> dist.Store:
+    def _rendezvous(self, join: Join, info: dict[str, Any]) -> dist.Store:
         """The key space of the group described by ``info``, in the store rank 0 hosts."""
         if info.get("library") != self.library:
             raise RuntimeError(
                 f"collective library mismatch: sender uses {info.get('library')!r}, "
-                f"rank {self.rank} uses {self.library!r} (are both on the same platform?)"
+                f"{join.name} uses {self.library!r} (are both on the same platform?)"
             )
         store = self._store
-        if self.rank != 0:
-            host = self.sender_host or info["host"]  # the address that reached the sender
-            store = dist.TCPStore(host, int(info["port"]), int(info["world_size"]), False, timeout=self._timeout)
+        if join.rank != 0:
+            host = join.sender_host or info["host"]  # the address that reached the sender
+            store = dist.TCPStore(host, int(info["port"]), join.world_size, False, timeout=self._timeout)
             self._store = store
         return dist.PrefixStore(f"weightsync/{info['group']}", store)
 
@@ -145,14 +153,15 @@ class CollectiveEngine(Engine):
 
     def _wait(self, work: dist.Work) -> None:
         """Wait for one operation; while it is pending, ``watch`` (if set) may abandon it."""
+        watch = self._join.watch if self._join is not None else None
         try:
-            if self.watch is not None:
+            if watch is not None:
                 pause, next_watch = 0.0002, time.monotonic() + 0.02
                 while not work.is_completed():
                     time.sleep(pause)
                     pause = min(pause * 2, 0.002)
                     if time.monotonic() >= next_watch:
-                        self.watch()
+                        watch()
                         next_watch = time.monotonic() + 0.05
             work.wait()  # raises the operation's error, if it failed
         except BaseException:
@@ -161,7 +170,9 @@ class CollectiveEngine(Engine):
             del work
             raise
 
-    def reserve(self, nbytes: int) -> None:
+    def _reserve(self, nbytes: int) -> None:
+        """Make the bucket buffers hold ``nbytes`` (at most the configured bucket size), so
+        a model smaller than a bucket does not cost two full buckets of memory."""
         nbytes = min(max(nbytes, 1), self.config.bucket_bytes)
         if self._buffers is None or self._buffers[0].numel() < nbytes:
             self._buffers = None  # free the old pair before allocating the new one
@@ -170,7 +181,7 @@ class CollectiveEngine(Engine):
 
     def _bufs(self) -> list[torch.Tensor]:
         if self._buffers is None:
-            self.reserve(self.config.bucket_bytes)
+            self._reserve(self.config.bucket_bytes)
         return self._buffers
 
     # ------------------------------------------------------------------ data
@@ -213,17 +224,41 @@ class CollectiveEngine(Engine):
         platform.synchronize(self.device)
         return sent
 
-    def recv_buckets(self, next_bucket: NextBucket, landing: Landing | None = None) -> Iterator[tuple[Bucket, torch.Tensor]]:
+    # Receiving, for ``nccl`` and ``paired`` alike: which rank each bucket comes from and
+    # whether it goes on to a next rank is all that differs (``_route``).
+    def _route(self, bucket: Bucket) -> tuple[int, int | None]:
+        """Where ``bucket`` comes from, and the rank to forward it to (None: nowhere)."""
+        return 0, None
+
+    def _recv_op(self, source: int, tensor: torch.Tensor) -> dist.Work:
         assert self._group is not None, "connect() first"
+        return self._group.broadcast(tensor, 0)
+
+    def _send_op(self, to: int, tensor: torch.Tensor) -> dist.Work:  # pragma: no cover - nccl never forwards
+        raise NotImplementedError
+
+    def recv_buckets(self, next_bucket: NextBucket, landing: Landing | None = None) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        """Post receives in bucket order (the order the senders send in) up to ``WINDOW``
+        ahead; a bucket that needs a buffer waits for a free slot. A slot is free again
+        once its bucket was consumed and, where it is forwarded, forwarded."""
         bufs = self._bufs()
-        free = [0, 1]  # buffer slots not holding a posted or handed-out bucket
-        posted: deque[tuple[Bucket, int | None, torch.Tensor, dist.Work | None]] = deque()
+        free = [0, 1]  # buffer slots not holding a posted, handed-out or forwarding bucket
+        # Receives posted, in plan order: (bucket, slot, target, work, rank to forward to).
+        posted: deque[tuple[Bucket, int | None, torch.Tensor, dist.Work | None, int | None]] = deque()
+        # Forwards on the wire: (work, slot its bytes are in, or None for a landed bucket).
+        forwarding: deque[tuple[dist.Work, int | None]] = deque()
         pending: Bucket | None = None
         ended = False
 
+        def reclaim(block: bool) -> None:
+            while forwarding and (block or forwarding[0][0].is_completed()):
+                work, slot = forwarding.popleft()
+                self._wait(work)
+                if slot is not None:
+                    free.append(slot)
+                block = False
+
         def post_ahead() -> None:
-            # Post receives in bucket order (the sender broadcasts in that order), up to
-            # WINDOW ahead; a bucket that needs a buffer waits for a free slot.
             nonlocal pending, ended
             while not ended and len(posted) < WINDOW:
                 if pending is None:
@@ -234,30 +269,38 @@ class CollectiveEngine(Engine):
                 target = landing(pending) if landing is not None else None
                 slot = None
                 if target is None:
+                    reclaim(block=not free and not posted)
                     if not free:
                         return
                     slot = free.pop(0)
                     target = bufs[slot][: pending.nbytes]
-                work = self._group.broadcast(target, 0) if pending.nbytes else None
-                posted.append((pending, slot, target, work))
+                source, forward = self._route(pending)
+                work = self._recv_op(source, target) if pending.nbytes else None
+                posted.append((pending, slot, target, work, forward if pending.nbytes else None))
                 pending = None
 
         try:
             post_ahead()
             while posted:
-                bucket, slot, target, work = posted.popleft()
+                bucket, slot, target, work, forward = posted.popleft()
                 if work is not None:
                     self._wait(work)
                 del work
+                if forward is not None:  # on its way on while the consumer reads it
+                    forwarding.append((self._send_op(forward, target), slot))
                 yield bucket, target
                 # The consumer asked for more: its views of this bucket are released.
-                if slot is not None:
+                if slot is not None and forward is None:
                     free.append(slot)
+                reclaim(block=False)
                 post_ahead()
+            while forwarding:
+                reclaim(block=True)
         except BaseException:
-            # The sync failed or was abandoned: let go of the group and of our pending
-            # receives at once, so the sender's side fails now, not at its timeout.
+            # The sync failed or was abandoned: let go of the group(s) and of our pending
+            # operations at once, so the senders fail now, not at their timeout.
             posted.clear()
+            forwarding.clear()
             work = None
             self._drop_group(failed=True)
             raise

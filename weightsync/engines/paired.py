@@ -24,16 +24,14 @@ so a replica can apply it on its own.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from weightsync import platform
-from weightsync.engines.base import Landing, NextBucket
-from weightsync.engines.nccl import WINDOW, CollectiveEngine
+from weightsync.engines.base import Join
+from weightsync.engines.nccl import CollectiveEngine
 from weightsync.plan import Bucket
 
 
@@ -60,12 +58,12 @@ class PairedEngine(CollectiveEngine):
     all_ranks_send = True
     splits_tensors = False
 
-    def __init__(self, config, device, rank, world_size) -> None:
-        super().__init__(config, device, rank, world_size)
+    def __init__(self, config, device) -> None:
+        super().__init__(config, device)
         self._groups: dict[tuple[int, int], dist.ProcessGroup] = {}
         self._trainers = 1
         self._replicas = 0
-        self._deal: Deal | None = None  # the sender's deal of the sync in progress
+        self._deal: Deal | None = None  # the deal of the sync in progress (both sides)
 
     # ------------------------------------------------------------------ layout
     def _trainer_rank(self, share: int) -> int:
@@ -92,27 +90,27 @@ class PairedEngine(CollectiveEngine):
         return self._groups[(source, self.rank)].broadcast(tensor, 0)
 
     # ------------------------------------------------------------------ groups
-    def prepare(self, host: str) -> dict[str, Any]:
-        return {**super().prepare(host), "senders": self.num_senders}
-
     def _joined(self) -> bool:
         return bool(self._groups)
 
-    def connect(self, info: dict[str, Any]) -> None:
-        key = (info["host"], info["port"], info["group"])
+    def connect(self, join: Join, info: dict[str, Any]) -> None:
+        self._join = join
+        self._reserve(join.capacity)
+        self._deal = Deal(join.senders)  # every sync deals from the first bucket again
+        key = (info["host"], info["port"], info["group"], join.world_size, join.senders)
         if self._groups and key == self._group_key:
             return
         self._drop_group()
-        self._trainers = int(info["senders"])
-        self._replicas = int(info["world_size"]) - self._trainers
+        self._trainers = join.senders
+        self._replicas = join.world_size - self._trainers
         if self._trainers < 1 or self._replicas < 1:
             raise RuntimeError(f"paired: {self._trainers} trainer rank(s) and {self._replicas} receiver(s) cannot pair")
-        store = self._rendezvous(info)
+        store = self._rendezvous(join, info)
         for a, b in self._links():
-            if self.rank in (a, b):
+            if join.rank in (a, b):
                 self._groups[(a, b)] = platform.new_process_group(
-                    self.library, dist.PrefixStore(f"link/{a}-{b}", store), (a, b).index(self.rank), 2,
-                    self.config.timeout_s, bind_host=self.local_host,
+                    self.library, dist.PrefixStore(f"link/{a}-{b}", store), (a, b).index(join.rank), 2,
+                    self.config.timeout_s, bind_host=join.local_host,
                 )
         self._group_key = key
 
@@ -123,86 +121,21 @@ class PairedEngine(CollectiveEngine):
         return groups
 
     # ------------------------------------------------------------------ data
-    def begin(self, version: int) -> None:
-        super().begin(version)
-        self._deal = None  # a new sync deals from the first bucket again
-
     def sends(self, bucket: Bucket) -> bool:
-        if self._deal is None:
-            self._deal = Deal(self._trainers)
+        assert self._deal is not None, "connect() first"
         return self._deal(bucket) == self._share
 
     def _post_send(self, payload: torch.Tensor) -> dist.Work:
         # ``send_buckets`` (inherited) sends what ``sends`` picked, to this rank's replica
         return self._send_op(partner(self._share, self._replicas) + 1, payload)
 
-    def recv_buckets(self, next_bucket: NextBucket, landing: Landing | None = None) -> Iterator[tuple[Bucket, torch.Tensor]]:
-        assert self._groups, "connect() first"
-        deal = Deal(self._trainers)
+    def _route(self, bucket: Bucket) -> tuple[int, int | None]:
+        """A bucket of share s comes straight from trainer rank s to replica d(s), then
+        around the ring of replicas; the last replica of the ring keeps it."""
+        assert self._deal is not None, "connect() first"
+        share = self._deal(bucket)
         me, n = self.rank - 1, self._replicas
-        left, right = (me - 1) % n + 1, (me + 1) % n + 1  # ring neighbours' engine ranks
-        bufs = self._bufs()
-        free = [0, 1]
-        # Receives posted, in plan order: (bucket, slot, target, work, forward to right?).
-        posted: deque[tuple[Bucket, int | None, torch.Tensor, dist.Work | None, bool]] = deque()
-        # Forwards on the wire: (work, slot its bytes are in, or None for a landed bucket).
-        forwarding: deque[tuple[dist.Work, int | None]] = deque()
-        pending: Bucket | None = None
-        ended = False
-
-        def reclaim(block: bool) -> None:
-            # A slot is free again once its bucket is forwarded (and consumed, see below).
-            while forwarding and (block or forwarding[0][0].is_completed()):
-                work, slot = forwarding.popleft()
-                self._wait(work)
-                if slot is not None:
-                    free.append(slot)
-                block = False
-
-        def post_ahead() -> None:
-            nonlocal pending, ended
-            while not ended and len(posted) < WINDOW:
-                if pending is None:
-                    pending = next_bucket()
-                    if pending is None:
-                        ended = True
-                        return
-                target = landing(pending) if landing is not None else None
-                slot = None
-                if target is None:
-                    reclaim(block=not free and not posted)
-                    if not free:
-                        return
-                    slot = free.pop(0)
-                    target = bufs[slot][: pending.nbytes]
-                share = deal(pending)
-                hop = (me - partner(share, n)) % n  # 0: straight from the trainer rank
-                source = self._trainer_rank(share) if hop == 0 else left
-                work = self._recv_op(source, target) if pending.nbytes else None
-                posted.append((pending, slot, target, work, hop < n - 1 and pending.nbytes > 0))
-                pending = None
-
-        try:
-            post_ahead()
-            while posted:
-                bucket, slot, target, work, forward = posted.popleft()
-                if work is not None:
-                    self._wait(work)
-                del work
-                if forward:
-                    forwarding.append((self._send_op(right, target), slot))
-                yield bucket, target
-                if slot is not None and not forward:
-                    free.append(slot)
-                reclaim(block=False)
-                post_ahead()
-            reclaim(block=True)
-            while forwarding:
-                reclaim(block=True)
-        except BaseException:
-            posted.clear()
-            forwarding.clear()
-            work = None
-            self._drop_group(failed=True)
-            raise
-        platform.synchronize(self.device)
+        hop = (me - partner(share, n)) % n  # 0: straight from the trainer rank
+        source = self._trainer_rank(share) if hop == 0 else (me - 1) % n + 1
+        forward = (me + 1) % n + 1 if hop < n - 1 else None
+        return source, forward

@@ -1,16 +1,16 @@
 """Backend ``shm``: trainer and rollout processes on one host share the bucket memory.
 
-The sender writes each bucket once into a ring of two slots that every receiver has
-mapped; all receivers read a slot at the same time while the sender fills the other one.
-Host memory is an anonymous ``memfd`` handed to receivers over a Unix socket
-(``SCM_RIGHTS``), so it has no name in ``/dev/shm`` and the kernel frees it when the last
-process holding it exits, however it exits. On CUDA the slots are device memory shared
-through CUDA IPC handles (``platform.share_device_buffer``).
+The sender writes each bucket once into a ring of slots (``engines.ring``) that every
+receiver has mapped; all receivers read a slot at the same time while the sender fills
+the other one. Host memory is an anonymous ``memfd`` handed to receivers over a Unix
+socket (``SCM_RIGHTS``), so it has no name in ``/dev/shm`` and the kernel frees it when the
+last process holding it exits, however it exits. On CUDA the slots are device memory
+shared through CUDA IPC handles (``platform.share_device_buffer``).
 
-The same Unix socket (abstract namespace: no file either) carries the ring's signals as
-fixed 16-byte frames: the sender's "bucket k is in its slot" and each receiver's "I am done
-with bucket k". A peer that dies closes its socket, so the other side fails at once rather
-than at its deadline.
+The same Unix socket (abstract namespace: no file either, reachable from this host only)
+carries the ring's signals. A joining process must be this user (``SO_PEERCRED``) and
+carry the ring's token; strangers are dropped without delaying the others. A peer that
+dies closes its socket, so the other side fails at once rather than at its deadline.
 """
 
 from __future__ import annotations
@@ -21,21 +21,21 @@ import os
 import secrets
 import socket
 import struct
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from weightsync import platform
-from weightsync.engines.base import Engine, Landing, NextBucket, Producer
+from weightsync.engines import ring
+from weightsync.engines.base import Join, Landing, NextBucket, Producer, Transport
+from weightsync.engines.ring import DONE, READY, SLOTS, PeerError, Signals
 from weightsync.plan import Bucket
 
 log = logging.getLogger("weightsync.engines.shm")
 
-SLOTS = 2
-_FRAME = struct.Struct("<qq")  # (sequence number, byte count)
-_HELLO = b"weightsync-shm/1"
+# Kept for callers that caught the old name.
+ShmPeerError = PeerError
 
 
 def host_id() -> str:
@@ -48,56 +48,19 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-class ShmPeerError(ConnectionError):
-    """The process at the other end of the ring's socket went away or broke protocol."""
+def _peer_uid(sock: socket.socket) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
 
 
-class _Signals:
-    """One peer's end of the ring's socket: fixed frames, every read bounded in time."""
-
-    def __init__(self, sock: socket.socket, peer: str, timeout_s: float) -> None:
-        self.sock = sock
-        self.peer = peer
-        sock.settimeout(timeout_s)
-
-    def send(self, seq: int, nbytes: int) -> None:
-        try:
-            self.sock.sendall(_FRAME.pack(seq, nbytes))
-        except OSError as e:
-            raise ShmPeerError(f"{self.peer} is gone ({e})") from e
-
-    def recv(self, expect_seq: int) -> int:
-        buf = bytearray(_FRAME.size)
-        view = memoryview(buf)
-        got = 0
-        try:
-            while got < len(buf):
-                n = self.sock.recv_into(view[got:])
-                if n == 0:
-                    raise ShmPeerError(f"{self.peer} closed its connection")
-                got += n
-        except TimeoutError as e:
-            raise TimeoutError(f"no signal from {self.peer} within {self.sock.gettimeout()} s") from e
-        except OSError as e:
-            if isinstance(e, ShmPeerError):
-                raise
-            raise ShmPeerError(f"{self.peer} is gone ({e})") from e
-        seq, nbytes = _FRAME.unpack(buf)
-        if seq != expect_seq:
-            raise ShmPeerError(f"{self.peer} signalled bucket {seq} where bucket {expect_seq} was due")
-        return nbytes
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-class ShmEngine(Engine):
+class ShmEngine(Transport):
     name = "shm"
 
-    def __init__(self, config, device, rank, world_size) -> None:
-        super().__init__(config, device, rank, world_size)
+    def __init__(self, config, device) -> None:
+        super().__init__(config, device)
         self._capacity = 0  # bytes per slot
         self._generation = 0
+        self._token = ""
         self._key: tuple | None = None  # the ring this process is joined to
         self._listener: socket.socket | None = None
         self._socket_name = ""
@@ -105,32 +68,29 @@ class ShmEngine(Engine):
         self._fd: int | None = None
         self._device_handle: dict | None = None
         self._ring: torch.Tensor | None = None  # SLOTS * capacity bytes
-        self._peers: list[_Signals] = []  # sender: one per receiver; receiver: the sender
+        self._peers: list[Signals] = []  # sender: one per receiver; receiver: the sender
+        self._version = 0  # of the sync in progress: tags every signal
 
     # ------------------------------------------------------------------ set-up
-    def reserve(self, nbytes: int) -> None:
-        nbytes = min(max(nbytes, 1), self.config.bucket_bytes)
-        if self.rank == 0 and nbytes > self._capacity:
-            self._drop()  # receivers join the new, larger ring at the next connect
-            self._capacity = nbytes
-
-    def prepare(self, host: str) -> dict[str, Any]:
+    def prepare(self, join: Join) -> dict[str, Any]:
+        capacity = min(max(join.capacity, 1), self.config.bucket_bytes)
+        if capacity > self._capacity:
+            self._drop()  # receivers join the new, larger ring at this sync's connect
+            self._capacity = capacity
         if self._ring is None:
-            self._create_ring()
+            self._create_ring(join.world_size)
         info: dict[str, Any] = {
             "socket": self._socket_name,
+            "token": self._token,
             "generation": self._generation,
             "slot_bytes": self._capacity,
             "host_id": host_id(),
-            "world_size": self.world_size,
         }
         if self._device_handle is not None:
             info["device_buffer"] = self._device_handle
         return info
 
-    def _create_ring(self) -> None:
-        if self._capacity == 0:
-            self._capacity = self.config.bucket_bytes
+    def _create_ring(self, world_size: int) -> None:
         size = SLOTS * self._capacity
         if self.device.type == "cpu":
             self._fd = os.memfd_create("weightsync-shm", os.MFD_CLOEXEC)
@@ -141,116 +101,123 @@ class ShmEngine(Engine):
             self._ring = torch.zeros(size, dtype=torch.uint8, device=self.device)
             self._device_handle = platform.share_device_buffer(self._ring)
         self._generation += 1
+        self._token = secrets.token_hex(16)  # 128 bits: proves a connection is ours
         # Abstract Unix socket: no file to leave behind, reachable only from this host.
         self._socket_name = f"weightsync-shm-{os.getpid()}-{secrets.token_hex(8)}"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind("\0" + self._socket_name)
-        listener.listen(max(1, (self.world_size or 2) - 1))
+        listener.listen(max(8, world_size))
         self._listener = listener
         log.debug("shm ring %s: %d slots of %d bytes on %s", self._socket_name, SLOTS, self._capacity, self.device)
 
-    def connect(self, info: dict[str, Any]) -> None:
+    def connect(self, join: Join, info: dict[str, Any]) -> None:
+        self._version = join.version
+        for peer in self._peers:
+            peer.watch = join.watch
         key = (info["socket"], info["generation"])
         if self._key == key:
             return
-        if self.rank == 0:
-            self._accept_receivers(int(info["world_size"]) - 1)
-        else:
-            self._join(info)
+        try:
+            if join.rank == 0:
+                self._accept_receivers(join)
+            else:
+                self._join(join, info)
+        except BaseException:
+            self._drop()  # close what was opened: the others fail at once, not at their deadline
+            raise
         self._key = key
 
-    def _accept_receivers(self, count: int) -> None:
+    def _accept_receivers(self, join: Join) -> None:
         assert self._listener is not None
-        deadline = time.monotonic() + self.config.timeout_s
-        peers: dict[int, _Signals] = {}
-        while len(peers) < count:
-            self._listener.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                sock, _ = self._listener.accept()
-            except TimeoutError:
-                raise TimeoutError(
-                    f"shm: {count - len(peers)} receiver(s) did not map the shared buckets within {self.config.timeout_s} s"
-                ) from None
-            try:
-                rank = self._greet(sock, taken=peers)
-            except (OSError, ValueError) as e:
-                log.warning("shm: rejected a connection on the ring's socket: %s", e)
-                sock.close()
-                continue
-            peers[rank] = _Signals(sock, f"receiver rank {rank - 1} (shm)", self.config.timeout_s)
-        self._peers = [peers[r] for r in sorted(peers)]
+        count = join.world_size - 1
+
+        def check(msg: dict, sock: socket.socket, taken: dict) -> int:
+            uid = _peer_uid(sock)
+            if uid != os.getuid():
+                raise ValueError(f"process of uid {uid} is not this user ({os.getuid()})")
+            if ring.int_field(msg, "generation") != self._generation:
+                raise ValueError(f"generation {msg.get('generation')} is not the current one")
+            rank = ring.int_field(msg, "rank")
+            if not 1 <= rank <= count or rank in taken:
+                raise ValueError(f"rank {rank} is not a free receiver rank of this session")
+            return rank
+
+        peers = ring.accept_peers(
+            self._listener, count, self._token, check, self.config.timeout_s, join.watch, "shm receiver(s)"
+        )
         # Everyone joined: nobody else may attach to this ring.
         self._listener.close()
         self._listener = None
-
-    def _greet(self, sock: socket.socket, taken) -> int:
-        """Check a joining process (same user, our protocol), hand it the memory; its rank."""
-        sock.settimeout(self.config.timeout_s)
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        _pid, uid, _gid = struct.unpack("3i", creds)
-        if uid != os.getuid():
-            raise ValueError(f"process of uid {uid} is not this user ({os.getuid()})")
-        hello = sock.recv(len(_HELLO) + 8)
-        if len(hello) != len(_HELLO) + 8 or not hello.startswith(_HELLO):
-            raise ValueError("not a weightsync shm receiver")
-        rank = struct.unpack("<q", hello[len(_HELLO):])[0]
-        if not 1 <= rank < (self.world_size or 0) or rank in taken:
-            raise ValueError(f"rank {rank} is not a receiver rank of this session")
         fds = [self._fd] if self._fd is not None else []
-        socket.send_fds(sock, [_FRAME.pack(rank, self._capacity)], fds)
-        return rank
+        try:
+            for rank, (sock, msg, _) in sorted(peers.items()):
+                socket.send_fds(sock, [ring.pack_message({"slot_bytes": self._capacity})], fds)
+                label = msg.get("label") if isinstance(msg.get("label"), int) else rank - 1
+                self._peers.append(Signals(sock, f"receiver rank {label} (shm)", label, self.config.timeout_s, join.watch))
+        except OSError as e:
+            for sock, _, _ in peers.values():
+                sock.close()
+            raise PeerError(f"shm: a receiver left while the ring was set up ({e})") from e
 
-    def _join(self, info: dict[str, Any]) -> None:
+    def _join(self, join: Join, info: dict[str, Any]) -> None:
         if info.get("host_id") != host_id():
             raise RuntimeError(
                 f"backend 'shm' needs every receiver on the sender's host: the sender runs on "
-                f"{info.get('host_id')}, receiver rank {self.rank - 1} on {host_id()}; use backend 'nccl' across hosts"
+                f"{info.get('host_id')}, {join.name} on {host_id()}; use backend 'nccl' across hosts"
             )
         self._drop()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.config.timeout_s)
         try:
-            sock.connect("\0" + info["socket"])
-            sock.sendall(_HELLO + struct.pack("<q", self.rank))
-            msg, fds, _flags, _addr = socket.recv_fds(sock, _FRAME.size, 1)
+            sock.connect("\0" + str(info["socket"]))
+            sock.sendall(ring.pack_message({
+                "token": str(info["token"]), "generation": int(info["generation"]), "rank": join.rank,
+                "label": join.receiver_rank,
+            }))
+            msg, fds, _flags, _addr = socket.recv_fds(sock, 4 + ring.MAX_MESSAGE, 1)
         except OSError as e:
             sock.close()
-            raise ShmPeerError(f"shm: could not join the sender's ring {info['socket']!r}: {e}") from e
-        if len(msg) != _FRAME.size:
-            sock.close()
-            for fd in fds:
-                os.close(fd)
-            raise ShmPeerError("shm: the sender closed the ring's socket during set-up")
-        _rank, capacity = _FRAME.unpack(msg)
-        self._capacity = capacity
-        size = SLOTS * capacity
-        if "device_buffer" in info:
-            self._ring = platform.open_device_buffer(info["device_buffer"], self.device)
-        else:
-            if len(fds) != 1:
-                raise ShmPeerError(f"shm: expected the ring's file descriptor, got {len(fds)}")
-            try:
+            raise PeerError(f"shm: could not join the sender's ring {info['socket']!r}: {e}") from e
+        try:
+            if not msg:
+                raise PeerError("shm: the sender closed the ring's socket during set-up")
+            capacity = ring.int_field(ring.unpack_message(msg[4:]), "slot_bytes")
+            if _peer_uid(sock) != os.getuid():
+                raise PeerError("shm: the ring's socket belongs to another user")
+            if capacity != int(info["slot_bytes"]):
+                raise PeerError(f"shm: the sender offers slots of {capacity} bytes, its handshake said {info['slot_bytes']}")
+            self._capacity = capacity
+            size = SLOTS * capacity
+            if "device_buffer" in info:
+                self._ring = platform.open_device_buffer(info["device_buffer"], self.device)
+            else:
+                if len(fds) != 1:
+                    raise PeerError(f"shm: expected the ring's file descriptor, got {len(fds)}")
                 self._memory = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            finally:
-                os.close(fds[0])  # the mapping keeps the memory alive
-            self._ring = torch.frombuffer(self._memory, dtype=torch.uint8)
-        self._peers = [_Signals(sock, "the sender (shm)", self.config.timeout_s)]
+                self._ring = torch.frombuffer(self._memory, dtype=torch.uint8)
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)  # the mapping keeps the memory alive
+        self._peers = [Signals(sock, "the sender (shm)", None, self.config.timeout_s, join.watch)]
 
     def _slot(self, k: int) -> torch.Tensor:
         assert self._ring is not None
-        start = (k % SLOTS) * self._capacity
-        return self._ring[start : start + self._capacity]
+        return ring.slot(self._ring, self._capacity, k)
 
     # ------------------------------------------------------------------ data
     def send_buckets(self, produce: Producer) -> int:
         assert self._peers, "connect() first"
+        version = self._version
         sent = 0
         k = 0
         try:
             while True:
                 if k >= SLOTS:  # the slot's previous bucket must be read by everyone
                     for peer in self._peers:
-                        peer.recv(k - SLOTS)
+                        peer.wait(DONE, version, k - SLOTS)
                 slot = self._slot(k)
                 produced = produce(slot)
                 if produced is None:
@@ -260,12 +227,12 @@ class ShmEngine(Engine):
                     slot[: bucket.nbytes].copy_(payload)  # a bucket sent from its source tensor
                 platform.synchronize(self.device)
                 for peer in self._peers:
-                    peer.send(k, bucket.nbytes)
+                    peer.send(READY, version, k, bucket.nbytes)
                 sent += bucket.nbytes
                 k += 1
             for seq in range(max(0, k - SLOTS + 1), k):  # the last buckets still being read
                 for peer in self._peers:
-                    peer.recv(seq)
+                    peer.wait(DONE, version, seq)
         except BaseException:
             self._drop()  # receivers see their socket close and fail at once
             raise
@@ -274,15 +241,16 @@ class ShmEngine(Engine):
     def recv_buckets(self, next_bucket: NextBucket, landing: Landing | None = None) -> Iterator[tuple[Bucket, torch.Tensor]]:
         # ``landing`` is not used: the bytes are already in memory every receiver reads.
         assert self._peers, "connect() first"
+        version = self._version
         sender = self._peers[0]
         k = 0
         while (bucket := next_bucket()) is not None:
-            nbytes = sender.recv(k)
+            nbytes = sender.wait(READY, version, k)
             if nbytes != bucket.nbytes:
-                raise ShmPeerError(f"the sender wrote {nbytes} bytes for bucket {k}, the plan says {bucket.nbytes}")
+                raise PeerError(f"the sender wrote {nbytes} bytes for bucket {k}, the plan says {bucket.nbytes}")
             yield bucket, self._slot(k)[:nbytes]
             platform.synchronize(self.device)  # our reads of the slot are complete
-            sender.send(k, 0)
+            sender.send(DONE, version, k, 0)
             k += 1
 
     def reset(self) -> None:

@@ -20,12 +20,13 @@ Two ways in, both from vLLM's own extension points:
   engine is registered by this module's import and by the ``vllm.general_plugins`` entry
   point, so every vLLM process knows it.
 
-Version semantics (reported by ``weightsync_status`` and after every receive):
-``version`` is the version whose weights the replica fully serves. A sync that fails
-before any tensor was applied leaves the weights and ``version`` as they were
-(``failed_version`` names the attempt). A sync that fails after some tensors were
-applied leaves a mix of two versions: ``version`` becomes None and ``mixed`` True until a
-later sync completes; such a replica should not serve (the trainer side keeps it paused).
+Version semantics (reported by ``weightsync_status`` and after every receive) are the
+receiver's own (``weightsync.state``): ``version`` is the version whose weights the replica
+fully serves. A sync that fails before any tensor was applied leaves the weights and
+``version`` as they were (``failed_version`` names the attempt). A sync that fails after
+some tensors were applied leaves a mix of two versions (the receiver is ``torn``): the
+status then says ``version`` None and ``mixed`` True until a later sync completes; such a
+replica should not serve (the trainer side keeps it paused).
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ from typing import Any
 import torch
 
 from weightsync.config import EngineConfig
-from weightsync.endpoints import Receiver
+from weightsync.receiver import Receiver
+from weightsync.session import HandshakeError
+from weightsync.state import VersionState
 
 log = logging.getLogger("weightsync.vllm")
 
@@ -62,9 +65,8 @@ class ReplicaReceiver:
 
     def __init__(self) -> None:
         self.receiver: Receiver | None = None
-        self.version: int | None = None
-        self.failed_version: int | None = None
-        self.mixed = False
+        #: the weights this worker serves; survives a new receiver (a new sender address)
+        self.state = VersionState()
         self.last: dict[str, Any] = {}
 
     def open(self, address: str, rank: int, overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
@@ -77,6 +79,7 @@ class ReplicaReceiver:
                 return self.status()
             self.receiver.close()
         self.receiver = Receiver(config, address, rank)
+        self.receiver.state = self.state  # one version state for the weights this worker serves
         return self.status()
 
     def close(self) -> None:
@@ -88,9 +91,9 @@ class ReplicaReceiver:
         return {
             "rank": self.receiver.rank if self.receiver is not None else None,
             "pid": os.getpid(),
-            "version": self.version,
-            "failed_version": self.failed_version,
-            "mixed": self.mixed,
+            "version": self.state.serving,
+            "failed_version": self.state.failed_version,
+            "mixed": self.state.torn,
             **self.last,
         }
 
@@ -142,12 +145,11 @@ class ReplicaReceiver:
                     pass
             load_s = time.perf_counter() - t0
         stats = self.receiver.last_stats
-        if error is None:
-            self.version, self.failed_version, self.mixed = version, None, False
-        else:
-            self.failed_version = version
-            if applied:
-                self.version, self.mixed = None, True
+        if error is not None:
+            if not isinstance(error, HandshakeError):  # a refusal leaves the state as it was
+                # The receiver recorded the failure already; a model that applied some
+                # tensors is a mix whatever the transfer saw.
+                self.state.failed(version, delivered=applied > 0)
             log.warning("weightsync: version %s failed after %d tensor(s): %s", version, applied, error)
         self.last = {
             "ok": error is None,

@@ -1,0 +1,435 @@
+"""``Receiver``: the rollout side of a weight sync.
+
+One path per family, one version state for both (``weightsync.state``). With a transport
+backend the receiver joins the sender's session: handshake, transport -> plan (merge
+pieces) -> sink, acknowledgement. With a publisher backend it takes the version the
+publisher offers and acknowledges it through the publisher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import torch
+
+from weightsync import platform
+from weightsync.config import EngineConfig
+from weightsync.engines import Publisher, Transport, get_engine
+from weightsync.engines.base import Join
+from weightsync.packer import capacity
+from weightsync.plan import Assembler, Bucket, Plan, TensorSpec, plan_hash
+from weightsync.session import (
+    PROTOCOL_VERSION,
+    Channel,
+    Deadline,
+    HandshakeError,
+    PeerLost,
+    ProtocolError,
+    SyncError,
+    SyncStats,
+    VerificationError,
+    connect,
+)
+from weightsync.sinks import ModuleSink, SinkError
+from weightsync.state import VersionState
+from weightsync.verify import checksum_fn
+
+log = logging.getLogger("weightsync")
+
+
+class Receiver:
+    """The rollout side of a weight sync.
+
+    Args:
+        config: engine configuration; must agree with the sender's (backend, bucket size).
+        address: the sender's ``host:port``.
+        rank: this receiver's index, ``0 .. num_receivers-1``.
+        device: device of the transfer buffers (default: this process's accelerator, or CPU).
+
+    State after each sync (``state``, rules in ``weightsync.state``):
+
+    - ``version``: the last version that arrived completely (None before the first); it
+      advances only when every tensor of a version arrived (and passed ``verify``);
+    - ``failed_version``: the version whose sync failed, if the latest attempt failed;
+    - ``torn``: True when that failed sync had already delivered some tensors, so a model
+      loaded in place holds a mix of ``version`` and ``failed_version``. A later complete
+      sync (a retry of the same version, or a newer one) makes it whole again.
+
+    A version older than ``version`` is refused unless the sender passes ``force=True``.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        address: str,
+        rank: int,
+        *,
+        device: str | torch.device | None = None,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.address = address
+        self.rank = rank
+        self.device = platform.local_device(device)
+        self.engine_cls = get_engine(config.backend)
+        #: which weights this receiver holds (shared by every backend family)
+        self.state = VersionState()
+        self.last_stats: SyncStats | None = None
+        self._publisher: Publisher | None = None
+        self._transport: Transport | None = None
+        if issubclass(self.engine_cls, Publisher):
+            self._publisher = self.engine_cls(config, self.device, address)
+        else:
+            self._transport = self.engine_cls(config, self.device)
+        self._channel: Channel | None = None
+        self._plan: Plan | None = None
+        self._receiving: int | None = None  # the version in transfer, for messages
+
+    @property
+    def version(self) -> int | None:
+        return self.state.version
+
+    @property
+    def failed_version(self) -> int | None:
+        return self.state.failed_version
+
+    @property
+    def torn(self) -> bool:
+        return self.state.torn
+
+    # ------------------------------------------------------------------ lifecycle
+    def connect(self) -> None:
+        """Connect to the sender (retrying until ``timeout_s``). ``receive`` calls it."""
+        if self._channel is not None and self._channel.is_dead():
+            self._reset()  # the sender dropped us after a failed sync: join again
+        if self._transport is None or self._channel is not None:
+            return
+        self._channel = connect(self.address, self.rank, self.config)
+
+    def _watch_sender(self) -> None:
+        ch = self._channel
+        if ch is not None and ch.is_dead():
+            raise PeerLost(f"{ch.peer} closed the control connection during the transfer of version {self._receiving}")
+
+    def _reset(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        self._plan = None
+
+    def close(self) -> None:
+        self._reset()
+        for engine in (self._transport, self._publisher):
+            if engine is not None:
+                engine.close()
+        self._transport = self._publisher = None
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ public sync API
+    def receive(self, version: int | None = None, *, owned: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Receive one weight version, yielding ``(name, tensor)``.
+
+        ``version``: the version expected (a different one fails on both sides); None
+        takes whatever the sender sends. A yielded tensor may be a view into a transfer
+        buffer: it is valid until the next item is requested, so copy what you keep; or
+        pass ``owned=True`` to get tensors you may keep (a large tensor is then received
+        straight into a new tensor where the backend allows, not copied twice).
+        Stopping early (``break``) drains the rest and marks the version as failed.
+        """
+        return self._sync(version, sink=None, owned=owned)
+
+    def load_into(self, module: torch.nn.Module, version: int | None = None) -> SyncStats:
+        """Receive one version and copy it in place into ``module`` by name.
+
+        Checks names, shapes and dtypes against the module before writing anything (when
+        the sender's source announced its specs). Names the module has but the sync did not
+        carry are logged and listed in ``stats.missing``.
+        """
+        sink = ModuleSink(module)
+        items = self._sync(version, sink=sink)
+        for name, tensor in items:
+            try:
+                sink.load(name, tensor)
+            except Exception as e:  # let the sync drain and report, then re-raise here
+                items.throw(e)
+        stats = self.last_stats
+        assert stats is not None
+        stats.missing = sink.missing()
+        if stats.missing:
+            log.warning(
+                "receiver rank %d: %d model tensor(s) not carried by version %s: %s",
+                self.rank, len(stats.missing), stats.version, ", ".join(stats.missing[:8]),
+            )
+        return stats
+
+    async def receive_async(self, version: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """``receive`` with each blocking step in a worker thread."""
+        items = self.receive(version)
+        end = object()
+        while (item := await asyncio.to_thread(next, items, end)) is not end:
+            yield item  # type: ignore[misc]
+
+    async def load_into_async(self, module: torch.nn.Module, version: int | None = None) -> SyncStats:
+        """``load_into`` in a worker thread."""
+        return await asyncio.to_thread(self.load_into, module, version)
+
+    def _sync(self, version: int | None, sink: ModuleSink | None, owned: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._publisher is not None:
+            return self._take(self._publisher, version, sink, owned)
+        return self._sync_session(version, sink, owned)
+
+    # ------------------------------------------------------------------ publisher family
+    def _take(
+        self, publisher: Publisher, version: int | None, sink: ModuleSink | None, owned: bool
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Take one published version and acknowledge it; the version rules are the same
+        as over a session."""
+        start = time.perf_counter()
+        offer = publisher.offer(self.rank, version)
+        v = offer.version
+        problem = self.state.refusal(v, offer.force) or offer.refusal(self.config)
+        if problem is None and sink is not None and offer.specs is not None:
+            try:
+                sink.check(offer.specs)  # before anything is written, as over a session
+            except SinkError as e:
+                problem = str(e)
+        if problem is not None:  # a clean refusal: nothing read, the state stays
+            offer.ack("refused", problem)
+            raise HandshakeError(f"receiver rank {self.rank} refused version {v}: {problem}")
+        offer.ack("reading")
+        self._receiving = v
+        stats = SyncStats(v, receivers=1, buckets=offer.parts, handshake_s=time.perf_counter() - start)
+        t0 = time.perf_counter()
+        try:
+            for name, tensor in offer.tensors(self.device, owned):
+                stats.tensors += 1
+                stats.bytes += tensor.nbytes
+                yield name, tensor
+        except BaseException as e:  # a damaged shard, a failed or stopped consumer
+            self.state.failed(v, delivered=stats.tensors > 0)
+            what = "stopped early" if isinstance(e, GeneratorExit) else repr(e)
+            offer.ack("failed", f"receiver rank {self.rank} did not complete version {v}: {what}")
+            raise
+        offer.ack("ok")
+        stats.transfer_s = time.perf_counter() - t0
+        stats.seconds = time.perf_counter() - start
+        self.state.completed(v)
+        self.last_stats = stats
+
+    # ------------------------------------------------------------------ transport family
+    def _sync_session(self, version: int | None, sink: ModuleSink | None, owned: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        transport = self._transport
+        assert transport is not None
+        self.connect()
+        assert self._channel is not None
+        ch = self._channel
+        what = f" of version {version}" if version is not None else ""
+        try:
+            waiting = Deadline(self.config.timeout_s, f"for the sender to start a sync{what}")
+            while True:
+                try:
+                    msg = ch.recv(waiting, expect=("sync", "closing"))
+                except PeerLost:
+                    # The sender drops every connection after a sync that failed anywhere
+                    # (ours may have gone well): join again, within the same deadline.
+                    waiting.left()
+                    self._reset()
+                    self.connect()
+                    ch = self._channel
+                    assert ch is not None
+                    continue
+                if msg["type"] == "closing":
+                    raise PeerLost(f"{ch.peer} closed the session (the trainer has stopped sending)")
+                break
+            start = time.perf_counter()  # the sync starts when the sender starts it
+            v, plan = self._accept(msg, version, sink)
+            ch.recv(Deadline(self.config.timeout_s, f"for the go of version {v}"), expect="go")
+            info = msg["engine"]
+            join = Join(
+                version=v, rank=int(info["rank"]), world_size=int(info["world_size"]),
+                senders=int(info.get("senders", 1)), capacity=capacity(plan, self.config.bucket_bytes),
+                name=f"receiver rank {self.rank}", receiver_rank=self.rank,
+                local_host=ch.sock.getsockname()[0], sender_host=ch.sock.getpeername()[0], watch=self._watch_sender,
+            )
+            transport.connect(join, info)
+        except HandshakeError:
+            raise  # a clean refusal: both sides are between syncs, the connection stays
+        except SyncError:
+            self._reset()
+            raise
+        except Exception as e:  # a bad engine description, a data plane that cannot be joined
+            self._reset()
+            raise SyncError(f"receiver rank {self.rank}: joining the sync from {ch.peer} failed: {type(e).__name__}: {e}") from e
+        stats = SyncStats(v, receivers=1, handshake_s=time.perf_counter() - start)
+        self._receiving = v
+        deadline = Deadline(self.config.timeout_s, f"in the transfer of version {v}")
+        specs: list[TensorSpec] = list(plan.tensors) if plan is not None else []
+        next_bucket = self._plan_reader(plan) if plan is not None else self._stream_reader(ch, specs, deadline)
+        assembler = Assembler(specs, self.device, sink.destination if sink is not None else None, owned=owned)
+        buckets = transport.recv_buckets(next_bucket, assembler.landing if assembler.destination is not None else None)
+        checksum = checksum_fn(self.config.verify)
+        received: list[tuple[Bucket, int | None]] = []  # each bucket with its checksum
+        consumer_error: BaseException | None = None
+        problem: str | None = None
+        t0 = time.perf_counter()
+        try:
+            for bucket, buffer in buckets:
+                received.append((bucket, checksum(buffer) if checksum is not None else None))
+                stats.bytes += bucket.nbytes
+                for item in assembler.unpack(bucket, buffer):
+                    stats.tensors += 1
+                    try:
+                        yield item
+                    except BaseException as e:  # the consumer failed or stopped early
+                        consumer_error = e
+                        break
+                if consumer_error is not None:
+                    break
+            if consumer_error is not None:
+                for _ in buckets:  # keep the transfer going so the sender is not stranded
+                    pass
+                problem = f"receiver rank {self.rank} did not complete version {v}: {consumer_error!r}"
+            elif assembler.incomplete or stats.tensors != len(specs):
+                raise SyncError(f"version {v} ended with incomplete tensors: {assembler.incomplete}")
+            if checksum is not None:
+                sent = ch.recv(deadline, expect="verify").get("checksums")
+                if problem is None:
+                    problem = self._verify(v, specs, received, sent)
+        except Exception as e:
+            buckets.close()  # let the transport drop its pending receives now
+            self._finish(v, ok=False, message=f"transfer failed: {e}", broken=True, delivered=bool(received))
+            raise (e if isinstance(e, SyncError) else SyncError(f"receiver rank {self.rank}: transfer of version {v} from {ch.peer} failed: {e}")) from e
+        stats.buckets = len(received)
+        stats.transfer_s = time.perf_counter() - t0
+        self._finish(v, ok=problem is None, message=problem, delivered=bool(received))
+        stats.seconds = time.perf_counter() - start
+        self.last_stats = stats
+        if consumer_error is not None:
+            raise consumer_error
+        if problem is not None:
+            raise VerificationError(problem)
+
+    def _verify(self, version: int, specs: list[TensorSpec], received: list, sent: Any) -> str | None:
+        """Compare our checksums with the sender's; describe the damage, or None."""
+        if not isinstance(sent, list) or len(sent) != len(received):
+            return f"receiver rank {self.rank}: the sender's checksums of version {version} do not cover its {len(received)} buckets"
+        bad = [bucket for (bucket, mine), theirs in zip(received, sent) if mine != theirs]
+        if not bad:
+            return None
+        names = sorted({specs[p.tensor].name for b in bad for p in b.pieces})
+        return (
+            f"receiver rank {self.rank}: version {version} failed verification ({self.config.verify}) in "
+            f"{len(bad)} bucket(s) {[b.index for b in bad][:8]}; tensors affected: {', '.join(names[:16])}"
+            + (f" and {len(names) - 16} more" if len(names) > 16 else "")
+        )
+
+    def _finish(self, version: int, ok: bool, message: str | None, broken: bool = False, delivered: bool = False) -> None:
+        assert self._transport is not None
+        self._transport.finish(ok=not broken)  # mirrors the sender: only a broken transport rebuilds
+        try:
+            if self._channel is not None:
+                self._channel.send(
+                    {"type": "done", "version": version, "ok": ok, "message": message},
+                    Deadline(self.config.timeout_s, f"confirming version {version}"),
+                )
+        except SyncError:
+            self._reset()
+            ok = False
+        if ok:
+            self.state.completed(version)
+        else:
+            self.state.failed(version, delivered)
+            if broken:  # the transport failed: reconnect at the next sync
+                self._reset()
+
+    def _accept(self, msg: dict[str, Any], expected: int | None, sink: ModuleSink | None) -> tuple[int, Plan | None]:
+        """Check the sender's sync message; reply ready, or error (and raise) naming both values."""
+        assert self._channel is not None
+        v = msg.get("version")
+        problem = None
+        plan: Plan | None = None
+        try:
+            if msg.get("protocol") != PROTOCOL_VERSION:
+                problem = f"protocol version: sender {msg.get('protocol')!r}, receiver {PROTOCOL_VERSION}"
+            elif not isinstance(v, int) or isinstance(v, bool):
+                problem = f"version {v!r} is not an integer"
+            elif expected is not None and v != expected:
+                problem = f"version: sender sends {v}, receiver expects {expected}"
+            elif (stale := self.state.refusal(v, msg.get("force") is True)) is not None:
+                problem = stale
+            elif msg.get("verify", "off") != self.config.verify:
+                problem = f"verify: sender {msg.get('verify')!r}, receiver {self.config.verify!r} (set the same value on both sides)"
+            elif not _valid_engine(msg.get("engine")):
+                problem = "the sync message carries no valid engine description"
+            elif msg.get("bucket_bytes") != self.config.bucket_bytes:
+                problem = (
+                    f"bucket size: sender {msg.get('bucket_bytes')} bytes, receiver {self.config.bucket_bytes} bytes "
+                    "(update_weights_bucket_megabytes must match)"
+                )
+            elif msg.get("plan_hash") is not None:
+                if "plan" in msg:
+                    plan = Plan.from_wire(msg["plan"])
+                    if plan.hash != msg["plan_hash"]:
+                        problem = f"plan hash: sender {msg['plan_hash']}, receiver computed {plan.hash}"
+                elif self._plan is not None and self._plan.hash == msg["plan_hash"]:
+                    plan = self._plan
+                else:
+                    have = self._plan.hash if self._plan is not None else None
+                    problem = f"plan hash: sender {msg['plan_hash']}, receiver holds {have}"
+                if problem is None and sink is not None and plan is not None:
+                    sink.check(plan.tensors)
+        except (ValueError, TypeError, KeyError) as e:
+            problem = str(e)
+        deadline = Deadline(self.config.timeout_s, f"answering the sync of version {v}")
+        if problem is not None:
+            self._channel.send({"type": "error", "message": problem}, deadline)
+            try:  # the sender answers every refusal with an abort: take it off the line
+                self._channel.recv(deadline, expect="abort")
+            except SyncError:
+                self._reset()
+            raise HandshakeError(f"receiver rank {self.rank} refused version {v}: {problem}")
+        if plan is not None:  # a streamed sync leaves the agreed plan as it was
+            self._plan = plan
+        self._channel.send({"type": "ready"}, deadline)
+        return v, plan
+
+    @staticmethod
+    def _plan_reader(plan: Plan):
+        buckets = iter(plan.buckets)
+        return lambda: next(buckets, None)
+
+    def _stream_reader(self, ch: Channel, specs: list[TensorSpec], deadline: Deadline):
+        def next_bucket() -> Bucket | None:
+            msg = ch.recv(deadline, expect=("bucket", "end"))
+            if msg["type"] == "end":
+                mine = plan_hash(specs, self.config.bucket_bytes)
+                if msg.get("plan_hash") != mine:
+                    raise SyncError(f"streamed plan hash: sender {msg.get('plan_hash')}, receiver computed {mine}")
+                return None
+            specs.extend(TensorSpec.from_wire(t) for t in msg["tensors"])
+            bucket = Bucket.from_wire(msg["bucket"])
+            if bucket.nbytes > self.config.bucket_bytes or any(
+                p.tensor >= len(specs) or p.tensor_offset + p.length > specs[p.tensor].nbytes for p in bucket.pieces
+            ):
+                raise ProtocolError(f"{ch.peer} announced bucket {bucket.index} with unknown tensors, or out of bounds")
+            return bucket
+
+        return next_bucket
+
+
+def _valid_engine(info: Any) -> bool:
+    """The session's part of an engine description: this receiver's group rank and the
+    group's size (the rest belongs to the transport)."""
+    if not isinstance(info, dict):
+        return False
+    fields = [info.get("rank"), info.get("world_size"), info.get("senders", 1)]
+    return all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in fields) and 1 <= info["rank"] < info["world_size"]

@@ -1,0 +1,400 @@
+"""``Sender``: the trainer side of a weight sync.
+
+One path per family. With a publisher backend (``naive``, ``disk``) the publisher hands the
+version over. With a transport backend, trainer rank 0 runs the session; every sync goes
+plan -> handshake -> transport -> acknowledgements. Other trainer ranks drain their source
+(materializing sharded tensors is collective), or, where every trainer rank sends
+(``paired``), follow rank 0's sync and send their share (``weightsync.trainers``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightsync import platform
+from weightsync.config import EngineConfig
+from weightsync.engines import Publisher, Transport, get_engine
+from weightsync.engines.base import Join
+from weightsync.packer import capacity, producer
+from weightsync.plan import Plan, make_plan
+from weightsync.session import (
+    PROTOCOL_VERSION,
+    Channel,
+    ControlServer,
+    Deadline,
+    HandshakeError,
+    PeerLost,
+    RemoteFailure,
+    SyncError,
+    SyncStats,
+)
+from weightsync.sources import WeightSource, as_source
+from weightsync.trainers import TrainerFollower, TrainerPeers
+
+log = logging.getLogger("weightsync")
+
+
+class Sender:
+    """The trainer side of a weight sync.
+
+    Args:
+        config: engine configuration (backend, bucket size, timeout, ...).
+        address: ``host:port`` the sender listens on (rank 0); port 0 picks a free port,
+            readable afterwards from ``sender.address``. Not used by ``disk``, which
+            publishes into ``engine_kwargs.disk.path`` instead (see docs/disk.md).
+        num_receivers: how many receivers take part in every sync (ranks ``0 ..
+            num_receivers-1``; ``remove_receiver`` / ``add_receiver`` change the set).
+        rank: this trainer's rank; over a transport only rank 0 sends and other ranks
+            drain their source, except with ``paired``, where every rank sends a share (ranks
+            > 0 connect to rank 0 at ``address``); with the colocated ``naive`` backend every
+            rank hands its tensors to the receivers in its own process (default: the rank in
+            the default process group, or 0).
+        num_trainers: trainer ranks taking part (``paired`` only; default: the default
+            process group's size, or 1). Every one of them calls ``send`` for every version.
+        device: device of the transfer buffers (default: this process's accelerator, or CPU).
+        wire_dtype: cast multi-byte floating tensors to this dtype for the wire.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        address: str,
+        num_receivers: int,
+        *,
+        rank: int | None = None,
+        num_trainers: int | None = None,
+        device: str | torch.device | None = None,
+        wire_dtype: torch.dtype | None = None,
+    ) -> None:
+        config.validate()
+        if num_receivers < 1:
+            raise ValueError(f"num_receivers={num_receivers}: need at least one receiver")
+        self.config = config
+        self._members = set(range(num_receivers))
+        self.rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
+        self.num_trainers = num_trainers or (dist.get_world_size() if dist.is_initialized() else 1)
+        self.engine_cls = get_engine(config.backend)
+        self._all_send = issubclass(self.engine_cls, Transport) and self.engine_cls.all_ranks_send
+        if self._all_send and not 0 <= self.rank < self.num_trainers:
+            raise ValueError(f"rank {self.rank} is not one of the {self.num_trainers} trainer rank(s) (num_trainers)")
+        self.wire_dtype = wire_dtype
+        self.device = platform.local_device(device)
+        self.address = address
+        self.last_stats: SyncStats | None = None
+        self._publisher: Publisher | None = None
+        self._transport: Transport | None = None
+        self._server: ControlServer | None = None
+        self._channels: dict[int, Channel] = {}  # receiver rank -> its control connection
+        self._trainers = TrainerPeers(self.num_trainers - 1 if self._all_send else 0)
+        self._follower: TrainerFollower | None = None
+        self._acked_plan: dict[int, str] = {}  # receiver rank -> plan hash it holds
+        self._sending: int | None = None  # the version in transfer, for messages
+        if issubclass(self.engine_cls, Publisher):
+            self._publisher = self.engine_cls(config, self.device, address)
+        elif self.rank == 0:  # rank 0 runs the session
+            self._transport = self.engine_cls(config, self.device)
+            self._server = ControlServer(address)
+            self.address = self._server.address
+        elif self._all_send:
+            self._transport = self.engine_cls(config, self.device)
+            self._follower = TrainerFollower(config, address, self.rank)
+
+    # ------------------------------------------------------------------ membership
+    @property
+    def num_receivers(self) -> int:
+        return len(self._members)
+
+    @property
+    def receivers(self) -> list[int]:
+        """Ranks of the receivers every sync goes to."""
+        return sorted(self._members)
+
+    def remove_receiver(self, rank: int) -> None:
+        """Stop syncing to receiver ``rank`` (say, its process died: a failed ``send`` names
+        it in ``SyncError.ranks``). The next ``send`` goes to the others."""
+        if rank not in self._members:
+            raise ValueError(f"receiver rank {rank} is not a member (members: {self.receivers})")
+        if len(self._members) == 1:
+            raise ValueError(f"receiver rank {rank} is the last receiver; a sync needs at least one")
+        self._members.discard(rank)
+        if rank in self._channels:
+            self._drop_receivers([rank])
+        if self._transport is not None:
+            self._transport.reset()  # the data plane is rebuilt for the new membership
+
+    def add_receiver(self, rank: int) -> None:
+        """Sync to receiver ``rank`` again (or a replacement with that rank); the next
+        ``send`` waits for it to connect."""
+        if not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"receiver rank must be a non-negative int, got {rank!r}")
+        self._members.add(rank)
+
+    def _watch_peers(self) -> None:
+        """Raise if a peer's control connection closed (its process is likely gone)."""
+        dead = [r for r, ch in self._channels.items() if ch.is_dead()]
+        gone = self._trainers.dead()
+        if dead or gone:
+            names = ", ".join([self._channels[r].peer for r in dead] + gone)
+            raise PeerLost(f"{names} disconnected during the transfer of version {self._sending}", ranks=dead)
+
+    def _group_rank(self, rank: int) -> int:
+        """A receiver's rank in the data-plane group: its place among the members, after 0."""
+        return self.receivers.index(rank) + 1
+
+    # ------------------------------------------------------------------ lifecycle
+    def connect(self) -> None:
+        """Wait (up to ``timeout_s``) until every receiver (and, with ``paired``, every
+        other trainer rank) is connected. ``send`` calls it."""
+        if self._follower is not None:
+            self._follower.connect()
+        if self._server is None:  # a publisher, or a trainer rank that does not run the session
+            return
+        assert self._transport is not None
+        for rank in [r for r, ch in self._channels.items() if ch.is_dead()]:
+            self._drop_receivers([rank])  # it went away since the last sync: accept it anew
+        missing: set[Any] = (self._members - set(self._channels)) | self._trainers.missing()
+        if missing:
+            for key, ch in self._server.accept(missing, self.config).items():
+                if isinstance(key, int):
+                    self._channels[key] = ch
+                else:
+                    self._trainers.channels[key[1]] = ch
+            self._transport.reset()  # new members: every rank joins a new data-plane group
+
+    def _drop_receivers(self, ranks: list[int] | None = None) -> None:
+        """Close connections to these receivers (None: to every peer, trainers included)."""
+        for rank in list(self._channels) if ranks is None else ranks:
+            self._channels.pop(rank).close()
+            self._acked_plan.pop(rank, None)
+        if ranks is None:
+            self._trainers.close()
+
+    def close(self) -> None:
+        """Close connections (telling receivers the session ends, so they do not wait to
+        join again), the engine and the listening socket."""
+        for ch in self._channels.values():
+            try:
+                ch.send({"type": "closing"}, Deadline(1.0, "saying goodbye"))
+            except SyncError:
+                pass
+        self._drop_receivers()
+        for engine in (self._transport, self._publisher):
+            if engine is not None:
+                engine.close()
+        self._transport = self._publisher = None
+        if self._follower is not None:
+            self._follower.close()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    def __enter__(self) -> Sender:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ sync
+    def send(
+        self, source: Any, version: int, *, wire_dtype: torch.dtype | None = None, force: bool = False
+    ) -> SyncStats:
+        """Send one weight version to every receiver and wait until all confirmed it.
+
+        ``source``: an ``nn.Module``, a state dict, an iterable of ``(name, tensor)`` or a
+        ``WeightSource``. A receiver refuses a version older than the one it holds unless
+        ``force`` (a deliberate rollback). Raises ``SyncError`` (naming the peer, with its
+        rank in ``.ranks``) on any failure.
+        """
+        src = as_source(source, wire_dtype or self.wire_dtype)
+        start = time.perf_counter()
+        self._sending = version
+        if self._publisher is not None and (self.rank == 0 or self._publisher.colocated):
+            return self._finish_stats(self._publisher.publish(src, version, self.receivers, force), start)
+        if self._transport is None:  # this rank does not send: drain
+            count = sum(1 for _ in src.tensors())  # materializing shards is collective
+            return self._finish_stats(SyncStats(version, tensors=count), start)
+        specs = src.specs()
+        plan = make_plan(specs, self.config.bucket_bytes) if specs is not None else None
+        self._check_plan(plan)  # before waiting for anyone
+        self.connect()  # waiting for peers to start is not part of the sync's time
+        start = time.perf_counter()
+        if self._follower is not None:
+            assert plan is not None
+            return self._finish_stats(
+                self._follower.send_share(self._transport, src, version, plan, self.num_receivers), start
+            )
+        return self._finish_stats(self._send_session(src, version, plan, force, start), start)
+
+    def _send_session(self, src: WeightSource, version: int, plan: Plan | None, force: bool, start: float) -> SyncStats:
+        """Trainer rank 0 over a transport: handshake, transfer, acknowledgements."""
+        transport = self._transport
+        assert transport is not None and self._server is not None
+        stats = SyncStats(version, receivers=self.num_receivers)
+        senders = self._trainers.count + 1
+        wildcard = self._server.host in ("", "0.0.0.0", "::")
+        join = Join(
+            version=version, rank=0, world_size=self.num_receivers + senders, senders=senders,
+            capacity=capacity(plan, self.config.bucket_bytes), name="trainer rank 0",
+            local_host=None if wildcard else self._server.host, watch=self._watch_peers,
+        )
+        # "broken": the transport or a peer failed mid-protocol, so connections and group
+        # are in an unknown state and are rebuilt; "refused": a receiver refused or failed
+        # cleanly, everyone is between syncs and the connections stay.
+        outcome = "broken"
+        went = False  # the go was given: other trainer ranks then wait for the outcome
+        try:
+            info = {**transport.prepare(join), "world_size": join.world_size, "senders": senders}
+            stats.plan_sent_to = self._handshake(version, plan, info, force)
+            went = True
+            transport.connect(join, info)
+            stats.handshake_s = time.perf_counter() - start  # handshake and group join
+            deadline = Deadline(self.config.timeout_s, f"in the transfer of version {version}")
+            packer, produce, sums = producer(
+                src, self.config.bucket_bytes, plan, self.config.verify,
+                announce=lambda m: self._broadcast_msg(m, deadline),
+                sends=transport.sends if self._all_send else None,
+            )
+            t0 = time.perf_counter()
+            stats.bytes = transport.send_buckets(produce)
+            stats.transfer_s = time.perf_counter() - t0
+            stats.buckets, stats.tensors = packer.buckets, packer.pulled
+            if self._trainers.channels:
+                assert plan is not None
+                stats.bytes += self._trainers.gather_shares(version, sums, deadline)
+                stats.buckets = len(plan.buckets)
+            if self.config.verify != "off":
+                order = [sums[b.index] for b in plan.buckets] if plan is not None else list(sums.values())
+                self._broadcast_msg({"type": "verify", "mode": self.config.verify, "checksums": order}, deadline)
+            self._gather_done(version)
+            outcome = "ok"
+            log.info("sent version %d: %d tensors, %.1f MB in %d buckets to %d receivers",
+                     version, stats.tensors, stats.bytes / 1e6, stats.buckets, self.num_receivers)
+        except (HandshakeError, RemoteFailure) as e:
+            outcome = "refused"
+            if went:
+                self._trainers.tell(version, str(e), self.config.timeout_s)
+            raise
+        except Exception as e:
+            raise self._explain(e, version) from e
+        finally:
+            if outcome == "ok":
+                self._trainers.tell(version, None, self.config.timeout_s)
+            transport.finish(ok=outcome != "broken")
+            if outcome == "ok" and plan is not None:
+                self._acked_plan = {r: plan.hash for r in self._channels}
+            if outcome == "broken":
+                self._drop_receivers()  # receivers see the failure and reconnect
+        return stats
+
+    def _check_plan(self, plan: Plan | None) -> None:
+        """Refuse what the backend cannot carry, before anything is sent."""
+        if self._all_send and plan is None:
+            raise SyncError(
+                f"backend {self.config.backend!r} needs a source that announces its tensors up front "
+                "(a module or a state dict, the same on every trainer rank), not a bare iterator"
+            )
+        if plan is None or self.engine_cls.splits_tensors:
+            return
+        bucket = self.config.bucket_bytes
+        for spec in plan.tensors:
+            if spec.nbytes > bucket:
+                raise SyncError(
+                    f"backend {self.config.backend!r} never splits a tensor, and tensor {spec.name!r} "
+                    f"({spec.nbytes / 2**20:.1f} MiB) is larger than a bucket ({bucket / 2**20:g} MiB): "
+                    f"set update_weights_bucket_megabytes to at least {math.ceil(spec.nbytes / 2**20)}"
+                )
+
+    async def send_async(self, source: Any, version: int, **kwargs: Any) -> SyncStats:
+        """``send`` in a worker thread, for asyncio controllers."""
+        return await asyncio.to_thread(self.send, source, version, **kwargs)
+
+    def _finish_stats(self, stats: SyncStats, start: float) -> SyncStats:
+        stats.seconds = time.perf_counter() - start
+        self.last_stats = stats
+        return stats
+
+    def _broadcast_msg(self, msg: dict[str, Any], deadline: Deadline) -> None:
+        for ch in self._channels.values():
+            ch.send(msg, deadline)
+
+    def _handshake(self, version: int, plan: Plan | None, info: dict[str, Any], force: bool) -> int:
+        """Agree on version, bucket size and plan with every receiver (and trainer rank);
+        return how many receivers got the full plan."""
+        deadline = Deadline(self.config.timeout_s, f"in the handshake of version {version}")
+        plans_sent = 0
+        msg: dict[str, Any] = {}
+        for rank, ch in self._channels.items():
+            msg = {
+                "type": "sync",
+                "protocol": PROTOCOL_VERSION,
+                "version": version,
+                "bucket_bytes": self.config.bucket_bytes,
+                "plan_hash": plan.hash if plan is not None else None,
+                "force": force,
+                "verify": self.config.verify,
+                "engine": {**info, "rank": self._group_rank(rank)},
+            }
+            if plan is not None and self._acked_plan.get(rank) != plan.hash:
+                msg["plan"] = plan.to_wire()  # unchanged plans travel as their hash only
+                plans_sent += 1
+            ch.send(msg, deadline)
+        for ch, trainer_msg in self._trainers.sync_messages(msg, info, first_rank=self.num_receivers + 1):
+            ch.send(trainer_msg, deadline)
+        peers = [(f"receiver rank {r}", r, ch) for r, ch in sorted(self._channels.items())]
+        peers += self._trainers.peers()
+        refusals = {}
+        for name, rank, ch in peers:
+            reply = ch.recv(deadline, expect=("ready", "error"))
+            if reply["type"] == "error":
+                refusals[name] = (rank, f"{name} refused version {version}: {reply.get('message')}")
+        if refusals:
+            reason = "; ".join(text for _, text in refusals.values())
+            for _, _, ch in peers:
+                try:  # best effort: a refusing peer may already have hung up
+                    ch.send({"type": "abort", "message": reason}, deadline)
+                except SyncError:
+                    pass
+            raise HandshakeError(reason, ranks=[r for r, _ in refusals.values() if r is not None])
+        for _, _, ch in peers:
+            ch.send({"type": "go"}, deadline)
+        return plans_sent
+
+    def _gather_done(self, version: int) -> None:
+        deadline = Deadline(self.config.timeout_s, f"waiting for receivers to confirm version {version}")
+        failures, lost = {}, {}
+        for rank, ch in sorted(self._channels.items()):
+            try:
+                reply = ch.recv(deadline, expect="done")
+            except PeerLost as e:  # read the others: they tell whether this one was alone
+                lost[rank] = str(e)
+                continue
+            if reply.get("ok") is not True:
+                failures[rank] = f"receiver rank {rank} failed version {version}: {reply.get('message')}"
+        if lost:  # a receiver gone without a word is to blame; the others' failures follow from it
+            raise PeerLost("; ".join([*lost.values(), *failures.values()]), ranks=list(lost))
+        if failures:
+            raise RemoteFailure("; ".join(failures.values()), ranks=list(failures))
+
+    def _explain(self, error: Exception, version: int) -> Exception:
+        """Turn a transport error into one that names the peer(s) that went away."""
+        if isinstance(error, SyncError) and error.ranks:
+            return error
+        # A crashed peer's sockets all close at once, but the transport may notice first:
+        # give its control connection a moment to show the EOF.
+        grace = time.monotonic() + min(2.0, self.config.timeout_s)
+        while not (dead := [r for r, ch in self._channels.items() if ch.is_dead()]) and time.monotonic() < grace:
+            time.sleep(0.02)
+        if isinstance(error, SyncError):  # raised by the session: it names the peer already
+            error.ranks = dead
+            return error
+        if dead:
+            names = ", ".join(self._channels[r].peer for r in dead)
+            return SyncError(f"sync of version {version} failed: {names} disconnected ({error})", ranks=dead)
+        return SyncError(f"sync of version {version} to {self.num_receivers} receiver(s) failed: {error}")
