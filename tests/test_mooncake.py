@@ -1,6 +1,7 @@
 """The ``mooncake`` backend over real Mooncake Transfer Engine (TCP on 127.0.0.1): a chain
-of receivers, versioned signals that never leak across versions, a receiver lost in the
-middle of the chain, strangers on the signal port. The data-path tests shared with the
+of receivers, a receiver lost in the middle of the chain, strangers on the signal port. The slot ring's
+signals it shares with ``shm`` (never leaking across versions) are tested in
+test_ring.py, without the wheel. The data-path tests shared with the
 other transports (bit-exact versions to 1 and 3 receivers, iterator sources, owned
 tensors, a killed first receiver) run it too, from test_sync.py and test_faults.py."""
 
@@ -36,20 +37,13 @@ def digests(tensors):
     return {n: workers.digest(t.contiguous()) for n, t in tensors.items()}
 
 
-def tcp_pair():
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        a = socket.create_connection(listener.getsockname())
-        b, _ = listener.accept()
-    return a, b
-
-
 # ---------------------------------------------------------------------------- versions
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_many_versions_through_the_chain_are_bit_exact_every_time():
     """More buckets than slots, twelve versions: a completion signal left over from one
     version would let a later one read a slot before its bytes arrived."""
-    from weightsync.engines.mooncake import SLOTS
+    from weightsync.engines.ring import SLOTS
 
     versions = list(range(1, 13))
     q = CTX.Queue()
@@ -67,44 +61,6 @@ def test_many_versions_through_the_chain_are_bit_exact_every_time():
                     assert got == expected, f"receiver {rank} differs at version {v}"
         finally:
             stop(procs)
-
-
-def test_a_signal_of_an_earlier_version_never_satisfies_a_later_wait():
-    from weightsync.engines.mooncake import DONE, READY, MooncakePeerError, _Link
-
-    a, b = tcp_pair()
-    try:
-        tx, rx = _Link(a, None, 5, None), _Link(b, 0, 5, None)  # rx: the link to receiver rank 0
-        tx.send(DONE, 3, 0, 0)  # the last completion of version 3, still on the line
-        with pytest.raises(MooncakePeerError, match=r"sent done for bucket 0 of version 3 where done for bucket 0 of version 4 was due"):
-            rx.wait(DONE, 4, 0)
-        tx.send(READY, 4, 1, 10)
-        with pytest.raises(MooncakePeerError, match="ready for bucket 1 of version 4 where ready for bucket 0"):
-            rx.wait(READY, 4, 0)
-        tx.send(READY, 4, 0, 123)
-        assert rx.wait(READY, 4, 0) == 123
-        a.close()
-        with pytest.raises(MooncakePeerError, match=r"receiver rank 0 \(mooncake\) closed its connection"):
-            rx.wait(READY, 4, 1)
-    finally:
-        a.close()
-        b.close()
-
-
-def test_a_silent_neighbour_times_out_within_the_deadline():
-    from weightsync.engines.mooncake import READY, _Link
-
-    a, b = tcp_pair()
-    watched = []
-    try:
-        rx = _Link(b, 2, 0.6, lambda: watched.append(1))
-        t0 = time.monotonic()
-        with pytest.raises(TimeoutError, match=r"no ready signal for bucket 5 of version 9 from receiver rank 2 \(mooncake\) within 0.6 s"):
-            rx.wait(READY, 9, 5)
-        assert time.monotonic() - t0 < 2 and watched  # the session's watch was consulted meanwhile
-    finally:
-        a.close()
-        b.close()
 
 
 # ---------------------------------------------------------------------------- failures
@@ -142,23 +98,24 @@ def test_receiver_killed_in_the_middle_of_the_chain_is_named_and_survivors_sync_
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_strangers_on_the_signal_port_are_rejected_and_the_sync_completes(monkeypatch, caplog):
-    from weightsync.engines.mooncake import MooncakeEngine, _pack
+    from weightsync.engines.mooncake import MooncakeEngine
+    from weightsync.engines.ring import pack_message
 
     strangers: list[socket.socket] = []
     prepare = MooncakeEngine.prepare
 
-    def prepare_with_strangers(self, host):
-        info = prepare(self, host)
+    def prepare_with_strangers(self, join):
+        info = prepare(self, join)
         if not strangers:  # before any receiver: one with a wrong token, one that says nothing
             port = info["signal_port"]
             wrong = socket.create_connection(("127.0.0.1", port))
-            wrong.sendall(_pack({"token": "0" * 32, "generation": info["generation"], "rank": 1, "label": 0,
+            wrong.sendall(pack_message({"token": "0" * 32, "generation": info["generation"], "rank": 1, "label": 0,
                                  "rpc_port": 1, "ring": 1, "signal_port": 1}))
             strangers.extend([wrong, socket.create_connection(("127.0.0.1", port))])
         return info
 
     monkeypatch.setattr(MooncakeEngine, "prepare", prepare_with_strangers)
-    caplog.set_level(logging.WARNING, logger="weightsync.engines.mooncake")
+    caplog.set_level(logging.WARNING, logger="weightsync.engines.ring")
     q = CTX.Queue()
     overrides = config(timeout=20)
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
@@ -168,7 +125,7 @@ def test_strangers_on_the_signal_port_are_rejected_and_the_sync_completes(monkey
                 sender.send(workers.make_weights(v), version=v)
                 for rank, version, got, held in collect(q, 2, timeout=60):
                     assert (version, held) == (v, v) and got == workers.expected_digests(v)
-            assert any("rejected a connection from 127.0.0.1 on the signal port: wrong session token" in r.getMessage()
+            assert any("rejected a connection from 127.0.0.1 joining mooncake receiver(s): wrong session token" in r.getMessage()
                        for r in caplog.records)
             for s in strangers:  # both were hung up on
                 s.settimeout(5)

@@ -57,7 +57,7 @@ def test_every_replica_gets_every_tensor_bit_exact(trainers, receivers):
                 stats = sender.send(workers.make_weights(v), version=v)
                 assert stats.tensors == 9
                 # The two-rank groups persist across versions: built once, then reused.
-                now = dict(sender._engine._groups)
+                now = dict(sender._transport._groups)
                 assert links is None or now == links
                 links = now
                 reports = collect(q, receivers + trainers - 1)

@@ -292,7 +292,7 @@ def test_data_plane_listens_only_on_the_chosen_loopback_interface():
             q.get(timeout=60)
             listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
             ours = [line.split()[3] for line in listening if f"pid={os.getpid()}," in line or f"pid={procs[0].pid}," in line]
-            store_port = sender._engine.prepare("127.0.0.1")["port"]
+            store_port = sender._transport._store.port
             # Control socket and Gloo's sockets on loopback. (torch's TCPStore, used for the
             # group's rendezvous, cannot be told an interface: it is the one exception.)
             others = [a for a in ours if not a.endswith(f":{store_port}")]
