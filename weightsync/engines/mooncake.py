@@ -18,14 +18,14 @@ the middle fails the sync for those behind it; the sync fails at once either way
 next one is built for the survivors.
 
 Signals do not go through Mooncake: each link has a small TCP connection of our own,
-bound to the engine's ``local_host``, carrying fixed 32-byte frames ``(kind, weight
-version, bucket sequence number, byte count)``: "bucket k is in your slot" downstream,
-"I am done with bucket k" upstream. A wait checks kind, version and sequence number, so
-nothing left over from an earlier version can satisfy a wait in a later one. Set-up
-messages (who is up- and downstream of whom) are msgpack; a connection must first prove
-it belongs to this sync with the 128-bit token from ``prepare()`` (which travels over
-the authenticated control channel); others are logged and dropped. A peer that dies
-closes its sockets, so its neighbours fail at once rather than at their deadline.
+bound to the control connection's interface, carrying the slot ring's versioned frames
+(``engines.ring``, shared with ``shm``): "bucket k is in your slot" downstream, "I am done
+with bucket k" upstream, so nothing left over from an earlier version can satisfy a wait
+in a later one. Set-up messages (who is up- and downstream of whom) are msgpack; a
+connection must first prove it belongs to this sync with the 128-bit token from
+``prepare()`` (which travels over the authenticated control channel); others are logged
+and dropped without delaying anyone. A peer that dies closes its sockets, so its
+neighbours fail at once rather than at their deadline.
 """
 
 from __future__ import annotations
