@@ -86,6 +86,7 @@ class Receiver:
         else:
             self._transport = self.engine_cls(config, self.device)
         self._channel: Channel | None = None
+        self._session: str | None = None  # the sender's session last joined
         self._plan: Plan | None = None
         self._receiving: int | None = None  # the version in transfer, for messages
 
@@ -102,13 +103,20 @@ class Receiver:
         return self.state.torn
 
     # ------------------------------------------------------------------ lifecycle
-    def connect(self) -> None:
-        """Connect to the sender (retrying until ``timeout_s``). ``receive`` calls it."""
+    def connect(self, reach_s: float | None = None) -> None:
+        """Connect to the sender (retrying for ``reach_s`` until it listens, by default for
+        ``timeout_s``). ``receive`` calls it."""
         if self._channel is not None and self._channel.is_dead():
             self._reset()  # the sender dropped us after a failed sync: join again
         if self._transport is None or self._channel is not None:
             return
-        self._channel = connect(self.address, self.rank, self.config)
+        self._channel = connect(self.address, self.rank, self.config, reach_s=reach_s)
+        if self._channel.session != self._session:
+            if self._session is not None:  # a new sender (a restarted trainer): nothing carries over
+                log.info("receiver rank %d joined a new session at %s", self.rank, self.address)
+                self._plan = None
+                self._transport.reset()
+            self._session = self._channel.session
 
     def _watch_sender(self) -> None:
         ch = self._channel
@@ -248,7 +256,8 @@ class Receiver:
                     assert ch is not None
                     continue
                 if msg["type"] == "closing":
-                    raise PeerLost(f"{ch.peer} closed the session (the trainer has stopped sending)")
+                    ch = self._join_next_session(ch)
+                    continue
                 break
             start = time.perf_counter()  # the sync starts when the sender starts it
             v, plan = self._accept(msg, version, sink)
@@ -317,6 +326,20 @@ class Receiver:
             raise consumer_error
         if problem is not None:
             raise VerificationError(problem)
+
+    def _join_next_session(self, old: Channel) -> Channel:
+        """The sender said goodbye: join the sender now listening on the same address (a
+        restarted trainer), or fail at once if there is none."""
+        self._reset()
+        try:
+            self.connect(reach_s=1.0)
+        except SyncError as e:
+            raise PeerLost(
+                f"{old.peer} closed the session (the trainer has stopped sending), and no new sender "
+                f"listens at {self.address}: {e}"
+            ) from None
+        assert self._channel is not None
+        return self._channel
 
     def _verify(self, version: int, specs: list[TensorSpec], received: list, sent: Any) -> str | None:
         """Compare our checksums with the sender's; describe the damage, or None."""

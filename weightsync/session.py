@@ -8,7 +8,7 @@ Joining::
 
     sender -> receiver   challenge {protocol, nonce}
     receiver -> sender   hello     {protocol, rank, role, backend, pid, nonce, [mac]}
-    sender -> receiver   welcome   {protocol, [mac]} | error {message}
+    sender -> receiver   welcome   {protocol, session, [mac]} | error {message}
 
 Per sync::
 
@@ -17,10 +17,16 @@ Per sync::
     sender -> receiver   go | abort {message}
     (bucket bytes move through the engine; in streaming mode each bucket is announced first)
     receiver -> sender   done   {ok, message, tensors, bytes}
-    sender -> receiver   closing          (between syncs: the session ends; don't rejoin)
+    sender -> receiver   closing          (between syncs: this session ends)
 
 A sender drops every connection after a sync that failed anywhere; a receiver waiting for
 the next sync then connects again (within its deadline).
+
+Every ``Sender`` is a session of its own, named by a random ``session`` id in its welcome
+(covered by the welcome's MAC when a secret is set). A receiver told ``closing`` joins a
+new sender listening on the same address at once (a restarted trainer), and fails at once
+when none does; it never takes one session's goodbye or state (its agreed plan) for
+another's.
 
 A backend where every trainer rank sends (``paired``): trainer ranks > 0 connect like
 receivers (role ``trainer``), get the same sync/go, send their share of the buckets, answer
@@ -50,7 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("weightsync.session")
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: the welcome names the sender's session
 MAX_FRAME_BYTES = 64 << 20  # from the sender: a plan of a 1T-parameter model is a few MB
 RECEIVER_MAX_FRAME_BYTES = 1 << 20  # from a receiver: only replies
 HELLO_MAX_BYTES = 4096  # anything before authentication
@@ -134,6 +140,8 @@ class Channel:
         self.peer = peer
         #: the largest frame accepted from this peer: nothing larger is ever allocated
         self.max_frame = max_frame
+        #: the sender's session this connection belongs to (receivers and trainer ranks)
+        self.session: str | None = None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def send(self, msg: dict[str, Any], deadline: Deadline) -> None:
@@ -209,6 +217,8 @@ class ControlServer:
     """
 
     def __init__(self, address: str) -> None:
+        #: this sender's session: receivers tell a restarted trainer's session from the old one
+        self.session = auth.new_nonce().hex()[:32]
         host, port = parse_address(address)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
@@ -245,7 +255,7 @@ class ControlServer:
                     greeting -= 1
                     item = results.get()
                     if item is not None:
-                        self._welcome(item, ranks, joined, secret)
+                        self._welcome(item, ranks, joined, secret, self.session)
                 if len(joined) == len(ranks):
                     break
                 if time.monotonic() >= deadline.end:
@@ -282,7 +292,7 @@ class ControlServer:
         return {(rank if role == "receiver" else (role, rank)): ch for (role, rank), ch in joined.items()}
 
     @staticmethod
-    def _welcome(item: tuple, ranks: set[tuple[str, int]], joined: dict, secret: bytes | None) -> None:
+    def _welcome(item: tuple, ranks: set[tuple[str, int]], joined: dict, secret: bytes | None, session: str) -> None:
         channel, member, server_nonce, client_nonce = item
         problem = None
         if member not in ranks:
@@ -296,9 +306,9 @@ class ControlServer:
                 channel.send({"type": "error", "message": f"rejected by sender: {problem}"}, deadline)
                 channel.close()
                 return
-            welcome: dict[str, Any] = {"type": "welcome", "protocol": PROTOCOL_VERSION}
+            welcome: dict[str, Any] = {"type": "welcome", "protocol": PROTOCOL_VERSION, "session": session}
             if secret is not None:
-                welcome["mac"] = auth.mac(secret, "welcome", server_nonce, client_nonce, *member)
+                welcome["mac"] = auth.mac(secret, "welcome", server_nonce, client_nonce, *member, session)
             channel.send(welcome, deadline)
         except SyncError as e:
             log.warning("dropped %s: %s", channel.peer, e)
@@ -366,27 +376,32 @@ def _describe(members: list[tuple[str, int]]) -> str:
     return ", ".join(f"{role} rank {rank}" for role, rank in members)
 
 
-def connect(address: str, rank: int, config: EngineConfig, role: str = "receiver") -> Channel:
-    """Connect to the sender (retrying until it listens), answer its challenge and check
-    that it holds the shared secret too, if one is set. ``role``: ``"receiver"``, or
-    ``"trainer"`` for a trainer rank > 0 of a backend where every trainer rank sends."""
+def connect(
+    address: str, rank: int, config: EngineConfig, role: str = "receiver", reach_s: float | None = None
+) -> Channel:
+    """Connect to the sender, answer its challenge and check that it holds the shared
+    secret too, if one is set. Reaching the sender is retried until it listens, for
+    ``reach_s`` seconds (default: the whole ``timeout_s``, which bounds the handshake too).
+    ``role``: ``"receiver"``, or ``"trainer"`` for a trainer rank > 0 of a backend where
+    every trainer rank sends. The channel's ``session`` names the sender's session."""
     host, port = parse_address(address)
     timeout_s = config.timeout_s
     deadline = Deadline(timeout_s, f"connecting {role} rank {rank} to the sender at {address}")
+    reach = Deadline(min(timeout_s, reach_s if reach_s is not None else timeout_s), deadline.what)
     last: Exception | None = None
     while True:
         try:
-            left = deadline.left()
+            left = reach.left()
         except SyncTimeout:
             raise SyncTimeout(
-                f"{role} rank {rank} could not reach the sender at {address} within {timeout_s:.1f} s: {last}"
+                f"{role} rank {rank} could not reach the sender at {address} within {reach.seconds:.1f} s: {last}"
             ) from None
         try:
             sock = socket.create_connection((host, port), timeout=min(left, 5.0))
             break
         except OSError as e:
             last = e
-            time.sleep(min(0.05, max(0.0, deadline.end - time.monotonic())))
+            time.sleep(min(0.05, max(0.0, reach.end - time.monotonic())))
     channel = Channel(sock, f"sender at {address}", max_frame=HELLO_MAX_BYTES)
     try:
         challenge = channel.recv(deadline, expect="challenge")
@@ -405,7 +420,12 @@ def connect(address: str, rank: int, config: EngineConfig, role: str = "receiver
             hello["mac"] = auth.mac(secret, "hello", server_nonce, client_nonce, role, rank, config.backend)
         channel.send(hello, deadline)
         welcome = channel.recv(deadline, expect="welcome")
-        if secret is not None and not auth.verify(secret, welcome.get("mac"), "welcome", server_nonce, client_nonce, role, rank):
+        session = welcome.get("session")
+        if not isinstance(session, str) or not 0 < len(session) <= 64:
+            raise HandshakeError(f"the sender at {address} named no valid session")
+        if secret is not None and not auth.verify(
+            secret, welcome.get("mac"), "welcome", server_nonce, client_nonce, role, rank, session
+        ):
             raise HandshakeError(
                 f"the sender at {address} failed authentication: it does not hold the shared secret "
                 f"(auth_secret or ${SECRET_ENV})"
@@ -414,6 +434,7 @@ def connect(address: str, rank: int, config: EngineConfig, role: str = "receiver
         channel.close()
         raise
     channel.max_frame = MAX_FRAME_BYTES  # the authenticated sender may send whole plans
+    channel.session = session
     return channel
 
 

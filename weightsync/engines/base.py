@@ -147,7 +147,8 @@ class Transport(ABC):
         whether the next sync joins a new group."""
 
     def reset(self) -> None:
-        """Sender only: membership changed, the next ``prepare`` starts a new group."""
+        """Membership or session changed: the next ``prepare`` / ``connect`` starts or
+        joins a new group."""
 
     def close(self) -> None:
         """Release everything."""
