@@ -21,6 +21,7 @@ from typing import Any, get_type_hints
 PREFIX = "actor_rollout_ref.rollout.checkpoint_engine."
 TRAINER_MODES = ("colocate", "separate_async")
 MOONCAKE_DEVICES = ("auto", "cuda", "npu", "cpu")
+DELTA_MODES = ("off", "auto")
 VERIFY_MODES = ("off", "crc32", "xxh3")
 #: environment variable read for the shared secret when ``auth_secret`` is unset
 SECRET_ENV = "WEIGHTSYNC_SECRET"
@@ -204,6 +205,27 @@ class EngineConfig:
             "快数倍）。发送端对发出的字节、接收端对收到的字节计算校验和；不一致时该接收端同步失败，"
             "报告受影响的张量，且版本不前进。在 CPU 上计算（设备上的桶会先拷到主机）。两端须设置相同的值。",
             choices=VERIFY_MODES,
+        ),
+    )
+    delta: str = field(
+        default="off",
+        metadata=_doc(
+            "Delta sync: `off` sends every version whole; `auto` sends each tensor as a delta "
+            "against the last version sent (exact: changed elements by their bits) where that "
+            "is fewer bytes, to every receiver that holds that base (checked by version and "
+            "digest in the handshake); other receivers get the version whole in the same sync. "
+            "The sender keeps a copy of the last version in host memory (wire dtype); a receiver "
+            "that streams with `receive()` keeps one too (`load_into` applies deltas to the "
+            "model in place). `auto` falls back to whole versions while deltas do not pay. "
+            "Session backends with one sending trainer rank; `disk` always publishes whole "
+            "checkpoints. Set the same value on both sides.",
+            "增量同步：`off` 每个版本整体发送；`auto` 对每个张量在字节更少时发送相对于上一个已发送版本的"
+            "增量（精确：按比特比较变化的元素），发给持有该基准的接收端（握手中按版本与摘要校验）；"
+            "其他接收端在同一次同步中收到完整版本。发送端在主机内存中保留上一个版本的副本（传输 dtype）；"
+            "用 `receive()` 流式接收的接收端也保留一份（`load_into` 直接在模型上原地应用增量）。"
+            "增量不划算时 `auto` 会退回整体发送。适用于只有一个发送训练 rank 的会话后端；`disk` "
+            "始终发布完整检查点。两端须设置相同的值。",
+            choices=DELTA_MODES,
         ),
     )
     auth_secret: str | None = field(

@@ -17,11 +17,13 @@ from typing import Any
 import torch
 
 from weightsync import platform
+from weightsync import delta_sync
 from weightsync.config import EngineConfig
+from weightsync.delta_sync import DeltaHeader
 from weightsync.engines import Publisher, Transport, get_engine
 from weightsync.engines.base import Join
 from weightsync.packer import capacity
-from weightsync.plan import Assembler, Bucket, Plan, TensorSpec, plan_hash
+from weightsync.plan import Assembler, Bucket, Plan, TensorSpec, as_bytes, plan_hash
 from weightsync.session import (
     PROTOCOL_VERSION,
     Channel,
@@ -89,6 +91,8 @@ class Receiver:
         self._session: str | None = None  # the sender's session last joined
         self._plan: Plan | None = None
         self._receiving: int | None = None  # the version in transfer, for messages
+        #: delta=auto with ``receive()``: a copy of the last version, the base deltas apply to
+        self._base: dict[str, torch.Tensor] = {}
 
     @property
     def version(self) -> int | None:
@@ -260,8 +264,13 @@ class Receiver:
                     continue
                 break
             start = time.perf_counter()  # the sync starts when the sender starts it
-            v, plan = self._accept(msg, version, sink)
-            ch.recv(Deadline(self.config.timeout_s, f"for the go of version {v}"), expect="go")
+            while True:
+                v, plan, header, holds = self._accept(msg, version, sink)
+                go = ch.recv(Deadline(self.config.timeout_s, f"for the go of version {v}"), expect=("go", "again"))
+                if go["type"] == "go":
+                    break
+                # Offered again, with a dense section for receivers without the base.
+                msg = ch.recv(Deadline(self.config.timeout_s, f"for version {v} again"), expect="sync")
             info = msg["engine"]
             join = Join(
                 version=v, rank=int(info["rank"]), world_size=int(info["world_size"]),
@@ -283,19 +292,66 @@ class Receiver:
         deadline = Deadline(self.config.timeout_s, f"in the transfer of version {v}")
         specs: list[TensorSpec] = list(plan.tensors) if plan is not None else []
         next_bucket = self._plan_reader(plan) if plan is not None else self._stream_reader(ch, specs, deadline)
-        assembler = Assembler(specs, self.device, sink.destination if sink is not None else None, owned=owned)
+        route = delta_sync.route(header, len(specs), holds)
+        index = {spec.name: i for i, spec in enumerate(specs)}  # a streamed plan grows: see take()
+        keep_base = self.config.delta == "auto" and sink is None
+        staged: dict[int, torch.Tensor] = {}
+        destination = None
+        if sink is not None:
+            model = header.model if header is not None else None
+
+            def destination(spec: TensorSpec) -> torch.Tensor | None:
+                i = index.get(spec.name)
+                if model is None or i is None:
+                    return sink.destination(spec)
+                m, action = route.actions[i]
+                return sink.destination(model[m]) if action == "take" else None
+
+        assembler = Assembler(specs, self.device, destination, owned=owned and header is None)
         buckets = transport.recv_buckets(next_bucket, assembler.landing if assembler.destination is not None else None)
+
+        def take(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+            """What the consumer gets of one wire entry (None: nothing, yet)."""
+            if header is None:
+                item = (name, tensor)
+            else:
+                m, action = route.actions[index[name]]
+                if action == "skip":
+                    return None
+                if action == "stage":  # applied once everything arrived
+                    staged[m] = tensor.clone()
+                    return None
+                item = (header.model[m].name, tensor.clone() if owned else tensor)
+            if keep_base:
+                self._keep(*item)
+            return item
         checksum = checksum_fn(self.config.verify)
         received: list[tuple[Bucket, int | None]] = []  # each bucket with its checksum
         consumer_error: BaseException | None = None
         problem: str | None = None
+        entries = 0  # wire entries unpacked
+        applied = False  # a delta sync's staged entries were applied
+
+        def delivered() -> bool:
+            """Whether the model (or consumer) may hold some of version ``v`` now: a delta
+            sync only once it applied, any other once bytes arrived (they may have landed
+            in the model)."""
+            return applied or stats.tensors > 0 or (bool(received) and not route.relative)
+
         t0 = time.perf_counter()
         try:
             for bucket, buffer in buckets:
                 received.append((bucket, checksum(buffer) if checksum is not None else None))
-                stats.bytes += bucket.nbytes
-                for item in assembler.unpack(bucket, buffer):
+                stats.wire_bytes += bucket.nbytes
+                if plan is None:  # streamed: the reader announced new specs
+                    index.update({spec.name: i for i, spec in enumerate(specs) if spec.name not in index})
+                for name, tensor in assembler.unpack(bucket, buffer):
+                    entries += 1
+                    item = take(name, tensor)
+                    if item is None:
+                        continue
                     stats.tensors += 1
+                    stats.bytes += item[1].numel() * item[1].element_size()
                     try:
                         yield item
                     except BaseException as e:  # the consumer failed or stopped early
@@ -307,19 +363,38 @@ class Receiver:
                 for _ in buckets:  # keep the transfer going so the sender is not stranded
                     pass
                 problem = f"receiver rank {self.rank} did not complete version {v}: {consumer_error!r}"
-            elif assembler.incomplete or stats.tensors != len(specs):
+            elif assembler.incomplete or entries != len(specs):
                 raise SyncError(f"version {v} ended with incomplete tensors: {assembler.incomplete}")
-            if checksum is not None:
-                sent = ch.recv(deadline, expect="verify").get("checksums")
+            sent = ch.recv(deadline, expect="verify") if checksum is not None else {}
+            if problem is None and checksum is not None and not route.relative:
+                problem = self._verify(v, specs, received, sent.get("checksums"))
+            if route.relative and problem is None:
+                assert header is not None
+                base = self._base if sink is None else {s.name: sink.targets[s.name].data for s in header.model}
+                applied = True
+                delta_sync.apply_staged(header, staged, base)  # the base is now version v
+                stats.delta_base = header.base_version
+                staged.clear()
+                if checksum is not None:
+                    problem = self._verify_tensors(v, header, base, sent.get("tensors"), checksum)
                 if problem is None:
-                    problem = self._verify(v, specs, received, sent)
+                    for spec in header.model:
+                        tensor = base[spec.name]
+                        stats.tensors += 1
+                        stats.bytes += spec.nbytes
+                        try:
+                            yield spec.name, tensor.clone() if owned else tensor
+                        except BaseException as e:
+                            consumer_error = e
+                            problem = f"receiver rank {self.rank} did not complete version {v}: {e!r}"
+                            break
         except Exception as e:
             buckets.close()  # let the transport drop its pending receives now
-            self._finish(v, ok=False, message=f"transfer failed: {e}", broken=True, delivered=bool(received))
+            self._finish(v, ok=False, message=f"transfer failed: {e}", broken=True, delivered=delivered())
             raise (e if isinstance(e, SyncError) else SyncError(f"receiver rank {self.rank}: transfer of version {v} from {ch.peer} failed: {e}")) from e
         stats.buckets = len(received)
         stats.transfer_s = time.perf_counter() - t0
-        self._finish(v, ok=problem is None, message=problem, delivered=bool(received))
+        self._finish(v, ok=problem is None, message=problem, delivered=delivered())
         stats.seconds = time.perf_counter() - start
         self.last_stats = stats
         if consumer_error is not None:
@@ -374,12 +449,18 @@ class Receiver:
             if broken:  # the transport failed: reconnect at the next sync
                 self._reset()
 
-    def _accept(self, msg: dict[str, Any], expected: int | None, sink: ModuleSink | None) -> tuple[int, Plan | None]:
-        """Check the sender's sync message; reply ready, or error (and raise) naming both values."""
+    def _accept(
+        self, msg: dict[str, Any], expected: int | None, sink: ModuleSink | None
+    ) -> tuple[int, Plan | None, DeltaHeader | None, bool]:
+        """Check the sender's sync message; reply ready, or error (and raise) naming both
+        values. Returns the version, the plan, a delta sync's header and whether this
+        receiver holds its base (then it applies the deltas)."""
         assert self._channel is not None
         v = msg.get("version")
         problem = None
         plan: Plan | None = None
+        header: DeltaHeader | None = None
+        holds = False
         try:
             if msg.get("protocol") != PROTOCOL_VERSION:
                 problem = f"protocol version: sender {msg.get('protocol')!r}, receiver {PROTOCOL_VERSION}"
@@ -408,8 +489,12 @@ class Receiver:
                 else:
                     have = self._plan.hash if self._plan is not None else None
                     problem = f"plan hash: sender {msg['plan_hash']}, receiver holds {have}"
+                if problem is None and msg.get("delta") is not None and plan is not None:
+                    header = DeltaHeader.from_wire(msg["delta"], plan.tensors)
                 if problem is None and sink is not None and plan is not None:
-                    sink.check(plan.tensors)
+                    sink.check(header.model if header is not None else plan.tensors)
+                if header is not None and problem is None:
+                    holds = self._holds_base(header, sink)
         except (ValueError, TypeError, KeyError) as e:
             problem = str(e)
         deadline = Deadline(self.config.timeout_s, f"answering the sync of version {v}")
@@ -422,8 +507,43 @@ class Receiver:
             raise HandshakeError(f"receiver rank {self.rank} refused version {v}: {problem}")
         if plan is not None:  # a streamed sync leaves the agreed plan as it was
             self._plan = plan
-        self._channel.send({"type": "ready"}, deadline)
-        return v, plan
+        # A delta sync without a dense section is offered again with one if we lack its base.
+        self._channel.send({"type": "ready", "dense": header is not None and not holds}, deadline)
+        return v, plan, header, holds
+
+    def _holds_base(self, header: DeltaHeader, sink: ModuleSink | None) -> bool:
+        """Whether the base of a delta sync is what this receiver holds: the same version,
+        complete, and the same bytes (a digest over them, computed now)."""
+        if self.state.version != header.base_version or self.state.torn:
+            return False
+        base = self._base if sink is None else {n: t.data for n, t in sink.targets.items()}
+        mine = delta_sync.base_digest(header.model, base)
+        if mine != header.base_digest:
+            log.info("receiver rank %d: its copy of version %d differs from the sender's (digest): taking it whole",
+                     self.rank, header.base_version)
+            return False
+        return True
+
+    def _keep(self, name: str, tensor: torch.Tensor) -> None:
+        """delta=auto, ``receive()``: keep a copy of what arrived whole, as the next base."""
+        held = self._base.get(name)
+        if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
+            held = self._base[name] = torch.empty(tensor.shape, dtype=tensor.dtype)
+        held.copy_(tensor)
+
+    def _verify_tensors(
+        self, version: int, header: DeltaHeader, base: dict[str, torch.Tensor], sent: Any, checksum: Any
+    ) -> str | None:
+        """``verify`` after a delta sync: the reconstructed tensors against the sender's."""
+        if not isinstance(sent, list) or len(sent) != len(header.model):
+            return f"receiver rank {self.rank}: the sender's checksums of version {version} do not cover its tensors"
+        bad = [s.name for s, theirs in zip(header.model, sent) if checksum(as_bytes(base[s.name])) != theirs]
+        if not bad:
+            return None
+        return (
+            f"receiver rank {self.rank}: version {version} failed verification ({self.config.verify}) after "
+            f"applying deltas; tensors affected: {', '.join(bad[:16])}" + (f" and {len(bad) - 16} more" if len(bad) > 16 else "")
+        )
 
     @staticmethod
     def _plan_reader(plan: Plan):

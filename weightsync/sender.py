@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from weightsync import platform
 from weightsync.config import EngineConfig
+from weightsync.delta_sync import Encoding, SenderBase
 from weightsync.engines import Publisher, Transport, get_engine
 from weightsync.engines.base import Join
 from weightsync.packer import capacity, producer
@@ -95,6 +96,8 @@ class Sender:
         self._trainers = TrainerPeers(self.num_trainers - 1 if self._all_send else 0)
         self._follower: TrainerFollower | None = None
         self._acked_plan: dict[int, str] = {}  # receiver rank -> plan hash it holds
+        self._base = SenderBase()  # delta=auto: the last version sent, and who holds it
+        self._confirmed: set[int] = set()  # receivers that confirmed the last sync
         self._sending: int | None = None  # the version in transfer, for messages
         if issubclass(self.engine_cls, Publisher):
             self._publisher = self.engine_cls(config, self.device, address)
@@ -237,6 +240,14 @@ class Sender:
         transport = self._transport
         assert transport is not None and self._server is not None
         stats = SyncStats(version, receivers=self.num_receivers)
+        encoding: Encoding | None = None
+        if self.config.delta == "auto" and plan is not None and not self._trainers.count:
+            # Before the handshake: the plan of a delta sync depends on what changed.
+            encoding = self._base.encode(src, list(plan.tensors), version, self.receivers)
+            src = encoding.source
+            if encoding.header is not None:
+                plan = make_plan(src.specs() or [], self.config.bucket_bytes)
+                stats.density, stats.delta_base = encoding.density, encoding.header.base_version
         senders = self._trainers.count + 1
         wildcard = self._server.host in ("", "0.0.0.0", "::")
         join = Join(
@@ -251,7 +262,7 @@ class Sender:
         went = False  # the go was given: other trainer ranks then wait for the outcome
         try:
             info = {**transport.prepare(join), "world_size": join.world_size, "senders": senders}
-            stats.plan_sent_to = self._handshake(version, plan, info, force)
+            stats.plan_sent_to, plan, src = self._handshake(version, plan, info, force, encoding, src)
             went = True
             transport.connect(join, info)
             stats.handshake_s = time.perf_counter() - start  # handshake and group join
@@ -262,16 +273,22 @@ class Sender:
                 sends=transport.sends if self._all_send else None,
             )
             t0 = time.perf_counter()
-            stats.bytes = transport.send_buckets(produce)
+            stats.wire_bytes = stats.bytes = transport.send_buckets(produce)
             stats.transfer_s = time.perf_counter() - t0
             stats.buckets, stats.tensors = packer.buckets, packer.pulled
             if self._trainers.channels:
                 assert plan is not None
                 stats.bytes += self._trainers.gather_shares(version, sums, deadline)
+                stats.wire_bytes = stats.bytes
                 stats.buckets = len(plan.buckets)
+            if encoding is not None and encoding.header is not None:
+                stats.bytes, stats.tensors = encoding.model_bytes, len(encoding.header.model)
             if self.config.verify != "off":
                 order = [sums[b.index] for b in plan.buckets] if plan is not None else list(sums.values())
-                self._broadcast_msg({"type": "verify", "mode": self.config.verify, "checksums": order}, deadline)
+                check: dict[str, Any] = {"type": "verify", "mode": self.config.verify, "checksums": order}
+                if encoding is not None and encoding.header is not None:  # the reconstructed tensors
+                    check["tensors"] = self._base.checksums(self.config.verify)
+                self._broadcast_msg(check, deadline)
             self._gather_done(version)
             outcome = "ok"
             log.info("sent version %d: %d tensors, %.1f MB in %d buckets to %d receivers",
@@ -286,6 +303,8 @@ class Sender:
         finally:
             if outcome == "ok":
                 self._trainers.tell(version, None, self.config.timeout_s)
+            if encoding is not None:
+                self._base.finished(encoding, time.perf_counter() - start, self._confirmed if outcome != "ok" else set(self._channels))
             transport.finish(ok=outcome != "broken")
             if outcome == "ok" and plan is not None:
                 self._acked_plan = {r: plan.hash for r in self._channels}
@@ -324,9 +343,32 @@ class Sender:
         for ch in self._channels.values():
             ch.send(msg, deadline)
 
-    def _handshake(self, version: int, plan: Plan | None, info: dict[str, Any], force: bool) -> int:
+    def _handshake(
+        self, version: int, plan: Plan | None, info: dict[str, Any], force: bool,
+        encoding: Encoding | None, src: WeightSource,
+    ) -> tuple[int, Plan | None, WeightSource]:
         """Agree on version, bucket size and plan with every receiver (and trainer rank);
-        return how many receivers got the full plan."""
+        return how many receivers got the full plan, and the plan and source agreed. A
+        delta sync without a dense section is offered again with one when a receiver
+        turns out not to hold the base."""
+        while True:
+            header = encoding.header if encoding is not None else None
+            plans_sent, need_dense = self._offer(version, plan, info, force, header)
+            if not need_dense:
+                return plans_sent, plan, src
+            assert encoding is not None and header is not None
+            log.info("receiver(s) %s do not hold base version %d: version %d goes with a dense section",
+                     need_dense, header.base_version, version)
+            self._base.holders -= set(need_dense)
+            encoding = self._base.with_dense(encoding)
+            src = encoding.source
+            plan = make_plan(src.specs() or [], self.config.bucket_bytes)
+
+    def _offer(
+        self, version: int, plan: Plan | None, info: dict[str, Any], force: bool, header: Any
+    ) -> tuple[int, list[int]]:
+        """One round of the handshake; returns how many receivers got the full plan and the
+        receivers that asked for a dense section the plan lacks (then it is offered again)."""
         deadline = Deadline(self.config.timeout_s, f"in the handshake of version {version}")
         plans_sent = 0
         msg: dict[str, Any] = {}
@@ -344,16 +386,21 @@ class Sender:
             if plan is not None and self._acked_plan.get(rank) != plan.hash:
                 msg["plan"] = plan.to_wire()  # unchanged plans travel as their hash only
                 plans_sent += 1
+            if header is not None:
+                msg["delta"] = header.to_wire()
             ch.send(msg, deadline)
         for ch, trainer_msg in self._trainers.sync_messages(msg, info, first_rank=self.num_receivers + 1):
             ch.send(trainer_msg, deadline)
         peers = [(f"receiver rank {r}", r, ch) for r, ch in sorted(self._channels.items())]
         peers += self._trainers.peers()
         refusals = {}
+        need_dense = []
         for name, rank, ch in peers:
             reply = ch.recv(deadline, expect=("ready", "error"))
             if reply["type"] == "error":
                 refusals[name] = (rank, f"{name} refused version {version}: {reply.get('message')}")
+            elif reply.get("dense") is True and header is not None and not header.dense and rank is not None:
+                need_dense.append(rank)
         if refusals:
             reason = "; ".join(text for _, text in refusals.values())
             for _, _, ch in peers:
@@ -363,12 +410,13 @@ class Sender:
                     pass
             raise HandshakeError(reason, ranks=[r for r, _ in refusals.values() if r is not None])
         for _, _, ch in peers:
-            ch.send({"type": "go"}, deadline)
-        return plans_sent
+            ch.send({"type": "again" if need_dense else "go"}, deadline)
+        return plans_sent, need_dense
 
     def _gather_done(self, version: int) -> None:
         deadline = Deadline(self.config.timeout_s, f"waiting for receivers to confirm version {version}")
         failures, lost = {}, {}
+        self._confirmed = set()
         for rank, ch in sorted(self._channels.items()):
             try:
                 reply = ch.recv(deadline, expect="done")
@@ -377,6 +425,8 @@ class Sender:
                 continue
             if reply.get("ok") is not True:
                 failures[rank] = f"receiver rank {rank} failed version {version}: {reply.get('message')}"
+            else:
+                self._confirmed.add(rank)
         if lost:  # a receiver gone without a word is to blame; the others' failures follow from it
             raise PeerLost("; ".join([*lost.values(), *failures.values()]), ranks=list(lost))
         if failures:

@@ -444,7 +444,11 @@ class SyncStats:
 
     version: int
     tensors: int = 0
+    #: the model's bytes in this version
     bytes: int = 0
+    #: the bytes the transport carried for the payload: ``bytes`` for a dense sync, less for
+    #: a delta sync (``delta=auto``), 0 where nothing travels (``naive``)
+    wire_bytes: int = 0
     buckets: int = 0
     receivers: int = 0
     #: handshake plus joining the data-plane group (seconds)
@@ -457,6 +461,10 @@ class SyncStats:
     plan_sent_to: int = 0
     #: model names the sync did not carry (``Receiver.load_into`` only)
     missing: list[str] = field(default_factory=list)
+    #: a delta sync: the version its deltas applied to (None: the version went whole)
+    delta_base: int | None = None
+    #: a delta sync, on the sender: the fraction of elements that changed since the base
+    density: float | None = None
 
     @property
     def gbps(self) -> float:

@@ -1,0 +1,287 @@
+"""Delta sync (``delta=auto``): a version sent relative to the base a receiver holds.
+
+The codec (``weightsync.delta``) turns one tensor into a small payload against its base;
+this module makes a whole sync of it, as plan-level data: a delta sync is an ordinary plan
+over *wire entries* plus a ``DeltaHeader`` saying how each model tensor travels. Engines
+still move bytes; they never know a sync is relative.
+
+Wire entries, in plan order:
+
+1. the delta section, one entry per model tensor: the tensor itself (kind DENSE, where no
+   delta pays) or its delta payload (1-D uint8, kinds INDEX, BITMASK, GAPS, EMPTY);
+2. the dense section, only when some receiver does not hold the base: every tensor that
+   travels as a delta above, whole again (named ``<name>@dense``).
+
+A receiver that holds the base (same version, same digest over its bytes) takes the delta
+section and skips the dense one; any other receiver skips the deltas and takes the rest,
+so both get the version in the same sync. On a broadcast transport every receiver carries
+both sections then; a sync where every receiver holds the base carries deltas only.
+
+The sender keeps a base: its copy of the last version it sent, in the wire dtype, in host
+memory (``SenderBase``). Receivers that apply deltas stage the payloads (their size is the
+sync's wire bytes) and apply them once every byte arrived and, with ``verify``, the
+reconstructed tensors checked, so a delta sync that fails midway leaves their base intact
+(not torn) and the next sync can be a delta again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from weightsync import delta
+from weightsync.delta import Kind
+from weightsync.plan import TensorSpec, as_bytes
+from weightsync.sources import WeightSource
+from weightsync.verify import checksum_fn
+
+log = logging.getLogger("weightsync.delta")
+
+DENSE_SUFFIX = "@dense"
+#: a delta sync that took longer than this times the last dense one (and NOTICE_S more):
+#: send dense a while. Below NOTICE_S differences are noise, not a verdict.
+SLOWER = 1.0
+NOTICE_S = 0.02
+#: dense syncs before delta is tried again after it lost
+RETRY_AFTER = 8
+
+
+@dataclass(frozen=True)
+class DeltaHeader:
+    """How a delta sync's wire entries map to the version's tensors (travels in the
+    handshake beside the plan)."""
+
+    #: the version and digest of the base the deltas apply to
+    base_version: int
+    base_digest: str
+    #: the version's tensors, in order
+    model: tuple[TensorSpec, ...]
+    #: per model tensor: how it travels in the delta section
+    kinds: tuple[int, ...]
+    #: a dense section follows, for receivers without the base
+    dense: bool
+
+    def wire_specs(self, payload_bytes: Sequence[int]) -> list[TensorSpec]:
+        """The plan's tensors: the delta section (``payload_bytes`` per delta entry), then
+        the dense section."""
+        out = []
+        for spec, kind, size in zip(self.model, self.kinds, payload_bytes):
+            out.append(spec if kind == Kind.DENSE else TensorSpec(spec.name, (size,), "uint8"))
+        if self.dense:
+            out += [TensorSpec(s.name + DENSE_SUFFIX, s.shape, s.dtype) for s, k in zip(self.model, self.kinds) if k != Kind.DENSE]
+        return out
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "base": self.base_version, "digest": self.base_digest, "model": [s.to_wire() for s in self.model],
+            "kinds": list(self.kinds), "dense": self.dense,
+        }
+
+    @classmethod
+    def from_wire(cls, data: Any, wire: Sequence[TensorSpec]) -> DeltaHeader:
+        """Parse and check against the plan's wire tensors ``wire``; ValueError if they
+        do not fit together."""
+        if not isinstance(data, dict):
+            raise ValueError("the delta header is not a map")
+        base, digest, model, kinds, dense = (data.get(k) for k in ("base", "digest", "model", "kinds", "dense"))
+        if not isinstance(base, int) or isinstance(base, bool) or not isinstance(digest, str) or len(digest) > 128:
+            raise ValueError("the delta header names no valid base")
+        if not isinstance(model, list) or not isinstance(kinds, list) or len(model) != len(kinds) or not isinstance(dense, bool):
+            raise ValueError("the delta header's tensors and kinds do not match")
+        specs = tuple(TensorSpec.from_wire(s) for s in model)
+        valid = {int(k) for k in Kind}
+        if not all(isinstance(k, int) and not isinstance(k, bool) and k in valid for k in kinds):
+            raise ValueError("the delta header carries an unknown kind")
+        header = cls(base, digest, specs, tuple(kinds), dense)
+        expected = header.wire_specs([w.nbytes for w in wire[: len(specs)]])
+        if [(s.name, s.shape, s.dtype) for s in expected] != [(w.name, w.shape, w.dtype) for w in wire]:
+            raise ValueError("the plan's tensors do not match the delta header")
+        return header
+
+
+@dataclass
+class Route:
+    """What a receiver does with each wire entry of a sync."""
+
+    #: per wire entry: model tensor index and what to do: "take" (hand over as it comes),
+    #: "stage" (a delta payload or DENSE entry kept until the end), "skip"
+    actions: list[tuple[int, str]]
+    #: the receiver applies deltas (it holds the base)
+    relative: bool
+
+
+def route(header: DeltaHeader | None, wire_count: int, holds_base: bool) -> Route:
+    """The receiver's plan for one sync's wire entries."""
+    if header is None:
+        return Route([(i, "take") for i in range(wire_count)], relative=False)
+    n = len(header.model)
+    if holds_base:
+        return Route([(i, "stage") for i in range(n)] + [(-1, "skip")] * (wire_count - n), relative=True)
+    actions = [(i, "take" if k == Kind.DENSE else "skip") for i, k in enumerate(header.kinds)]
+    actions += [(i, "take") for i, k in enumerate(header.kinds) if k != Kind.DENSE]
+    return Route(actions, relative=False)
+
+
+def base_digest(specs: Sequence[TensorSpec], base: dict[str, torch.Tensor]) -> str | None:
+    """The digest of what ``base`` holds for ``specs``, or None if it does not hold them."""
+    items = []
+    for spec in specs:
+        t = base.get(spec.name)
+        if t is None or TensorSpec.of(spec.name, t) != spec:
+            return None
+        items.append((spec.name, t))
+    return delta.digest(items)
+
+
+@dataclass
+class Encoding:
+    """The sender's side of one sync under ``delta=auto``."""
+
+    header: DeltaHeader | None  # None: a plain dense sync
+    source: WeightSource  # the wire entries, in plan order
+    model_bytes: int
+    wire_bytes: int
+    changed: int = 0
+    elements: int = 0
+
+    @property
+    def density(self) -> float:
+        return self.changed / self.elements if self.elements else 1.0
+
+
+class _Entries(WeightSource):
+    def __init__(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        self.items = items
+
+    def specs(self) -> list[TensorSpec]:
+        return [TensorSpec.of(n, t) for n, t in self.items]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.items)
+
+
+@dataclass
+class SenderBase:
+    """The sender's base (its copy of the last version it sent, wire dtype, host memory)
+    and the policy that decides when deltas pay."""
+
+    version: int | None = None
+    digest: str | None = None
+    specs: list[TensorSpec] | None = None
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: receivers known to hold the base (they completed the sync that made it)
+    holders: set[int] = field(default_factory=set)
+    last_dense_s: float | None = None
+    last_delta_s: float | None = None
+    dense_runs: int = 0  # dense syncs since delta last lost
+
+    def encode(self, source: WeightSource, specs: list[TensorSpec], version: int, receivers: Sequence[int]) -> Encoding:
+        """Read ``source`` once, update the base to it, and say how the sync travels."""
+        model_bytes = sum(s.nbytes for s in specs)
+        relative = (
+            self.version is not None and self.specs == specs and any(r in self.holders for r in receivers)
+            and not self._delta_lost()
+        )
+        if self.specs != specs:  # a new shape of model: a new base
+            self.tensors, self.version, self.digest = {}, None, None
+        if not relative:
+            items = []
+            for name, t in source.tensors():
+                items.append((name, self._store(name, t)))
+            self._advance(version, specs)
+            return Encoding(None, _Entries(items), model_bytes, model_bytes)
+        base_version, base_digest_ = self.version, self.digest
+        assert base_version is not None and base_digest_ is not None
+        entries: list[tuple[str, torch.Tensor]] = []
+        kinds: list[int] = []
+        dense_needed = any(r not in self.holders for r in receivers)
+        changed = elements = 0
+        for name, t in source.tensors():
+            base = self.tensors[name]
+            new = t.detach()
+            new = new if new.device.type == "cpu" else new.cpu()
+            enc = delta.encode(base, new)
+            changed += enc.changed
+            elements += enc.numel
+            base.copy_(new)  # the base is this version from here on
+            kinds.append(int(enc.kind))
+            entries.append((name, base if enc.kind == Kind.DENSE else enc.payload))
+        if dense_needed:
+            entries += [(n + DENSE_SUFFIX, self.tensors[n]) for (n, _), k in zip(entries, kinds) if k != Kind.DENSE]
+        header = DeltaHeader(base_version, base_digest_, tuple(specs), tuple(kinds), dense_needed)
+        self._advance(version, specs)
+        wire = sum(t.numel() * t.element_size() for _, t in entries)
+        return Encoding(header, _Entries(entries), model_bytes, wire, changed, elements)
+
+    def with_dense(self, encoding: Encoding) -> Encoding:
+        """The same delta sync with a dense section (for receivers without the base)."""
+        header = encoding.header
+        assert header is not None and isinstance(encoding.source, _Entries)
+        if header.dense:
+            return encoding
+        entries = list(encoding.source.items)
+        entries += [(s.name + DENSE_SUFFIX, self.tensors[s.name]) for s, k in zip(header.model, header.kinds) if k != Kind.DENSE]
+        wire = sum(t.numel() * t.element_size() for _, t in entries)
+        return Encoding(
+            DeltaHeader(header.base_version, header.base_digest, header.model, header.kinds, True),
+            _Entries(entries), encoding.model_bytes, wire, encoding.changed, encoding.elements,
+        )
+
+    def checksums(self, mode: str) -> list[int]:
+        """``verify`` checksums of every tensor of the base (the version just sent), in
+        order: what receivers must hold once they applied the deltas."""
+        checksum = checksum_fn(mode)
+        assert checksum is not None and self.specs is not None
+        return [checksum(as_bytes(self.tensors[s.name])) for s in self.specs]
+
+    def _store(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        t = tensor.detach()
+        held = self.tensors.get(name)
+        if held is None or held.shape != t.shape or held.dtype != t.dtype:
+            held = self.tensors[name] = torch.empty(t.shape, dtype=t.dtype)
+        held.copy_(t)
+        return held
+
+    def _advance(self, version: int, specs: list[TensorSpec]) -> None:
+        self.version, self.specs = version, specs
+        self.digest = base_digest(specs, self.tensors)
+
+    def _delta_lost(self) -> bool:
+        if self.last_delta_s is None or self.last_dense_s is None:
+            return False
+        if self.last_delta_s <= SLOWER * self.last_dense_s + NOTICE_S:
+            return False
+        if self.dense_runs >= RETRY_AFTER:  # try again: the wire or the density may have changed
+            self.dense_runs = 0
+            return False
+        return True
+
+    def finished(self, encoding: Encoding, seconds: float, ok_ranks: set[int]) -> None:
+        """After a sync: who holds the new base, and how long each kind of sync takes."""
+        self.holders = set(ok_ranks)
+        if encoding.header is None:
+            self.last_dense_s = seconds
+            self.dense_runs += 1
+        else:
+            self.last_delta_s = seconds
+            if seconds > SLOWER * (self.last_dense_s or float("inf")) + NOTICE_S:
+                log.info("delta sync took %.3f s, a dense one %.3f s: sending dense for a while",
+                         seconds, self.last_dense_s)
+                self.dense_runs = 0
+
+
+def apply_staged(
+    header: DeltaHeader, staged: dict[int, torch.Tensor], base: dict[str, torch.Tensor]
+) -> None:
+    """Apply a delta section to ``base`` in place (every model tensor once)."""
+    for i, (spec, kind) in enumerate(zip(header.model, header.kinds)):
+        target = base[spec.name]
+        payload = staged[i]
+        if kind == Kind.DENSE:
+            as_bytes(target).copy_(as_bytes(payload))
+        else:
+            delta.apply(target, kind, payload)
