@@ -17,8 +17,11 @@ section and skips the dense one; any other receiver skips the deltas and takes t
 so both get the version in the same sync. On a broadcast transport every receiver carries
 both sections then; a sync where every receiver holds the base carries deltas only.
 
-The sender keeps a base: its copy of the last version it sent, in the wire dtype, in host
-memory (``SenderBase``). Receivers that apply deltas stage the payloads (their size is the
+The sender keeps a base: its copy of the last version some receiver took, in the wire
+dtype, in host memory (``SenderBase``); during a sync it also holds the new version's
+tensors (references to the source's; copies only where ``wire_dtype`` casts). The base
+advances only once a receiver confirmed the new version, by applying the sync's own deltas
+(only changed elements are written). Receivers that apply deltas stage the payloads (their size is the
 sync's wire bytes) and apply them once every byte arrived and, with ``verify``, the
 reconstructed tensors checked, so a delta sync that fails midway leaves their base intact
 (not torn) and the next sync can be a delta again.
@@ -45,7 +48,7 @@ DENSE_SUFFIX = "@dense"
 #: a delta sync that took longer than this times the last dense one (and NOTICE_S more):
 #: send dense a while. Below NOTICE_S differences are noise, not a verdict.
 SLOWER = 1.0
-NOTICE_S = 0.02
+NOTICE_S = 0.1
 #: dense syncs before delta is tried again after it lost
 RETRY_AFTER = 8
 
@@ -178,53 +181,50 @@ class SenderBase:
     last_dense_s: float | None = None
     last_delta_s: float | None = None
     dense_runs: int = 0  # dense syncs since delta last lost
+    #: the sync in progress: (version, specs, wire entries of a delta sync, new tensors)
+    _pending: tuple | None = None
 
     def encode(self, source: WeightSource, specs: list[TensorSpec], version: int, receivers: Sequence[int]) -> Encoding:
-        """Read ``source`` once, update the base to it, and say how the sync travels."""
+        """Read ``source`` once and say how the sync travels. The base does not change
+        until ``finished`` says some receiver took the version."""
         model_bytes = sum(s.nbytes for s in specs)
         relative = (
             self.version is not None and self.specs == specs and any(r in self.holders for r in receivers)
             and not self._delta_lost()
         )
-        if self.specs != specs:  # a new shape of model: a new base
-            self.tensors, self.version, self.digest = {}, None, None
+        self._pending = None
         if not relative:
-            items = []
-            for name, t in source.tensors():
-                items.append((name, self._store(name, t)))
-            self._advance(version, specs)
+            items = [(name, t.detach()) for name, t in source.tensors()]
+            self._pending = (version, specs, None, dict(items))
             return Encoding(None, _Entries(items), model_bytes, model_bytes)
-        base_version, base_digest_ = self.version, self.digest
-        assert base_version is not None and base_digest_ is not None
+        assert self.version is not None and self.digest is not None
         entries: list[tuple[str, torch.Tensor]] = []
         kinds: list[int] = []
-        dense_needed = any(r not in self.holders for r in receivers)
+        new: dict[str, torch.Tensor] = {}
         changed = elements = 0
         for name, t in source.tensors():
-            base = self.tensors[name]
-            new = t.detach()
-            new = new if new.device.type == "cpu" else new.cpu()
-            enc = delta.encode(base, new)
+            t = t.detach()
+            new[name] = t if t.device.type == "cpu" else t.cpu()
+            enc = delta.encode(self.tensors[name], new[name])
             changed += enc.changed
             elements += enc.numel
-            base.copy_(new)  # the base is this version from here on
             kinds.append(int(enc.kind))
-            entries.append((name, base if enc.kind == Kind.DENSE else enc.payload))
-        if dense_needed:
-            entries += [(n + DENSE_SUFFIX, self.tensors[n]) for (n, _), k in zip(entries, kinds) if k != Kind.DENSE]
-        header = DeltaHeader(base_version, base_digest_, tuple(specs), tuple(kinds), dense_needed)
-        self._advance(version, specs)
-        wire = sum(t.numel() * t.element_size() for _, t in entries)
-        return Encoding(header, _Entries(entries), model_bytes, wire, changed, elements)
+            entries.append((name, new[name] if enc.kind == Kind.DENSE else enc.payload))
+        header = DeltaHeader(self.version, self.digest, tuple(specs), tuple(kinds), False)
+        self._pending = (version, specs, entries, new)
+        encoding = Encoding(header, _Entries(entries), model_bytes, 0, changed, elements)
+        if any(r not in self.holders for r in receivers):
+            return self.with_dense(encoding)
+        encoding.wire_bytes = sum(t.numel() * t.element_size() for _, t in entries)
+        return encoding
 
     def with_dense(self, encoding: Encoding) -> Encoding:
         """The same delta sync with a dense section (for receivers without the base)."""
         header = encoding.header
-        assert header is not None and isinstance(encoding.source, _Entries)
-        if header.dense:
-            return encoding
-        entries = list(encoding.source.items)
-        entries += [(s.name + DENSE_SUFFIX, self.tensors[s.name]) for s, k in zip(header.model, header.kinds) if k != Kind.DENSE]
+        assert header is not None and self._pending is not None
+        new = self._pending[3]
+        entries = list(self._pending[2] or [])
+        entries += [(s.name + DENSE_SUFFIX, new[s.name]) for s, k in zip(header.model, header.kinds) if k != Kind.DENSE]
         wire = sum(t.numel() * t.element_size() for _, t in entries)
         return Encoding(
             DeltaHeader(header.base_version, header.base_digest, header.model, header.kinds, True),
@@ -232,11 +232,43 @@ class SenderBase:
         )
 
     def checksums(self, mode: str) -> list[int]:
-        """``verify`` checksums of every tensor of the base (the version just sent), in
-        order: what receivers must hold once they applied the deltas."""
+        """``verify`` checksums of every tensor of the version being sent, in order: what
+        receivers must hold once they applied the deltas."""
         checksum = checksum_fn(mode)
-        assert checksum is not None and self.specs is not None
-        return [checksum(as_bytes(self.tensors[s.name])) for s in self.specs]
+        assert checksum is not None and self._pending is not None
+        _, specs, _, new = self._pending
+        return [checksum(as_bytes(new[s.name])) for s in specs]
+
+    def finished(self, encoding: Encoding, seconds: float, ok_ranks: set[int]) -> None:
+        # ``seconds``: what the sync's kind cost (encoding, transfer, applying), not set-up
+        """After a sync: if any receiver took the version, it becomes the base (held by
+        those receivers); else the base stays, and so do its holders (a failed delta sync
+        leaves them their base). Also records how long each kind of sync takes."""
+        pending, self._pending = self._pending, None
+        if ok_ranks and pending is not None:
+            version, specs, entries, new = pending
+            header = encoding.header
+            if header is None or self.specs != specs:
+                for name, t in new.items():
+                    self._store(name, t)
+            else:  # apply our own deltas: only the changed elements are written
+                for (name, payload), kind in zip(entries or [], header.kinds):
+                    if kind == Kind.DENSE:
+                        self._store(name, payload)
+                    else:
+                        delta.apply(self.tensors[name], kind, payload)
+            self.version, self.specs = version, specs
+            self.digest = base_digest(specs, self.tensors)
+            self.holders = set(ok_ranks)
+        if encoding.header is None:
+            self.last_dense_s = seconds
+            self.dense_runs += 1
+        elif not encoding.header.dense:  # one with a dense section says nothing of deltas
+            self.last_delta_s = seconds
+            if seconds > SLOWER * (self.last_dense_s or float("inf")) + NOTICE_S:
+                log.info("delta sync took %.3f s, a dense one %.3f s: sending dense for a while",
+                         seconds, self.last_dense_s)
+                self.dense_runs = 0
 
     def _store(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         t = tensor.detach()
@@ -245,10 +277,6 @@ class SenderBase:
             held = self.tensors[name] = torch.empty(t.shape, dtype=t.dtype)
         held.copy_(t)
         return held
-
-    def _advance(self, version: int, specs: list[TensorSpec]) -> None:
-        self.version, self.specs = version, specs
-        self.digest = base_digest(specs, self.tensors)
 
     def _delta_lost(self) -> bool:
         if self.last_delta_s is None or self.last_dense_s is None:
@@ -259,19 +287,6 @@ class SenderBase:
             self.dense_runs = 0
             return False
         return True
-
-    def finished(self, encoding: Encoding, seconds: float, ok_ranks: set[int]) -> None:
-        """After a sync: who holds the new base, and how long each kind of sync takes."""
-        self.holders = set(ok_ranks)
-        if encoding.header is None:
-            self.last_dense_s = seconds
-            self.dense_runs += 1
-        else:
-            self.last_delta_s = seconds
-            if seconds > SLOWER * (self.last_dense_s or float("inf")) + NOTICE_S:
-                log.info("delta sync took %.3f s, a dense one %.3f s: sending dense for a while",
-                         seconds, self.last_dense_s)
-                self.dense_runs = 0
 
 
 def apply_staged(

@@ -241,9 +241,13 @@ class Sender:
         assert transport is not None and self._server is not None
         stats = SyncStats(version, receivers=self.num_receivers)
         encoding: Encoding | None = None
+        encode_s = 0.0
+        self._confirmed = set()
         if self.config.delta == "auto" and plan is not None and not self._trainers.count:
             # Before the handshake: the plan of a delta sync depends on what changed.
+            t_encode = time.perf_counter()
             encoding = self._base.encode(src, list(plan.tensors), version, self.receivers)
+            encode_s = time.perf_counter() - t_encode
             src = encoding.source
             if encoding.header is not None:
                 plan = make_plan(src.specs() or [], self.config.bucket_bytes)
@@ -304,7 +308,10 @@ class Sender:
             if outcome == "ok":
                 self._trainers.tell(version, None, self.config.timeout_s)
             if encoding is not None:
-                self._base.finished(encoding, time.perf_counter() - start, self._confirmed if outcome != "ok" else set(self._channels))
+                # What the choice of delta or dense costs: encoding, transfer and applying
+                # (the handshake and a group's set-up cost the same either way).
+                cost = encode_s + time.perf_counter() - start - stats.handshake_s
+                self._base.finished(encoding, cost, self._confirmed if outcome != "ok" else set(self._channels))
             transport.finish(ok=outcome != "broken")
             if outcome == "ok" and plan is not None:
                 self._acked_plan = {r: plan.hash for r in self._channels}

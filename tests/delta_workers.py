@@ -1,0 +1,98 @@
+"""Process bodies of tests/test_delta_sync.py (importable under spawn)."""
+
+import os
+import signal
+
+import torch
+
+from weightsync import EngineConfig, Receiver
+from weightsync.bench.updates import AdamWUpdates
+from weightsync.plan import TensorSpec
+
+import workers
+
+# A small Qwen2-shaped model in bf16 (the rollout copy of fp32 masters): one tensor larger
+# than a 1 MiB bucket (split over buckets), many small ones.
+SPECS = [TensorSpec("embed.weight", (1024, 640), "bfloat16")] + [
+    TensorSpec(f"layers.{i}.{name}", shape, "bfloat16")
+    for i in range(2)
+    for name, shape in (("q.weight", (256, 256)), ("q.bias", (256,)), ("mlp.weight", (512, 256)), ("norm.weight", (256,)))
+] + [TensorSpec("step", (), "int64")]
+
+
+def versions(count: int, lr: float = 1e-6) -> list[dict[str, torch.Tensor]]:
+    """``count`` AdamW steps of the model (versions 1..count), as the trainer sends them."""
+    updates = AdamWUpdates(SPECS, lr=lr, seed=3)
+    out = []
+    for _ in range(count):
+        out.append({n: t.clone() for n, t in updates.step().items()})
+    return out
+
+
+def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {n: workers.digest(t.contiguous()) for n, t in tensors.items()}
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        for spec in SPECS:
+            self.register_buffer(spec.name.replace(".", "_"), torch.zeros(spec.shape, dtype=spec.torch_dtype))
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {s.name: getattr(self, s.name.replace(".", "_")) for s in SPECS}
+
+
+def receiver(address, rank, overrides, todo, queue, mode="load", corrupt_after=None, kill_in=None):
+    """Receive each version of ``todo``; report ``(rank, version, digests, held, delta_base)``
+    or ``(rank, "error", message, held, torn)``. ``mode``: ``load`` (into a model, by name)
+    or ``receive`` (streamed tensors). ``corrupt_after=v``: flip a bit of the model after
+    version v (a damaged base). ``kill_in=v``: SIGKILL itself once version v's transfer
+    started (mid-delta)."""
+    torch.set_num_threads(1)
+    model = Model()
+    # load_into takes the model's names: SPECS' names map to buffer names by a dict view.
+    state = model.state()
+    sink_model = _Named(state)
+    with Receiver(EngineConfig.from_overrides(overrides), address, rank) as rec:
+        if kill_in is not None:
+            _kill_when_receiving(rec, kill_in)
+        for v in todo:
+            try:
+                if mode == "load":
+                    stats = rec.load_into(sink_model, version=v)
+                    got = digests(state)
+                else:
+                    got = {n: workers.digest(t) for n, t in rec.receive(version=v)}
+                    stats = rec.last_stats
+                queue.put((rank, v, got, rec.version, stats.delta_base))
+            except Exception as e:
+                queue.put((rank, "error", f"{type(e).__name__}: {e}", rec.version, rec.torn))
+            if corrupt_after == v:
+                t = state["layers.0.q.weight"]
+                t.view(torch.int16)[0, 0] ^= 1  # one bit of the base the sender does not know of
+
+
+class _Named(torch.nn.Module):
+    """A module whose state dict is exactly ``state`` (names with dots)."""
+
+    def __init__(self, state):
+        super().__init__()
+        self._state = state
+
+    def state_dict(self, *args, keep_vars=False, **kwargs):
+        return dict(self._state)
+
+
+def _kill_when_receiving(rec, version):
+    """Kill this process as soon as the transport delivers its first bucket of ``version``."""
+    transport = rec._transport
+    original = transport.recv_buckets
+
+    def recv_buckets(next_bucket, landing=None):
+        for item in original(next_bucket, landing):
+            if rec._receiving == version:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield item
+
+    transport.recv_buckets = recv_buckets

@@ -1,0 +1,139 @@
+"""Delta sync (``delta=auto``) in real processes over every session transport: versions
+of an AdamW-trained bf16 model arrive bit-exact while only the changed elements travel;
+receivers without the base get the version whole in the same sync; a damaged or lost base
+means a dense sync for that receiver, never garbage."""
+
+import time
+
+import pytest
+
+from weightsync import EngineConfig, Sender
+
+import delta_workers
+import workers
+from procs import CTX, collect, start, stop
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+TRANSPORTS = ["nccl", "shm", "paired", pytest.param("mooncake", marks=workers.needs_mooncake)]
+
+
+def overrides(backend, *extra):
+    return [f"backend={backend}", "update_weights_bucket_megabytes=1", "timeout_s=60", "delta=auto", *extra]
+
+
+def expect(results, version, payload, ranks):
+    got = {}
+    for rank, v, digests, held, base in results:
+        assert v == version and held == version, (rank, v, digests)
+        assert digests == delta_workers.digests(payload), f"receiver {rank} differs at version {version}"
+        got[rank] = base
+    assert sorted(got) == sorted(ranks)
+    return got
+
+
+@pytest.mark.parametrize("backend", TRANSPORTS)
+def test_versions_arrive_bit_exact_as_deltas(backend):
+    """Six AdamW steps to two receivers (one loads into a model, one streams); from the second
+    version on only deltas travel, and verify checks the reconstructed tensors."""
+    # paired never splits a tensor: its bucket holds the 1.25 MiB embedding
+    ov = overrides(backend, "verify=crc32") + (["update_weights_bucket_megabytes=2"] if backend == "paired" else [])
+    payloads = delta_workers.versions(6)
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(ov), "127.0.0.1:0", 2) as sender:
+        procs = [start(delta_workers.receiver, sender.address, 0, ov, range(1, 7), q, "load"),
+                 start(delta_workers.receiver, sender.address, 1, ov, range(1, 7), q, "receive")]
+        try:
+            for v, payload in enumerate(payloads, start=1):
+                stats = sender.send(payload, version=v)
+                bases = expect(collect(q, 2, timeout=90), v, payload, [0, 1])
+                if v == 1:
+                    assert stats.delta_base is None and stats.wire_bytes >= stats.bytes
+                else:
+                    assert stats.delta_base == v - 1 and bases == {0: v - 1, 1: v - 1}
+                    assert stats.wire_bytes < 0.5 * stats.bytes, (stats.wire_bytes, stats.bytes)
+                    assert 0 < stats.density < 0.5
+        finally:
+            stop(procs)
+
+
+def test_a_receiver_joining_later_gets_the_version_whole_in_the_same_sync():
+    ov = overrides("nccl")
+    payloads = delta_workers.versions(4)
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(ov), "127.0.0.1:0", 2) as sender:
+        procs = [start(delta_workers.receiver, sender.address, r, ov, range(1, 5), q) for r in range(2)]
+        try:
+            for v in (1, 2):
+                sender.send(payloads[v - 1], version=v)
+                expect(collect(q, 2), v, payloads[v - 1], [0, 1])
+            sender.add_receiver(2)
+            procs.append(start(delta_workers.receiver, sender.address, 2, ov, [3, 4], q))
+            stats = sender.send(payloads[2], version=3)
+            bases = expect(collect(q, 3), 3, payloads[2], [0, 1, 2])
+            assert bases == {0: 2, 1: 2, 2: None}  # deltas for the two, whole for the newcomer
+            assert stats.delta_base == 2 and stats.wire_bytes > stats.bytes * 0.5  # the dense section too
+            stats = sender.send(payloads[3], version=4)
+            assert expect(collect(q, 3), 4, payloads[3], [0, 1, 2]) == {0: 3, 1: 3, 2: 3}
+            assert stats.wire_bytes < 0.5 * stats.bytes
+        finally:
+            stop(procs)
+
+
+def test_a_damaged_base_gets_the_version_whole_not_garbage():
+    ov = overrides("shm")
+    payloads = delta_workers.versions(3)
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(ov), "127.0.0.1:0", 2) as sender:
+        procs = [start(delta_workers.receiver, sender.address, 0, ov, range(1, 4), q, "load", 1),  # damaged after 1
+                 start(delta_workers.receiver, sender.address, 1, ov, range(1, 4), q)]
+        try:
+            sender.send(payloads[0], version=1)
+            expect(collect(q, 2), 1, payloads[0], [0, 1])
+            stats = sender.send(payloads[1], version=2)  # receiver 0's digest differs: offered again, with a dense section
+            assert expect(collect(q, 2), 2, payloads[1], [0, 1]) == {0: None, 1: 1}
+            assert stats.delta_base == 1
+            sender.send(payloads[2], version=3)
+            assert expect(collect(q, 2), 3, payloads[2], [0, 1]) == {0: 2, 1: 2}
+        finally:
+            stop(procs)
+
+
+def test_a_receiver_killed_mid_delta_gets_the_next_version_whole_and_the_others_stay_on_deltas():
+    ov = overrides("nccl")
+    payloads = delta_workers.versions(4)
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(ov), "127.0.0.1:0", 3) as sender:
+        procs = [start(delta_workers.receiver, sender.address, 0, ov, range(1, 5), q),
+                 start(delta_workers.receiver, sender.address, 1, ov, range(1, 5), q, "load", None, 2),
+                 start(delta_workers.receiver, sender.address, 2, ov, range(1, 5), q, "receive")]
+        try:
+            sender.send(payloads[0], version=1)
+            expect(collect(q, 3), 1, payloads[0], [0, 1, 2])
+            t0 = time.monotonic()
+            with pytest.raises(Exception, match="receiver rank 1"):
+                sender.send(payloads[1], version=2)
+            assert time.monotonic() - t0 < 15
+            held = {}
+            for item in collect(q, 2):  # each survivor took version 2 or failed it; never torn
+                rank, status = item[0], item[1]
+                if status == "error":
+                    assert (item[3], item[4]) == (1, False), item
+                    held[rank] = 1
+                else:
+                    assert (status, item[3]) == (2, 2) and item[2] == delta_workers.digests(payloads[1])
+                    held[rank] = 2
+            procs[1].join(timeout=10)
+            # a replacement for receiver 1: no base, so whole; a survivor holding the sender's
+            # base applies deltas (the base is version 2 if any receiver took it, else 1)
+            procs.append(start(delta_workers.receiver, sender.address, 1, ov, [2, 3], q))
+            stats = sender.send(payloads[1], version=2, force=True)
+            base = stats.delta_base
+            assert base == max(held.values())
+            assert expect(collect(q, 3), 2, payloads[1], [0, 1, 2]) == {
+                1: None, **{r: (base if held[r] == base else None) for r in held}
+            }
+            stats = sender.send(payloads[2], version=3)
+            assert expect(collect(q, 3), 3, payloads[2], [0, 1, 2]) == {0: 2, 1: 2, 2: 2}
+        finally:
+            stop(procs)
