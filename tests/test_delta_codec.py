@@ -421,3 +421,16 @@ def test_adamw_updates_change_a_few_percent():
     # A codec round trip on a real update.
     for name, t in tensors.items():
         roundtrip(prev[name], t, encode(prev[name], t))
+
+
+def test_benchmark_rows_on_a_tiny_model():
+    from weightsync.bench import delta_codec
+
+    specs = [TensorSpec("layers.0.w", (128, 256), "bfloat16"), TensorSpec("layers.0.norm.weight", (256,), "bfloat16")]
+    rows = delta_codec.adamw_rows(specs, [1e-5], steps=2, seed=0, log=lambda _: None)
+    rows += delta_codec.synthetic_rows(specs, [0.05], seed=0, log=lambda _: None)
+    for row in rows:
+        assert row.bytes["chosen"] <= min(row.bytes.values()) and row.bytes["chosen"] < row.dense_bytes
+        assert set(row.encode_cpu_s) == set(delta_codec.TIMED)
+    assert "| AdamW lr 1e-05, step 2 |" in delta_codec.table(rows)
+    assert len(rows[0].densities) == 2 and rows[0].densities[0] > rows[0].densities[1] > 0

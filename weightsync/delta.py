@@ -276,7 +276,7 @@ def _put_gaps(codes: np.ndarray, at: int, gaps: np.ndarray, width: int, escapes:
         q = (gaps - 1) // m
         block = codes[at : at + n]
         block[:] = 0
-        block[np.cumsum(q + 1) - 1] = gaps - q * m
+        block[_cumsum(q + 1) - 1] = gaps - q * m
     return at + n
 
 
@@ -573,41 +573,41 @@ def _bitmask_positions(where: np.ndarray, count: int) -> np.ndarray:
     return pos
 
 
+# How far each code advances (an escape, code 0, advances 2**w - 1), and whether it marks a
+# changed element; for 4-bit codes by packed byte: (low nibble, high nibble).
+_ADVANCE8 = np.array([255, *range(1, 256)], dtype=np.int64)
+_ADVANCE4 = np.array([[(b & 15) or 15, (b >> 4) or 15] for b in range(256)], dtype=np.int64)
+_EMITS4 = np.array([[(b & 15) != 0, (b >> 4) != 0] for b in range(256)], dtype=np.bool_)
+
+
+def _cumsum(values: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(values).cumsum(0).numpy()  # (several times numpy's speed)
+
+
 def _gap_positions(where: np.ndarray, width: int, ncodes: int, numel: int, count: int) -> np.ndarray:
-    m = (1 << width) - 1
-    if width == 16:
-        codes = where.view("<u2")
-    elif width == 8:
-        codes = where
-    else:
-        codes = None  # unpacked a chunk at a time
     pos = np.empty(count, dtype=np.int64)
     k, total, step = 0, -1, max(CHUNK, 2)  # total: the position the codes so far lead to
     for start in range(0, ncodes, step):
-        if codes is None:
-            packed = where[start // 2 : (start + step) // 2 + 1]
-            block = np.empty(2 * packed.size, dtype=np.uint8)
-            block[0::2] = packed & 15
-            block[1::2] = packed >> 4
-            block = block[: min(step, ncodes - start)]
+        n_codes = min(step, ncodes - start)
+        if width == 4:
+            packed = where[start // 2 : (start + n_codes + 1) // 2]
+            advance = np.take(_ADVANCE4, packed, axis=0).reshape(-1)[:n_codes]
+            emits = np.take(_EMITS4, packed, axis=0).reshape(-1)[:n_codes]
         else:
-            block = codes[start : start + step]
-        emits = block != 0
+            block = where[start : start + n_codes] if width == 8 else where.view("<u2")[start : start + n_codes]
+            emits = block != 0
+            if width == 8:
+                advance = np.take(_ADVANCE8, block)
+            else:
+                advance = block.astype(np.int64)
+                advance[~emits] = (1 << 16) - 1
         n = int(np.count_nonzero(emits))
         if k + n > count:
             raise _fail(f"GAPS has more positions than the {count} its header says")
-        if n == block.size:  # no escapes
-            run = np.cumsum(block, dtype=np.int64)
-            run += total
-            total = int(run[-1])
-        else:
-            advance = block.astype(np.int64)
-            advance[~emits] = m
-            reach = np.cumsum(advance)
-            reach += total
-            total = int(reach[-1])
-            run = reach[emits]
-        pos[k : k + n] = run
+        reach = _cumsum(advance)
+        reach += total
+        total = int(reach[-1])
+        pos[k : k + n] = reach if n == n_codes else reach[emits]
         k += n
     if k != count:
         raise _fail(f"GAPS has {k} positions, the header says {count}")
