@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import torch
@@ -143,7 +143,14 @@ class Receiver:
         self.close()
 
     # ------------------------------------------------------------------ public sync API
-    def receive(self, version: int | None = None, *, owned: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def receive(
+        self,
+        version: int | None = None,
+        *,
+        owned: bool = False,
+        landing: Any = None,
+        settle: Callable[[], None] | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Receive one weight version, yielding ``(name, tensor)``.
 
         ``version``: the version expected (a different one fails on both sides); None
@@ -152,8 +159,16 @@ class Receiver:
         pass ``owned=True`` to get tensors you may keep (a large tensor is then received
         straight into a new tensor where the backend allows, not copied twice).
         Stopping early (``break``) drains the rest and marks the version as failed.
+
+        Session transports only (used by ``weightsync.pipeline``): ``landing``, an object
+        whose ``assembler(specs, device)`` returns the ``Assembler`` to unpack with (tensors
+        land in its memory); ``settle``, called after the last tensor was handed out and
+        before the sender is told the version arrived: if it raises, the version fails as
+        if the consumer had failed (the sender is told).
         """
-        return self._sync(version, sink=None, owned=owned)
+        if self._publisher is not None:
+            return self._take(self._publisher, version, None, owned)
+        return self._sync_session(version, None, owned, landing=landing, settle=settle)
 
     def load_into(self, module: torch.nn.Module, version: int | None = None) -> SyncStats:
         """Receive one version and copy it in place into ``module`` by name.
@@ -234,7 +249,10 @@ class Receiver:
         self.last_stats = stats
 
     # ------------------------------------------------------------------ transport family
-    def _sync_session(self, version: int | None, sink: ModuleSink | None, owned: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    def _sync_session(
+        self, version: int | None, sink: ModuleSink | None, owned: bool, landing: Any = None,
+        settle: Callable[[], None] | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         transport = self._transport
         assert transport is not None
         self.connect()
@@ -283,7 +301,10 @@ class Receiver:
         deadline = Deadline(self.config.timeout_s, f"in the transfer of version {v}")
         specs: list[TensorSpec] = list(plan.tensors) if plan is not None else []
         next_bucket = self._plan_reader(plan) if plan is not None else self._stream_reader(ch, specs, deadline)
-        assembler = Assembler(specs, self.device, sink.destination if sink is not None else None, owned=owned)
+        if landing is not None:
+            assembler = landing.assembler(specs, self.device)
+        else:
+            assembler = Assembler(specs, self.device, sink.destination if sink is not None else None, owned=owned)
         buckets = transport.recv_buckets(next_bucket, assembler.landing if assembler.destination is not None else None)
         checksum = checksum_fn(self.config.verify)
         received: list[tuple[Bucket, int | None]] = []  # each bucket with its checksum
@@ -303,6 +324,11 @@ class Receiver:
                         break
                 if consumer_error is not None:
                     break
+            if consumer_error is None and settle is not None:
+                try:
+                    settle()
+                except Exception as e:  # the consumer failed after the last tensor
+                    consumer_error = e
             if consumer_error is not None:
                 for _ in buckets:  # keep the transfer going so the sender is not stranded
                     pass
