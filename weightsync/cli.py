@@ -82,10 +82,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--backend", type=_csv(str), default=["nccl", "shm"], help="comma-separated backends (default: nccl,shm)")
     p.add_argument("--bucket-mb", type=_csv(int), default=[64], help="comma-separated bucket sizes in MiB (default: 64)")
-    p.add_argument("--receivers", type=int, default=3, help="receiver processes (default: 3)")
+    p.add_argument("--receivers", type=int, default=None, help="receiver processes (default: 3; vLLM replicas: 2)")
     p.add_argument("--trainers", type=int, default=1,
                    help="trainer processes for backends where every trainer rank sends: paired (default: 1)")
-    p.add_argument("--size-mb", type=float, default=1024, help="synthetic model size in MiB (default: 1024)")
+    p.add_argument("--size-mb", type=float, default=None,
+                   help="synthetic model size in MiB (default: 1024; with --rollout vllm: a 392 MB fp32 Qwen2 model)")
+    p.add_argument("--rollout", choices=("processes", "vllm"), default="processes",
+                   help="receivers: plain processes (default), or real vLLM replicas (--receivers of them, default 2 "
+                        "here: update vs. the replicas reloading from disk and the trainer's save)")
     p.add_argument("--shape", choices=("llm", "small-tensors"), default="llm",
                    help="synthetic model: a Qwen2-like decoder, or only 256 KiB tensors (default: llm)")
     p.add_argument("--dtype", default="bfloat16", help="synthetic model dtype (default: bfloat16)")
@@ -182,7 +186,37 @@ def _demo_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vllm_bench_command(args: argparse.Namespace) -> int:
+    import json
+
+    from weightsync.bench.vllm import VLLMBenchOptions, run_vllm_bench
+
+    opts = VLLMBenchOptions(
+        backends=args.backend, model=args.model, size_mb=args.size_mb or 392, replicas=args.receivers or 2,
+        bucket_mb=args.bucket_mb[0], repeats=args.repeats, overrides=args.overrides, work_dir=args.work_dir,
+    )
+    try:
+        result = run_vllm_bench(opts, lambda text: print(text, file=sys.stderr, flush=True))
+    except Exception as e:
+        print(f"bench FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"model {result['model_bytes'] / 1e6:.0f} MB, {result['replicas']} vLLM replicas; "
+              f"disk reload (all replicas at once) {result['disk_reload_s']:.3f} s, trainer save {result['save_s']:.3f} s")
+        for r in result["rows"]:
+            print(f"  {r['backend']:>8} {r['bucket_mb']} MiB: update {r['seconds']:.3f} s (first {r['first_s']:.3f} s; "
+                  f"pause {r['pause_s']:.3f}, sync {r['sync_s']:.3f}, resume {r['resume_s']:.3f}; worker load "
+                  f"{r['worker_load_s']:.3f}); x disk reload {r['ratio_to_disk_reload']:.2f}, x save+reload "
+                  f"{r['ratio_to_save_reload']:.2f}; landing {r['landing_mb']:.0f} MiB, RSS growth {r['rss_growth_mb']:.0f} MB")
+        print(f"greedy output matches the trainer: {result['greedy_matches_trainer']}")
+    return 0 if all(result["greedy_matches_trainer"].values()) else 1
+
+
 def _bench_command(args: argparse.Namespace) -> int:
+    if args.rollout == "vllm":
+        return _vllm_bench_command(args)
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -190,8 +224,8 @@ def _bench_command(args: argparse.Namespace) -> int:
     from weightsync.bench.report import plot, table, to_json
 
     opts = BenchOptions(
-        backends=args.backend, bucket_mb=args.bucket_mb, receivers=args.receivers, trainers=args.trainers,
-        size_mb=args.size_mb,
+        backends=args.backend, bucket_mb=args.bucket_mb, receivers=args.receivers or 3, trainers=args.trainers,
+        size_mb=args.size_mb or 1024,
         shape=args.shape, dtype=args.dtype, model=args.model, repeats=args.repeats,
         alternatives=args.alternatives, overrides=args.overrides, work_dir=args.work_dir,
     )
@@ -204,9 +238,9 @@ def _bench_command(args: argparse.Namespace) -> int:
     except (BenchError, ValueError, FileNotFoundError, ConfigError) as e:
         print(f"bench FAILED: {e}", file=sys.stderr)
         return 1
-    what = f"{args.model}" if args.model else f"synthetic {args.shape} {args.size_mb:g} MiB {args.dtype}"
+    what = f"{args.model}" if args.model else f"synthetic {args.shape} {opts.size_mb:g} MiB {args.dtype}"
     senders = f"{args.trainers} trainer ranks (paired), else 1 sender" if args.trainers > 1 else "1 sender"
-    title = f"{what}, {rows[0].tensors} tensors, {senders} -> {args.receivers} receivers"
+    title = f"{what}, {rows[0].tensors} tensors, {senders} -> {opts.receivers} receivers"
     if args.json:
         print(to_json(rows))
     else:

@@ -192,6 +192,18 @@ class EngineConfig:
             "每次等待（连接、握手、传输、确认）的超时秒数。对端超时未响应则同步失败，错误信息会指明该对端。",
         ),
     )
+    receive_buckets_in_flight: int = field(
+        default=2,
+        metadata=_doc(
+            "Receivers that load through an engine's own loader (the vLLM integration): how many "
+            "buckets' worth of received tensors a background thread may hold ahead of the loader "
+            "(so the transfer overlaps the engine's loading). Received tensors land in reusable "
+            "memory kept by the worker between versions; at least 1.",
+            "通过推理引擎自身加载器加载的接收端（vLLM 集成）：后台线程最多可领先加载器持有多少个桶的已接收张量"
+            "（使传输与引擎加载重叠）。接收的张量落在工作进程跨版本复用的内存中；至少为 1。",
+            allowed=">= 1",
+        ),
+    )
     verify: str = field(
         default="off",
         metadata=_doc(
@@ -334,6 +346,10 @@ class EngineConfig:
             raise ConfigError(
                 f"update_weights_bucket_megabytes={self.update_weights_bucket_megabytes}: "
                 "must be a positive number of MiB"
+            )
+        if not isinstance(self.receive_buckets_in_flight, int) or self.receive_buckets_in_flight < 1:
+            raise ConfigError(
+                f"receive_buckets_in_flight={self.receive_buckets_in_flight}: must be at least 1"
             )
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout_s={self.timeout_s}: must be a positive number of seconds")

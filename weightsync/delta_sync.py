@@ -300,3 +300,23 @@ def apply_staged(
             as_bytes(target).copy_(as_bytes(payload))
         else:
             delta.apply(target, kind, payload)
+
+
+def keep(base: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:
+    """A streaming receiver's base: keep a copy of what arrived whole (allocated once)."""
+    held = base.get(name)
+    if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
+        held = base[name] = torch.empty(tensor.shape, dtype=tensor.dtype)
+    held.copy_(tensor)
+
+
+def verify_tensors(header: DeltaHeader, base: dict[str, torch.Tensor], sent: Any, checksum: Any) -> str | None:
+    """``verify`` after applying a delta sync: the reconstructed tensors against the
+    sender's checksums of them; what differs, or None."""
+    if not isinstance(sent, list) or len(sent) != len(header.model):
+        return "(the sender's checksums do not cover the version's tensors)"
+    bad = [s.name for s, theirs in zip(header.model, sent) if checksum(as_bytes(base[s.name])) != theirs]
+    if not bad:
+        return None
+    more = f" and {len(bad) - 16} more" if len(bad) > 16 else ""
+    return f"after applying deltas; tensors affected: {', '.join(bad[:16])}{more}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import torch
@@ -147,7 +147,14 @@ class Receiver:
         self.close()
 
     # ------------------------------------------------------------------ public sync API
-    def receive(self, version: int | None = None, *, owned: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def receive(
+        self,
+        version: int | None = None,
+        *,
+        owned: bool = False,
+        landing: Any = None,
+        settle: Callable[[], None] | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Receive one weight version, yielding ``(name, tensor)``.
 
         ``version``: the version expected (a different one fails on both sides); None
@@ -156,8 +163,16 @@ class Receiver:
         pass ``owned=True`` to get tensors you may keep (a large tensor is then received
         straight into a new tensor where the backend allows, not copied twice).
         Stopping early (``break``) drains the rest and marks the version as failed.
+
+        Session transports only (used by ``weightsync.pipeline``): ``landing``, an object
+        whose ``assembler(specs, device)`` returns the ``Assembler`` to unpack with (tensors
+        land in its memory); ``settle``, called after the last tensor was handed out and
+        before the sender is told the version arrived: if it raises, the version fails as
+        if the consumer had failed (the sender is told).
         """
-        return self._sync(version, sink=None, owned=owned)
+        if self._publisher is not None:
+            return self._take(self._publisher, version, None, owned)
+        return self._sync_session(version, None, owned, landing=landing, settle=settle)
 
     def load_into(self, module: torch.nn.Module, version: int | None = None) -> SyncStats:
         """Receive one version and copy it in place into ``module`` by name.
@@ -238,7 +253,10 @@ class Receiver:
         self.last_stats = stats
 
     # ------------------------------------------------------------------ transport family
-    def _sync_session(self, version: int | None, sink: ModuleSink | None, owned: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    def _sync_session(
+        self, version: int | None, sink: ModuleSink | None, owned: bool, landing: Any = None,
+        settle: Callable[[], None] | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         transport = self._transport
         assert transport is not None
         self.connect()
@@ -307,7 +325,12 @@ class Receiver:
                 m, action = route.actions[i]
                 return sink.destination(model[m]) if action == "take" else None
 
-        assembler = Assembler(specs, self.device, destination, owned=owned and header is None)
+        if landing is not None and header is None:  # pooled landing memory (weightsync.pipeline)
+            assembler = landing.assembler(specs, self.device)
+        else:
+            assembler = Assembler(specs, self.device, destination, owned=owned and header is None)
+        # Tensors handed out of a delta sync's buffers are copies when the consumer keeps them.
+        owned = owned or landing is not None
         buckets = transport.recv_buckets(next_bucket, assembler.landing if assembler.destination is not None else None)
 
         def take(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
@@ -323,7 +346,7 @@ class Receiver:
                     return None
                 item = (header.model[m].name, tensor.clone() if owned else tensor)
             if keep_base:
-                self._keep(*item)
+                delta_sync.keep(self._base, *item)
             return item
         checksum = checksum_fn(self.config.verify)
         received: list[tuple[Bucket, int | None]] = []  # each bucket with its checksum
@@ -359,6 +382,8 @@ class Receiver:
                         break
                 if consumer_error is not None:
                     break
+            if consumer_error is None and settle is not None and not route.relative:
+                consumer_error = _settle(settle)
             if consumer_error is not None:
                 for _ in buckets:  # keep the transfer going so the sender is not stranded
                     pass
@@ -376,7 +401,9 @@ class Receiver:
                 stats.delta_base = header.base_version
                 staged.clear()
                 if checksum is not None:
-                    problem = self._verify_tensors(v, header, base, sent.get("tensors"), checksum)
+                    problem = delta_sync.verify_tensors(header, base, sent.get("tensors"), checksum)
+                    if problem is not None:
+                        problem = f"receiver rank {self.rank}: version {v} failed verification ({self.config.verify}) {problem}"
                 if problem is None:
                     for spec in header.model:
                         tensor = base[spec.name]
@@ -386,8 +413,11 @@ class Receiver:
                             yield spec.name, tensor.clone() if owned else tensor
                         except BaseException as e:
                             consumer_error = e
-                            problem = f"receiver rank {self.rank} did not complete version {v}: {e!r}"
                             break
+                    if consumer_error is None and settle is not None:
+                        consumer_error = _settle(settle)
+                    if consumer_error is not None:
+                        problem = f"receiver rank {self.rank} did not complete version {v}: {consumer_error!r}"
         except Exception as e:
             buckets.close()  # let the transport drop its pending receives now
             self._finish(v, ok=False, message=f"transfer failed: {e}", broken=True, delivered=delivered())
@@ -524,27 +554,6 @@ class Receiver:
             return False
         return True
 
-    def _keep(self, name: str, tensor: torch.Tensor) -> None:
-        """delta=auto, ``receive()``: keep a copy of what arrived whole, as the next base."""
-        held = self._base.get(name)
-        if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
-            held = self._base[name] = torch.empty(tensor.shape, dtype=tensor.dtype)
-        held.copy_(tensor)
-
-    def _verify_tensors(
-        self, version: int, header: DeltaHeader, base: dict[str, torch.Tensor], sent: Any, checksum: Any
-    ) -> str | None:
-        """``verify`` after a delta sync: the reconstructed tensors against the sender's."""
-        if not isinstance(sent, list) or len(sent) != len(header.model):
-            return f"receiver rank {self.rank}: the sender's checksums of version {version} do not cover its tensors"
-        bad = [s.name for s, theirs in zip(header.model, sent) if checksum(as_bytes(base[s.name])) != theirs]
-        if not bad:
-            return None
-        return (
-            f"receiver rank {self.rank}: version {version} failed verification ({self.config.verify}) after "
-            f"applying deltas; tensors affected: {', '.join(bad[:16])}" + (f" and {len(bad) - 16} more" if len(bad) > 16 else "")
-        )
-
     @staticmethod
     def _plan_reader(plan: Plan):
         buckets = iter(plan.buckets)
@@ -567,6 +576,15 @@ class Receiver:
             return bucket
 
         return next_bucket
+
+
+def _settle(settle: Callable[[], None]) -> BaseException | None:
+    """Run the consumer's last step; the error it raised, if any."""
+    try:
+        settle()
+    except Exception as e:  # the consumer failed after the last tensor
+        return e
+    return None
 
 
 def _valid_engine(info: Any) -> bool:

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from weightsync.config import EngineConfig
+from weightsync.pipeline import LandingPool, receive_into
 from weightsync.receiver import Receiver
 from weightsync.session import HandshakeError
 from weightsync.state import VersionState
@@ -68,6 +69,8 @@ class ReplicaReceiver:
         #: the weights this worker serves; survives a new receiver (a new sender address)
         self.state = VersionState()
         self.last: dict[str, Any] = {}
+        #: landing memory of received tensors, kept across versions (and receivers)
+        self.pool = LandingPool()
 
     def open(self, address: str, rank: int, overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
         """Create the receiver (it connects at the first sync). Idempotent for one address/rank."""
@@ -86,6 +89,7 @@ class ReplicaReceiver:
         if self.receiver is not None:
             self.receiver.close()
             self.receiver = None
+        self.pool.close()
 
     def status(self) -> dict[str, Any]:
         return {
@@ -100,50 +104,22 @@ class ReplicaReceiver:
     def receive(self, version: int, reload: Reload) -> dict[str, Any]:
         """Receive ``version`` and load it through ``reload``; return the status.
 
-        Never raises for a failed sync: the status says what happened (``ok``, ``error``),
-        so the trainer gets every replica's account, not just the first exception.
+        Pipelined (``weightsync.pipeline``): the transfer runs in a background thread up to
+        ``receive_buckets_in_flight`` buckets ahead of ``reload``, and tensors land in this
+        worker's landing pool, reused across versions. Never raises for a failed sync: the
+        status says what happened (``ok``, ``error``), so the trainer gets every replica's
+        account, not just the first exception.
         """
         if self.receiver is None:
             raise RuntimeError("weightsync receiver not initialized: call weightsync_init first")
         start = time.perf_counter()
-        # Owned tensors: vLLM's layerwise reload keeps each tensor until its whole layer has
-        # arrived, so it must not get views of a reused transfer buffer. Large tensors are
-        # received straight into new tensors; packed small ones are copied out.
-        items = self.receiver.receive(version, owned=True)
-        applied = 0
-        error: BaseException | None = None
-        try:
-            # The handshake happens here: if it fails, the model was not touched.
-            first = next(items, None)
-        except Exception as e:
-            error, first = e, None
-        load_s = 0.0
-        if first is not None:
-
-            def stream() -> Iterator[tuple[str, torch.Tensor]]:
-                nonlocal applied, error
-                item: tuple[str, torch.Tensor] | None = first
-                while item is not None:
-                    yield item
-                    applied += 1
-                    try:
-                        item = next(items, None)
-                    except Exception as e:
-                        # End the stream cleanly so that vLLM finalizes the reload (layers that
-                        # got nothing keep their tensors) instead of leaving them half set up.
-                        error = e
-                        return
-
-            t0 = time.perf_counter()
-            try:
-                reload(stream())
-            except Exception as e:  # the model's loader refused a tensor
-                error = error or e
-                try:
-                    items.throw(e)  # let the receiver drain the sync and tell the sender
-                except Exception:
-                    pass
-            load_s = time.perf_counter() - t0
+        config = self.receiver.config
+        allocated = self.pool.allocated_bytes
+        result = receive_into(
+            self.receiver, version, reload, pool=self.pool,
+            in_flight_bytes=config.receive_buckets_in_flight * config.bucket_bytes, timeout_s=config.timeout_s,
+        )
+        error, applied = result.error, result.applied
         stats = self.receiver.last_stats
         if error is not None:
             if not isinstance(error, HandshakeError):  # a refusal leaves the state as it was
@@ -158,7 +134,12 @@ class ReplicaReceiver:
             "tensors": stats.tensors if stats is not None and error is None else applied,
             "bytes": stats.bytes if stats is not None and error is None else 0,
             "seconds": time.perf_counter() - start,
-            "load_s": load_s,
+            "load_s": result.load_s,
+            "first_s": result.first_s,
+            "wait_s": result.wait_s,
+            "landing_bytes": self.pool.bytes,
+            "landing_allocated_bytes": self.pool.allocated_bytes - allocated,
+            "queued_peak_bytes": result.queued_peak_bytes,
         }
         return self.status()
 

@@ -1,0 +1,214 @@
+"""The pipelined receive of engine replicas (``weightsync.pipeline`` through
+``ReplicaReceiver``), without vLLM: a replica process loads through a plain ``reload``
+callable, over a real transport (Gloo). Transfer overlaps loading within the in-flight
+bound, landing memory is reused across versions without overwriting tensors still held,
+a transfer that fails midway ends the loader's stream cleanly (the replica reports a mix),
+and a loader error fails the sync on the sender within the deadline."""
+
+import time
+
+import pytest
+import torch
+
+import pipeline_workers as pw
+from procs import CTX, start, stop
+from weightsync import EngineConfig, Sender, SyncError
+from weightsync.pipeline import LandingPool
+from weightsync.sources import StateDictSource
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+TIMEOUT_S = 20
+IN_FLIGHT = 2
+OVERRIDES = ["backend=nccl", "update_weights_bucket_megabytes=1", f"timeout_s={TIMEOUT_S}",
+             f"receive_buckets_in_flight={IN_FLIGHT}"]
+MiB = 1 << 20
+
+
+class Replica:
+    """A replica process and its command queue (one call at a time)."""
+
+    def __init__(self) -> None:
+        self.commands, self.results = CTX.Queue(), CTX.Queue()
+        self.proc = start(pw.replica, self.commands, self.results)
+
+    def call(self, method, *args, timeout=90, **opts):
+        self.commands.put((method, args, opts))
+        return self.results.get(timeout=timeout)
+
+    def close(self) -> None:
+        self.commands.put(None)
+        stop([self.proc])
+
+
+class FailingSource(StateDictSource):
+    """The weights of a version; the iterator raises after ``after`` tensors (mid-transfer)."""
+
+    def __init__(self, state, after):
+        super().__init__(state)
+        self.after = after
+
+    def tensors(self):
+        for i, item in enumerate(super().tensors()):
+            if i == self.after:
+                raise RuntimeError("the trainer failed mid-transfer")
+            yield item
+
+
+def _send_while(replica, sender, source, version, **opts):
+    """Start the replica's receive, send, and return (send outcome, replica reply)."""
+    replica.commands.put(("weightsync_receive", (version,), opts))
+    try:
+        outcome = sender.send(source, version=version)
+    except SyncError as e:
+        outcome = e
+    return outcome, replica.results.get(timeout=90)
+
+
+@pytest.fixture
+def session():
+    config = EngineConfig.from_overrides(OVERRIDES)
+    replica = Replica()
+    try:
+        with Sender(config, "127.0.0.1:0", num_receivers=1) as sender:
+            status, _, _ = replica.call("weightsync_init", sender.address, 0, OVERRIDES)
+            assert status["version"] is None
+            yield replica, sender
+    finally:
+        replica.close()
+
+
+def test_versions_are_exact_landing_memory_is_reused_and_transfer_overlaps_loading(session):
+    replica, sender = session
+    allocations = []
+    for v in (1, 2, 3):
+        outcome, (status, loaded, extra) = _send_while(replica, sender, pw.weights(v), v)
+        assert not isinstance(outcome, Exception), outcome
+        assert status["ok"] and status["version"] == v and loaded == pw.expected(v), status
+        allocations.append((extra["allocations"], status["landing_allocated_bytes"]))
+    # the first version allocates the landing memory, the next ones reuse it: at most a
+    # bucket or two more where the loader and the transfer happened to overlap differently
+    assert allocations[1][1] + allocations[2][1] <= IN_FLIGHT * MiB, allocations
+    # landing memory: the transport's window (nccl posts 8 receives ahead), the in-flight
+    # bound, what the loader holds and the split tensor; never a second copy of the model
+    total = sum(t.nbytes for t in pw.weights(1).values())
+    assert status["landing_bytes"] <= (8 + IN_FLIGHT + 4) * MiB < total, status
+
+    # A loader that stalls on its first tensor: meanwhile the transfer goes on, up to the bound.
+    outcome, (status, loaded, extra) = _send_while(replica, sender, pw.weights(4), 4, sleep_first=2.0)
+    assert status["ok"] and loaded == pw.expected(4), status
+    largest = max(t.nbytes for t in pw.weights(4).values())
+    assert IN_FLIGHT * MiB - largest <= status["queued_peak_bytes"] <= IN_FLIGHT * MiB + largest, status
+
+    # Tensors the loader keeps are never overwritten by a later version's landing.
+    outcome, (status, _, _) = _send_while(replica, sender, pw.weights(5), 5, keep=True)
+    assert status["ok"], status
+    for v in (6, 7):
+        outcome, (status, loaded, _) = _send_while(replica, sender, pw.weights(v), v)
+        assert status["ok"] and loaded == pw.expected(v), status
+    kept, _, _ = replica.call("kept_digests")
+    assert kept == pw.expected(5)
+
+
+def test_transfer_failing_midway_ends_the_stream_cleanly_and_reports_a_mix(session):
+    replica, sender = session
+    outcome, (status, _, _) = _send_while(replica, sender, pw.weights(1), 1)
+    assert status["ok"]
+    t0 = time.monotonic()
+    outcome, (status, loaded, extra) = _send_while(replica, sender, FailingSource(pw.weights(2), after=12), 2)
+    assert isinstance(outcome, SyncError)
+    assert time.monotonic() - t0 < TIMEOUT_S + 10
+    assert extra["ended"]  # the loader's stream ended without an exception (the engine finalizes)
+    assert not status["ok"] and status["applied"] > 0
+    assert (status["version"], status["mixed"], status["failed_version"]) == (None, True, 2), status
+    # the next version makes the replica whole again
+    outcome, (status, loaded, _) = _send_while(replica, sender, pw.weights(3), 3)
+    assert status["ok"] and (status["version"], status["mixed"]) == (3, False) and loaded == pw.expected(3), status
+
+
+def test_loader_error_mid_stream_fails_the_sync_on_the_sender_within_the_deadline(session):
+    replica, sender = session
+    outcome, (status, _, _) = _send_while(replica, sender, pw.weights(1), 1)
+    assert status["ok"]
+    t0 = time.monotonic()
+    outcome, (status, _, _) = _send_while(replica, sender, pw.weights(2), 2, fail_after=3)
+    assert time.monotonic() - t0 < TIMEOUT_S
+    assert isinstance(outcome, SyncError) and "the loader refused" in str(outcome), outcome
+    assert not status["ok"] and "the loader refused" in status["error"]
+    assert (status["version"], status["mixed"]) == (None, True), status
+    # connections stay usable: the next version goes through
+    outcome, (status, loaded, _) = _send_while(replica, sender, pw.weights(3), 3)
+    assert not isinstance(outcome, Exception) and status["ok"] and loaded == pw.expected(3), status
+
+
+def test_landing_pool_reuses_only_released_buffers():
+    pool = LandingPool()
+    a = pool.acquire(1000)
+    b = pool.acquire(1000)
+    assert a.data_ptr() != b.data_ptr() and pool.allocations == 2
+    view = a[10:20].view(torch.int16)  # a view keeps a's buffer busy
+    del a
+    pool.next_version()
+    c = pool.acquire(1000)
+    assert c.data_ptr() not in (view.data_ptr() - 10,) and pool.allocations == 3
+    del view, b, c
+    pool.next_version()
+    d = pool.acquire(900)  # a free buffer of up to twice the size serves
+    assert pool.allocations == 3 and d.numel() == 900
+    pool.next_version()
+    pool.trim()  # the buffers neither of the last two versions used go
+    assert pool.bytes == 1000
+    pool.close()
+    assert pool.bytes == 0 and d.sum() >= 0  # d stays valid after close
+
+
+class FakeReplica:
+    """A replica as ``VLLMRollout`` drives one (the ``Replica`` protocol), served by a
+    replica process without vLLM; pausing and resuming are recorded."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.process = Replica()
+        self.paused = False
+
+    def workers(self) -> int:
+        return 1
+
+    def pause(self, mode) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def release_kv_cache(self) -> None:
+        raise NotImplementedError
+
+    def restore_kv_cache(self) -> None:
+        pass
+
+    def call(self, method, *args, timeout=None):
+        status, _, _ = self.process.call(method, *args, timeout=max(timeout or 0, 150))  # a cold start imports vLLM
+        return [status]
+
+
+def test_update_whose_transfer_fails_midway_leaves_the_replicas_mixed_and_paused():
+    from weightsync.integrations.vllm_rollout import ReplicaUpdateError, VLLMRollout
+
+    replicas = [FakeReplica("A"), FakeReplica("B")]
+    try:
+        with VLLMRollout(replicas, OVERRIDES) as rollout:
+            assert rollout.update(pw.weights(1), 1).ok
+            assert not any(r.paused for r in replicas)
+            t0 = time.monotonic()
+            with pytest.raises(ReplicaUpdateError, match="kept paused") as info:
+                rollout.update(FailingSource(pw.weights(2), after=12), 2)
+            assert time.monotonic() - t0 < TIMEOUT_S + 10
+            for rep in info.value.report.replicas:
+                assert (rep.ok, rep.version, rep.mixed, rep.resumed, rep.failed_version) == (False, None, True, False, 2)
+            assert all(r.paused for r in replicas)  # a replica serving a mix does not serve
+            assert [(r.version, r.mixed) for r in rollout.status()] == [(None, True)] * 2
+            report = rollout.update(pw.weights(3), 3)  # a complete update makes them whole and resumes them
+            assert report.ok and not any(r.paused for r in replicas)
+    finally:
+        for r in replicas:
+            r.process.close()

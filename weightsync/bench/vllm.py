@@ -1,0 +1,212 @@
+"""``weightsync bench --rollout vllm``: a weightsync update of real vLLM replicas against
+the replicas reloading the same weights from disk, in one run.
+
+The replicas start once. For every backend: a warm-up update, then ``repeats`` timed
+updates (the trainer's weights change before each); the row's figure is the median. The
+alternatives are measured on the same replicas and weights: the trainer's save
+(``safetensors.torch.save_file``) and every replica's ``reload_weights(weights_path=...)``
+at once. After the last update every replica's greedy output is checked against the
+trainer's.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: the Qwen2 shapes of the measurements in BENCHMARKS.md: (vocab, hidden, intermediate,
+#: heads, kv heads) and the bytes of the two embeddings, of one layer (fp32)
+_LARGE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_attention_heads=12, num_key_value_heads=2)
+_SMALL = dict(vocab_size=5000, hidden_size=128, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _layer_bytes(c: dict[str, int]) -> int:
+    h, i, kv = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"] * c["num_key_value_heads"]
+    return 4 * (2 * h * h + 2 * h * kv + 3 * h * i + h + 2 * kv + 2 * h)
+
+
+def model_config(size_mb: float) -> dict[str, Any]:
+    """A Qwen2 config of about ``size_mb`` MB in fp32 (392 MB: 8 layers of the large shape)."""
+    base = _LARGE if size_mb >= 250 else _SMALL
+    embed = 2 * 4 * base["vocab_size"] * base["hidden_size"]
+    layers = max(1, round((size_mb * 1e6 - embed) / _layer_bytes(base)))
+    return {"model_type": "qwen2", **base, "num_hidden_layers": layers, "max_position_embeddings": 256,
+            "tie_word_embeddings": False}
+
+
+@dataclass
+class VLLMBenchOptions:
+    backends: list[str] = field(default_factory=lambda: ["nccl", "shm"])
+    model: str | None = None
+    size_mb: float = 392
+    replicas: int = 2
+    bucket_mb: int = 64
+    repeats: int = 5
+    overrides: list[str] = field(default_factory=list)
+    work_dir: str | None = None
+
+
+def _rss(pid: int) -> dict[str, float]:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS", "VmHWM")):
+                key, value = line.split(":")
+                out[key] = int(value.split()[0]) / 1024
+    return out
+
+
+def _reset_peak(pid: int) -> None:
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (our own child process)
+    except OSError:
+        pass
+
+
+def _bump(model: torch.nn.Module, step: int) -> None:
+    """Change every weight a little (a training step's worth)."""
+    g = torch.Generator().manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 1e-3)
+
+
+def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, Any]:
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from weightsync.demo_vllm import PROMPTS, replica_greedy, start_replica, trainer_greedy, vllm_environment
+    from weightsync.integrations.vllm_rollout import LLMReplica, VLLMRollout
+
+    def say(text: str) -> None:
+        if progress is not None:
+            progress(text)
+
+    vllm_environment()
+    tmp = tempfile.TemporaryDirectory(prefix="weightsync-vllm-bench-", dir=opts.work_dir)
+    llms: list[Any] = []
+    try:
+        model_dir = opts.model
+        if model_dir is None:
+            model_dir = os.path.join(tmp.name, "model")
+            torch.manual_seed(0)
+            config = AutoConfig.for_model(**model_config(opts.size_mb))
+            AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        nbytes = sum(t.nbytes for t in model.state_dict().values())
+        say(f"model: {nbytes / 1e6:.0f} MB; starting {opts.replicas} replicas")
+        llms = [start_replica(model_dir, max_model_len=128) for _ in range(opts.replicas)]
+        replicas = [LLMReplica(llm, f"replica{i}") for i, llm in enumerate(llms)]
+        step = 0
+        rows: list[dict[str, Any]] = []
+        for backend in opts.backends:
+            overrides = [f"backend={backend}", f"update_weights_bucket_megabytes={opts.bucket_mb}", *opts.overrides]
+            rollout = VLLMRollout(replicas, overrides)
+            try:
+                pids = [r.call("weightsync_status")[0]["pid"] for r in replicas]
+                updates: list[dict[str, Any]] = []
+                for i in range(opts.repeats + 1):
+                    step += 1
+                    _bump(model, step)
+                    rss = [_rss(p)["VmRSS"] for p in pids]
+                    for p in pids:
+                        _reset_peak(p)
+                    t0 = time.perf_counter()
+                    report = rollout.update(model, step, mode="keep")
+                    total = time.perf_counter() - t0
+                    workers = [r.call("weightsync_status")[0] for r in replicas]
+                    peaks = [_rss(p)["VmHWM"] for p in pids]
+                    updates.append({
+                        "seconds": total, "pause_s": report.pause_s, "sync_s": report.sync_s,
+                        "resume_s": report.resume_s,
+                        "handshake_s": report.stats.handshake_s if report.stats else None,
+                        "transfer_s": report.stats.transfer_s if report.stats else None,
+                        "worker_load_s": max(w["load_s"] for w in workers),
+                        "worker_first_s": max(w["first_s"] for w in workers),
+                        "worker_wait_s": max(w["wait_s"] for w in workers),
+                        "landing_mb": max(w["landing_bytes"] for w in workers) / 2**20,
+                        "landing_allocated_mb": max(w["landing_allocated_bytes"] for w in workers) / 2**20,
+                        "rss_before_mb": max(rss), "rss_growth_mb": max(pk - r0 for pk, r0 in zip(peaks, rss)),
+                    })
+                    say(f"{backend} update {i}{' (warm-up)' if i == 0 else ''}: {total:.3f} s "
+                        f"(sync {report.sync_s:.3f}, load {updates[-1]['worker_load_s']:.3f})")
+                steady = updates[1:]
+                rows.append({
+                    "backend": backend, "bucket_mb": opts.bucket_mb, "bytes": nbytes,
+                    "first_s": round(updates[0]["seconds"], 4),
+                    "seconds": round(statistics.median(u["seconds"] for u in steady), 4),
+                    "repeats_s": [round(u["seconds"], 4) for u in steady],
+                    **{k: round(statistics.median(u[k] for u in steady), 4)
+                       for k in ("pause_s", "sync_s", "resume_s", "handshake_s", "transfer_s", "worker_load_s",
+                                 "worker_first_s", "worker_wait_s", "landing_mb", "landing_allocated_mb",
+                                 "rss_before_mb") if steady[0][k] is not None},
+                    "rss_growth_mb": round(max(u["rss_growth_mb"] for u in steady), 1),
+                })
+            finally:
+                rollout.close()
+
+        # the alternatives, on the same weights: save, then every replica reloads at once
+        saves, reloads = [], []
+        disk = os.path.join(tmp.name, "disk")
+        os.makedirs(disk, exist_ok=True)
+        for f in os.listdir(model_dir):
+            if f.endswith(".json"):
+                with open(os.path.join(model_dir, f), "rb") as src, open(os.path.join(disk, f), "wb") as dst:
+                    dst.write(src.read())
+        say("disk: save and reload")
+        for i in range(opts.repeats + 1):
+            state = {k: v.contiguous() for k, v in model.state_dict().items()}
+            t0 = time.perf_counter()
+            save_file(state, os.path.join(disk, "model.safetensors"), metadata={"format": "pt"})
+            save_s = time.perf_counter() - t0
+            took: list[float] = [0.0] * len(replicas)
+
+            def reload(k: int) -> None:
+                took[k] = replicas[k].call("weightsync_reload_from_path", disk)[0]
+
+            threads = [threading.Thread(target=reload, args=(k,)) for k in range(len(replicas))]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            if i:  # the first is the warm-up
+                saves.append(save_s)
+                reloads.append(wall)
+            say(f"disk {i}: save {save_s:.3f} s, reload {wall:.3f} s")
+        save_s, reload_s = statistics.median(saves), statistics.median(reloads)
+
+        # one more update, then greedy parity with the trainer
+        step += 1
+        _bump(model, step)
+        last = opts.backends[-1]
+        with VLLMRollout(replicas, [f"backend={last}", f"update_weights_bucket_megabytes={opts.bucket_mb}",
+                                    *opts.overrides]) as rollout:
+            rollout.update(model, step, mode="keep")
+        expected = trainer_greedy(model, PROMPTS, 8)
+        greedy = {r.name: replica_greedy(llm, PROMPTS, 8) == expected for r, llm in zip(replicas, llms)}
+        for row in rows:
+            row["ratio_to_disk_reload"] = round(row["seconds"] / reload_s, 3)
+            row["ratio_to_save_reload"] = round(row["seconds"] / (save_s + reload_s), 3)
+        return {
+            "model_bytes": nbytes, "replicas": opts.replicas, "rows": rows,
+            "disk_reload_s": round(reload_s, 4), "disk_reload_repeats_s": [round(s, 4) for s in reloads],
+            "save_s": round(save_s, 4), "save_repeats_s": [round(s, 4) for s in saves],
+            "greedy_matches_trainer": greedy,
+        }
+    finally:
+        for llm in llms:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:
+                pass
+        tmp.cleanup()
