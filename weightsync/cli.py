@@ -95,6 +95,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bfloat16", help="synthetic model dtype (default: bfloat16)")
     p.add_argument("--model", metavar="DIR", help="benchmark the *.safetensors weights of DIR instead")
     p.add_argument("--repeats", type=int, default=3, help="timed syncs per row after one warm-up (default: 3)")
+    p.add_argument("--update", choices=("bump", "adamw"), default="bump",
+                   help="how versions differ: every tensor a little (bump, default), or an AdamW step of fp32 "
+                        "masters sent in the model dtype, with rows for delta off and auto per backend (adamw)")
+    p.add_argument("--lr", type=float, default=1e-6, help="learning rate of --update adamw (default: 1e-6)")
     p.add_argument("--no-alternatives", dest="alternatives", action="store_false",
                    help="measure only weightsync's backends (no per-tensor, disk or ceiling rows)")
     p.add_argument("--work-dir", metavar="DIR", help="where the disk path writes (default: the temp dir)")
@@ -228,6 +232,7 @@ def _bench_command(args: argparse.Namespace) -> int:
         size_mb=args.size_mb or 1024,
         shape=args.shape, dtype=args.dtype, model=args.model, repeats=args.repeats,
         alternatives=args.alternatives, overrides=args.overrides, work_dir=args.work_dir,
+        update=args.update, lr=args.lr,
     )
     err = Console(stderr=True)  # progress on stderr keeps --json output clean
     try:

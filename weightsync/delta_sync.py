@@ -30,7 +30,10 @@ reconstructed tensors checked, so a delta sync that fails midway leaves their ba
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +143,28 @@ def base_digest(specs: Sequence[TensorSpec], base: dict[str, torch.Tensor]) -> s
     return delta.digest(items)
 
 
+class _Background:
+    """``fn(*args)`` computed in a thread of its own; ``result()`` waits for it."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name="weightsync-digest", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as e:  # re-raised by result()
+            self._error = e
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 @dataclass
 class Encoding:
     """The sender's side of one sync under ``delta=auto``."""
@@ -173,7 +198,6 @@ class SenderBase:
     and the policy that decides when deltas pay."""
 
     version: int | None = None
-    digest: str | None = None
     specs: list[TensorSpec] | None = None
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     #: receivers known to hold the base (they completed the sync that made it)
@@ -183,6 +207,13 @@ class SenderBase:
     dense_runs: int = 0  # dense syncs since delta last lost
     #: the sync in progress: (version, specs, wire entries of a delta sync, new tensors)
     _pending: tuple | None = None
+    _digest: Any = None  # the base's digest, being computed
+
+    def base_digest(self) -> str:
+        """The digest of the base (waits for its computation, started when it advanced)."""
+        digest = self._digest.result() if self._digest is not None else None
+        assert digest is not None, "no base"
+        return digest
 
     def encode(self, source: WeightSource, specs: list[TensorSpec], version: int, receivers: Sequence[int]) -> Encoding:
         """Read ``source`` once and say how the sync travels. The base does not change
@@ -197,7 +228,7 @@ class SenderBase:
             items = [(name, t.detach()) for name, t in source.tensors()]
             self._pending = (version, specs, None, dict(items))
             return Encoding(None, _Entries(items), model_bytes, model_bytes)
-        assert self.version is not None and self.digest is not None
+        assert self.version is not None
         entries: list[tuple[str, torch.Tensor]] = []
         kinds: list[int] = []
         new: dict[str, torch.Tensor] = {}
@@ -205,12 +236,15 @@ class SenderBase:
         for name, t in source.tensors():
             t = t.detach()
             new[name] = t if t.device.type == "cpu" else t.cpu()
-            enc = delta.encode(self.tensors[name], new[name])
+        # The codec's numpy kernels release the GIL: encode tensors on every core.
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="weightsync-delta") as pool:
+            encoded = list(pool.map(lambda name: delta.encode(self.tensors[name], new[name]), list(new)))
+        for name, enc in zip(new, encoded):
             changed += enc.changed
             elements += enc.numel
             kinds.append(int(enc.kind))
             entries.append((name, new[name] if enc.kind == Kind.DENSE else enc.payload))
-        header = DeltaHeader(self.version, self.digest, tuple(specs), tuple(kinds), False)
+        header = DeltaHeader(self.version, self.base_digest(), tuple(specs), tuple(kinds), False)
         self._pending = (version, specs, entries, new)
         encoding = Encoding(header, _Entries(entries), model_bytes, 0, changed, elements)
         if any(r not in self.holders for r in receivers):
@@ -258,7 +292,8 @@ class SenderBase:
                     else:
                         delta.apply(self.tensors[name], kind, payload)
             self.version, self.specs = version, specs
-            self.digest = base_digest(specs, self.tensors)
+            # Hashed in the background, while the trainer computes its next step.
+            self._digest = _Background(base_digest, specs, self.tensors)
             self.holders = set(ok_ranks)
         if encoding.header is None:
             self.last_dense_s = seconds

@@ -21,10 +21,21 @@ def table(rows: Sequence[Row], title: str):
     from rich.table import Table
 
     t = Table(title=title)
-    for col in ("backend", "bucket MiB", "seconds", "GB/s", "sender peak MB (+over)",
-                "receiver peak MB (+over)", "x ceiling", "x per-tensor", "x disk"):
+    deltas = any(r.delta is not None for r in rows)
+    cols = ["backend", "bucket MiB", "seconds", "GB/s", "sender peak MB (+over)",
+            "receiver peak MB (+over)", "x ceiling", "x per-tensor", "x disk"]
+    if deltas:
+        cols += ["delta", "density", "wire MB", "x dense"]
+    for col in cols:
         t.add_column(col, justify="left" if col == "backend" else "right")
     for r in rows:
+        extra = []
+        if deltas:
+            extra = [
+                r.delta or "-", _fmt(r.density, ".2%"),
+                _fmt(None if r.wire_bytes is None else r.wire_bytes / 1e6, ".1f"),
+                _fmt(r.ratios.get("speedup_vs_dense"), ".2f"),
+            ]
         t.add_row(
             r.backend,
             _fmt(r.bucket_mb, "d"),
@@ -35,6 +46,7 @@ def table(rows: Sequence[Row], title: str):
             _fmt(r.ratios.get("ratio_to_ceiling"), ".2f"),
             _fmt(r.ratios.get("speedup_vs_per_tensor"), ".1f"),
             _fmt(r.ratios.get("speedup_vs_disk"), ".1f"),
+            *extra,
         )
     return t
 

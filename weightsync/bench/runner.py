@@ -53,6 +53,10 @@ class BenchOptions:
     overrides: list[str] = field(default_factory=list)
     work_dir: str | None = None
     timeout_s: float = 300.0
+    #: how versions differ: "bump" (every tensor changes, cheaply) or "adamw" (an AdamW step
+    #: of fp32 masters sent in the model's dtype; rows with delta off and auto per backend)
+    update: str = "bump"
+    lr: float = 1e-6
 
 
 @dataclass
@@ -71,6 +75,11 @@ class Row:
     receiver_overhead_mb: float | None
     repeats: list[float]
     ratios: dict[str, float | None] = field(default_factory=dict)
+    #: the row's ``delta`` setting (None: the configuration's)
+    delta: str | None = None
+    #: median bytes the transport carried per sync, and fraction of elements changed
+    wire_bytes: int | None = None
+    density: float | None = None
 
     @property
     def gbps(self) -> float:
@@ -90,6 +99,9 @@ class Row:
             "sender_overhead_mb": self.sender_overhead_mb,
             "receiver_overhead_mb": self.receiver_overhead_mb,
             "repeats_s": [round(s, 4) for s in self.repeats],
+            "delta": self.delta,
+            "wire_bytes": self.wire_bytes,
+            "density": None if self.density is None else round(self.density, 5),
             **self.ratios,
         }
 
@@ -100,13 +112,15 @@ def _specs(opts: BenchOptions) -> list[TensorSpec]:
     return models.synthetic_specs(opts.shape, opts.size_mb, opts.dtype)
 
 
-def plan_rows(opts: BenchOptions) -> list[tuple[str, int | None]]:
-    """(kind, bucket MiB) of every row, alternatives first so ratios can be computed."""
-    rows: list[tuple[str, int | None]] = []
+def plan_rows(opts: BenchOptions) -> list[tuple[str, int | None, str | None]]:
+    """(kind, bucket MiB, delta) of every row, alternatives first so ratios can be computed;
+    with ``update="adamw"`` each backend runs with ``delta`` off, then auto."""
+    rows: list[tuple[str, int | None, str | None]] = []
     if opts.alternatives:
-        rows += [(alt, None) for alt in ALTERNATIVES]
-        rows += [(c, None) for c in dict.fromkeys(CEILING_OF[b] for b in opts.backends if b in CEILING_OF)]
-    rows += [(b, mb) for b in opts.backends for mb in opts.bucket_mb]
+        rows += [(alt, None, None) for alt in ALTERNATIVES]
+        rows += [(c, None, None) for c in dict.fromkeys(CEILING_OF[b] for b in opts.backends if b in CEILING_OF)]
+    deltas: list[str | None] = ["off", "auto"] if opts.update == "adamw" else [None]
+    rows += [(b, mb, d) for b in opts.backends for mb in opts.bucket_mb for d in (deltas if b != "disk" else deltas[:1])]
     return rows
 
 
@@ -122,9 +136,13 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int, int], None] | No
     total_ticks = len(planned) * opts.repeats
     done = 0
     rows: list[Row] = []
-    for kind, mb in planned:
-        label = f"{kind}" + (f" {mb} MiB buckets" if mb else "")
+    if opts.update not in ("bump", "adamw"):
+        raise ValueError(f"--update {opts.update!r}: expected bump or adamw")
+    for kind, mb, delta in planned:
+        label = f"{kind}" + (f" {mb} MiB buckets" if mb else "") + (f" delta={delta}" if delta else "")
         overrides = [f"update_weights_bucket_megabytes={mb}", f"timeout_s={opts.timeout_s}", *opts.overrides] if mb else []
+        if delta is not None:
+            overrides.append(f"delta={delta}")
 
         def tick(n: int, label: str = label) -> None:
             nonlocal done
@@ -137,8 +155,10 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int, int], None] | No
         # backend=disk without a path publishes into a temporary directory under --work-dir
         with scratch_overrides([f"backend={kind}", *overrides] if mb else [], opts.work_dir) as row_overrides:
             job = Job(kind, specs, opts.receivers, opts.repeats, row_overrides[1:], opts.model, opts.work_dir, opts.timeout_s,
-                      trainers=opts.trainers if kind in _ALL_RANKS_SEND else 1)
-            rows.append(_run_row(job, mb, tick))
+                      trainers=opts.trainers if kind in _ALL_RANKS_SEND else 1, update=opts.update, lr=opts.lr)
+            row = _run_row(job, mb, tick)
+            row.delta = delta
+            rows.append(row)
     _add_ratios(rows)
     return rows
 
@@ -213,7 +233,14 @@ def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None]) -> Ro
         sender_overhead_mb=sender["overhead_mb"],
         receiver_overhead_mb=max((r["overhead_mb"] for r in receivers), default=None),
         repeats=sender["seconds"],
+        wire_bytes=int(statistics.median(sender["wire_bytes"])) if sender.get("wire_bytes") else None,
+        density=_median_or_none(sender.get("density")),
     )
+
+
+def _median_or_none(values: list[float | None] | None) -> float | None:
+    known = [v for v in values or [] if v is not None]
+    return statistics.median(known) if known else None
 
 
 def _add_ratios(rows: list[Row]) -> None:
@@ -229,3 +256,6 @@ def _add_ratios(rows: list[Row]) -> None:
             "speedup_vs_per_tensor": round(per_tensor.seconds / row.seconds, 2) if per_tensor else None,
             "speedup_vs_disk": round(disk.seconds / row.seconds, 2) if disk else None,
         }
+        if row.delta is not None:  # the same backend and bucket with delta off, same run
+            dense = next((r for r in rows if (r.backend, r.bucket_mb, r.delta) == (row.backend, row.bucket_mb, "off")), None)
+            row.ratios["speedup_vs_dense"] = round(dense.seconds / row.seconds, 2) if dense else None

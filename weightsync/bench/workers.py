@@ -40,6 +40,8 @@ class Job:
     work_dir: str | None = None
     timeout_s: float = 300.0
     trainers: int = 1  # trainer processes that send (paired); the others' results are keyed receivers + rank
+    update: str = "bump"  # how versions differ: "bump" (every tensor, cheaply) or "adamw" (an RL step)
+    lr: float = 1e-6  # the AdamW learning rate of update="adamw"
 
     def sender_state(self) -> dict[str, torch.Tensor]:
         return models.load_directory(self.model_dir) if self.model_dir else models.filled(self.specs)
@@ -78,20 +80,33 @@ def sync_sender(job: Job, queue, rank: int = 0, address: str = "127.0.0.1:0") ->
     from weightsync import Sender
 
     def body() -> dict[str, Any]:
-        state = job.sender_state()
+        updates = None
+        if job.update == "adamw":  # fp32 masters stepped by AdamW, sent as their bf16 copy
+            from weightsync.bench.updates import AdamWUpdates
+
+            updates = AdamWUpdates(job.specs, lr=job.lr, seed=0)
+            state = updates.tensors
+        else:
+            state = job.sender_state()
         baseline = _rss_mb()
         config = EngineConfig.from_overrides([f"backend={job.kind}", *job.overrides])
-        seconds = []
+        seconds, wire, density = [], [], []
         with Sender(config, address, job.receivers, rank=rank, num_trainers=job.trainers) as sender:
             if rank == 0:
                 queue.put(("ready", 0, sender.address))
             for v in job.versions:
-                models.bump(state, v)
+                if updates is not None:
+                    updates.step()  # the trainer's step: not part of the sync's time
+                else:
+                    models.bump(state, v)
                 stats = sender.send(state, version=v)
                 if v > 1 and rank == 0:  # the first sync also sets up groups and touches buffers
                     seconds.append(stats.seconds)
+                    wire.append(stats.wire_bytes)
+                    density.append(stats.density)
                     queue.put(("tick", 0, v))
-            return {"seconds": seconds, "digest": models.digest(state), "buckets": stats.buckets, **_memory(baseline)}
+            return {"seconds": seconds, "wire_bytes": wire, "density": density,
+                    "digest": models.digest(state), "buckets": stats.buckets, **_memory(baseline)}
 
     _guard(queue, 0 if rank == 0 else job.receivers + rank, body)
 
