@@ -126,14 +126,14 @@ def test_a_receiver_killed_mid_delta_gets_the_next_version_whole_and_the_others_
             procs[1].join(timeout=10)
             # a replacement for receiver 1: no base, so whole; a survivor holding the sender's
             # base applies deltas (the base is version 2 if any receiver took it, else 1)
-            procs.append(start(delta_workers.receiver, sender.address, 1, ov, [2, 3], q))
-            stats = sender.send(payloads[1], version=2, force=True)
+            procs.append(start(delta_workers.receiver, sender.address, 1, ov, [3, 4], q))
+            stats = sender.send(payloads[2], version=3)
             base = stats.delta_base
             assert base == max(held.values())
-            assert expect(collect(q, 3), 2, payloads[1], [0, 1, 2]) == {
+            assert expect(collect(q, 3), 3, payloads[2], [0, 1, 2]) == {
                 1: None, **{r: (base if held[r] == base else None) for r in held}
             }
-            stats = sender.send(payloads[2], version=3)
-            assert expect(collect(q, 3), 3, payloads[2], [0, 1, 2]) == {0: 2, 1: 2, 2: 2}
+            stats = sender.send(payloads[3], version=4)
+            assert expect(collect(q, 3), 4, payloads[3], [0, 1, 2]) == {0: 3, 1: 3, 2: 3}
         finally:
             stop(procs)
