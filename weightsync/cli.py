@@ -70,6 +70,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-alternatives", dest="alternatives", action="store_false",
                    help="measure only weightsync's backends (no per-tensor, disk or ceiling rows)")
     p.add_argument("--work-dir", metavar="DIR", help="where the disk path writes (default: the temp dir)")
+    p.add_argument("--device", default="cpu",
+                   help="where every process holds its model and transfer buffers: cpu (default) or cuda[:N], all "
+                        "processes on that one GPU; the alternatives are then the d2d-ceiling row only (device-to-device "
+                        "copy of the bytes every receiver needs)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="configuration key for weightsync's rows (repeatable)")
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of a table")
@@ -169,7 +173,7 @@ def _bench_command(args: argparse.Namespace) -> int:
         backends=args.backend, bucket_mb=args.bucket_mb, receivers=args.receivers, trainers=args.trainers,
         size_mb=args.size_mb,
         shape=args.shape, dtype=args.dtype, model=args.model, repeats=args.repeats,
-        alternatives=args.alternatives, overrides=args.overrides, work_dir=args.work_dir,
+        alternatives=args.alternatives, overrides=args.overrides, work_dir=args.work_dir, device=args.device,
     )
     err = Console(stderr=True)  # progress on stderr keeps --json output clean
     try:
@@ -183,6 +187,8 @@ def _bench_command(args: argparse.Namespace) -> int:
     what = f"{args.model}" if args.model else f"synthetic {args.shape} {args.size_mb:g} MiB {args.dtype}"
     senders = f"{args.trainers} trainer ranks (paired), else 1 sender" if args.trainers > 1 else "1 sender"
     title = f"{what}, {rows[0].tensors} tensors, {senders} -> {args.receivers} receivers"
+    if rows[0].device != "cpu":
+        title += f", every process on {rows[0].device}"
     if args.json:
         print(to_json(rows))
     else:
