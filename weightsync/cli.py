@@ -1,4 +1,4 @@
-"""The ``weightsync`` command line: ``demo``, ``bench`` and ``config``."""
+"""The ``weightsync`` command line: ``demo``, ``bench``, ``config`` and ``gpu-check``."""
 
 from __future__ import annotations
 
@@ -94,6 +94,21 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lang", choices=("en", "zh"), default="en", help="language of --docs (default: en)")
 
 
+def _add_gpu_check(sub: argparse._SubParsersAction) -> None:
+    from weightsync.gpucheck import add_arguments
+
+    p = sub.add_parser(
+        "gpu-check",
+        help="on a CUDA machine: run the cuda tests and GPU bench rows, write DIR/gpu-check.json and .txt",
+        description=(
+            "Run every CUDA path of weightsync in one short run: the multi-process tests marked cuda "
+            "(nccl, shm, paired with tensors on cuda:0) and bench rows on the GPU against the device-to-device "
+            "copy ceiling; write the results to --out. Exit 0 only if every check passed, 3 where there is no CUDA device."
+        ),
+    )
+    add_arguments(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightsync",
@@ -104,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_bench(sub)
     _add_config(sub)
+    _add_gpu_check(sub)
     return parser
 
 
@@ -207,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         return _config_command(args)
     if args.command == "bench":
         return _bench_command(args)
+    if args.command == "gpu-check":
+        from weightsync.gpucheck import run
+
+        return run(args)
     return _demo_command(args)
 
 
