@@ -49,7 +49,7 @@ def needs_multi_rank_nccl(backend):
     """nccl and paired put several NCCL ranks on one GPU: blocked where gpu-check's probe
     found that NCCL refuses them (the reason travels in the environment)."""
     reason = os.environ.get(NCCL_BLOCKED_ENV)
-    if backend in ("nccl", "paired") and reason and not ON_HOST:
+    if backend in ("nccl", "paired") and reason:
         pytest.skip(f"blocked: {reason}")
 
 

@@ -146,6 +146,24 @@ def test_a_refused_multi_rank_group_names_the_nccl_that_allows_it():
         "the nccl-multi-rank probe failed: no result within 45 s"
 
 
+def test_a_refused_probe_blocks_the_nccl_tests_and_fails_the_run(monkeypatch, tmp_path):
+    """In this process, on the CPU: the probe answers as NCCL 2.29 does on one GPU; the
+    nccl test then reports blocked (not failed, not silently skipped) and the run fails."""
+    refusal = "rank 1: DistBackendError: ... Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000"
+    monkeypatch.setattr(gpucheck, "probe_nccl", lambda opts, timeout_s: ("failed", refusal))
+    monkeypatch.delenv(gpucheck.NCCL_BLOCKED_ENV, raising=False)
+    opts = Options(out=str(tmp_path), device="cpu", tests="three_versions and nccl", bench=False)
+    assert [c.name for c in gpucheck.planned_checks(opts)] == ["nccl-multi-rank", "pytest-cuda"]
+    with open(tmp_path / "gpu-check.log", "w") as log:
+        result = gpucheck.run_checks(opts, log)
+    statuses = {c.name: c.status for c in result.checks}
+    assert statuses == {"nccl-multi-rank": "failed", "pytest-cuda": "blocked",
+                        "test_cuda::test_three_versions_reach_three_receivers_on_one_gpu_bit_exact[nccl]": "blocked"}
+    blocked = result.checks[-1].message
+    assert blocked.startswith("blocked: NCCL ? refuses several ranks on one GPU") and "Duplicate GPU" in blocked
+    assert (result.status, result.exit_code, result.message) == ("failed", 1, "3 of 3 checks did not pass")
+
+
 # ---------------------------------------------------------------------------- the bench on a device
 def test_bench_on_a_device_measures_the_d2d_ceiling_instead_of_the_cpu_alternatives():
     assert plan_rows(BenchOptions(device="cuda:0")) == [("d2d-ceiling", None), ("nccl", 64), ("shm", 64)]

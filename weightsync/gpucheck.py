@@ -75,6 +75,7 @@ class Options:
     receivers: int = 3
     budget_s: float = 270.0  # the whole run; a step that would start past it is not run
     tests: str | None = None  # only the cuda tests matching this pytest -k expression
+    bench: bool = True  # False: no bench rows (the tests alone)
 
     @property
     def bench_size_mb(self) -> float:
@@ -153,7 +154,7 @@ def planned_checks(opts: Options) -> list[Check]:
     """The checks a run makes, in order (``--dry-run`` prints them)."""
     dev = opts.test_device
     ceiling = "the d2d-ceiling row and " if dev != "cpu" else ""
-    return [
+    checks = [
         Check("nccl-multi-rank", "probe",
               f"{1 + opts.receivers} processes on {dev} build an {_library(opts)} group and broadcast "
               f"{PROBE_BYTES >> 20} MiB {PROBE_ROUNDS} times: can several ranks share one GPU? "
@@ -168,6 +169,7 @@ def planned_checks(opts: Options) -> list[Check]:
         Check("bench-nccl", "bench", "the nccl row, the same model" + (", against the same ceiling" if ceiling else ""),
               command=" ".join(bench_command(opts, "nccl"))),
     ]
+    return checks if opts.bench else [c for c in checks if c.kind != "bench"]
 
 
 def bench_command(opts: Options, backend: str) -> list[str]:
@@ -481,17 +483,23 @@ def run_checks(opts: Options, log) -> Result:
             # pytest writes its XML at the end: killed before, the verbose lines tell what had finished
             per_test = parse_junit(junit) if junit.exists() else parse_verbose(out)
             result.checks.extend(per_test)
-            if code == 0 and per_test:
+            not_passed = [c for c in per_test if not c.passed]
+            if code == 0 and per_test and not not_passed:
                 tests.status = "passed"
+            elif code == 0 and per_test and all(c.status == "blocked" for c in not_passed):
+                tests.status = "blocked"
+                tests.message = f"{len(not_passed)} of {len(per_test)} tests blocked, the others passed"
             else:
                 tests.status = "failed"
                 why = "killed: past its time" if code is None else f"exit code {code}"
-                tests.message = f"pytest {why}; {sum(not c.passed for c in per_test)} of {len(per_test)} tests did not pass"
+                tests.message = f"pytest {why}; {len(not_passed)} of {len(per_test)} tests did not pass"
                 if not per_test:
                     tests.message += "\n" + _tail(out + "\n" + err)
 
     # 3. bench rows on the device
     for name, backend in (("bench-shm", "shm"), ("bench-nccl", "nccl")):
+        if name not in checks:  # --no-bench
+            continue
         check = checks[name]
         result.checks.append(check)
         if backend == "nccl" and blocked:
@@ -602,6 +610,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="receiver processes of the probe and the bench rows (default: 3; the tests use their own)")
     p.add_argument("-k", dest="tests", metavar="EXPR",
                    help="run only the cuda tests matching this pytest -k expression (default: all)")
+    p.add_argument("--no-bench", dest="bench", action="store_false", help="no bench rows: the probe and the tests alone")
     p.add_argument("--budget-s", type=float, default=270.0,
                    help="seconds for the whole run, shared out among the steps; a step left without time is "
                         "reported not run (default: 270)")
@@ -610,7 +619,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def options_from(args: argparse.Namespace) -> Options:
     return Options(out=args.out, dry_run=args.dry_run, quick=args.quick, device=args.device, size_mb=args.size_mb,
                    repeats=args.repeats, bucket_mb=args.bucket_mb, receivers=args.receivers, budget_s=args.budget_s,
-                   tests=args.tests)
+                   tests=args.tests, bench=args.bench)
 
 
 def run(args: argparse.Namespace) -> int:
