@@ -323,8 +323,11 @@ def probe_nccl(opts: Options, timeout_s: float) -> tuple[str, str]:
         rate = f" ({PROBE_BYTES / seconds / 1e9:.1f} GB/s payload)" if seconds else ""
         return "passed", (f"{world} ranks on {opts.test_device}: {PROBE_BYTES >> 20} MiB broadcast in "
                           f"{seconds * 1e3:.1f} ms{rate}, median of {PROBE_ROUNDS - 1}")
+    timed_out = time.monotonic() >= deadline
     errors = [f"rank {r}: {m}" for r, (s, m, _) in sorted(reports.items()) if s != "ok"]
     missing = [f"rank {r}: no report (exit code {p.exitcode})" for r, p in enumerate(procs) if r not in reports]
+    if timed_out and missing:
+        missing.insert(0, f"no result within {timeout_s:.0f} s (hung?)")
     if len(errors) > 1 and len({m for _, (s, m, _) in reports.items() if s != "ok"}) == 1:
         errors = [f"ranks {', '.join(str(r) for r, (s, _, _) in sorted(reports.items()) if s != 'ok')}: "
                   f"{next(m for s, m, _ in reports.values() if s != 'ok')}"]
@@ -334,11 +337,12 @@ def probe_nccl(opts: Options, timeout_s: float) -> tuple[str, str]:
 def nccl_blocked_reason(probe_message: str, nccl_version: str | None) -> str:
     """Why the nccl and paired checks cannot run here, with the way out."""
     reason = f"the nccl-multi-rank probe failed: {probe_message}"
-    text = probe_message.lower()
-    if "duplicate gpu" in text or "same gpu" in text or "multi_rank" in text:
-        reason = (f"NCCL {nccl_version or '?'} refuses several ranks on one GPU ({probe_message.strip()[:200]}). NCCL >= 2.30 "
+    keys = ("duplicate gpu", "same gpu", "multi_rank")
+    said = [line.strip() for line in probe_message.splitlines() if any(k in line.lower() for k in keys)]
+    if said:
+        reason = (f"NCCL {nccl_version or '?'} refuses several ranks on one GPU ({said[0][:200]}). NCCL >= 2.30 "
                   "allows it with NCCL_MULTI_RANK_GPU_ENABLE=1 (set by this run): torch >= 2.14 ships it, or install it "
-                  "under this torch (make gpu-check GPU_NCCL=nvidia-nccl-cu13==2.30.7); or run on 2+ GPUs")
+                  "under this torch (make gpu-check GPU_NCCL=nvidia-nccl-cu13==2.30.7)")
     return reason
 
 
