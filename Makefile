@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # multi-GB CUDA build. On a GPU machine: make TORCH=torch==<cuda build> ...
 TORCH  ?= torch==2.13.0
 
-.PHONY: install install-vllm install-mooncake demo demo-vllm test test-fast docs clean
+.PHONY: install install-vllm install-mooncake demo demo-vllm test test-fast gpu-check docs clean
 
 install: $(VENV)/.installed
 
@@ -46,11 +46,40 @@ demo: install
 demo-vllm: install-vllm
 	$(BIN)/weightsync demo --rollout vllm
 
+# The tests marked cuda need a GPU: deselected here (and said so), run by `make gpu-check`.
+CUDA_NOTE := echo "cuda tests deselected (-m 'not cuda'): run make gpu-check on a GPU machine"
+
 test: install-vllm install-mooncake
-	$(BIN)/python -m pytest -q
+	@$(CUDA_NOTE)
+	$(BIN)/python -m pytest -q -m "not cuda"
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not vllm"
+	@$(CUDA_NOTE)
+	$(BIN)/python -m pytest -q -m "not slow and not vllm and not cuda"
+
+# On a CUDA machine, one call: make gpu-check TORCH=torch==2.13.0 OUT=gpu-out
+# Installs $(TORCH) (pip resolves its CUDA build there) and weightsync[test] into .venv (no
+# vLLM, no Mooncake), then $(GPU_NCCL) over torch's own NCCL: several processes on one GPU
+# need NCCL >= 2.30 (torch 2.13 pins 2.29; GPU_NCCL= keeps that). Then `weightsync
+# gpu-check --out $(OUT)`: the cuda tests and bench rows on the GPU, results in $(OUT)/.
+# GPU_PYTHON=python3: install nothing, use that interpreter's torch as it is (a machine
+# that reaches no package registry). GPU_ARGS: more options, e.g. --quick or --dry-run.
+OUT        ?= gpu-check-out
+GPU_NCCL   ?= nvidia-nccl-cu13==2.30.7
+GPU_PYTHON ?=
+GPU_ARGS   ?=
+
+ifeq ($(strip $(GPU_PYTHON)),)
+gpu-check: $(VENV)/.installed-gpu
+	$(BIN)/python -m weightsync.cli gpu-check --out "$(OUT)" $(GPU_ARGS)
+else
+gpu-check:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PYTHON) -m weightsync.cli gpu-check --out "$(OUT)" $(GPU_ARGS)
+endif
+
+$(VENV)/.installed-gpu: $(VENV)/.installed
+	$(if $(strip $(GPU_NCCL)),$(BIN)/pip install --quiet --no-deps "$(GPU_NCCL)",@echo "GPU_NCCL is empty: keeping torch's own NCCL")
+	touch $@
 
 docs: install
 	$(BIN)/weightsync config --docs --lang en > docs/configuration.md

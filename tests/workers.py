@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 import traceback
 
 import pytest
@@ -26,7 +27,13 @@ needs_mooncake = pytest.mark.skipif(not _has_mooncake(), reason="needs Mooncake 
 
 
 def digest(t: torch.Tensor) -> str:
-    return f"{t.dtype}|{tuple(t.shape)}|" + hashlib.blake2b(as_bytes(t).numpy(), digest_size=16).hexdigest()
+    host = t if t.device.type == "cpu" else t.cpu()  # device tensors: hashed from a host copy
+    return f"{t.dtype}|{tuple(t.shape)}|" + hashlib.blake2b(as_bytes(host).numpy(), digest_size=16).hexdigest()
+
+
+def _check_device(name: str, t: torch.Tensor, device) -> None:
+    if device is not None and t.device != torch.device(device):
+        raise AssertionError(f"{name!r} arrived on {t.device}, expected {device}")
 
 
 def make_weights(version: int) -> dict[str, torch.Tensor]:
@@ -51,20 +58,22 @@ def expected_digests(version: int) -> dict[str, str]:
 
 
 def run_receiver(address, rank, overrides, versions, queue, die_after_tensors=None, owned=False, keep_going=False,
-                 die_in_version=None):
+                 die_in_version=None, device=None):
     """Receive each version and report ``(rank, version, digests, receiver.version)``;
     on error report ``(rank, "error", message, receiver.version)`` and stop (or, with
     ``keep_going``, go on with the next version); ``die_after_tensors`` (in version
     ``die_in_version``, or any): exit abruptly mid-sync. ``owned``: keep every tensor received
-    and take the digests only at the end (proving none was overwritten)."""
+    and take the digests only at the end (proving none was overwritten). ``device``: the
+    receiver's transfer buffers there, and every tensor must arrive there."""
     torch.set_num_threads(1)
     receiver = None
     try:
-        receiver = Receiver(EngineConfig.from_overrides(overrides), address, rank)
+        receiver = Receiver(EngineConfig.from_overrides(overrides), address, rank, device=device)
         for v in versions:
             got, kept = {}, {}
             try:
                 for name, t in receiver.receive(version=v, owned=owned):
+                    _check_device(name, t, device)
                     if owned:
                         kept[name] = t
                     got[name] = digest(t)
@@ -148,20 +157,22 @@ def resources() -> dict[str, float]:
     return {"fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")), "rss_mb": rss}
 
 
-def run_resilient_receiver(address, rank, overrides, versions, queue, kill_at=None):
+def run_resilient_receiver(address, rank, overrides, versions, queue, kill_at=None, device=None):
     """Like ``run_receiver``, but a failed sync is reported as ``(rank, "error", message,
     receiver.version, attempted, torn)`` and the next version is tried with the same
-    ``Receiver``. ``kill_at=(version, n)``: SIGKILL itself after n tensors of that version."""
+    ``Receiver``. ``kill_at=(version, n)``: SIGKILL itself after n tensors of that version.
+    ``device``: as for ``run_receiver``."""
     import faulthandler
     import signal
 
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
-    with Receiver(EngineConfig.from_overrides(overrides), address, rank) as receiver:
+    with Receiver(EngineConfig.from_overrides(overrides), address, rank, device=device) as receiver:
         for v in versions:
             got = {}
             try:
                 for name, t in receiver.receive(version=v):
+                    _check_device(name, t, device)
                     got[name] = digest(t)
                     if kill_at == (v, len(got)):
                         os.kill(os.getpid(), signal.SIGKILL)
@@ -207,13 +218,14 @@ def bump_small(model: torch.nn.Module, version: int) -> None:
         model.count.fill_(version)
 
 
-def run_paired_trainer(address, rank, num_trainers, overrides, num_receivers, versions, queue, weights=None):
+def run_paired_trainer(address, rank, num_trainers, overrides, num_receivers, versions, queue, weights=None, device=None):
     """Trainer rank > 0 of the ``paired`` backend: send its share of each version; report
-    ``(("trainer", rank), version, bytes sent, buckets sent)``, or an error and go on."""
+    ``(("trainer", rank), version, bytes sent, buckets sent)``, or an error and go on.
+    ``device``: where its transfer buffers live (default: the process's accelerator, or CPU)."""
     torch.set_num_threads(1)
     try:
         config = EngineConfig.from_overrides(overrides)
-        with Sender(config, address, num_receivers, rank=rank, num_trainers=num_trainers) as sender:
+        with Sender(config, address, num_receivers, rank=rank, num_trainers=num_trainers, device=device) as sender:
             for v in versions:
                 try:
                     stats = sender.send((weights or make_weights)(v), version=v)
@@ -244,3 +256,49 @@ def run_slow_sender(overrides, num_receivers, version, queue):
     torch.set_num_threads(1)
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", num_receivers) as sender:
         sender.send(IteratorSource(slow_weights(version, queue)), version=version)
+
+
+# ---------------------------------------------------------------------------- on a GPU (tests/test_cuda.py)
+CUDA = "cuda:0"
+
+
+def cuda_weights(version: int) -> dict[str, torch.Tensor]:
+    """``make_weights`` on ``cuda:0`` (strides kept: the transposed one stays non-contiguous)."""
+    return {n: t.to(CUDA) for n, t in make_weights(version).items()}
+
+
+def cuda_big_weights(version: int) -> dict[str, torch.Tensor]:
+    """``big_weights`` on ``cuda:0``."""
+    return {n: t.to(CUDA) for n, t in big_weights(version).items()}
+
+
+def run_device_sender(overrides, num_receivers, versions, queue, device=CUDA, weights="cuda_weights", rank=0,
+                      num_trainers=1):
+    """A trainer in its own process, its transfer buffers on ``device``, sending
+    ``weights`` (the name of a function here: ``cuda_weights``, ``cuda_big_weights``, or
+    ``make_weights`` for host tensors). In a process of its own so that a device collective
+    left hanging dies with it, not with the test. Reports ``("listening", address)``, then per
+    version ``("sent", version, stats)`` or ``("failed", version, message, ranks, seconds)``;
+    after a failure it drops the receivers named and goes on with the next version."""
+    torch.set_num_threads(1)
+    make = globals()[weights]
+    try:
+        config = EngineConfig.from_overrides(overrides)
+        with Sender(config, "127.0.0.1:0", num_receivers, rank=rank, num_trainers=num_trainers, device=device) as sender:
+            queue.put(("listening", sender.address))
+            for v in versions:
+                state = make(v)
+                t0 = time.monotonic()
+                try:
+                    stats = sender.send(state, version=v)
+                except SyncError as e:
+                    queue.put(("failed", v, f"{type(e).__name__}: {e}", list(e.ranks), time.monotonic() - t0))
+                    for r in e.ranks:
+                        if r in sender.receivers and len(sender.receivers) > 1:
+                            sender.remove_receiver(r)
+                    continue
+                queue.put(("sent", v, {"tensors": stats.tensors, "buckets": stats.buckets, "bytes": stats.bytes,
+                                       "seconds": stats.seconds, "plan_sent_to": stats.plan_sent_to}))
+    except Exception as e:
+        queue.put(("error", None, f"{type(e).__name__}: {e}"))
+        traceback.print_exc()

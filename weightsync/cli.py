@@ -1,4 +1,4 @@
-"""The ``weightsync`` command line: ``demo``, ``bench`` and ``config``."""
+"""The ``weightsync`` command line: ``demo``, ``bench``, ``config`` and ``gpu-check``."""
 
 from __future__ import annotations
 
@@ -102,6 +102,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-alternatives", dest="alternatives", action="store_false",
                    help="measure only weightsync's backends (no per-tensor, disk or ceiling rows)")
     p.add_argument("--work-dir", metavar="DIR", help="where the disk path writes (default: the temp dir)")
+    p.add_argument("--device", default="cpu",
+                   help="where every process holds its model and transfer buffers: cpu (default) or cuda[:N], all "
+                        "processes on that one GPU; the alternatives are then the d2d-ceiling row only (device-to-device "
+                        "copy of the bytes every receiver needs)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="configuration key for weightsync's rows (repeatable)")
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of a table")
@@ -122,6 +126,21 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lang", choices=("en", "zh"), default="en", help="language of --docs (default: en)")
 
 
+def _add_gpu_check(sub: argparse._SubParsersAction) -> None:
+    from weightsync.gpucheck import add_arguments
+
+    p = sub.add_parser(
+        "gpu-check",
+        help="on a CUDA machine: run the cuda tests and GPU bench rows, write DIR/gpu-check.json and .txt",
+        description=(
+            "Run every CUDA path of weightsync in one short run: the multi-process tests marked cuda "
+            "(nccl, shm, paired with tensors on cuda:0) and bench rows on the GPU against the device-to-device "
+            "copy ceiling; write the results to --out. Exit 0 only if every check passed, 3 where there is no CUDA device."
+        ),
+    )
+    add_arguments(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightsync",
@@ -132,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_bench(sub)
     _add_config(sub)
+    _add_gpu_check(sub)
     return parser
 
 
@@ -231,7 +251,7 @@ def _bench_command(args: argparse.Namespace) -> int:
         backends=args.backend, bucket_mb=args.bucket_mb, receivers=args.receivers or 3, trainers=args.trainers,
         size_mb=args.size_mb or 1024,
         shape=args.shape, dtype=args.dtype, model=args.model, repeats=args.repeats,
-        alternatives=args.alternatives, overrides=args.overrides, work_dir=args.work_dir,
+        alternatives=args.alternatives, overrides=args.overrides, work_dir=args.work_dir, device=args.device,
         update=args.update, lr=args.lr,
     )
     err = Console(stderr=True)  # progress on stderr keeps --json output clean
@@ -246,6 +266,8 @@ def _bench_command(args: argparse.Namespace) -> int:
     what = f"{args.model}" if args.model else f"synthetic {args.shape} {opts.size_mb:g} MiB {args.dtype}"
     senders = f"{args.trainers} trainer ranks (paired), else 1 sender" if args.trainers > 1 else "1 sender"
     title = f"{what}, {rows[0].tensors} tensors, {senders} -> {opts.receivers} receivers"
+    if rows[0].device != "cpu":
+        title += f", every process on {rows[0].device}"
     if args.json:
         print(to_json(rows))
     else:
@@ -264,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         return _config_command(args)
     if args.command == "bench":
         return _bench_command(args)
+    if args.command == "gpu-check":
+        from weightsync.gpucheck import run
+
+        return run(args)
     return _demo_command(args)
 
 

@@ -49,6 +49,37 @@ def current_platform() -> Platform:
     return Platform("cpu")
 
 
+def device_report() -> dict:
+    """What this process sees of its accelerator, for reports (``weightsync gpu-check``):
+    the platform, torch with the CUDA and NCCL it was built with or loaded, and per device
+    its name, compute capability, memory and multiprocessors. JSON-safe."""
+    plat = current_platform()
+    report: dict = {
+        "platform": plat.kind,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,  # None: a CPU build of torch
+        "nccl": None,
+        "devices": [],
+    }
+    if torch.version.cuda:
+        try:  # the NCCL torch loaded (a newer libnccl may sit under torch's pin)
+            version = torch.cuda.nccl.version()
+            report["nccl"] = ".".join(str(x) for x in version) if isinstance(version, tuple) else str(version)
+        except Exception as e:  # noqa: BLE001 (a report, not a decision)
+            report["nccl"] = f"unknown ({type(e).__name__}: {e})"
+    if plat.kind == "cuda":
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            report["devices"].append({
+                "index": index,
+                "name": props.name,
+                "capability": f"{props.major}.{props.minor}",
+                "memory_gib": round(props.total_memory / 2**30, 1),
+                "multiprocessors": props.multi_processor_count,
+            })
+    return report
+
+
 def _accelerator_module(kind: str):
     return getattr(torch, kind)  # torch.cuda or torch.npu: the same API shape
 

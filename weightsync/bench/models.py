@@ -100,18 +100,18 @@ def _st_dtype(name: str) -> torch.dtype:
         raise ValueError(f"safetensors dtype {name} is not supported by the benchmark") from None
 
 
-def zeros(specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
-    """The receivers' model: every tensor allocated and touched."""
-    return {s.name: torch.zeros(s.shape, dtype=s.torch_dtype) for s in specs}
+def zeros(specs: list[TensorSpec], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The receivers' model: every tensor allocated and touched (on ``device``)."""
+    return {s.name: torch.zeros(s.shape, dtype=s.torch_dtype, device=device) for s in specs}
 
 
-def filled(specs: list[TensorSpec], seed: int = 0) -> dict[str, torch.Tensor]:
+def filled(specs: list[TensorSpec], seed: int = 0, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """The trainer's model: arbitrary bytes (tiled from a random block: filling GBs with
-    real random numbers would take longer than the benchmark)."""
+    real random numbers would take longer than the benchmark), on ``device``."""
     gen = torch.Generator().manual_seed(seed)
-    block = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=gen)
+    block = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=gen).to(device)
     double = torch.cat([block, block])
-    state = zeros(specs)
+    state = zeros(specs, device)
     for i, t in enumerate(state.values()):
         raw = as_bytes(t)
         shift = (i * 4099) % block.numel()  # neighbouring tensors differ
@@ -132,11 +132,12 @@ def bump(state: dict[str, torch.Tensor], version: int) -> None:
 
 
 def digest(state: dict[str, torch.Tensor]) -> str:
-    """One hash over all names and bytes, to compare sender and receivers."""
+    """One hash over all names and bytes, to compare sender and receivers (device tensors
+    are hashed from a host copy, one tensor at a time)."""
     h = hashlib.blake2b(digest_size=16)
     for name, t in state.items():
         h.update(name.encode())
-        h.update(as_bytes(t).numpy().data)
+        h.update(as_bytes(t if t.device.type == "cpu" else t.cpu()).numpy().data)
     return h.hexdigest()
 
 

@@ -8,6 +8,11 @@ Rows, all from one run on one machine (compare ratios, not absolute times):
 - the transports' ceilings: ``broadcast-ceiling`` (one broadcast of all bytes as a single
   buffer, the bound for ``nccl``) and ``memcpy-ceiling`` (one process copying the bytes
   every receiver needs, the bound for ``shm``).
+
+With ``device="cuda"`` every process holds its model and transfer buffers on that GPU
+(all processes share it); the CPU-only alternatives are left out and the one ceiling is
+``d2d-ceiling``: one process copying the bytes every receiver needs device to device,
+which bounds every transport between processes on one GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +36,17 @@ ALTERNATIVES = ("per-tensor-broadcast", "safetensors-reload")
 _ALL_RANKS_SEND = ("paired",)
 #: the ceiling row that bounds each backend (backends not listed have none measured)
 CEILING_OF = {"nccl": "broadcast-ceiling", "paired": "broadcast-ceiling", "shm": "memcpy-ceiling"}
+#: the ceiling of those backends when the model lives on a device (``--device cuda``)
+DEVICE_CEILING = "d2d-ceiling"
+#: rows measured by one process alone (no receivers join)
+_SINGLE_PROCESS = ("memcpy-ceiling", DEVICE_CEILING)
+
+
+def ceiling_of(backend: str, device: str = "cpu") -> str | None:
+    """The ceiling row that bounds ``backend`` on ``device`` (None: none is measured)."""
+    if backend not in CEILING_OF:
+        return None
+    return CEILING_OF[backend] if device == "cpu" else DEVICE_CEILING
 
 
 class BenchError(RuntimeError):
@@ -57,6 +73,8 @@ class BenchOptions:
     #: of fp32 masters sent in the model's dtype; rows with delta off and auto per backend)
     update: str = "bump"
     lr: float = 1e-6
+    #: where every process holds the model and transfer buffers: "cpu", or "cuda" / "cuda:N"
+    device: str = "cpu"
 
 
 @dataclass
@@ -80,6 +98,7 @@ class Row:
     #: median bytes the transport carried per sync, and fraction of elements changed
     wire_bytes: int | None = None
     density: float | None = None
+    device: str = "cpu"
 
     @property
     def gbps(self) -> float:
@@ -102,6 +121,7 @@ class Row:
             "delta": self.delta,
             "wire_bytes": self.wire_bytes,
             "density": None if self.density is None else round(self.density, 5),
+            "device": self.device,
             **self.ratios,
         }
 
@@ -117,8 +137,9 @@ def plan_rows(opts: BenchOptions) -> list[tuple[str, int | None, str | None]]:
     with ``update="adamw"`` each backend runs with ``delta`` off, then auto."""
     rows: list[tuple[str, int | None, str | None]] = []
     if opts.alternatives:
-        rows += [(alt, None, None) for alt in ALTERNATIVES]
-        rows += [(c, None, None) for c in dict.fromkeys(CEILING_OF[b] for b in opts.backends if b in CEILING_OF)]
+        if opts.device == "cpu":  # per-tensor broadcast and the disk reload are CPU paths
+            rows += [(alt, None, None) for alt in ALTERNATIVES]
+        rows += [(c, None, None) for c in dict.fromkeys(ceiling_of(b, opts.device) for b in opts.backends) if c]
     deltas: list[str | None] = ["off", "auto"] if opts.update == "adamw" else [None]
     rows += [(b, mb, d) for b in opts.backends for mb in opts.bucket_mb for d in (deltas if b != "disk" else deltas[:1])]
     return rows
@@ -131,6 +152,7 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int, int], None] | No
     for backend in opts.backends:
         if backend == "naive":
             raise ValueError("backend 'naive' hands tensors over inside one process: there is no transport to bench")
+    device = _device(opts.device)
     specs = _specs(opts)
     planned = plan_rows(opts)
     total_ticks = len(planned) * opts.repeats
@@ -155,12 +177,32 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int, int], None] | No
         # backend=disk without a path publishes into a temporary directory under --work-dir
         with scratch_overrides([f"backend={kind}", *overrides] if mb else [], opts.work_dir) as row_overrides:
             job = Job(kind, specs, opts.receivers, opts.repeats, row_overrides[1:], opts.model, opts.work_dir, opts.timeout_s,
-                      trainers=opts.trainers if kind in _ALL_RANKS_SEND else 1, update=opts.update, lr=opts.lr)
+                      trainers=opts.trainers if kind in _ALL_RANKS_SEND else 1, update=opts.update, lr=opts.lr,
+                      device=device)
             row = _run_row(job, mb, tick)
             row.delta = delta
             rows.append(row)
-    _add_ratios(rows)
+    _add_ratios(rows, device)
     return rows
+
+
+def _device(device: str) -> str:
+    """The device every process of a row uses: "cpu", or one with its index ("cuda" ->
+    "cuda:0"), so all processes agree; refused where this machine has no such device."""
+    import torch
+
+    from weightsync import platform
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"--device {device!r}: {e}") from None
+    if parsed.type == "cpu":
+        return "cpu"
+    here = platform.current_platform().kind
+    if parsed.type != here:
+        raise ValueError(f"--device {device}: this machine has no {parsed.type} device (platform: {here})")
+    return f"{parsed.type}:{parsed.index or 0}"
 
 
 def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None]) -> Row:
@@ -168,7 +210,7 @@ def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None]) -> Ro
     q = ctx.Queue()
     procs: list[mp.process.BaseProcess] = []
     results: dict[int, dict[str, Any]] = {}
-    expected = 1 if job.kind == "memcpy-ceiling" else job.receivers + job.trainers
+    expected = 1 if job.kind in _SINGLE_PROCESS else job.receivers + job.trainers
 
     def spawn(target, *args) -> None:
         p = ctx.Process(target=target, args=(*args,), daemon=True)
@@ -176,7 +218,7 @@ def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None]) -> Ro
         procs.append(p)
 
     collective = job.kind in (*ALTERNATIVES, "broadcast-ceiling")  # our own Gloo group
-    if job.kind == "memcpy-ceiling":
+    if job.kind in _SINGLE_PROCESS:
         spawn(memcpy_ceiling, job, q)
     elif collective:
         spawn(alternative, job, 0, None, q)
@@ -194,7 +236,7 @@ def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None]) -> Ro
                 if time.monotonic() > deadline:
                     raise BenchError(f"{job.kind}: no result within {job.timeout_s * (job.repeats + 2):.0f} s") from None
                 continue
-            if kind == "ready" and rank == 0 and job.kind != "memcpy-ceiling":
+            if kind == "ready" and rank == 0 and job.kind not in _SINGLE_PROCESS:
                 for r in range(job.receivers):  # peers join once rank 0 listens
                     if collective:
                         spawn(alternative, job, r + 1, payload, q)
@@ -220,7 +262,7 @@ def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None]) -> Ro
     if len(set(digests.values())) > 1:
         raise BenchError(f"{job.kind}: receivers do not hold the sender's bytes: {digests}")
     sender = results[0]
-    receivers = [results[r + 1] for r in range(job.receivers) if r + 1 in results]  # none for memcpy-ceiling
+    receivers = [results[r + 1] for r in range(job.receivers) if r + 1 in results]  # none for the copy ceilings
     return Row(
         backend=job.kind,
         bucket_mb=bucket_mb,
@@ -235,6 +277,7 @@ def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None]) -> Ro
         repeats=sender["seconds"],
         wire_bytes=int(statistics.median(sender["wire_bytes"])) if sender.get("wire_bytes") else None,
         density=_median_or_none(sender.get("density")),
+        device=job.device,
     )
 
 
@@ -243,12 +286,12 @@ def _median_or_none(values: list[float | None] | None) -> float | None:
     return statistics.median(known) if known else None
 
 
-def _add_ratios(rows: list[Row]) -> None:
+def _add_ratios(rows: list[Row], device: str = "cpu") -> None:
     by_kind = {r.backend: r for r in rows if r.bucket_mb is None}
     for row in rows:
         if row.bucket_mb is None:
             continue
-        ceiling = by_kind.get(CEILING_OF.get(row.backend, ""))
+        ceiling = by_kind.get(ceiling_of(row.backend, device) or "")
         per_tensor = by_kind.get("per-tensor-broadcast")
         disk = by_kind.get("safetensors-reload")
         row.ratios = {

@@ -42,9 +42,17 @@ class Job:
     trainers: int = 1  # trainer processes that send (paired); the others' results are keyed receivers + rank
     update: str = "bump"  # how versions differ: "bump" (every tensor, cheaply) or "adamw" (an RL step)
     lr: float = 1e-6  # the AdamW learning rate of update="adamw"
+    device: str = "cpu"  # where every process holds the model (and the transfer buffers, when not "cpu")
 
     def sender_state(self) -> dict[str, torch.Tensor]:
-        return models.load_directory(self.model_dir) if self.model_dir else models.filled(self.specs)
+        if self.model_dir:
+            return {n: t.to(self.device) for n, t in models.load_directory(self.model_dir).items()}
+        return models.filled(self.specs, device=self.device)
+
+    def endpoint_kwargs(self) -> dict[str, Any]:
+        """``device=`` for ``Sender``/``Receiver`` on a device; on "cpu" their own default
+        (as before the option existed)."""
+        return {} if self.device == "cpu" else {"device": self.device}
 
     @property
     def versions(self) -> range:
@@ -91,7 +99,7 @@ def sync_sender(job: Job, queue, rank: int = 0, address: str = "127.0.0.1:0") ->
         baseline = _rss_mb()
         config = EngineConfig.from_overrides([f"backend={job.kind}", *job.overrides])
         seconds, wire, density = [], [], []
-        with Sender(config, address, job.receivers, rank=rank, num_trainers=job.trainers) as sender:
+        with Sender(config, address, job.receivers, rank=rank, num_trainers=job.trainers, **job.endpoint_kwargs()) as sender:
             if rank == 0:
                 queue.put(("ready", 0, sender.address))
             for v in job.versions:
@@ -115,11 +123,11 @@ def sync_receiver(job: Job, address: str, rank: int, queue) -> None:
     from weightsync import Receiver
 
     def body() -> dict[str, Any]:
-        state = models.zeros(job.specs)
+        state = models.zeros(job.specs, job.device)
         module = models.module_of(state)
         baseline = _rss_mb()
         config = EngineConfig.from_overrides([f"backend={job.kind}", *job.overrides])
-        with Receiver(config, address, rank) as receiver:
+        with Receiver(config, address, rank, **job.endpoint_kwargs()) as receiver:
             for v in job.versions:
                 receiver.load_into(module, version=v)
         return {"digest": models.digest(state), **_memory(baseline)}
@@ -223,20 +231,24 @@ def cleanup_disk(job: Job, parent_pid: int) -> None:
 
 def memcpy_ceiling(job: Job, queue) -> None:
     """One process copying the bytes every receiver needs (receivers x model bytes): the
-    reading work a shared-memory sync cannot avoid, at single-process memcpy speed."""
+    reading work a shared-memory sync cannot avoid, at single-process memcpy speed. On a
+    device (the ``d2d-ceiling`` row) the copies run device to device."""
 
     def body() -> dict[str, Any]:
         torch.set_num_threads(os.cpu_count() or 1)  # a single process may use every core
+        device = torch.device(job.device)
         total = sum(s.nbytes for s in job.specs)
-        src = torch.ones(total, dtype=torch.uint8)
-        dst = torch.zeros(total, dtype=torch.uint8)
+        src = torch.ones(total, dtype=torch.uint8, device=device)
+        dst = torch.zeros(total, dtype=torch.uint8, device=device)
         baseline = _rss_mb()
         queue.put(("ready", 0, None))
         seconds = []
         for v in job.versions:
+            platform.synchronize(device)
             t0 = time.perf_counter()
             for _ in range(job.receivers):
                 dst.copy_(src)
+            platform.synchronize(device)  # the copies were only queued
             if v > 1:
                 seconds.append(time.perf_counter() - t0)
                 queue.put(("tick", 0, v))
