@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # multi-GB CUDA build. On a GPU machine: make TORCH=torch==<cuda build> ...
 TORCH  ?= torch==2.13.0
 
-.PHONY: install install-vllm install-mooncake demo demo-vllm test test-fast docs clean
+.PHONY: install install-vllm install-mooncake install-verl demo demo-vllm test test-fast docs clean
 
 install: $(VENV)/.installed
 
@@ -38,6 +38,21 @@ $(VENV)/.installed-mooncake: $(VENV)/.installed
 	dpkg -s $(MOONCAKE_DEBS) >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
 		$(SUDO) apt-get install -y --no-install-recommends $(MOONCAKE_DEBS); }
 	$(BIN)/pip install --quiet "$(TORCH)" -e ".[test,mooncake]"
+	touch $@
+
+# verl 0.9.1 for weightsync.integrations.verl and tests/verl, in an environment of its own:
+# verl pins transformers<5.11 while vLLM's CPU build (install-vllm, in .venv) needs a newer
+# one, and verl's wheel installs a top-level `tests` package. torch is pinned on the same
+# command line so nothing resolves a CUDA build.
+VERL_VENV := .venv-verl
+VERL_BIN  := $(VERL_VENV)/bin
+
+install-verl: $(VERL_VENV)/.installed
+
+$(VERL_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_BIN)/pip install --quiet "$(TORCH)"
+	$(VERL_BIN)/pip install --quiet "$(TORCH)" -e ".[test,verl]"
 	touch $@
 
 demo: install
