@@ -61,8 +61,9 @@ demo: install
 demo-vllm: install-vllm
 	$(BIN)/weightsync demo --rollout vllm
 
-test: install-vllm install-mooncake
+test: install-vllm install-mooncake install-verl
 	$(BIN)/python -m pytest -q
+	$(VERL_BIN)/python -m pytest -q tests/verl
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not vllm"
@@ -72,4 +73,4 @@ docs: install
 	$(BIN)/weightsync config --docs --lang zh > docs/configuration.zh.md
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) .pytest_cache .hypothesis

@@ -15,7 +15,9 @@ actor ranks and ``receive_weights`` on the rollout workers, then ``finalize``. H
 per-step calls are idempotent: actor rank 0 keeps one ``weightsync.Sender`` per transport
 and each rollout worker one ``weightsync.Receiver``, with their connections, process groups
 and buffers, across updates; they are changed only when the topology changes (a rollout
-worker added, removed, or moved to another transport by ``auto``).
+worker added, removed, or moved to another transport by ``auto``), and only once no update
+is in flight on that worker: verl's manager gives up at the first failed worker while the
+others may still be finishing, so a topology is applied at the next transfer.
 
 Receiver ranks are stable: each engine instance has an id, actor rank 0 reports the
 assignment (id -> receiver rank) it holds, and ``build_topology`` keeps it, giving workers
@@ -134,21 +136,22 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
         self.id = uuid.uuid4().hex
         candidates = _AUTO if self.options.transport == "auto" else (self.options.transport,)
         self._configs = {t: self._config(t) for t in candidates}  # fails here on a bad key or value
-        self._loop: asyncio.AbstractEventLoop | None = None
         # sender side (actor ranks)
         self._senders: dict[str, Sender] = {}  # transport -> Sender of this actor rank
         self._members: dict[str, dict[str, int]] = {}  # transport -> {engine id: receiver rank}
-        self._version: int | None = None  # newest version sent (attempted)
+        self._version: int | None = None  # version of the last send (attempted)
         self._rollback_warned: set[tuple[int, int]] = set()
         # receiver side (rollout workers)
         self._receiver: Receiver | None = None
         self._receiver_key: tuple[str, str, int] | None = None
-        self._held: int | None = None  # newest version this worker received completely
-        # this step's topology (init_process_group)
+        self._held: int | None = None  # version this worker holds (its last complete one)
+        # the topology in place (applied from init_process_group's at the next transfer)
         self.rank: int | None = None
         self.world_size: int | None = None
         self._topology: dict[str, Any] | None = None
         self._role: str | None = None  # sender, receiver or drain, from the topology
+        self._pending: dict[str, Any] | None = None  # taken by init_process_group, not yet applied
+        self._lock: asyncio.Lock | None = None
 
     def _config(self, transport: str) -> EngineConfig:
         config = EngineConfig()
@@ -238,30 +241,41 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
         return actor_kwargs, rollout_kwargs
 
     def init_process_group(self, rank: int, world_size: int, topology: dict[str, Any]) -> None:
-        """Apply this step's topology: a no-op when it is the one already in place."""
-        self.rank, self.world_size, self._topology = rank, world_size, topology
-        transport = topology["transport"]
+        """Take this step's topology. It is applied by the next ``send_weights`` /
+        ``receive_weights``, once an update still in flight (verl's manager returns at the
+        first failure, while other workers may still be finishing theirs) has ended; applying
+        a topology already in place changes nothing."""
+        self.rank, self.world_size = rank, world_size
+        self._pending = topology
         if self.is_master:
             self._role = "sender"
+            self._members[topology["transport"]] = dict(topology["members"])  # reported by prepare
+        elif self.id in topology["members"]:
+            self._role = "receiver"
+        elif rank >= 0:  # paired: actor rank > 0 sends its share, joining rank 0's session
+            self._role = "sender"
+        else:  # an actor rank that only walks its generator
+            self._role = "drain"
+
+    def _apply(self) -> dict[str, Any]:
+        """Bring the sender(s) or receiver in line with the newest topology; return it."""
+        topology, self._pending = self._pending, None
+        if topology is None:
+            if self._topology is None:
+                raise RuntimeError("weights sent or received before init_process_group")
+            return self._topology
+        self._topology = topology
+        transport, rank = topology["transport"], self.rank
+        if self._role == "sender" and self.is_master:
             sender = self._senders[transport]
             if transport == "paired":  # its rank 0 waits for every other actor rank
                 sender.num_trainers = topology["trainers"]
             wanted = set(topology["members"].values())
-            for r in sorted(wanted - set(sender.receivers)):  # add first: a sync needs one receiver
+            for r in sorted(wanted - set(sender.receivers)):  # add first: a sync needs a receiver
                 sender.add_receiver(r)
             for r in sorted(set(sender.receivers) - wanted):
                 sender.remove_receiver(r)
-            self._members[transport] = dict(topology["members"])
-        elif self.id in topology["members"]:
-            self._role = "receiver"
-            key = (transport, topology["address"], rank)
-            if self._receiver_key != key:
-                if self._receiver is not None:
-                    self._receiver.close()
-                self._receiver = Receiver(self._configs[transport], topology["address"], rank)
-                self._receiver_key = key
-        elif rank >= 0:  # paired: actor rank > 0 sends its share, joining rank 0's session
-            self._role = "sender"
+        elif self._role == "sender":
             sender = self._senders.get(transport)
             if sender is None or sender.address != topology["address"] or sender.rank != rank:
                 self._close_senders()
@@ -269,8 +283,20 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
                     self._configs[transport], topology["address"], num_receivers=1,
                     rank=rank, num_trainers=topology["trainers"],
                 )
-        else:  # an actor rank that only walks its generator
-            self._role = "drain"
+        elif self._role == "receiver":
+            key = (transport, topology["address"], rank)
+            if self._receiver_key != key:
+                if self._receiver is not None:
+                    self._receiver.close()
+                self._receiver = Receiver(self._configs[transport], topology["address"], rank)
+                self._receiver_key = key
+        return topology
+
+    def _busy(self) -> asyncio.Lock:
+        """One update at a time on this engine (created on the actor's event loop)."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
 
     def describe(self) -> dict[str, Any]:
         """Where this engine stands, for logs and tests: role, transport, rank, address,
@@ -295,38 +321,39 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
         """Send one version (``global_steps``, or the next count) to every rollout worker;
         returns verl metrics. Actor ranks that do not send walk the generator (producing
         full tensors is collective among actor ranks)."""
-        self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         if self._role not in ("sender", "drain"):
             raise RuntimeError("send_weights before init_process_group, or on a rollout worker")
         if self._role == "drain":
-            await asyncio.to_thread(lambda: sum(1 for _ in _sync_iter(weights, self._loop)))
+            await asyncio.to_thread(lambda: sum(1 for _ in _sync_iter(weights, loop)))
             return {}
-        topology = self._topology
-        assert topology is not None
-        transport = topology["transport"]
-        sender = self._senders[transport]
-        held = topology.get("held")
-        newest = max((v for v in (self._version, held) if v is not None), default=None)
-        if global_steps is None:
-            version = 0 if newest is None else newest + 1
-        else:
-            version = int(global_steps)
-        force = newest is not None and version < newest
-        if force and self.is_master and (version, newest) not in self._rollback_warned:
-            self._rollback_warned.add((version, newest))
-            log.warning(
-                "weightsync: the trainer's step went back to %d while rollout workers hold up to version %d "
-                "(resumed from an older checkpoint?); the trainer is authoritative: sending version %d with force=True",
-                version, newest, version,
-            )
-        self._version = version
-        source: Iterable[tuple[str, torch.Tensor]] = _sync_iter(weights, self._loop)
-        try:
-            if transport == "paired":  # its plan needs the tensors up front, the same on every rank
-                source = await asyncio.to_thread(lambda: dict(_sync_iter(weights, self._loop)))
-            stats = await asyncio.to_thread(sender.send, source, version, force=force)
-        except SyncError as e:
-            raise self._explain(e, version, transport) from e
+        async with self._busy():
+            topology = self._apply()
+            transport = topology["transport"]
+            sender = self._senders[transport]
+            held = topology.get("held")
+            newest = max((v for v in (self._version, held) if v is not None), default=None)
+            if global_steps is None:
+                version = 1 if newest is None else newest + 1
+            else:
+                version = int(global_steps)
+            force = newest is not None and version < newest
+            if force and self.is_master and (version, newest) not in self._rollback_warned:
+                self._rollback_warned.add((version, newest))
+                log.warning(
+                    "weightsync: the trainer's step went back to %d while version %d was already sent or held by "
+                    "rollout workers (resumed from an older checkpoint?); the trainer is authoritative: sending "
+                    "version %d with force=True", version, newest, version,
+                )
+            self._version = version
+            try:
+                if transport == "paired":  # its plan needs the tensors up front, the same on every rank
+                    source: Any = await asyncio.to_thread(lambda: dict(_sync_iter(weights, loop)))
+                else:
+                    source = _sync_iter(weights, loop)
+                stats = await asyncio.to_thread(sender.send, source, version, force=force)
+            except SyncError as e:
+                raise self._explain(e, version, transport) from e
         if not self.is_master:
             return {}
         return {
@@ -350,7 +377,8 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
             for r in error.ranks if r in by_rank
         ]
         message = (
-            f"weightsync ({transport}): update to version {version} for {len(by_rank)} rollout worker(s) failed: "
+            f"weightsync ({transport}{', chosen by auto' if self.options.transport == 'auto' else ''}): update to "
+            f"version {version} for {len(by_rank)} rollout worker(s) failed: "
             f"{error}" + (f" [failed: {'; '.join(blamed)}]" if blamed else "")
         )
         explained = type(error)(message, ranks=error.ranks)
@@ -359,24 +387,27 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` of one version; each tensor is valid until the next item
         (verl's consumers copy them)."""
-        if self._role != "receiver" or self._receiver is None:
+        if self._role != "receiver":
             raise RuntimeError("receive_weights before init_process_group, or on an actor worker")
-        receiver = self._receiver
-        items = receiver.receive(None if global_steps is None else int(global_steps))
-        end = object()
-        try:
-            while (item := await asyncio.to_thread(next, items, end)) is not end:
-                yield item  # type: ignore[misc]
-        except SyncError as e:
-            raise type(e)(
-                f"weightsync: rollout worker (receiver rank {receiver.rank}, pid {os.getpid()}) failed "
-                f"to receive version {global_steps if global_steps is not None else receiver.failed_version}: {e}",
-                ranks=e.ranks,
-            ) from e
-        finally:
-            await asyncio.to_thread(items.close)  # a consumer that stopped early: drain, report
-            if receiver.version is not None:  # what it holds now (after a rollback: the older one)
-                self._held = receiver.version
+        async with self._busy():
+            self._apply()
+            receiver = self._receiver
+            assert receiver is not None
+            items = receiver.receive(None if global_steps is None else int(global_steps))
+            end = object()
+            try:
+                while (item := await asyncio.to_thread(next, items, end)) is not end:
+                    yield item  # type: ignore[misc]
+            except SyncError as e:
+                what = global_steps if global_steps is not None else receiver.failed_version
+                raise type(e)(
+                    f"weightsync: rollout worker (receiver rank {receiver.rank}, pid {os.getpid()}) failed to "
+                    f"receive version {what}: {e}", ranks=e.ranks,
+                ) from e
+            finally:
+                await asyncio.to_thread(items.close)  # a consumer that stopped early: drain, report
+                if receiver.version is not None:  # what it holds now (after a rollback: the older one)
+                    self._held = receiver.version
 
     # ------------------------------------------------------------------ teardown
     def _close_senders(self) -> None:
