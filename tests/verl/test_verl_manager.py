@@ -19,9 +19,6 @@ import weightsync
 import weightsync.integrations.verl  # noqa: F401  (registers backend "weightsync" in the driver too)
 from weightsync import SyncError
 
-TOTAL_BYTES = sum(t.nbytes for t in H.weights_at(0).values())
-
-
 @pytest.fixture(scope="module")
 def ray_node():
     ray.init(num_cpus=16, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
@@ -39,22 +36,6 @@ def reaper(ray_node):
     r = H.Reaper()
     yield r
     r.close()
-
-
-def update(manager: CheckpointEngineManager, trainer, step: int | None, workers, version: int | None = None, train_to=None):
-    """Train to ``train_to`` (default ``step``), update through verl's manager with
-    ``global_steps=step``, and check every worker holds the trainer's bytes."""
-    want = trainer.train_to(train_to if train_to is not None else step)[0]
-    metrics = manager.update_weights(global_steps=step)
-    got = H.received(workers)
-    for i, held in enumerate(got):
-        assert held == want, f"rollout worker {i} does not hold the trainer's weights after step {step}"
-    assert TOTAL_BYTES <= metrics["weightsync/bytes"] <= TOTAL_BYTES + 64 * len(H.SHAPES)  # bucket alignment
-    assert metrics["weightsync/receivers"] == len(workers)
-    assert metrics["weightsync/seconds"] > 0 and metrics["weightsync/gbps"] > 0
-    if version is not None or step is not None:
-        assert metrics["weightsync/version"] == (version if version is not None else step)
-    return metrics
 
 
 def kill_mid_update(manager, trainer, workers, victim: int, step: int, transport: str, timeout_s: float):
@@ -92,7 +73,7 @@ def test_manager_updates_bit_exact_as_replicas_join_die_and_leave(transport, mod
     manager = CheckpointEngineManager(config=config, actor_wg=trainer, replicas=list(replicas[:2]))
 
     for step in (1, 2, 3):  # 2 rollout workers
-        metrics = update(manager, trainer, step, workers[:2])
+        metrics = H.update(manager, trainer, step, workers[:2])
         assert metrics["weightsync/forced"] == 0
     expected = "shm" if transport == "auto" else transport  # one Ray node: auto picks shm
     states = H.engine_state(workers[:2])
@@ -103,7 +84,7 @@ def test_manager_updates_bit_exact_as_replicas_join_die_and_leave(transport, mod
 
     manager.add_replicas([replicas[2]])  # a replica joins at the next update
     for step in (4, 5):  # 3 rollout workers
-        update(manager, trainer, step, workers)
+        H.update(manager, trainer, step, workers)
     states = H.engine_state(workers)
     assert [s["rank"] for s in states] == [0, 1, 2] and {s["address"] for s in states} == {address}
 
@@ -113,11 +94,11 @@ def test_manager_updates_bit_exact_as_replicas_join_die_and_leave(transport, mod
     manager.remove_replicas([replicas[1]])  # the next update goes to the survivors
     survivors = [workers[0], workers[2]]
     for step in (7, 8):
-        update(manager, trainer, step, survivors)
+        H.update(manager, trainer, step, survivors)
     assert [s["rank"] for s in H.engine_state(survivors)] == [0, 2]  # ranks stay
 
     manager.remove_replicas([replicas[0]])  # a replica leaves at the next update
-    update(manager, trainer, 9, workers[2:])
+    H.update(manager, trainer, 9, workers[2:])
     assert ray.get(trainer.execute_checkpoint_engine(["describe"] * len(trainer.workers)))[0]["receivers"] == [2]
     assert H.received(workers[:1])[0] == trainer.train_to(8)[0], "a removed replica must not be updated"
 
@@ -134,15 +115,15 @@ def test_versions_counted_rolled_back_and_after_a_trainer_restart(model_path, re
 
     # verl's default global_steps=None: the adapter counts
     for count in (1, 2):
-        metrics = update(manager, trainer, None, workers, version=count, train_to=count)
+        metrics = H.update(manager, trainer, None, workers, version=count, train_to=count)
         assert metrics["weightsync/forced"] == 0
-    update(manager, trainer, 10, workers)
+    H.update(manager, trainer, 10, workers)
 
     # the trainer resumed from an older checkpoint: it is authoritative
-    metrics = update(manager, trainer, 4, workers)
+    metrics = H.update(manager, trainer, 4, workers)
     assert metrics["weightsync/forced"] == 1 and metrics["weightsync/rollback_from"] == 10
     assert [s["held"] for s in H.engine_state(workers)] == [4, 4]
-    metrics = update(manager, trainer, None, workers, version=5, train_to=5)
+    metrics = H.update(manager, trainer, None, workers, version=5, train_to=5)
     assert metrics["weightsync/forced"] == 0
 
     # a new trainer process (nothing remembered) resumes at step 3 while rollout kept version 5
@@ -151,7 +132,7 @@ def test_versions_counted_rolled_back_and_after_a_trainer_restart(model_path, re
     trainer2 = H.make_trainer(config, reaper.pool([1]))
     reaper.track(trainer2.workers)
     manager2 = CheckpointEngineManager(config=config, actor_wg=trainer2, replicas=list(replicas))
-    metrics = update(manager2, trainer2, 3, workers)
+    metrics = H.update(manager2, trainer2, 3, workers)
     assert metrics["weightsync/forced"] == 1 and metrics["weightsync/rollback_from"] == 5
-    metrics = update(manager2, trainer2, None, workers, version=4, train_to=4)
+    metrics = H.update(manager2, trainer2, None, workers, version=4, train_to=4)
     assert metrics["weightsync/forced"] == 0

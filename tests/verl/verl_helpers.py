@@ -155,6 +155,25 @@ def cpu_pool(counts: list[int], max_colocate_count: int = 1) -> RayResourcePool:
     return RayResourcePool(process_on_nodes=counts, use_gpu=False, max_colocate_count=max_colocate_count)
 
 
+TOTAL_BYTES = sum(t.nbytes for t in weights_at(0).values())
+
+
+def update(manager, trainer: RayWorkerGroup, step: int | None, workers, version: int | None = None, train_to=None):
+    """Train to ``train_to`` (default ``step``), update through verl's manager with
+    ``global_steps=step``, and check every worker holds the trainer's bytes."""
+    want = trainer.train_to(train_to if train_to is not None else step)[0]
+    metrics = manager.update_weights(global_steps=step)
+    got = received(workers)
+    for i, held in enumerate(got):
+        assert held == want, f"rollout worker {i} does not hold the trainer's weights after step {step}"
+    assert TOTAL_BYTES <= metrics["weightsync/bytes"] <= TOTAL_BYTES + 64 * len(SHAPES)  # bucket alignment
+    assert metrics["weightsync/receivers"] == len(workers)
+    assert metrics["weightsync/seconds"] > 0 and metrics["weightsync/gbps"] > 0
+    if version is not None or step is not None:
+        assert metrics["weightsync/version"] == (version if version is not None else step)
+    return metrics
+
+
 # ---------------------------------------------------------------------------- run inside actors
 def _received(worker) -> dict[str, str]:
     return digest(worker.server_adapter.received_weights)

@@ -41,7 +41,7 @@ import math
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import torch
