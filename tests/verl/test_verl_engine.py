@@ -83,29 +83,53 @@ def weights(step: int) -> dict[str, torch.Tensor]:
             "w": torch.randn(64, 64, generator=g), "n": torch.arange(5) + step}
 
 
-async def one_update(engines, step: int | None, trainer_weights, expect_version: int):
-    """verl's manager's sequence for one update, in one process."""
-    sender, *receivers = engines
+async def one_update(engines, step: int | None, trainer_weights, expect_version: int, actors: int = 1):
+    """verl's manager's sequence for one update, in one process: ``engines`` are the actor
+    ranks' (``actors`` of them, rank 0 first) then the rollout workers'."""
     metadata = [e.prepare() for e in engines]
-    actor_kwargs, rollout_kwargs = adapter.WeightsyncCheckpointEngine.build_topology(1, len(receivers), metadata)
-    sender.init_process_group(**{k: v[0] for k, v in actor_kwargs.items()})
-    for i, r in enumerate(receivers):
-        r.init_process_group(**{k: v[i] for k, v in rollout_kwargs.items()})
+    actor_kwargs, rollout_kwargs = adapter.WeightsyncCheckpointEngine.build_topology(actors, len(engines) - actors, metadata)
+    for i, e in enumerate(engines[:actors]):
+        e.init_process_group(**{k: v[i] for k, v in actor_kwargs.items()})
+    for i, e in enumerate(engines[actors:]):
+        e.init_process_group(**{k: v[i] for k, v in rollout_kwargs.items()})
 
     async def receive(engine):
         return {name: t.clone() async for name, t in engine.receive_weights(global_steps=step)}
 
-    async def send():  # verl's actor passes a generator
-        return await sender.send_weights(((n, t) for n, t in trainer_weights.items()), global_steps=step)
+    async def send(engine):  # verl's actor passes a generator
+        return await engine.send_weights(((n, t) for n, t in trainer_weights.items()), global_steps=step)
 
-    metrics, *got = await asyncio.gather(send(), *[receive(r) for r in receivers])
+    results = await asyncio.gather(*[send(e) for e in engines[:actors]], *[receive(e) for e in engines[actors:]])
     for e in engines:
         e.finalize()
+    metrics, others, got = results[0], results[1:actors], results[actors:]
+    assert all(m == {} for m in others)  # only actor rank 0 reports metrics
     for held in got:
         assert held.keys() == trainer_weights.keys()
         assert all(torch.equal(held[n], trainer_weights[n]) for n in held)
     assert metrics["weightsync/version"] == expect_version
     return metrics
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport, actors", [("paired", 2), ("disk", 2), ("nccl", 2)])
+def test_other_transports_and_several_actor_ranks(transport, actors, tmp_path):
+    new = adapter.WeightsyncCheckpointEngine
+    extra = {"engine_kwargs": {"disk": {"path": str(tmp_path)}}} if transport == "disk" else {}
+    kw = dict(bucket_size=2 << 20, transport=transport, timeout_s=20, **extra)
+    engines = [new(is_master=True, host="127.0.0.1", **kw)] + [new(**kw) for _ in range(actors - 1 + 2)]
+
+    async def scenario():
+        for step in (1, 2, 3):
+            await one_update(engines, step, weights(step), expect_version=step, actors=actors)
+
+    try:
+        asyncio.run(scenario())
+        roles = [e.describe()["role"] for e in engines]
+        assert roles == (["sender"] * actors if transport == "paired" else ["sender", "drain"]) + ["receiver"] * 2
+    finally:
+        for e in engines:
+            e.close()
 
 
 @pytest.mark.timeout(120)
