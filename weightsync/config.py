@@ -564,9 +564,10 @@ VERL_KEYS = (
     VerlKey(
         "host", None,
         "Address the trainer's sender binds and advertises to the rollout workers. Default: the "
-        "node IP Ray reports for the trainer's node, so workers on other nodes reach it.",
+        "node IP Ray reports for the trainer's node, so workers on other nodes reach it; `0.0.0.0` "
+        "binds every interface and advertises that node IP.",
         "训练端发送方绑定并告知推理 worker 的地址。默认：Ray 报告的训练端节点 IP，其他节点上的 worker "
-        "可据此连接。",
+        "可据此连接；`0.0.0.0` 绑定所有网卡，并告知该节点 IP。",
     ),
 )
 

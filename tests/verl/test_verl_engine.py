@@ -76,6 +76,11 @@ def test_build_topology_keeps_ranks_and_picks_the_transport():
     with pytest.raises(ValueError, match="actor rank 0 must be the weightsync sender"):
         build(1, 1, [meta("x", "A"), meta("a", "A")])
 
+    # a sender bound to every interface is advertised at the node IP Ray reports
+    assert adapter._advertised("0.0.0.0:4321", "10.1.2.3") == "10.1.2.3:4321"
+    assert adapter._advertised("[::]:4321", "10.1.2.3") == "10.1.2.3:4321"
+    assert adapter._advertised("127.0.0.1:4321", "10.1.2.3") == "127.0.0.1:4321"
+
 
 def weights(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(step)

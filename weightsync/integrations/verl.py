@@ -83,6 +83,13 @@ def _ray_node() -> tuple[str, str]:
     return host, ip
 
 
+def _advertised(address: str, node_ip: str) -> str:
+    """The address rollout workers connect to: a sender bound to every interface
+    (``host: 0.0.0.0``) is reached at the node IP Ray reports."""
+    host, _, port = address.rpartition(":")
+    return f"{node_ip}:{port}" if host.strip("[]") in ("", "0.0.0.0", "::") else address
+
+
 def resolve_transport(transport: str, trainer_node: str, rollout_nodes: list[str]) -> str:
     """The weightsync backend for this topology. ``auto``: ``shm`` when every rollout worker
     runs on the trainer's Ray node (same node id), else ``nccl``. ``shm`` across nodes is
@@ -180,7 +187,7 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
                     self._members[transport] = {}
             meta.update(
                 transport=self.options.transport,
-                addresses={t: s.address for t, s in self._senders.items()},
+                addresses={t: _advertised(s.address, node_ip) for t, s in self._senders.items()},
                 members=self._members,
                 version=self._version,
             )
