@@ -27,7 +27,6 @@ from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, Ra
 from verl.utils.import_utils import import_external_libs
 from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
 
-from tests.checkpoint_engine.test_utils import create_rollout_worker_group  # verl's wheel
 
 MODULE = "weightsync.integrations.verl"
 BUCKET_MB = 1  # the embedding below is larger: it travels in chunks
@@ -146,6 +145,9 @@ def make_trainer(config: CheckpointEngineConfig, pool: RayResourcePool, seed: in
 
 def make_rollout(config: CheckpointEngineConfig, model_path: str, pool: RayResourcePool):
     """verl's create_rollout_worker_group: CheckpointEngineWorkerTest workers, one MockReplica each (TP 1)."""
+    # verl's wheel; imported here, in the driver only, so trainer processes skip its imports
+    from tests.checkpoint_engine.test_utils import create_rollout_worker_group
+
     model_config = HFModelConfig(path=model_path, load_tokenizer=False)
     rollout_config = RolloutConfig(name="vllm", checkpoint_engine=config, tensor_model_parallel_size=1)
     return asyncio.run(create_rollout_worker_group(pool, model_config, rollout_config, check_allclose=True))

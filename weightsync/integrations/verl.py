@@ -67,7 +67,7 @@ _AUTO = ("shm", "nccl")
 
 def _ray_node() -> tuple[str, str]:
     """(node id, node IP) of this process as Ray reports them; outside Ray, the host name
-    and the address of the default route's interface."""
+    and the address it resolves to."""
     try:
         import ray
 
