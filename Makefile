@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # multi-GB CUDA build. On a GPU machine: make TORCH=torch==<cuda build> ...
 TORCH  ?= torch==2.13.0
 
-.PHONY: install install-vllm install-mooncake demo demo-vllm test test-fast gpu-check docs clean
+.PHONY: install install-vllm install-mooncake install-verl demo demo-vllm test test-fast gpu-check docs clean
 
 install: $(VENV)/.installed
 
@@ -40,6 +40,21 @@ $(VENV)/.installed-mooncake: $(VENV)/.installed
 	$(BIN)/pip install --quiet "$(TORCH)" -e ".[test,mooncake]"
 	touch $@
 
+# verl 0.9.1 for weightsync.integrations.verl and tests/verl, in an environment of its own:
+# verl pins transformers<5.11 while vLLM's CPU build (install-vllm, in .venv) needs a newer
+# one, and verl's wheel installs a top-level `tests` package. torch is pinned on the same
+# command line so nothing resolves a CUDA build.
+VERL_VENV := .venv-verl
+VERL_BIN  := $(VERL_VENV)/bin
+
+install-verl: $(VERL_VENV)/.installed
+
+$(VERL_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_BIN)/pip install --quiet "$(TORCH)"
+	$(VERL_BIN)/pip install --quiet "$(TORCH)" -e ".[test,verl]"
+	touch $@
+
 demo: install
 	$(BIN)/weightsync demo
 
@@ -49,9 +64,10 @@ demo-vllm: install-vllm
 # The tests marked cuda need a GPU: deselected here (and said so), run by `make gpu-check`.
 CUDA_NOTE := echo "cuda tests deselected (-m 'not cuda'): run make gpu-check on a GPU machine"
 
-test: install-vllm install-mooncake
+test: install-vllm install-mooncake install-verl
 	@$(CUDA_NOTE)
 	$(BIN)/python -m pytest -q -m "not cuda"
+	$(VERL_BIN)/python -m pytest -q tests/verl
 
 test-fast: install
 	@$(CUDA_NOTE)
@@ -86,4 +102,4 @@ docs: install
 	$(BIN)/weightsync config --docs --lang zh > docs/configuration.zh.md
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) .pytest_cache .hypothesis

@@ -168,3 +168,122 @@ def test_every_command_has_help():
     for args in (["--help"], ["demo", "--help"], ["config", "--help"]):
         out = run_cli(*args)
         assert out.returncode == 0 and "usage: weightsync" in out.stdout
+
+
+# ---------------------------------------------------------------------------- verl's own configs
+VERL_MULTI = """
+actor_rollout_ref:
+  model: {path: /models/qwen}
+  rollout:
+    checkpoint_engine:
+      _target_: verl.workers.config.CheckpointEngineConfig
+      backend: BACKEND
+      update_weights_bucket_megabytes: 512
+      custom_backend_module: null
+      engine_kwargs:
+        nccl: {group_name: g1, rebuild_group: true, multi_sender: true, rollout_dtype: bfloat16}
+        nixl: {device: cuda}
+        kimi_ckpt_engine: {rebuild_group: false}
+        mooncake: {device: npu, device_name: mlx5_0, rollout_dtype: bfloat16}
+        weightsync: {transport: auto, timeout_s: 60, verify: crc32, nccl: {group_name: ws}}
+trainer:
+  use_v1: true
+  v1:
+    trainer_mode: separate_async
+    separate_async: {parameter_sync_step: 4, hybrid_rollout: {_target_: x.Y, enable_switch: false}}
+"""
+
+
+def verl_yaml(tmp_path, backend: str, text: str = VERL_MULTI) -> Path:
+    path = tmp_path / f"verl-{backend}.yaml"
+    path.write_text(text.replace("BACKEND", backend))
+    return path
+
+
+def test_verl_trainer_modes_are_verls():
+    c = EngineConfig()
+    assert (c.trainer.trainer_mode, c.trainer.use_v1) == ("sync", True)  # verl 0.9.1's defaults
+    for mode in ("sync", "colocate_async", "separate_async"):
+        assert EngineConfig.from_overrides([f"trainer.v1.trainer_mode={mode}", "backend=nccl"]).trainer.trainer_mode == mode
+    assert EngineConfig.from_overrides(["trainer.v1.trainer_mode=colocate"]).trainer.trainer_mode == "sync"
+    with pytest.raises(ConfigError, match="allowed values are sync, colocate_async, separate_async"):
+        EngineConfig.from_overrides(["trainer.v1.trainer_mode=async"])
+
+
+def test_verl_config_with_several_backends_engine_kwargs(tmp_path):
+    notes: list[str] = []
+    c = EngineConfig.from_yaml(verl_yaml(tmp_path, "nccl"), notes=notes)
+    assert (c.backend, c.update_weights_bucket_megabytes) == ("nccl", 512)
+    assert (c.engine_kwargs.nccl.group_name, c.engine_kwargs.nccl.rebuild_group) == ("g1", True)
+    assert c.engine_kwargs.mooncake.device == "auto"  # mooncake's entry is not nccl's: ignored
+    assert c.trainer.trainer_mode == "separate_async"
+    text = "\n".join(notes)
+    for name in ("nixl", "kimi_ckpt_engine", "mooncake", "weightsync"):
+        assert f"{PREFIX}engine_kwargs.{name}: ignored, as verl does: backend=nccl reads only its own entry" in text
+    for key in ("multi_sender", "rollout_dtype"):
+        assert f"engine_kwargs.nccl.{key}: taken by verl's own nccl engine, not read by weightsync's" in text
+
+    c = EngineConfig.from_yaml(verl_yaml(tmp_path, "mooncake"), notes=(notes := []))
+    assert (c.engine_kwargs.mooncake.device, c.engine_kwargs.mooncake.device_name) == ("npu", "mlx5_0")
+    assert c.engine_kwargs.nccl.group_name == "default"
+    assert any("engine_kwargs.mooncake.rollout_dtype: taken by verl's own mooncake engine" in n for n in notes)
+
+    c = EngineConfig.from_yaml(verl_yaml(tmp_path, "paired"))  # paired also reads nccl's group options
+    assert (c.backend, c.engine_kwargs.nccl.group_name) == ("paired", "g1")
+
+
+def test_verl_config_with_the_weightsync_adapter(tmp_path):
+    text = VERL_MULTI.replace("custom_backend_module: null", "custom_backend_module: weightsync.integrations.verl")
+    notes: list[str] = []
+    c = EngineConfig.from_yaml(verl_yaml(tmp_path, "weightsync", text), notes=notes)  # verl need not be installed
+    assert (c.backend, c.timeout_s, c.verify, c.engine_kwargs.nccl.group_name) == ("nccl", 60.0, "crc32", "ws")
+    assert c.custom_backend_module is None  # verl's plugin import, not a weightsync backend module
+    assert any("transport=auto: chosen at every update" in n for n in notes)
+    assert any(f"{PREFIX}engine_kwargs.nccl: ignored, as verl does: backend=weightsync reads engine_kwargs.weightsync" in n for n in notes)
+    bad = text.replace("verify: crc32", "verfy: crc32")
+    with pytest.raises(ConfigError, match=r"unknown key .*engine_kwargs\.weightsync\.verfy \(did you mean 'verify'\?\); known keys: transport, host, timeout_s, verify"):
+        EngineConfig.from_yaml(verl_yaml(tmp_path, "weightsync", bad))
+
+
+@pytest.mark.parametrize(
+    "backend, message",
+    [
+        ("hccl", r"backend='hccl': weightsync has no backend of that name: use backend=nccl, which runs on HCCL on Ascend"),
+        ("nixl", r"backend='nixl': verl's NIXL engine is not provided by weightsync; .*backend=mooncake"),
+        ("kimi_ckpt_engine", r"backend='kimi_ckpt_engine': .* not provided by weightsync; use backend=nccl"),
+        ("delta_sharded", r"backend='delta_sharded': verl's delta engine .* not provided"),
+        ("weightsync", r"backend='weightsync': that is the name weightsync's adapter registers in verl"),
+    ],
+)
+def test_verl_backend_names_weightsync_does_not_provide(backend, message, tmp_path):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_overrides([f"backend={backend}"])
+    if backend != "weightsync":  # in a verl config too, with that backend's engine_kwargs left aside
+        with pytest.raises(ConfigError, match=message):
+            EngineConfig.from_yaml(verl_yaml(tmp_path, backend))
+
+
+def test_verl_adapter_kwargs():
+    from weightsync.config import parse_verl_kwargs
+
+    o = parse_verl_kwargs({"transport": "shm", "host": "10.0.0.5", "timeout_s": 9, "nccl": {"group_name": "w"},
+                           "engine_kwargs": {"disk": {"path": "/d"}}, "auth_secret": "s"})
+    assert (o.transport, o.host) == ("shm", "10.0.0.5")
+    assert o.settings == [("timeout_s", 9), ("engine_kwargs.nccl.group_name", "w"), ("engine_kwargs.disk.path", "/d"), ("auth_secret", "s")]
+    assert parse_verl_kwargs(None).transport == "nccl"
+    with pytest.raises(ConfigError, match=r"transport='nccll': allowed values are nccl, shm, paired, mooncake, disk, auto \(did you mean 'nccl'\?\)"):
+        parse_verl_kwargs({"transport": "nccll"})
+    with pytest.raises(ConfigError, match=r"engine_kwargs\.weightsync\.backend: not set here; name the weightsync backend with `transport`"):
+        parse_verl_kwargs({"backend": "nccl"})
+    with pytest.raises(ConfigError, match=r"update_weights_bucket_megabytes: not set here; verl passes"):
+        parse_verl_kwargs({"update_weights_bucket_megabytes": 4})
+    with pytest.raises(ConfigError, match=r"unknown key .*weightsync\.trainer\.use_v1"):
+        parse_verl_kwargs({"trainer": {"use_v1": True}})
+
+
+def test_cli_reads_a_verl_config_with_notes(tmp_path):
+    out = run_cli("config", "--yaml", str(verl_yaml(tmp_path, "nccl")), "--check")
+    assert out.returncode == 0, out.stderr
+    assert "config OK" in out.stdout and "note: " in out.stderr and "engine_kwargs.nixl: ignored" in out.stderr
+    out = run_cli("config", "--yaml", str(verl_yaml(tmp_path, "hccl")), "--check")
+    assert out.returncode == 2 and "use backend=nccl" in out.stderr

@@ -119,7 +119,7 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
         description="Print the effective configuration for the given overrides (key=value, short or full form).",
     )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="configuration overrides")
-    p.add_argument("--yaml", metavar="FILE", help="read a YAML file first (nested or flat keys)")
+    p.add_argument("--yaml", metavar="FILE", help="read a YAML file first: weightsync's own (nested or flat keys) or a whole verl trainer config, read as verl reads it")
     p.add_argument("--check", action="store_true", help="only validate: exit 0 if valid, 2 with the message if not")
     p.add_argument("--json", action="store_true", help="print the configuration as JSON")
     p.add_argument("--docs", action="store_true", help="print the parameter reference (Markdown) generated from the code")
@@ -159,13 +159,20 @@ def _config_command(args: argparse.Namespace) -> int:
     if args.docs:
         sys.stdout.write(docs_markdown(args.lang))
         return 0
+    notes: list[str] = []
     try:
         config = (
-            EngineConfig.from_yaml(args.yaml, args.overrides) if args.yaml else EngineConfig.from_overrides(args.overrides)
+            EngineConfig.from_yaml(args.yaml, args.overrides, notes)
+            if args.yaml
+            else EngineConfig.from_overrides(args.overrides)
         )
     except (ConfigError, OSError) as e:
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     if args.check:
         print("config OK")
         return 0

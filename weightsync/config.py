@@ -19,7 +19,10 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 PREFIX = "actor_rollout_ref.rollout.checkpoint_engine."
-TRAINER_MODES = ("colocate", "separate_async")
+#: verl 0.9.1's ``trainer.v1.trainer_mode`` values (``sync`` is its default)
+TRAINER_MODES = ("sync", "colocate_async", "separate_async")
+#: weightsync's earlier name for verl's ``sync`` mode, still read as ``sync``
+_TRAINER_MODE_ALIASES = {"colocate": "sync"}
 MOONCAKE_DEVICES = ("auto", "cuda", "npu", "cpu")
 DELTA_MODES = ("off", "auto")
 VERIFY_MODES = ("off", "crc32", "xxh3")
@@ -133,20 +136,25 @@ class TrainerKeys:
     """Related keys from the trainer section, checked against the backend."""
 
     use_v1: bool = field(
-        default=False,
+        default=True,
         metadata=_doc(
-            "`trainer.use_v1`: the v1 trainer (needed for separate async mode).",
-            "`trainer.use_v1`：使用 v1 训练器（分离异步模式需要）。",
+            "`trainer.use_v1`: the v1 trainer (verl's default; needed for the `trainer.v1` modes).",
+            "`trainer.use_v1`：使用 v1 训练器（verl 的默认值；`trainer.v1` 的各模式需要它）。",
         ),
     )
     trainer_mode: str = field(
-        default="colocate",
+        default="sync",
         metadata=_doc(
-            "`trainer.v1.trainer_mode`: `colocate` (trainer and rollout take turns on the same "
-            "devices) or `separate_async` (separate devices, weights pushed while rollout "
-            "serves; needs a transport backend, not `naive`).",
-            "`trainer.v1.trainer_mode`：`colocate`（训练与推理轮流共用设备）或 `separate_async`"
-            "（分离设备，推理服务期间推送权重；需要传输后端，不能用 `naive`）。",
+            "`trainer.v1.trainer_mode`, verl's modes: `sync` (verl's default: trainer and rollout "
+            "take turns on the same devices), `colocate_async` (same devices, rollout runs ahead "
+            "asynchronously) or `separate_async` (separate devices, weights pushed while rollout "
+            "serves; needs a transport backend, not `naive`). In `sync` and `colocate_async` verl "
+            "updates its colocated replicas with `naive` whatever `backend` says. `colocate`, "
+            "weightsync's earlier name, is read as `sync`.",
+            "`trainer.v1.trainer_mode`，即 verl 的模式：`sync`（verl 默认：训练与推理轮流共用设备）、"
+            "`colocate_async`（共用设备，推理异步先行）或 `separate_async`（分离设备，推理服务期间推送权重；"
+            "需要传输后端，不能用 `naive`）。在 `sync` 与 `colocate_async` 模式下，verl 对共置副本"
+            "总是使用 `naive` 更新，与 `backend` 无关。weightsync 早先的名称 `colocate` 按 `sync` 读取。",
             choices=TRAINER_MODES,
             key="trainer.v1.trainer_mode",
         ),
@@ -277,12 +285,14 @@ class EngineConfig:
         return cls._build(_flatten(data), base)
 
     @classmethod
-    def from_yaml(cls, path: str | Path, overrides: Iterable[str] = ()) -> EngineConfig:
+    def from_yaml(cls, path: str | Path, overrides: Iterable[str] = (), notes: list[str] | None = None) -> EngineConfig:
         """Read a YAML file, then apply ``overrides``; validated once, at the end.
 
         The file is either weightsync's own (nested or flat; full or short keys: every key
-        must be known) or a whole verl config: then only its ``checkpoint_engine`` section
-        and the trainer keys weightsync knows are read, and the rest is left to verl.
+        must be known) or a whole verl config, read as verl reads it (see ``read_verl``):
+        only its ``checkpoint_engine`` section and the trainer keys weightsync knows count,
+        the rest is left to verl. What was read differently from the file's face (ignored
+        ``engine_kwargs`` of other backends, verl-only keys) is appended to ``notes``.
         """
         import yaml
 
@@ -291,8 +301,9 @@ class EngineConfig:
             raise ConfigError(f"{path}: expected a mapping at the top level")
         items = list(_flatten(data))
         if any(k.startswith(PREFIX) for k, _ in items):  # a whole verl config
-            ours = {k.full for k in all_keys()}
-            items = [(k, v) for k, v in items if k.startswith(PREFIX) or k in ours]
+            items, found = read_verl(items)
+            if notes is not None:
+                notes.extend(found)
         return cls._build([*items, *_parse_overrides(overrides)])
 
     @classmethod
@@ -312,7 +323,10 @@ class EngineConfig:
         for part in parents:
             obj = getattr(obj, part)
         kind = get_type_hints(type(obj))[leaf]
-        setattr(obj, leaf, _coerce(key, value, kind))
+        value = _coerce(key, value, kind)
+        if path == "trainer.trainer_mode":
+            value = _TRAINER_MODE_ALIASES.get(value, value)
+        setattr(obj, leaf, value)
 
     def get(self, key: str) -> Any:
         obj: Any = self
@@ -381,6 +395,8 @@ class EngineConfig:
         from weightsync.engines import known_backends
 
         known = known_backends()
+        if self.backend not in known and self.backend in VERL_ONLY_BACKENDS:
+            raise ConfigError(f"backend={self.backend!r}: {VERL_ONLY_BACKENDS[self.backend]}")
         if self.backend not in known:
             raise ConfigError(
                 f"backend={self.backend!r} is not a known backend{_suggest(self.backend, known)}; "
@@ -510,6 +526,206 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, A
             yield key, v
 
 
+# --------------------------------------------------------------------- verl
+#: the backend name weightsync's adapter registers in verl's ``CheckpointEngineRegistry``
+VERL_BACKEND = "weightsync"
+#: the module verl imports through ``custom_backend_module`` to register it
+VERL_MODULE = "weightsync.integrations.verl"
+#: values of ``engine_kwargs.weightsync.transport``: weightsync backends that carry weights
+#: between processes, or ``auto`` (``shm`` when every rollout worker is on the trainer's Ray
+#: node, else ``nccl``)
+VERL_TRANSPORTS = ("nccl", "shm", "paired", "mooncake", "disk", "auto")
+
+#: verl 0.9.1 backend names weightsync does not provide, and what to use instead
+VERL_ONLY_BACKENDS = {
+    "hccl": (
+        "weightsync has no backend of that name: use backend=nccl, which runs on HCCL on Ascend NPUs "
+        "(and on Gloo on CPU); verl registers its own HCCL engine under `nccl` too"
+    ),
+    "nixl": (
+        "verl's NIXL engine is not provided by weightsync; for point-to-point transfers use "
+        "backend=mooncake (RDMA, or TCP), for a broadcast backend=nccl"
+    ),
+    "kimi_ckpt_engine": (
+        "verl's engine over Moonshot's checkpoint-engine is not provided by weightsync; use "
+        "backend=nccl (broadcast), backend=shm (one host; CUDA IPC on GPUs) or backend=mooncake"
+    ),
+    "delta_sharded": (
+        "verl's delta engine (sparse byte differences, NCCL and CUDA only) is not provided by "
+        "weightsync; use backend=nccl, which sends every version whole"
+    ),
+    VERL_BACKEND: (
+        "that is the name weightsync's adapter registers in verl (custom_backend_module: "
+        f"{VERL_MODULE}); in weightsync's own configuration name the transport instead: "
+        "backend=nccl, shm, paired, mooncake or disk"
+    ),
+}
+
+#: keys verl's own engines take that weightsync's backend of the same name does not read
+VERL_ONLY_KWARGS = {
+    "nccl": ("rollout_dtype", "multi_sender"),
+    "mooncake": ("rollout_dtype", "rebuild_group"),
+}
+
+#: weightsync keys verl sets itself, so ``engine_kwargs.weightsync`` must not
+_VERL_FIXED = {
+    "backend": "name the weightsync backend with `transport`",
+    "update_weights_bucket_megabytes": f"verl passes {PREFIX}update_weights_bucket_megabytes as the bucket size",
+    "custom_backend_module": f"verl's {PREFIX}custom_backend_module loads the adapter",
+}
+
+
+@dataclass(frozen=True)
+class VerlKey:
+    """A key of ``engine_kwargs.weightsync`` that belongs to the verl adapter itself."""
+
+    name: str
+    default: Any
+    help: str
+    help_zh: str
+    choices: tuple[str, ...] | None = None
+
+
+VERL_KEYS = (
+    VerlKey(
+        "transport", "nccl",
+        "The weightsync backend that carries the weights: `nccl` (broadcast; NCCL, HCCL on "
+        "Ascend, Gloo on CPU), `shm` (every rollout worker on the trainer's node), `paired`, "
+        "`mooncake`, `disk` (needs `engine_kwargs.disk.path`), or `auto`: `shm` when every rollout "
+        "worker runs on the trainer's Ray node (decided by Ray node id at every update), else `nccl`.",
+        "承载权重的 weightsync 后端：`nccl`（广播；NCCL，昇腾上为 HCCL，CPU 上为 Gloo）、`shm`"
+        "（所有推理 worker 与训练端在同一节点）、`paired`、`mooncake`、`disk`（需要 "
+        "`engine_kwargs.disk.path`），或 `auto`：所有推理 worker 都在训练端所在的 Ray 节点上时用 `shm`"
+        "（每次更新时按 Ray 节点 ID 判断），否则用 `nccl`。",
+        VERL_TRANSPORTS,
+    ),
+    VerlKey(
+        "host", None,
+        "Address the trainer's sender binds and advertises to the rollout workers. Default: the "
+        "node IP Ray reports for the trainer's node, so workers on other nodes reach it; `0.0.0.0` "
+        "binds every interface and advertises that node IP.",
+        "训练端发送方绑定并告知推理 worker 的地址。默认：Ray 报告的训练端节点 IP，其他节点上的 worker "
+        "可据此连接；`0.0.0.0` 绑定所有网卡，并告知该节点 IP。",
+    ),
+)
+
+
+@dataclass
+class VerlOptions:
+    """``engine_kwargs.weightsync`` read: the adapter's own keys and weightsync settings."""
+
+    transport: str = "nccl"
+    host: str | None = None
+    settings: list[tuple[str, Any]] = field(default_factory=list)  # (short weightsync key, value)
+
+
+def verl_settable_keys() -> list[str]:
+    """weightsync keys ``engine_kwargs.weightsync`` may set (short form)."""
+    return [k.display for k in all_keys() if k.display not in _VERL_FIXED and not k.path.startswith("trainer.")]
+
+
+def parse_verl_kwargs(kwargs: Mapping[str, Any] | None) -> VerlOptions:
+    """Read verl's ``engine_kwargs.weightsync`` (what verl passes the adapter's constructor).
+
+    Keys: ``transport``, ``host`` and any weightsync key (``timeout_s``, ``verify``,
+    ``auth_secret``, ``engine_kwargs.nccl.group_name`` or ``nccl.group_name``, ...). An
+    unknown key raises ``ConfigError`` naming the known ones.
+    """
+    where = f"{PREFIX}engine_kwargs.{VERL_BACKEND}."
+    options = VerlOptions()
+    settable = verl_settable_keys()
+    groups = tuple(f.name for f in dataclasses.fields(EngineKwargs))
+    for key, value in _flatten(dict(kwargs or {})):
+        if key == "transport":
+            if value is None:
+                continue
+            if value not in VERL_TRANSPORTS:
+                raise ConfigError(
+                    f"{where}transport={value!r}: allowed values are {', '.join(VERL_TRANSPORTS)}"
+                    f"{_suggest(str(value), VERL_TRANSPORTS)}"
+                )
+            options.transport = value
+        elif key == "host":
+            options.host = None if value is None or str(value).strip() == "" else str(value).strip()
+        elif key in _VERL_FIXED:
+            raise ConfigError(f"{where}{key}: not set here; {_VERL_FIXED[key]}")
+        else:
+            short = f"engine_kwargs.{key}" if key.split(".", 1)[0] in groups else key
+            if short not in settable:
+                known = [k.name for k in VERL_KEYS] + settable
+                raise ConfigError(
+                    f"unknown key {where}{key}{_suggest(key, known)}; known keys: {', '.join(known)}"
+                )
+            options.settings.append((short, value))
+    return options
+
+
+def read_verl(items: Iterable[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], list[str]]:
+    """Read a whole verl config's flattened items as verl does; return weightsync's items
+    and notes on what was read differently from the file's face.
+
+    Hydra's ``_target_`` is dropped; of ``engine_kwargs`` only the entry of the configured
+    backend counts (verl hands a backend only its own; ``paired`` also reads ``nccl``'s),
+    the others are ignored with a note, as are keys only verl's own engines take. With
+    ``backend: weightsync`` (weightsync's verl adapter) the weightsync configuration is
+    ``engine_kwargs.weightsync``: its ``transport`` is the backend.
+    """
+    items = list(items)
+    ours = {k.full for k in all_keys() if k.path.startswith("trainer.")}
+    section = {k[len(PREFIX):]: v for k, v in items if k.startswith(PREFIX)}
+    backend = section.get("backend") or "naive"
+    out: list[tuple[str, Any]] = [(k, v) for k, v in items if k in ours]
+    notes: list[str] = []
+    kwargs: dict[str, dict[str, Any]] = {}
+    for key, value in section.items():
+        if key == "_target_" or key.endswith("._target_"):
+            continue  # Hydra's: the dataclass verl instantiates
+        if key.startswith("engine_kwargs."):
+            name, _, rest = key[len("engine_kwargs."):].partition(".")
+            if not rest:
+                if value is None:
+                    continue
+                raise ConfigError(f"{PREFIX}{key}={value!r}: expected a mapping of the backend's options")
+            kwargs.setdefault(name, {})[rest] = value
+        elif backend == VERL_BACKEND and key == "backend":
+            continue
+        elif backend == VERL_BACKEND and key == "custom_backend_module" and value == VERL_MODULE:
+            continue  # verl's plugin import, not a weightsync backend module
+        else:
+            out.append((PREFIX + key, value))
+    if backend == VERL_BACKEND:
+        options = parse_verl_kwargs(kwargs.pop(VERL_BACKEND, {}))
+        out.append((PREFIX + "backend", "nccl" if options.transport == "auto" else options.transport))
+        out.extend((PREFIX + k, v) for k, v in options.settings)
+        if options.transport == "auto":
+            notes.append(
+                f"{PREFIX}engine_kwargs.{VERL_BACKEND}.transport=auto: chosen at every update (shm when "
+                "every rollout worker is on the trainer's Ray node, else nccl); checked here as nccl"
+            )
+        readers: set[str] = set()
+    else:
+        readers = {backend} | ({"nccl"} if backend == "paired" else set())
+    groups = {f.name for f in dataclasses.fields(EngineKwargs)}
+    for name, entries in kwargs.items():
+        if name not in readers:
+            notes.append(
+                f"{PREFIX}engine_kwargs.{name}: ignored, as verl does: backend={backend} reads "
+                + (f"engine_kwargs.{VERL_BACKEND}" if backend == VERL_BACKEND else "only its own entry")
+            )
+            continue
+        if name not in groups:
+            continue  # a backend weightsync does not provide: validation says so
+        for rest, value in entries.items():
+            if rest in VERL_ONLY_KWARGS.get(name, ()):
+                notes.append(
+                    f"{PREFIX}engine_kwargs.{name}.{rest}: taken by verl's own {name} engine, "
+                    f"not read by weightsync's; ignored"
+                )
+                continue
+            out.append((f"{PREFIX}engine_kwargs.{name}.{rest}", value))
+    return out, notes
+
+
 # --------------------------------------------------------------------- docs
 _DOC_TEXT = {
     "en": {
@@ -524,6 +740,16 @@ _DOC_TEXT = {
         "header": "| key | type | default | allowed | description |",
         "help": "help",
         "any": "any",
+        "verl_title": "## verl adapter: `engine_kwargs.weightsync`",
+        "verl_intro": (
+            "With verl's `checkpoint_engine.backend=weightsync` and `custom_backend_module="
+            f"{VERL_MODULE}` (see [verl.md](verl.md)), verl passes `{PREFIX}engine_kwargs.weightsync` "
+            "to the adapter. It takes these keys, and any key of the table above except `backend`, "
+            "`update_weights_bucket_megabytes` (verl's own key sets the bucket), "
+            "`custom_backend_module` and the trainer keys; `engine_kwargs.nccl.group_name` may also "
+            "be written `nccl.group_name`."
+        ),
+        "verl_header": "| key | default | allowed | description |",
     },
     "zh": {
         "title": "# 配置参考",
@@ -537,6 +763,15 @@ _DOC_TEXT = {
         "header": "| 键 | 类型 | 默认值 | 取值范围 | 说明 |",
         "help": "help_zh",
         "any": "任意",
+        "verl_title": "## verl 适配器：`engine_kwargs.weightsync`",
+        "verl_intro": (
+            "在 verl 中设置 `checkpoint_engine.backend=weightsync` 与 `custom_backend_module="
+            f"{VERL_MODULE}`（见 [verl.zh.md](verl.zh.md)）后，verl 把 `{PREFIX}engine_kwargs.weightsync` "
+            "传给适配器。它接受下列键，以及上表中除 `backend`、`update_weights_bucket_megabytes`"
+            "（桶大小由 verl 自己的键设置）、`custom_backend_module` 和训练器相关键之外的任何键；"
+            "`engine_kwargs.nccl.group_name` 也可写作 `nccl.group_name`。"
+        ),
+        "verl_header": "| 键 | 默认值 | 取值范围 | 说明 |",
     },
 }
 
@@ -566,4 +801,9 @@ def docs_markdown(lang: str = "en") -> str:
             default = '`""`'
         name = f"`{k.display}`"
         lines.append(f"| {name} | {k.type_name} | {default} | {allowed} | {k.meta[text['help']]} |")
+    lines += ["", text["verl_title"], "", text["verl_intro"], "", text["verl_header"], "| --- | --- | --- | --- |"]
+    for v in VERL_KEYS:
+        allowed = ", ".join(f"`{c}`" for c in v.choices) if v.choices else text["any"]
+        default = "null" if v.default is None else f"`{v.default}`"
+        lines.append(f"| `{v.name}` | {default} | {allowed} | {v.help if lang == 'en' else v.help_zh} |")
     return "\n".join(lines) + "\n"

@@ -1,6 +1,9 @@
-"""Adapters between weightsync and inference engines, each optional and in its own module.
+"""Adapters between weightsync and inference engines or RL frameworks, each optional and in
+its own module.
 
 - ``weightsync.integrations.vllm``: vLLM replicas as receivers (``pip install weightsync[vllm]``).
 - ``weightsync.integrations.rollout_args``: rollout configuration -> vLLM / SGLang engine
   arguments (no engine import needed).
+- ``weightsync.integrations.verl``: backend ``weightsync`` for verl's checkpoint-engine
+  manager (``pip install weightsync[verl]``; docs/verl.md).
 """
