@@ -212,3 +212,39 @@ def test_update_whose_transfer_fails_midway_leaves_the_replicas_mixed_and_paused
     finally:
         for r in replicas:
             r.process.close()
+
+
+def _sparse_versions(count):
+    """Versions that differ from the last in a few elements of each tensor (an RL step)."""
+    state = {n: t.clone() for n, t in pw.weights(1).items()}
+    out = []
+    g = torch.Generator().manual_seed(7)
+    for _ in range(count):
+        for t in state.values():
+            if t.is_floating_point() and t.numel() > 100 and t.element_size() > 1:
+                flat = t.view(-1) if t.is_contiguous() else t.reshape(-1)
+                idx = torch.randint(0, flat.numel(), (flat.numel() // 100,), generator=g)
+                flat[idx] = flat[idx] + 1
+        out.append({n: t.clone() for n, t in state.items()})
+    return out
+
+
+def test_replica_takes_delta_syncs_through_the_pipeline_bit_exact():
+    """delta=auto through the vLLM integration's receive path: the replica streams full
+    tensors into its loader (keeping a base copy), versions after the first travel as deltas."""
+    overrides = OVERRIDES + ["delta=auto", "verify=crc32"]
+    config = EngineConfig.from_overrides(overrides)
+    replica = Replica()
+    try:
+        with Sender(config, "127.0.0.1:0", num_receivers=1) as sender:
+            replica.call("weightsync_init", sender.address, 0, overrides)
+            for v, payload in enumerate(_sparse_versions(4), start=1):
+                replica.commands.put(("weightsync_receive", (v,), {}))
+                stats = sender.send(payload, version=v)
+                status, loaded, _ = replica.results.get(timeout=90)
+                assert status["ok"] and status["version"] == v, status
+                assert loaded == {n: pw.workers.digest(t.contiguous()) for n, t in payload.items()}
+                if v > 1:
+                    assert stats.delta_base == v - 1 and stats.wire_bytes < 0.2 * stats.bytes, stats
+    finally:
+        replica.close()
