@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.config import PREFIX, ConfigError, EngineConfig, docs_markdown
+from weightsync.config import PREFIX, ConfigError, EngineConfig
+from weightsync.config_docs import docs_markdown
 from weightsync.engines import EngineUnavailable, get_engine, known_backends
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -241,7 +242,7 @@ def test_verl_config_with_the_weightsync_adapter(tmp_path):
     assert any("transport=auto: chosen at every update" in n for n in notes)
     assert any(f"{PREFIX}engine_kwargs.nccl: ignored, as verl does: backend=weightsync reads engine_kwargs.weightsync" in n for n in notes)
     bad = text.replace("verify: crc32", "verfy: crc32")
-    with pytest.raises(ConfigError, match=r"unknown key .*engine_kwargs\.weightsync\.verfy \(did you mean 'verify'\?\); known keys: transport, host, timeout_s, verify"):
+    with pytest.raises(ConfigError, match=r"unknown key .*engine_kwargs\.weightsync\.verfy \(did you mean 'verify'\?\); known keys: transport, host, timeout_s, .*verify, delta"):
         EngineConfig.from_yaml(verl_yaml(tmp_path, "weightsync", bad))
 
 
@@ -251,7 +252,7 @@ def test_verl_config_with_the_weightsync_adapter(tmp_path):
         ("hccl", r"backend='hccl': weightsync has no backend of that name: use backend=nccl, which runs on HCCL on Ascend"),
         ("nixl", r"backend='nixl': verl's NIXL engine is not provided by weightsync; .*backend=mooncake"),
         ("kimi_ckpt_engine", r"backend='kimi_ckpt_engine': .* not provided by weightsync; use backend=nccl"),
-        ("delta_sharded", r"backend='delta_sharded': verl's delta engine .* not provided"),
+        ("delta_sharded", r"backend='delta_sharded': verl's delta engine .* not provided .*delta=auto"),
         ("weightsync", r"backend='weightsync': that is the name weightsync's adapter registers in verl"),
     ],
 )
@@ -264,7 +265,7 @@ def test_verl_backend_names_weightsync_does_not_provide(backend, message, tmp_pa
 
 
 def test_verl_adapter_kwargs():
-    from weightsync.config import parse_verl_kwargs
+    from weightsync.config_verl import parse_verl_kwargs
 
     o = parse_verl_kwargs({"transport": "shm", "host": "10.0.0.5", "timeout_s": 9, "nccl": {"group_name": "w"},
                            "engine_kwargs": {"disk": {"path": "/d"}}, "auth_secret": "s"})

@@ -166,11 +166,12 @@ def test_a_refused_probe_blocks_the_nccl_tests_and_fails_the_run(monkeypatch, tm
 
 # ---------------------------------------------------------------------------- the bench on a device
 def test_bench_on_a_device_measures_the_d2d_ceiling_instead_of_the_cpu_alternatives():
-    assert plan_rows(BenchOptions(device="cuda:0")) == [("d2d-ceiling", None), ("nccl", 64), ("shm", 64)]
-    assert plan_rows(BenchOptions(device="cuda", alternatives=False, backends=["shm"])) == [("shm", 64)]
-    assert plan_rows(BenchOptions(device="cuda", backends=["mooncake"])) == [("mooncake", 64)]  # no ceiling of its own
-    assert plan_rows(BenchOptions())[:4] == [("per-tensor-broadcast", None), ("safetensors-reload", None),
-                                            ("broadcast-ceiling", None), ("memcpy-ceiling", None)]
+    # rows are (kind, bucket MiB, delta setting: None unless --update adamw)
+    assert plan_rows(BenchOptions(device="cuda:0")) == [("d2d-ceiling", None, None), ("nccl", 64, None), ("shm", 64, None)]
+    assert plan_rows(BenchOptions(device="cuda", alternatives=False, backends=["shm"])) == [("shm", 64, None)]
+    assert plan_rows(BenchOptions(device="cuda", backends=["mooncake"])) == [("mooncake", 64, None)]  # no ceiling of its own
+    assert plan_rows(BenchOptions())[:4] == [("per-tensor-broadcast", None, None), ("safetensors-reload", None, None),
+                                            ("broadcast-ceiling", None, None), ("memcpy-ceiling", None, None)]
     assert [ceiling_of(b, "cuda:0") for b in ("nccl", "shm", "paired", "disk")] == ["d2d-ceiling"] * 3 + [None]
     assert [ceiling_of(b) for b in ("nccl", "shm")] == ["broadcast-ceiling", "memcpy-ceiling"]
 

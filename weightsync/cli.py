@@ -11,7 +11,8 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-from weightsync.config import ConfigError, EngineConfig, docs_markdown
+from weightsync.config import ConfigError, EngineConfig
+from weightsync.config_docs import docs_markdown
 
 
 @contextlib.contextmanager

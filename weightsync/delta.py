@@ -3,36 +3,17 @@
 Exact by construction: elements are compared as raw bits (integers of the element size),
 never as floats, so -0.0 vs 0.0, NaN payloads and every other bit pattern round-trip. The
 codec is pure: ``encode(base, new)`` looks at two CPU tensors and returns the cheapest
-encoding; ``apply(target, kind, payload)`` rewrites ``target`` (holding the base bytes) in
-place so that it becomes bit-identical to ``new``. ``digest`` lets both sides check that
-they hold the same base before a delta is applied.
+encoding; ``apply(target, kind, payload)`` rewrites ``target`` (holding the base) in place
+to be bit-identical to ``new``; ``digest`` checks that both sides hold the same base.
 
-A delta payload is one 1-D uint8 tensor: a 40-byte header, then sections, each padded to
-8 bytes (little-endian, native element bytes)::
-
-    header  magic "WD", format, kind, element size, gap width, low bytes L, reserved,
-            numel (u64), count of changed elements (u64), gap codes (u64), exceptions (u64)
-    where   which elements changed, by kind:
-              INDEX    sorted positions, int32 (int64 when numel >= 2**31)
-              BITMASK  one bit per element, packed little-endian (numpy.packbits order)
-              GAPS     gaps between consecutive positions in codes of 4, 8 or 16 bits; a
-                       code 0 means "skip 2**w - 1 elements" (an escape), a code c > 0
-                       means "the element c past the previous one changed"
-    values  L == 0: the new bytes of every changed element (count x element size)
-            L > 0:  the low L bytes of every changed element; then the exceptions: the
-                    indices (into the changed elements, int32/int64 like INDEX) of those
-                    whose upper bytes changed too, and their upper bytes
-
-The low-bytes form exists because small optimizer steps move a float by a unit or two in
-its last place: for bf16 about 99% of the changed elements keep their upper byte, so only
-one byte of their two travels. "Low" means the first L bytes in memory (the low-order
-bytes on little-endian machines, which is every machine torch ships for).
-
-Kinds besides the deltas: DENSE (no delta pays: send the tensor itself) and EMPTY (nothing
-changed: a header only). ``encode`` computes every candidate's exact size from the change
-(position count, gap escapes, exceptions) and builds only the smallest one.
-
-Validation: ``apply`` treats the payload as untrusted. Every size, count and index is
+A delta payload is one 1-D uint8 tensor: a 40-byte header, then sections padded to 8
+bytes saying which elements changed (``INDEX``: sorted positions; ``BITMASK``: a bit per
+element; ``GAPS``: distances between positions in 4/8/16-bit codes with escapes) and their
+new values (whole, or only their low bytes plus the exceptions whose upper bytes changed:
+a small optimizer step keeps a bf16 value's upper byte 99% of the time). ``DENSE`` (no delta
+pays) and ``EMPTY`` (nothing changed) complete the kinds. The byte layout and measurements
+are in docs/delta.md; ``encode`` computes every candidate's exact size from one scan and
+builds only the smallest. Validation: ``apply`` treats the payload as untrusted. Every size, count and index is
 checked against the payload length and the target before anything is written, a failure
 raises ``ValueError``, and the target is left untouched. Decoding allocates at most a
 small constant times the payload length (a bitmask unpacks to 8 bytes per payload byte).
@@ -41,7 +22,6 @@ small constant times the payload length (a bitmask unpacks to 8 bytes per payloa
 from __future__ import annotations
 
 import enum
-import hashlib
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -49,7 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from weightsync.plan import as_bytes, dtype_name
+from weightsync.digest import digest
+from weightsync.plan import dtype_name
 
 __all__ = ["HEADER_BYTES", "Encoded", "Kind", "apply", "digest", "encode"]
 
@@ -616,43 +597,3 @@ def _gap_positions(where: np.ndarray, width: int, ncodes: int, numel: int, count
     if count and pos[-1] >= numel:
         raise _fail(f"GAPS position {int(pos[-1])} is past {numel} elements")
     return pos
-
-
-# --- digest ------------------------------------------------------------------------------
-
-
-def digest(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], *, algorithm: str | None = None) -> str:
-    """One hash over names, dtypes, shapes and raw bytes, to check that a sender and a
-    receiver hold the same base. Order matters (pass tensors in plan order).
-
-    ``algorithm``: ``"xxh3_64"`` (default when ``xxhash`` is importable) or ``"blake2b"``
-    (hashlib, 128-bit). The result names it (``"xxh3_64:0123..."``), so digests made with
-    different algorithms never compare equal by accident. Device tensors are copied to the
-    host one at a time, non-contiguous ones made contiguous.
-    """
-    if algorithm is None:
-        try:
-            import xxhash  # noqa: F401
-
-            algorithm = "xxh3_64"
-        except ImportError:
-            algorithm = "blake2b"
-    if algorithm == "xxh3_64":
-        import xxhash
-
-        h = xxhash.xxh3_64()
-    elif algorithm == "blake2b":
-        h = hashlib.blake2b(digest_size=16)
-    else:
-        raise ValueError(f"unknown digest algorithm {algorithm!r} (xxh3_64 or blake2b)")
-    items = tensors.items() if isinstance(tensors, Mapping) else tensors
-    for name, tensor in items:
-        tensor = tensor.detach()
-        meta = f"{name}\0{dtype_name(tensor.dtype)}\0{','.join(map(str, tensor.shape))}".encode()
-        h.update(struct.pack("<QQ", len(meta), tensor.numel() * tensor.element_size()))
-        h.update(meta)
-        if tensor.numel():
-            if tensor.device.type != "cpu":
-                tensor = tensor.cpu()
-            h.update(memoryview(as_bytes(tensor).numpy()))
-    return f"{algorithm}:{h.hexdigest()}"

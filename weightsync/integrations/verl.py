@@ -47,7 +47,8 @@ from typing import Any
 import torch
 
 from weightsync import EngineConfig, Receiver, Sender, SyncError
-from weightsync.config import VERL_BACKEND, ConfigError, VerlOptions, parse_verl_kwargs
+from weightsync.config import ConfigError
+from weightsync.config_verl import VERL_BACKEND, VerlOptions, parse_verl_kwargs
 
 try:
     from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
