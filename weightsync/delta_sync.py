@@ -226,7 +226,10 @@ class SenderBase:
         self._pending = None
         if not relative:
             items = [(name, t.detach()) for name, t in source.tensors()]
-            self._pending = (version, specs, None, dict(items))
+            if self._resting():  # deltas lost lately: no base to keep up until they are tried again
+                self.version, self.holders = None, set()
+            else:
+                self._pending = (version, specs, None, dict(items))
             return Encoding(None, _Entries(items), model_bytes, model_bytes)
         assert self.version is not None
         entries: list[tuple[str, torch.Tensor]] = []
@@ -312,6 +315,14 @@ class SenderBase:
             held = self.tensors[name] = torch.empty(t.shape, dtype=t.dtype)
         held.copy_(t)
         return held
+
+    def _resting(self) -> bool:
+        """Deltas lost lately, and the next sync does not try them again: a dense sync then
+        keeps no base (it costs a copy of the model); the one before a retry does."""
+        lost = self.last_delta_s is not None and self.last_dense_s is not None and (
+            self.last_delta_s > SLOWER * self.last_dense_s + NOTICE_S
+        )
+        return lost and self.dense_runs < RETRY_AFTER - 1
 
     def _delta_lost(self) -> bool:
         if self.last_delta_s is None or self.last_dense_s is None:
