@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync import platform, rendezvous
-from weightsync.session import HandshakeError, PeerLost, SyncTimeout
+from weightsync.session import HandshakeError, PeerLost, SyncError, SyncTimeout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -163,8 +163,9 @@ def test_strangers_are_turned_away_and_delay_nobody(server, caplog):
             assert hung_up(sock)
         messages = [r.getMessage() for r in caplog.records]
         assert any("rejected 127.0.0.1:" in m and "wrong or missing group token" in m for m in messages), messages
-        with pytest.raises(HandshakeError, match="wrong or missing group token"):
+        with pytest.raises(SyncError, match="turned this rank away: .*wrong or missing group token") as refused:
             rendezvous.connect("127.0.0.1", server.port, "f" * 32, 5.0)
+        assert not isinstance(refused.value, HandshakeError)  # a failed data plane, not a refused version
     finally:
         for sock in (silent, wrong, garbage, oversized, nosy):
             sock.close()
@@ -179,7 +180,7 @@ def test_a_new_group_voids_the_old_token_its_connections_and_its_keys(server):
     with pytest.raises(PeerLost):  # its connection was hung up on
         client.check(["k"])
     client.close()
-    with pytest.raises(HandshakeError):
+    with pytest.raises(SyncError, match="turned this rank away"):
         rendezvous.connect("127.0.0.1", server.port, old, 5.0)
     fresh = rendezvous.connect("127.0.0.1", server.port, new, 5.0)
     try:

@@ -48,6 +48,7 @@ from weightsync.session import (
     HELLO_TIMEOUT_S,
     Channel,
     Deadline,
+    HandshakeError,
     PeerLost,
     ProtocolError,
     SyncError,
@@ -283,6 +284,9 @@ class StoreClient(_Store):
         try:
             channel.send({"type": "hello", "token": self._token}, deadline)
             channel.recv(deadline, expect="welcome")
+        except HandshakeError as e:  # not a refusal of a version: the data plane failed
+            channel.close()
+            raise SyncError(f"the data-plane rendezvous store at {self.address} turned this rank away: {e}") from None
         except BaseException:
             channel.close()
             raise

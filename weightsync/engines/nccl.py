@@ -122,8 +122,13 @@ class CollectiveEngine(Transport):
             assert self._server is not None, "prepare() first"
             store = self._server.store(join.watch)
         else:
+            if not isinstance(info.get("token"), str):
+                raise RuntimeError(
+                    f"the sender's handshake carries no rendezvous token: it runs an older weightsync than "
+                    f"{join.name} (run the same version on both sides)"
+                )
             host = join.sender_host or info["host"]  # the address that reached the sender
-            store = rendezvous.connect(host, int(info["port"]), str(info["token"]), self.config.timeout_s, join.watch)
+            store = rendezvous.connect(host, int(info["port"]), info["token"], self.config.timeout_s, join.watch)
         self._store = store
         return dist.PrefixStore(f"weightsync/{info['group']}", store)
 
