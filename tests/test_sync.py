@@ -3,9 +3,7 @@ versions, failures that name the peer within the deadline."""
 
 import asyncio
 import os
-import shutil
 import socket
-import subprocess
 import threading
 import time
 
@@ -17,6 +15,7 @@ from weightsync.session import RemoteFailure
 from weightsync.sources import IteratorSource
 
 import workers
+from listeners import listeners_of
 from procs import CTX, collect, free_port, start, stop
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -282,21 +281,18 @@ def test_async_send_does_not_block_the_event_loop():
             stop(procs)
 
 
-@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to list listening sockets")
 def test_data_plane_listens_only_on_the_chosen_loopback_interface():
     q = CTX.Queue()
+    before = set(listeners_of(os.getpid()))  # what earlier tests left in this process
     with Sender(EngineConfig.from_overrides(BASE), "127.0.0.1:0", 1) as sender:
         procs = [start(workers.run_receiver, sender.address, 0, BASE, [1, 2], q)]
         try:
             sender.send(workers.make_weights(1), version=1)
             q.get(timeout=60)
-            listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
-            ours = [line.split()[3] for line in listening if f"pid={os.getpid()}," in line or f"pid={procs[0].pid}," in line]
-            store_port = sender._transport._store.port
-            # Control socket and Gloo's sockets on loopback. (torch's TCPStore, used for the
-            # group's rendezvous, cannot be told an interface: it is the one exception.)
-            others = [a for a in ours if not a.endswith(f":{store_port}")]
-            assert len(others) >= 3 and all(a.startswith("127.0.0.1:") for a in others), ours
+            ours = sorted(set(listeners_of(os.getpid())) - before) + listeners_of(procs[0].pid)
+            # Control socket, rendezvous store and Gloo's sockets: all on loopback, no exception.
+            assert len(ours) >= 4 and all(address == "127.0.0.1" for address, _ in ours), ours
+            assert ("127.0.0.1", sender._transport._server.port) in ours
             sender.send(workers.make_weights(2), version=2)
             q.get(timeout=60)
         finally:

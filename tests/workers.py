@@ -302,3 +302,22 @@ def run_device_sender(overrides, num_receivers, versions, queue, device=CUDA, we
     except Exception as e:
         queue.put(("error", None, f"{type(e).__name__}: {e}"))
         traceback.print_exc()
+
+
+def run_paced_sender(overrides, num_receivers, versions, queue, go, num_trainers=1):
+    """Trainer rank 0 in its own process (so a test can look at its sockets alone): report
+    ``("listening", address)``; then, for each version, wait for a word on ``go``, send
+    ``make_weights(version)`` and report ``("sent", version, error or None)``; then wait for
+    a last word before leaving."""
+    torch.set_num_threads(1)
+    config = EngineConfig.from_overrides(overrides)
+    with Sender(config, "127.0.0.1:0", num_receivers, rank=0, num_trainers=num_trainers) as sender:
+        queue.put(("listening", sender.address))
+        for v in versions:
+            go.get(timeout=300)
+            try:
+                sender.send(make_weights(v), version=v)
+                queue.put(("sent", v, None))
+            except Exception as e:
+                queue.put(("sent", v, f"{type(e).__name__}: {e}"))
+        go.get(timeout=300)

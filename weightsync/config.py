@@ -256,10 +256,12 @@ class EngineConfig:
             "handshake (HMAC-SHA256 over fresh nonces; the secret never travels). A peer "
             "without it is rejected and logged, and the sync goes on for the others. Unset: the "
             "environment variable `WEIGHTSYNC_SECRET`, if set (preferred: it stays out of config "
-            "files). Authenticates peers only; it does not encrypt the weights.",
+            "files). With `disk` the sender signs each version it publishes, and receivers refuse "
+            "unsigned or wrongly signed ones. Authenticates peers only; it does not encrypt the weights.",
             "在握手中使发送端与接收端相互认证的共享密钥（基于新鲜随机数的 HMAC-SHA256，密钥本身不上线）。"
             "没有密钥的对端会被拒绝并记录日志，同步对其他对端照常进行。未设置时使用环境变量 "
-            "`WEIGHTSYNC_SECRET`（推荐：不写进配置文件）。只认证对端，不加密权重。",
+            "`WEIGHTSYNC_SECRET`（推荐：不写进配置文件）。使用 `disk` 时，发送端对发布的每个版本签名，"
+            "接收端拒绝未签名或签名错误的版本。只认证对端，不加密权重。",
         ),
     )
     custom_backend_module: str | None = field(

@@ -10,6 +10,7 @@ plan -> handshake -> transport -> acknowledgements. Other trainer ranks drain th
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import math
 import time
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync import platform
-from weightsync.config import EngineConfig
+from weightsync.config import SECRET_ENV, EngineConfig
 from weightsync.delta_sync import Encoding, SenderBase
 from weightsync.engines import Publisher, Transport, get_engine
 from weightsync.engines.base import Join
@@ -40,6 +41,22 @@ from weightsync.sources import WeightSource, as_source
 from weightsync.trainers import TrainerFollower, TrainerPeers
 
 log = logging.getLogger("weightsync")
+
+
+def reachable_from_other_hosts(host: str) -> bool:
+    """Whether a socket bound to ``host`` (an address, as the socket reports it) accepts
+    connections from other hosts: anything but a loopback address (a wildcard does)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return host != "localhost"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return not ip.is_loopback
+
+
+def _bound_host(server: ControlServer) -> str:
+    return server.sock.getsockname()[0]
 
 
 class Sender:
@@ -105,6 +122,14 @@ class Sender:
             self._transport = self.engine_cls(config, self.device)
             self._server = ControlServer(address)
             self.address = self._server.address
+            if config.secret() is None and reachable_from_other_hosts(_bound_host(self._server)):
+                log.warning(
+                    "the sender's control socket listens on %s, which other hosts can reach, and no shared "
+                    "secret is set: anyone who reaches it can join as a receiver (and be handed the weights "
+                    "and the data-plane rendezvous token), and receivers cannot tell this sender from an "
+                    "impostor. Set %s (or auth_secret) to the same value on the trainer and every rollout "
+                    "process, or listen on a loopback address.", self.address, SECRET_ENV,
+                )
         elif self._all_send:
             self._transport = self.engine_cls(config, self.device)
             self._follower = TrainerFollower(config, address, self.rank)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync import platform
+from weightsync import platform, rendezvous
 from weightsync.bench import models
 from weightsync.config import EngineConfig
 from weightsync.plan import TensorSpec
@@ -136,28 +136,33 @@ def sync_receiver(job: Job, address: str, rank: int, queue) -> None:
 
 
 # ---------------------------------------------------------------------------- alternatives
-def _group(rank: int, world: int, queue, port: int | None, timeout_s: float) -> dist.ProcessGroup:
-    """A Gloo group over a store on loopback: rank 0 hosts it and announces its port."""
+# What a group's rendezvous needs for as long as the group lives (this process's).
+_RENDEZVOUS: list[Any] = []
+
+
+def _group(rank: int, world: int, queue, where: tuple[int, str] | None, timeout_s: float) -> dist.ProcessGroup:
+    """A Gloo group over weightsync's rendezvous store on loopback: rank 0 hosts it and
+    announces its port and token."""
     if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=_td(timeout_s), wait_for_workers=False)
-        queue.put(("ready", 0, store.port))
+        server = rendezvous.serve("127.0.0.1", timeout_s)
+        token = server.new_group()
+        store = server.store()
+        _RENDEZVOUS.append(server)
+        queue.put(("ready", 0, (server.port, token)))
     else:
-        store = dist.TCPStore("127.0.0.1", port, world, False, timeout=_td(timeout_s))
+        assert where is not None
+        store = rendezvous.connect("127.0.0.1", where[0], where[1], timeout_s)
+    _RENDEZVOUS.append(store)
     return platform.new_process_group("gloo", store, rank, world, timeout_s, bind_host="127.0.0.1")
-
-
-def _td(seconds: float):
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
 
 
 def _barrier(group: dist.ProcessGroup) -> None:
     group.allreduce([torch.zeros(1)]).wait()
 
 
-def alternative(job: Job, rank: int, port: int | None, queue) -> None:
-    """One process of an alternative path; rank 0 is the trainer."""
+def alternative(job: Job, rank: int, where: tuple[int, str] | None, queue) -> None:
+    """One process of an alternative path; rank 0 is the trainer (``where``: its
+    rendezvous store's port and token, for the others)."""
 
     def body() -> dict[str, Any]:
         sender = rank == 0
@@ -167,7 +172,7 @@ def alternative(job: Job, rank: int, port: int | None, queue) -> None:
         if job.kind == "broadcast-ceiling":  # the same bytes as one buffer: the transport's best
             flat = torch.zeros(total, dtype=torch.uint8)
         baseline = _rss_mb()
-        group = _group(rank, job.receivers + 1, queue, port, job.timeout_s)
+        group = _group(rank, job.receivers + 1, queue, where, job.timeout_s)
         seconds = []
         for v in job.versions:
             if sender:

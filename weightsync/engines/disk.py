@@ -25,10 +25,19 @@ half-deleted one (a reader that already opened a shard keeps reading it).
 Every publication carries a random ``id`` that receivers repeat in their acks: an ack
 left by an earlier attempt at the same version never satisfies the wait for a later one.
 Only JSON and safetensors are read; nothing is unpickled.
+
+With a shared secret (``auth_secret`` or ``$WEIGHTSYNC_SECRET``) the sender signs each
+manifest: an HMAC-SHA256 over its canonical JSON, which lists every shard's SHA-256 (of
+the bytes of its tensors, in order). A receiver with the secret refuses a version whose
+manifest is unsigned or wrongly signed, before reading a tensor (its state stays), and
+checks each shard's digest before handing out any tensor of it, so whoever can write to
+the directory without the secret can withhold versions but not substitute weights.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -44,7 +53,8 @@ from typing import Any
 
 import torch
 
-from weightsync.config import EngineConfig
+from weightsync import auth
+from weightsync.config import SECRET_ENV, EngineConfig
 from weightsync.engines.base import Offer, Publisher
 from weightsync.plan import TensorSpec, as_bytes, plan_hash
 from weightsync.session import HandshakeError, PeerLost, RemoteFailure, SyncError, SyncStats, SyncTimeout, VerificationError
@@ -61,6 +71,8 @@ _WRITER = ".writer.json"  # in a temporary directory: who is writing it
 _VERSION_DIR = re.compile(r"^v(\d{12,})$")
 _TMP_DIR = re.compile(r"^\.tmp-v\d+-[0-9a-f]+$")
 _TRASH_DIR = re.compile(r"^\.trash-v\d+-[0-9a-f]+$")
+SIGNATURE = "signature"  # manifest field: HMAC-SHA256 (hex) of the rest of the manifest
+_SIGNED = "weightsync-disk-manifest"  # what the HMAC says it is (never confused with a handshake MAC)
 # Polling a shared directory: quick at first (a version is often already there), then at
 # most 20 listings a second per process, which no file server notices.
 POLL_MIN_S = 0.005
@@ -173,9 +185,38 @@ def _host_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return t if t.device.type == "cpu" else t.cpu()
 
 
-def _write_shard(path: Path, items: list[tuple[str, torch.Tensor]], checksum) -> list[int | None]:
+def _canonical(manifest: dict[str, Any]) -> bytes:
+    """The bytes a manifest's signature covers: all of it but the signature, as canonical
+    JSON (sorted keys, no spaces, ASCII)."""
+    body = {k: v for k, v in manifest.items() if k != SIGNATURE}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def sign_manifest(secret: bytes, manifest: dict[str, Any]) -> str:
+    return auth.mac(secret, _SIGNED, _canonical(manifest)).hex()
+
+
+def signature_problem(secret: bytes, manifest: dict[str, Any]) -> str | None:
+    """Why ``manifest`` is not signed with ``secret``, or None if it is."""
+    tag = manifest.get(SIGNATURE)
+    if tag is None:
+        return (f"its manifest is not signed, and this receiver has a shared secret (auth_secret or ${SECRET_ENV}): "
+                "the sender has none, or someone without it wrote this version")
+    try:
+        ok = isinstance(tag, str) and auth.verify(secret, bytes.fromhex(tag), _SIGNED, _canonical(manifest))
+    except ValueError:  # not hex, or not canonical JSON (NaN)
+        ok = False
+    if not ok:
+        return ("its manifest's signature does not match: the sender holds another shared secret "
+                f"(auth_secret or ${SECRET_ENV}), or the manifest was changed after it was signed")
+    return None
+
+
+def _write_shard(path: Path, items: list[tuple[str, torch.Tensor]], checksum, digest: bool = False
+                 ) -> tuple[list[int | None], str | None]:
     """Write one safetensors file from ``items`` (host tensors), streaming each tensor's
-    bytes from its own memory. Returns each tensor's checksum."""
+    bytes from its own memory. Returns each tensor's checksum and, with ``digest``, the
+    SHA-256 of all their bytes in order."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}  # transformers checks "format"
     views = []
     offset = 0
@@ -189,13 +230,17 @@ def _write_shard(path: Path, items: list[tuple[str, torch.Tensor]], checksum) ->
         views.append(data)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the format's recommended alignment of the data
+    sha = hashlib.sha256() if digest else None
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for data in views:
             if data.numel():
                 f.write(memoryview(data.numpy()))
-    return [checksum(data) if checksum is not None else None for data in views]
+                if sha is not None:
+                    sha.update(memoryview(data.numpy()))
+    sums = [checksum(data) if checksum is not None else None for data in views]
+    return sums, sha.hexdigest() if sha is not None else None
 
 
 # ---------------------------------------------------------------------------- receiver view
@@ -208,6 +253,7 @@ class Publication(Offer):
         root = self.root = publisher.root
         self.directory = root / version_dir(version)
         self.version = version
+        self.manifest = manifest
         try:
             if manifest.get("format") != FORMAT:
                 raise ValueError(f"manifest format {manifest.get('format')!r}, this weightsync reads format {FORMAT}")
@@ -236,6 +282,9 @@ class Publication(Offer):
         return sum(s.nbytes for s in self.specs)
 
     def refusal(self, config: EngineConfig) -> str | None:
+        secret = config.secret()
+        if secret is not None and (problem := signature_problem(secret, self.manifest)) is not None:
+            return problem
         if self.verify != config.verify:
             return f"verify: sender {self.verify!r}, receiver {config.verify!r} (set the same value on both sides)"
         return None
@@ -259,6 +308,8 @@ class Publication(Offer):
 
         rank = self.rank
         checksum = checksum_fn(self.verify)
+        # Signed (``refusal`` checked the manifest): every shard's bytes must match it too.
+        signed = self.publisher.config.secret() is not None
         specs = iter(self.specs)
         for shard in self.shards:
             path = self.directory / shard["file"]
@@ -276,12 +327,21 @@ class Publication(Offer):
             except (OSError, SafetensorError) as e:
                 raise SyncError(f"receiver rank {rank}: reading shard {path} of version {self.version} failed: {e}") from e
             bad = []
+            sha = hashlib.sha256() if signed else None
             for (name, t), expected in zip(loaded, shard.get("checksums") or [None] * len(loaded)):
                 spec = next(specs)
                 if TensorSpec.of(name, t) != spec:
                     raise SyncError(f"shard {path}: tensor {name!r} is {TensorSpec.of(name, t)}, the manifest says {spec}")
                 if checksum is not None and checksum(as_bytes(t)) != expected:
                     bad.append(name)
+                if sha is not None and t.numel():
+                    sha.update(memoryview(as_bytes(t).numpy()))
+            signed_digest = shard.get("sha256")
+            if sha is not None and not (isinstance(signed_digest, str) and hmac.compare_digest(sha.hexdigest(), signed_digest)):
+                raise VerificationError(
+                    f"receiver rank {rank}: shard {shard['file']} of version {self.version} does not match the "
+                    "digest its signed manifest holds: it was changed after it was published"
+                )
             if bad:
                 raise VerificationError(
                     f"receiver rank {rank}: version {self.version} failed verification ({self.verify}) in shard "
@@ -333,7 +393,8 @@ class DiskPublisher(Publisher):
         stats = SyncStats(version, receivers=len(receivers))
         try:
             _write_json(tmp / _WRITER, {**_identity(), "created": time.time()}, durable=False)
-            specs, shards = self._write_shards(tmp, source, stats)
+            secret = self.config.secret()
+            specs, shards = self._write_shards(tmp, source, stats, digest=secret is not None)
             manifest = {
                 "format": FORMAT,
                 "version": version,
@@ -347,6 +408,8 @@ class DiskPublisher(Publisher):
                 "created": time.time(),
                 "writer": _identity(),
             }
+            if secret is not None:
+                manifest[SIGNATURE] = sign_manifest(secret, manifest)
             index = {
                 "metadata": {"total_size": stats.bytes, "weightsync_version": version},
                 "weight_map": {n: s["file"] for s in shards for n in s["tensors"]},
@@ -373,9 +436,11 @@ class DiskPublisher(Publisher):
         self._await_acks(version, token, receivers)
         return stats
 
-    def _write_shards(self, tmp: Path, source: WeightSource, stats: SyncStats) -> tuple[list[TensorSpec], list[dict[str, Any]]]:
+    def _write_shards(self, tmp: Path, source: WeightSource, stats: SyncStats, digest: bool = False
+                      ) -> tuple[list[TensorSpec], list[dict[str, Any]]]:
         """Pack the source's tensors, whole, into shards of about ``bucket_bytes`` (a
-        larger tensor alone in its own). Holds one shard's tensors at a time."""
+        larger tensor alone in its own). Holds one shard's tensors at a time. ``digest``:
+        record each shard's SHA-256 (a signed manifest covers them)."""
         checksum = checksum_fn(self.config.verify)
         limit = self.config.bucket_bytes
         specs: list[TensorSpec] = []
@@ -388,10 +453,12 @@ class DiskPublisher(Publisher):
             if not pending:
                 return
             part = f"part-{len(shards):05d}"  # renamed once the number of shards is known
-            sums = _write_shard(tmp / part, pending, checksum)
+            sums, sha = _write_shard(tmp / part, pending, checksum, digest)
             entry: dict[str, Any] = {"file": part, "bytes": (tmp / part).stat().st_size, "tensors": [n for n, _ in pending]}
             if checksum is not None:
                 entry["checksums"] = sums
+            if sha is not None:
+                entry["sha256"] = sha
             shards.append(entry)
             pending, pending_bytes = [], 0
 

@@ -1,8 +1,10 @@
 """Backend ``nccl``: collective broadcast from the sender (rank 0) to every receiver.
 
 Served by NCCL on CUDA, HCCL on Ascend and Gloo on CPU (``platform.collective_backend``).
-The group is our own, built from a TCP store hosted by the sender; the caller's default
-process group is never touched. Double-buffered: two bucket buffers per rank, so the
+The group is our own, built from a rendezvous store hosted by the sender on the control
+socket's interface, which only ranks holding the group's token (handed out in the
+authenticated handshake) may use (``weightsync.rendezvous``); the caller's default process
+group is never touched. Double-buffered: two bucket buffers per rank, so the
 sender fills bucket k+1 while bucket k is on the wire, and a receiver hands out bucket k
 while bucket k+1 arrives. Buckets that are one range of one tensor need no buffer: they
 are broadcast from the trainer's tensor into the receiver's parameter, several in flight.
@@ -10,10 +12,8 @@ are broadcast from the trainer's tensor into the receiver's parameter, several i
 
 from __future__ import annotations
 
-import datetime
 import atexit
 import logging
-import secrets
 import threading
 import time
 from collections import deque
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync import platform
+from weightsync import platform, rendezvous
 from weightsync.engines.base import Join, Landing, NextBucket, Producer, Transport
 from weightsync.plan import Bucket
 
@@ -59,17 +59,16 @@ class CollectiveEngine(Transport):
         super().__init__(config, device)
         self.library = platform.collective_backend("nccl", device.type)
         self._kwargs = config.engine_kwargs.nccl
-        self._store: dist.TCPStore | None = None
+        self._server: rendezvous.StoreServer | None = None  # rank 0: the group's rendezvous
+        # The store the current group was built from (torch calls a Python store's methods
+        # only while the Python object lives): rank 0's own view, or a client elsewhere.
+        self._store: dist.Store | None = None
         self._group: dist.ProcessGroup | None = None
         self._group_key: tuple | None = None
         self._generation = 0
-        self._token = ""
+        self._token = ""  # rank 0: the current group's rendezvous token
         self._buffers: list[torch.Tensor] | None = None
         self._join: Join | None = None  # the sync in progress
-
-    @property
-    def _timeout(self) -> datetime.timedelta:
-        return datetime.timedelta(seconds=self.config.timeout_s)
 
     # ------------------------------------------------------------------ group
     @property
@@ -78,22 +77,18 @@ class CollectiveEngine(Transport):
         return self._join.rank
 
     def prepare(self, join: Join) -> dict[str, Any]:
-        host = join.local_host or "0.0.0.0"
-        if self._store is None:
-            # Port 0: the OS picks a free port; receivers learn it from the handshake.
-            self._store = dist.TCPStore(
-                host, 0, join.world_size, True, timeout=self._timeout, wait_for_workers=False
-            )
+        if self._server is None:
+            # On the control socket's interface, a free port; peers learn it (and the
+            # group's token) from the handshake.
+            self._server = rendezvous.serve(join.local_host, self.config.timeout_s)
         if not self._joined():
             self._generation += 1
-            # torch's store listens on every interface and has no authentication: an
-            # unguessable key prefix, known only to the (authenticated) control channel,
-            # keeps strangers from reading or planting the group's rendezvous keys.
-            self._token = secrets.token_hex(16)
+            self._token = self._server.new_group()  # the previous group's token is void
         return {
-            "host": host,
-            "port": self._store.port,
-            "group": f"{self._kwargs.group_name}/{self._generation}/{self._token}",
+            "host": self._server.host,
+            "port": self._server.port,
+            "group": f"{self._kwargs.group_name}/{self._generation}",
+            "token": self._token,
             "library": self.library,
         }
 
@@ -122,12 +117,25 @@ class CollectiveEngine(Transport):
                 f"collective library mismatch: sender uses {info.get('library')!r}, "
                 f"{join.name} uses {self.library!r} (are both on the same platform?)"
             )
-        store = self._store
-        if join.rank != 0:
+        self._close_store()
+        if join.rank == 0:
+            assert self._server is not None, "prepare() first"
+            store = self._server.store(join.watch)
+        else:
+            if not isinstance(info.get("token"), str):
+                raise RuntimeError(
+                    f"the sender's handshake carries no rendezvous token: it runs an older weightsync than "
+                    f"{join.name} (run the same version on both sides)"
+                )
             host = join.sender_host or info["host"]  # the address that reached the sender
-            store = dist.TCPStore(host, int(info["port"]), join.world_size, False, timeout=self._timeout)
-            self._store = store
+            store = rendezvous.connect(host, int(info["port"]), info["token"], self.config.timeout_s, join.watch)
+        self._store = store
         return dist.PrefixStore(f"weightsync/{info['group']}", store)
+
+    def _close_store(self) -> None:
+        store, self._store = self._store, None
+        if isinstance(store, rendezvous.StoreClient):
+            store.close()
 
     def _take_groups(self) -> list[dist.ProcessGroup]:
         """Forget this rank's groups; return them (the only references from here on)."""
@@ -320,4 +328,7 @@ class CollectiveEngine(Transport):
     def close(self) -> None:
         self._drop_group()
         self._buffers = None
-        self._store = None
+        self._close_store()
+        if self._server is not None:
+            self._server.close()
+            self._server = None

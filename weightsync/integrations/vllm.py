@@ -27,6 +27,12 @@ fully serves. A sync that fails before any tensor was applied leaves the weights
 some tensors were applied leaves a mix of two versions (the receiver is ``torn``): the
 status then says ``version`` None and ``mixed`` True until a later sync completes; such a
 replica should not serve (the trainer side keeps it paused).
+
+Both ways in take their configuration from whoever calls the RPC. Keys that would make the
+replica import code (``custom_backend_module``) or use a path of its file system
+(``engine_kwargs.disk.path``: weights are read there and acknowledgements written) are
+refused from that caller unless the replica's own environment sets
+``WEIGHTSYNC_ALLOW_REMOTE_CONFIG=1`` (``check_remote_overrides``).
 """
 
 from __future__ import annotations
@@ -36,13 +42,13 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from weightsync.config import EngineConfig
+from weightsync.config import ConfigError, EngineConfig, _flatten, _parse_overrides, canonical_key
 from weightsync.pipeline import LandingPool, receive_into
 from weightsync.receiver import Receiver
 from weightsync.session import HandshakeError
@@ -54,6 +60,42 @@ log = logging.getLogger("weightsync.vllm")
 BACKEND_NAME = "weightsync"
 
 Reload = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
+
+#: Set to 1 in a replica's environment to let the remote caller choose the keys below.
+REMOTE_CONFIG_ENV = "WEIGHTSYNC_ALLOW_REMOTE_CONFIG"
+#: Keys a remote caller may not set (to anything but their default) without that consent.
+LOCAL_ONLY_KEYS = {
+    "custom_backend_module": "names a module this replica would import",
+    "engine_kwargs.disk.path": "names a directory of this replica's file system (weights are read there and "
+                               "acknowledgements written)",
+}
+
+
+def check_remote_overrides(overrides: list[str] | Mapping[str, Any]) -> None:
+    """Refuse configuration from a remote caller that would make this replica import a
+    module or use a path of its file system (``LOCAL_ONLY_KEYS``), unless this replica's
+    own environment sets ``WEIGHTSYNC_ALLOW_REMOTE_CONFIG=1``. Runs before the
+    configuration is built (building it imports ``custom_backend_module``)."""
+    if os.environ.get(REMOTE_CONFIG_ENV) == "1":
+        return
+    items = list(_flatten(overrides)) if isinstance(overrides, Mapping) else _parse_overrides(list(overrides))
+    scratch, default = EngineConfig(), EngineConfig()
+    named: dict[str, str] = {}  # key path -> the name the caller used
+    for key, value in items:
+        try:
+            path = canonical_key(key)
+        except ConfigError:
+            continue  # reported when the configuration is built
+        if path in LOCAL_ONLY_KEYS:
+            scratch.set(key, value)  # the last value given counts, as when building
+            named[path] = key
+    for path, key in named.items():
+        if scratch.get(path) != default.get(path):
+            raise PermissionError(
+                f"weightsync: {key}={scratch.get(path)!r} came from the remote caller (weightsync_init / "
+                f"init_weight_transfer_engine) and {LOCAL_ONLY_KEYS[path]}; a remote caller may choose it only "
+                f"if this replica's own environment sets {REMOTE_CONFIG_ENV}=1"
+            )
 
 
 class ReplicaReceiver:
@@ -73,7 +115,9 @@ class ReplicaReceiver:
         self.pool = LandingPool()
 
     def open(self, address: str, rank: int, overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
-        """Create the receiver (it connects at the first sync). Idempotent for one address/rank."""
+        """Create the receiver (it connects at the first sync). Idempotent for one address/rank.
+        ``overrides`` come from the remote caller: see ``check_remote_overrides``."""
+        check_remote_overrides(overrides)
         config = (
             EngineConfig.from_dict(overrides) if isinstance(overrides, dict) else EngineConfig.from_overrides(list(overrides))
         )
