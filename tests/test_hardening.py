@@ -252,3 +252,32 @@ def test_what_the_trainer_side_sends_by_default_passes(monkeypatch):
     with pytest.raises(PermissionError):  # only "1" in the replica's environment allows it
         monkeypatch.setenv(REMOTE_CONFIG_ENV, "yes please")
         check_remote_overrides(["custom_backend_module=os"])
+
+
+class _RecordingReplica:
+    """A replica (``vllm_rollout.Replica``) that records what the trainer side asks of it."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+
+    def workers(self) -> int:
+        return 1
+
+    def call(self, method, *args, timeout=None):
+        self.calls.append((method, args))
+        return [{"version": None, "mixed": False}]
+
+
+def test_vllm_rollout_never_sends_the_secret_to_its_replicas():
+    from weightsync.integrations.vllm_rollout import VLLMRollout
+
+    replica = _RecordingReplica()
+    config = EngineConfig.from_overrides(["backend=nccl", "auth_secret=s3cret-value", "timeout_s=5"])
+    with VLLMRollout([replica], config):
+        pass
+    (method, (address, first_rank, overrides)), *_ = replica.calls
+    assert method == "weightsync_init" and first_rank == 0
+    assert not any(o.startswith("auth_secret=") for o in overrides), overrides  # not "<set>", not the secret
+    assert "backend=nccl" in overrides

@@ -195,7 +195,10 @@ class VLLMRollout:
             rank += r.workers()
         self.sender = Sender(self.config, address, num_receivers=rank, wire_dtype=wire_dtype)
         self._pool = ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="weightsync-replica")
-        overrides = [f"{k}={'null' if v is None else v}" for k, v in self.config.to_flat().items()]
+        # The secret never travels over vLLM's RPC (and to_flat masks it): each replica takes
+        # it from its own WEIGHTSYNC_SECRET, as the trainer should.
+        flat = {k: v for k, v in self.config.to_flat().items() if k != "auth_secret"}
+        overrides = [f"{k}={'null' if v is None else v}" for k, v in flat.items()]
         for r in self.replicas:
             r.call("weightsync_init", self.sender.address, self._first_rank[r.name], overrides,
                    timeout=self.config.timeout_s)
