@@ -76,6 +76,8 @@ class Sender:
             the default process group, or 0).
         num_trainers: trainer ranks taking part (``paired`` only; default: the default
             process group's size, or 1). Every one of them calls ``send`` for every version.
+            May be changed between sends (``sender.num_trainers = M``); the next send then
+            waits for the new set of trainer ranks and builds a new data plane.
         device: device of the transfer buffers (default: this process's accelerator, or CPU).
         wire_dtype: cast multi-byte floating tensors to this dtype for the wire.
     """
@@ -97,7 +99,7 @@ class Sender:
         self.config = config
         self._members = set(range(num_receivers))
         self.rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
-        self.num_trainers = num_trainers or (dist.get_world_size() if dist.is_initialized() else 1)
+        self._num_trainers = num_trainers or (dist.get_world_size() if dist.is_initialized() else 1)
         self.engine_cls = get_engine(config.backend)
         self._all_send = issubclass(self.engine_cls, Transport) and self.engine_cls.all_ranks_send
         if self._all_send and not 0 <= self.rank < self.num_trainers:
@@ -135,6 +137,22 @@ class Sender:
             self._follower = TrainerFollower(config, address, self.rank)
 
     # ------------------------------------------------------------------ membership
+    @property
+    def num_trainers(self) -> int:
+        return self._num_trainers
+
+    @num_trainers.setter
+    def num_trainers(self, count: int) -> None:
+        if not isinstance(count, int) or count < 1 or (self._all_send and not 0 <= self.rank < count):
+            raise ValueError(f"num_trainers={count!r}: need at least 1, and rank {self.rank} among them")
+        self._num_trainers = count
+        others = count - 1 if self._all_send else 0
+        if others != self._trainers.count:
+            self._trainers.close()  # a new set of trainer ranks joins at the next send
+            self._trainers.count = others
+            if self._transport is not None:
+                self._transport.reset()
+
     @property
     def num_receivers(self) -> int:
         return len(self._members)
