@@ -184,8 +184,9 @@ class Receiver:
         """Receive one version and copy it in place into ``module`` by name.
 
         Checks names, shapes and dtypes against the module before writing anything (when
-        the sender's source announced its specs). Names the module has but the sync did not
-        carry are logged and listed in ``stats.missing``.
+        the sender's source announced its specs); in a streamed sync, each tensor as it is
+        announced, before anything of it is allocated. Names the module has but the sync did
+        not carry are logged and listed in ``stats.missing``.
         """
         sink = ModuleSink(module)
         items = self._sync(version, sink=sink)
