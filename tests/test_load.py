@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import pytest
 
-from weightsync import EngineConfig, Receiver, Sender, SyncError
+from weightsync import EngineConfig, PeerLost, Receiver, Sender, SyncError
 
 import workers
 from procs import CTX, collect, start, stop
@@ -57,13 +58,18 @@ def test_one_sender_to_sixteen_receivers_twenty_versions_bit_exact_and_flat(back
 CONFIG = ["backend=nccl", "update_weights_bucket_megabytes=1", "timeout_s=60"]
 
 
-def receive_in_thread(address: str, version: int, box: dict) -> threading.Thread:
-    """A receiver (rank 0) in this process that takes one version and records its digests."""
+def receive_in_thread(address: str, version: int, box: dict, hold: threading.Event | None = None) -> threading.Thread:
+    """A receiver (rank 0) in this process that takes one version and records its digests;
+    with ``hold``, it keeps its connection open until the event is set."""
 
     def run():
         try:
             with Receiver(EngineConfig.from_overrides(CONFIG), address, 0) as receiver:
                 box[version] = {n: workers.digest(t) for n, t in receiver.receive(version=version)}
+                if hold is not None:
+                    hold.wait(60)
+                    with pytest.raises(PeerLost, match="closed the session"):  # read the goodbye, then close
+                        list(receiver.receive())
         except BaseException as e:
             box["error"] = e
 
@@ -72,13 +78,24 @@ def receive_in_thread(address: str, version: int, box: dict) -> threading.Thread
     return thread
 
 
-def sync_one(sender: Sender, version: int) -> None:
+def sync_one(sender: Sender, version: int, hold: threading.Event | None = None) -> threading.Thread:
     box: dict = {}
-    thread = receive_in_thread(sender.address, version, box)
+    thread = receive_in_thread(sender.address, version, box, hold)
     sender.send(workers.make_weights(version), version=version)
-    thread.join(timeout=60)
+    for _ in range(600):
+        if version in box or "error" in box:
+            break
+        time.sleep(0.1)
     assert "error" not in box, box.get("error")
     assert box[version] == workers.expected_digests(version)
+    return thread
+
+
+def time_wait_on(port: int) -> int:
+    """Connections on local ``port`` in TIME_WAIT (the side that closed first keeps them)."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return sum(1 for r in rows if int(r[1].split(":")[1], 16) == port and r[3] == "06")
 
 
 def test_a_second_sender_on_a_bound_address_fails_clearly_and_never_shares_it():
@@ -88,17 +105,21 @@ def test_a_second_sender_on_a_bound_address_fails_clearly_and_never_shares_it():
             with pytest.raises(SyncError, match=rf"^cannot listen on {re.escape(first.address)}: .*Address already in use"):
                 Sender(config, first.address, 1)
         # The first sender alone holds the address: a receiver that connects reaches it.
-        sync_one(first, 1)
+        sync_one(first, 1).join(timeout=60)
 
 
 def test_a_new_sender_listens_on_the_address_of_one_that_closed():
     config = EngineConfig.from_overrides(CONFIG)
     first = Sender(config, "127.0.0.1:0", 1)
-    address = first.address
+    address, port = first.address, int(first.address.rsplit(":", 1)[1])
+    hold = threading.Event()
     try:
-        sync_one(first, 1)  # connections were open on this port: closing leaves TIME_WAIT behind
+        receiver = sync_one(first, 1, hold)  # the receiver stays connected...
     finally:
-        first.close()
+        first.close()  # ...so the sender closes first and its port keeps a TIME_WAIT connection
+    hold.set()
+    receiver.join(timeout=60)
+    assert time_wait_on(port) >= 1
     with Sender(config, address, 1) as second:
         assert second.address == address
-        sync_one(second, 2)
+        sync_one(second, 2).join(timeout=60)
