@@ -16,7 +16,7 @@ import threading
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from weightsync import EngineConfig, HandshakeError, Receiver, Sender, SinkError
@@ -224,6 +224,8 @@ def hostile_plans(draw):
 
 @settings(max_examples=300, deadline=None)
 @given(case=hostile_plans())
+@example(case=({"format": 2, "bucket_bytes": BUCKET, "tensors": good_specs(8) + [["big", [LIMIT // 4], "float32"]]},
+               "bytes a plan may have", LIMIT))
 def test_plan_decoder_refuses_hostile_sizes_naming_the_field(case):
     data, field, max_total = case
     with PeakMemory() as peak:
@@ -466,13 +468,22 @@ def test_the_stream_reader_refuses_an_oversized_tensor_before_allocating_it(case
         fake.close()
 
 
+TOTAL_CASE = ({"format": 2, "bucket_bytes": BUCKET, "tensors": good_specs(8) + [["big", [LIMIT // 4], "float32"]]},
+              "bytes a plan may have", LIMIT)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=hostile_plans())
+@example(case=TOTAL_CASE)
 def test_a_hostile_plan_is_refused_in_the_handshake_naming_the_field(case, allocations):
     plan, field, max_total = case
+    plan = dict(plan) if isinstance(plan, dict) else plan  # the examples are shared
     limit = LIMIT
-    if max_total != plan_module.MAX_PLAN_BYTES:  # a receiver's plan limit is the module's: 1 PiB
-        plan["tensors"] = plan["tensors"][:-1] + [["big", [1 << 49], "int8"], ["big2", [1 << 49], "int8"]]
+    if max_total != plan_module.MAX_PLAN_BYTES:
+        # A receiver's limits are the module's: with 1 MiB buckets, 4M buckets (4 TiB) bind
+        # long before the 1 PiB total.
+        plan["tensors"] = plan["tensors"][:-1] + [["big", [1 << 41], "int8"], ["big2", [1 << 41], "int8"]]
+        field = f"buckets (limit {MAX_PLAN_BUCKETS})"
         limit = 1 << 50
     fake = HostileSender()
     try:
