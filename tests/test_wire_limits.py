@@ -367,7 +367,7 @@ class HostileSender:
                 d = Deadline(20, "hostile sender")
                 ch.send({"type": "challenge", "protocol": PROTOCOL_VERSION, "nonce": b"n" * 32}, d)
                 ch.recv(d, expect="hello")
-                ch.send({"type": "welcome", "protocol": PROTOCOL_VERSION}, d)
+                ch.send({"type": "welcome", "protocol": PROTOCOL_VERSION, "session": "hostile" * 4}, d)
                 ch.send(sync, d)
                 reply = ch.recv(d)
                 self.replies.append(reply)
