@@ -66,8 +66,8 @@ CUDA_NOTE := echo "cuda tests deselected (-m 'not cuda'): run make gpu-check on 
 
 test: install-vllm install-mooncake install-verl
 	@$(CUDA_NOTE)
-	$(BIN)/python -m pytest -q -m "not cuda"
-	$(VERL_BIN)/python -m pytest -q tests/verl
+	WEIGHTSYNC_REQUIRE_ALL=1 $(BIN)/python -m pytest -q -rs -m "not cuda"
+	WEIGHTSYNC_REQUIRE_ALL=1 $(VERL_BIN)/python -m pytest -q -rs tests/verl
 
 test-fast: install
 	@$(CUDA_NOTE)

@@ -1,6 +1,7 @@
-"""A test backend: `nccl` whose sender corrupts one byte of its second bucket on the wire
-while $WEIGHTSYNC_TEST_CORRUPT is set (the source tensors are left intact). Registered as
-`corrupting-nccl` through `custom_backend_module=faulty_engine`."""
+"""A test backend: `nccl` whose sender corrupts one byte (the middle one) of bucket number
+$WEIGHTSYNC_TEST_CORRUPT (counted from 0, in the order they are sent) on the wire while that
+variable is set (the source tensors are left intact). Registered as `corrupting-nccl`
+through `custom_backend_module=faulty_engine`."""
 
 import os
 
@@ -14,13 +15,14 @@ class CorruptingEngine(CollectiveEngine):
     def send_buckets(self, produce):
         if not os.environ.get("WEIGHTSYNC_TEST_CORRUPT"):
             return super().send_buckets(produce)
+        target = int(os.environ["WEIGHTSYNC_TEST_CORRUPT"])
         count = 0
 
         def corrupt(buffer):
             nonlocal count
             produced = produce(buffer)
             count += 1
-            if produced is None or count != 2:
+            if produced is None or count != target + 1:
                 return produced
             bucket, payload = produced
             damaged = payload.clone()

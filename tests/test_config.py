@@ -158,9 +158,11 @@ def run_cli(*args):
 
 def test_cli_config_check():
     bad = run_cli("config", "--check", "backend=ncl")
-    assert bad.returncode != 0 and "did you mean 'nccl'" in bad.stderr
+    assert bad.returncode == 2, bad  # the exit status --check promises for an invalid configuration
+    assert bad.stderr.startswith("error: backend='ncl' is not a known backend (did you mean 'nccl'?)"), bad.stderr
+    assert bad.stdout == ""
     good = run_cli("config", "--check", "backend=nccl")
-    assert good.returncode == 0
+    assert (good.returncode, good.stdout) == (0, "config OK\n"), good
     shown = run_cli("config", f"{PREFIX}backend=nccl", "update_weights_bucket_megabytes=64")
     assert "backend=nccl" in shown.stdout and "update_weights_bucket_megabytes=64" in shown.stdout
 

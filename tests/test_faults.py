@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from weightsync import EngineConfig, HandshakeError, Receiver, Sender, SyncError, VerificationError
+from weightsync import EngineConfig, HandshakeError, Receiver, Sender, SyncError
 from weightsync.session import RemoteFailure
 from weightsync.sources import IteratorSource
 
@@ -52,7 +52,7 @@ def test_receiver_sigkilled_mid_sync_then_survivors_sync_bit_exact(backend):
             # and knows the failed sync delivered part of version 1.
             for _ in survivors:
                 rank, status, message, held, attempted, torn = q.get(timeout=30)
-                assert (status, held, attempted) == ("error", None, 1), message
+                assert (status, held, attempted, torn) == ("error", None, 1, True), message
                 assert "version 1" in message
             assert time.monotonic() - t0 < 20
             # Same sender, same surviving processes: drop the dead one, the next sync is exact.
@@ -154,8 +154,10 @@ def test_dropped_control_connection_fails_both_sides_then_the_next_sync_is_exact
         receiver = start(workers.run_resilient_receiver, proxy.address, 0, overrides, [1, 1], q)
         try:
             t0 = time.monotonic()
-            with pytest.raises(SyncError, match="receiver rank 0 .* disconnected|lost|closed"):
+            peer = rf"receiver rank 0 \(pid {receiver.pid}, 127\.0\.0\.1:\d+\)"
+            with pytest.raises(SyncError, match=rf"{peer} (disconnected|closed the connection)|connection to {peer} lost") as failure:
                 sender.send(IteratorSource(iter(big_weights(1).items())), version=1)
+            assert failure.value.ranks == [0]
             assert proxy.cut.is_set()
             rank, status, message, held, attempted, torn = q.get(timeout=30)
             assert (status, held, attempted, torn) == ("error", None, 1, True), message
@@ -178,13 +180,16 @@ def test_corrupted_bucket_is_caught_by_verification_naming_the_tensors(monkeypat
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
         procs = [start(workers.run_resilient_receiver, sender.address, r, overrides, [1, 1], q) for r in range(2)]
         try:
-            monkeypatch.setenv("WEIGHTSYNC_TEST_CORRUPT", "1")
-            with pytest.raises(RemoteFailure, match=r"failed verification \(crc32\) in 1 bucket\(s\) \[1\]; tensors affected: ") as failure:
+            monkeypatch.setenv("WEIGHTSYNC_TEST_CORRUPT", "1")  # bucket 1: the second part of embed.weight
+            damage = "version 1 failed verification (crc32) in 1 bucket(s) [1]; tensors affected: embed.weight"
+            with pytest.raises(RemoteFailure) as failure:
                 sender.send(weights, version=1)
+            assert str(failure.value) == "; ".join(f"receiver rank {r} failed version 1: receiver rank {r}: {damage}" for r in (0, 1))
             assert failure.value.ranks == [0, 1]
             for _ in range(2):
                 rank, status, message, held, attempted, torn = q.get(timeout=30)
-                assert status == "error" and message.startswith("VerificationError") and (held, torn) == (None, True)
+                assert message == f"VerificationError: receiver rank {rank}: {damage}"
+                assert (status, held, torn) == ("error", None, True)
             # The retry of the same version, undamaged, completes it on the same connections.
             monkeypatch.delenv("WEIGHTSYNC_TEST_CORRUPT")
             sender.send(weights, version=1)
@@ -195,23 +200,27 @@ def test_corrupted_bucket_is_caught_by_verification_naming_the_tensors(monkeypat
             stop(procs)
 
 
-def test_verification_names_the_damaged_tensor_of_a_whole_tensor_bucket():
-    """In one process: corrupt the receiver's copy of a direct bucket; the message names it."""
-    from weightsync.plan import make_plan, TensorSpec
-    from weightsync.verify import checksum_fn
-
-    crc = checksum_fn("crc32")
-    t = torch.arange(1 << 19, dtype=torch.float32)  # 2 MiB: a bucket of its own
-    plan = make_plan([TensorSpec.of("layers.0.mlp.weight", t)], 1 << 20)
-    assert all(len(b.pieces) == 1 for b in plan.buckets)
-    sent = [crc(t.view(torch.uint8).reshape(-1)[b.pieces[0].tensor_offset:][: b.nbytes]) for b in plan.buckets]
-    damaged = t.clone()
-    damaged[-1] += 1
-    received = [(b, crc(damaged.view(torch.uint8).reshape(-1)[b.pieces[0].tensor_offset:][: b.nbytes])) for b in plan.buckets]
-    receiver = Receiver(EngineConfig.from_overrides(["backend=nccl", "verify=crc32"]), "127.0.0.1:1", 0)
-    message = receiver._verify(3, list(plan.tensors), received, sent)
-    assert message == "receiver rank 0: version 3 failed verification (crc32) in 1 bucket(s) [1]; tensors affected: layers.0.mlp.weight"
-    assert VerificationError.__mro__[1] is SyncError
+@pytest.mark.parametrize("verify", ["crc32", "xxh3"])
+def test_verification_names_the_damaged_tensor_of_a_whole_tensor_bucket(monkeypatch, verify):
+    """A real transfer whose second bucket (the second half of a 2 MiB tensor, sent from the
+    tensor's own memory) is damaged on the wire: the receiver's checksum of what arrived
+    differs from the one the sender published, and the message names that tensor."""
+    overrides = config(f"verify={verify}", "custom_backend_module=faulty_engine", backend="corrupting-nccl")
+    weights = {"layers.0.norm.weight": torch.ones(64), "layers.0.mlp.weight": torch.arange(1 << 19, dtype=torch.float32)}
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 1) as sender:
+        procs = [start(workers.run_resilient_receiver, sender.address, 0, overrides, [3], q)]
+        try:
+            monkeypatch.setenv("WEIGHTSYNC_TEST_CORRUPT", "1")
+            with pytest.raises(RemoteFailure) as failure:
+                sender.send(weights, version=3)
+            damage = f"receiver rank 0: version 3 failed verification ({verify}) in 1 bucket(s) [1]; tensors affected: layers.0.mlp.weight"
+            assert str(failure.value) == f"receiver rank 0 failed version 3: {damage}"
+            rank, status, message, held, attempted, torn = q.get(timeout=30)
+            assert (message, held, attempted, torn) == (f"VerificationError: {damage}", None, 3, True)
+            assert torch.equal(weights["layers.0.mlp.weight"], torch.arange(1 << 19, dtype=torch.float32))  # damaged on the wire only
+        finally:
+            stop(procs)
 
 
 # ---------------------------------------------------------------------------- versions

@@ -20,7 +20,7 @@ from weightsync.engines import EngineUnavailable, get_engine
 import workers
 from procs import CTX, collect, start, stop
 
-pytestmark = [workers.needs_mooncake]
+# Every test here but the registry's needs the wheel: they carry the marker one by one.
 
 
 def config(timeout=20):
@@ -38,6 +38,7 @@ def digests(tensors):
 
 
 # ---------------------------------------------------------------------------- versions
+@workers.needs_mooncake
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_many_versions_through_the_chain_are_bit_exact_every_time():
@@ -64,6 +65,7 @@ def test_many_versions_through_the_chain_are_bit_exact_every_time():
 
 
 # ---------------------------------------------------------------------------- failures
+@workers.needs_mooncake
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_receiver_killed_in_the_middle_of_the_chain_is_named_and_survivors_sync_next():
@@ -95,6 +97,7 @@ def test_receiver_killed_in_the_middle_of_the_chain_is_named_and_survivors_sync_
             stop([first, victim, last])
 
 
+@workers.needs_mooncake
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_strangers_on_the_signal_port_are_rejected_and_the_sync_completes(monkeypatch, caplog):
@@ -145,3 +148,25 @@ def test_missing_wheel_is_reported_by_the_registry(monkeypatch):
     monkeypatch.setattr(engines, "_failed", {})
     with pytest.raises(EngineUnavailable, match="backend 'mooncake' cannot be loaded: .*mooncake"):
         get_engine("mooncake")
+
+
+@workers.needs_mooncake
+@pytest.mark.parametrize("slot_bytes", [(1 << 20) + 1, 1 << 50, 0])
+def test_a_receiver_refuses_slots_its_buckets_do_not_need_before_allocating_them(slot_bytes):
+    """The slot size comes from the sender's handshake, and a receiver allocates (and
+    registers with Mooncake) two slots of it: one larger than a bucket, or empty, is
+    refused before any Transfer Engine starts or any ring is allocated."""
+    from weightsync.engines.base import Join
+    from weightsync.engines.mooncake import MooncakeEngine
+    from weightsync.engines.ring import PeerError
+
+    engine = MooncakeEngine(EngineConfig.from_overrides(config()), torch.device("cpu"))
+    join = Join(version=1, rank=1, world_size=2, senders=1, capacity=1 << 20, name="receiver rank 0", receiver_rank=0,
+                local_host="127.0.0.1", sender_host="127.0.0.1")
+    info = {"slot_bytes": slot_bytes, "token": "0" * 32, "generation": 1, "signal_port": 1}
+    try:
+        with pytest.raises(PeerError, match=f"mooncake: the sender asks for slots of {slot_bytes} bytes; buckets are 1048576"):
+            engine.connect(join, info)
+        assert engine._local is None  # no Transfer Engine, no ring
+    finally:
+        engine.close()

@@ -1,6 +1,8 @@
 """Platform resolution: one function maps the configured collective to the platform's library."""
 
 import logging
+import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +27,32 @@ def test_cpu_machine_resolves_to_cpu_and_gloo():
     assert platform.local_device() == torch.device("cpu")
     assert platform.local_device("cpu") == torch.device("cpu")
     assert platform.collective_backend("nccl") == "gloo"
-    platform.synchronize(torch.device("cpu"))  # a no-op, but callable everywhere
+
+
+def test_synchronize_waits_on_the_accelerator_of_the_device_and_never_on_cpu(monkeypatch):
+    """Buffers are handed out only after ``synchronize``: on an accelerator it must wait on
+    that device's queue, on CPU (where nothing is queued) it must not touch any module."""
+    waited = []
+
+    class Accelerator:
+        def __init__(self, kind):
+            self.kind = kind
+
+        def synchronize(self, device):
+            waited.append((self.kind, device))
+
+    monkeypatch.setattr(platform, "_accelerator_module", Accelerator)
+    platform.synchronize(torch.device("cpu"))
+    assert waited == []
+    npu = SimpleNamespace(type="npu", index=0)  # torch knows the npu type only with torch_npu
+    platform.synchronize(torch.device("cuda", 1))
+    platform.synchronize(npu)
+    assert waited == [("cuda", torch.device("cuda", 1)), ("npu", npu)]
+
+
+def test_device_memory_bounds_what_a_receiver_accepts():
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert platform.device_memory_bytes(torch.device("cpu")) == physical > 0
 
 
 def test_mooncake_protocol_follows_the_buffer_device(caplog):

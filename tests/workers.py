@@ -14,16 +14,9 @@ from weightsync import EngineConfig, Receiver, Sender, SyncError
 from weightsync.plan import as_bytes
 
 
-def _has_mooncake() -> bool:
-    try:
-        import mooncake.engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 # The mooncake-transfer-engine-non-cuda wheel (make install-mooncake) runs over TCP here.
-needs_mooncake = pytest.mark.skipif(not _has_mooncake(), reason="needs Mooncake Transfer Engine (make install-mooncake)")
+# conftest.py skips a test with this marker where the wheel is missing (fails it in CI).
+needs_mooncake = pytest.mark.mooncake
 
 
 def digest(t: torch.Tensor) -> str:

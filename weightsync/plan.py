@@ -31,7 +31,13 @@ import torch
 PLAN_FORMAT = 2
 ALIGNMENT = 64  # bytes; a multiple of every dtype's size, and a cache line
 DIRECT_MIN_BYTES = 1 << 20
-MAX_PLAN_BUCKETS = 1 << 22  # a plan from the wire larger than this is refused, not built
+# What a receiver accepts from the wire, checked spec by spec before anything is built or
+# allocated (``WireLimits``). A receiver also refuses any tensor larger than its device's
+# memory (``Receiver.max_tensor_bytes``) and a plan whose bucket size is not its own.
+MAX_PLAN_BUCKETS = 1 << 22  # a plan from the wire with more buckets is refused, not built
+MAX_PLAN_TENSORS = 1 << 20  # tensors in one plan (the largest models have about 10^5)
+MAX_PLAN_BYTES = 1 << 50  # 1 PiB in one plan (a 1T-parameter model in fp32 is 4 TB)
+MAX_TENSOR_DIMS = 64  # dimensions of one tensor
 
 
 def direct_bytes(bucket_bytes: int) -> int:
@@ -56,7 +62,18 @@ def dtype_from_name(name: str) -> torch.dtype:
     try:
         return _dtypes()[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown dtype {name!r}") from None
+        raise ValueError(f"unknown dtype {_show(name)}") from None
+
+
+def _show(value: Any, limit: int = 100) -> str:
+    """A short repr of a value from the wire, never much longer than ``limit`` (a long
+    list or string is not rendered whole first)."""
+    if isinstance(value, list | tuple | dict) and len(value) > 16:
+        return f"a {type(value).__name__} of {len(value)} items"
+    if isinstance(value, str | bytes) and len(value) > limit:
+        return repr(value[:limit]) + "..."
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass(frozen=True)
@@ -85,11 +102,27 @@ class TensorSpec:
         return [self.name, list(self.shape), self.dtype]
 
     @classmethod
-    def from_wire(cls, data: Any) -> TensorSpec:
+    def from_wire(cls, data: Any, max_bytes: int | None = None) -> TensorSpec:
+        """Parse a spec from the wire; ValueError naming the tensor and the field if it is
+        not sane, or if the tensor is larger than ``max_bytes`` (a receiver may allocate
+        what a spec says)."""
+        if not isinstance(data, list | tuple) or len(data) != 3:
+            raise ValueError(f"tensor spec: expected [name, shape, dtype], got {_show(data)}")
         name, shape, dtype = data
-        if not isinstance(shape, list | tuple) or not isinstance(dtype, str):
-            raise ValueError(f"malformed tensor spec {data!r:.200}")
-        return cls(name, tuple(shape), dtype)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tensor spec: name must be a non-empty string, got {_show(name)}")
+        if not isinstance(shape, list | tuple) or len(shape) > MAX_TENSOR_DIMS:
+            raise ValueError(f"tensor {_show(name)}: shape must be a list of at most {MAX_TENSOR_DIMS} sizes, got {_show(shape)}")
+        dims = tuple(_wire_int(d, f"tensor {_show(name)}: shape") for d in shape)
+        if not isinstance(dtype, str):
+            raise ValueError(f"tensor {_show(name)}: dtype must be a string, got {_show(dtype)}")
+        spec = cls(name, dims, dtype)
+        if max_bytes is not None and spec.nbytes > max_bytes:
+            raise ValueError(
+                f"tensor {_show(name)}: shape {_show(dims)} of {_show(dtype)} is {spec.nbytes} bytes, "
+                f"more than the {max_bytes} bytes a tensor may have here"
+            )
+        return spec
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -128,19 +161,68 @@ class Bucket:
 
     @classmethod
     def from_wire(cls, data: Any) -> Bucket:
-        """Parse and bounds-check a bucket from the wire (ValueError if it is not sane)."""
-        index, nbytes, pieces = data
-        bucket = cls(_wire_int(index), _wire_int(nbytes), tuple(Piece(*map(_wire_int, p)) for p in pieces))
-        for p in bucket.pieces:
-            if p.bucket_offset + p.length > bucket.nbytes:
-                raise ValueError(f"bucket {bucket.index}: a piece ends at {p.bucket_offset + p.length}, past its {bucket.nbytes} bytes")
-        return bucket
+        """Parse and bounds-check a bucket from the wire (ValueError naming the field if it
+        is not sane): pieces in order, none overlapping another or ending past the bucket."""
+        if not isinstance(data, list | tuple) or len(data) != 3:
+            raise ValueError(f"bucket: expected [index, nbytes, pieces], got {_show(data)}")
+        index = _wire_int(data[0], "bucket index")
+        nbytes = _wire_int(data[1], f"bucket {index}: nbytes")
+        if not isinstance(data[2], list | tuple):
+            raise ValueError(f"bucket {index}: pieces must be a list, got {_show(data[2])}")
+        pieces = []
+        end = 0
+        for raw in data[2]:
+            if not isinstance(raw, list | tuple) or len(raw) != len(_PIECE_FIELDS):
+                raise ValueError(f"bucket {index}: a piece must be [{', '.join(_PIECE_FIELDS)}], got {_show(raw)}")
+            p = Piece(*(_wire_int(v, f"bucket {index}: piece {f}") for v, f in zip(raw, _PIECE_FIELDS)))
+            if p.bucket_offset < end:
+                raise ValueError(f"bucket {index}: piece bucket_offset {p.bucket_offset} is inside the piece before it (ends at {end})")
+            end = p.bucket_offset + p.length
+            if end > nbytes:
+                raise ValueError(f"bucket {index}: piece bucket_offset {p.bucket_offset} + length {p.length} ends past its {nbytes} bytes")
+            pieces.append(p)
+        return cls(index, nbytes, tuple(pieces))
 
 
-def _wire_int(value: Any) -> int:
+_PIECE_FIELDS = ("tensor", "tensor_offset", "length", "bucket_offset")
+
+
+def _wire_int(value: Any, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"expected a non-negative integer, got {value!r}")
+        raise ValueError(f"{what}: expected a non-negative integer, got {_show(value)}")
     return value
+
+
+class WireLimits:
+    """Counts what a receiver accepts from the wire, spec by spec, before anything is built
+    or allocated: at most ``MAX_PLAN_TENSORS`` tensors, each at most ``max_tensor_bytes``,
+    at most ``max_total_bytes`` together, in at most ``MAX_PLAN_BUCKETS`` buckets of
+    ``bucket_bytes``. Each refusal is a ValueError naming the tensor and the limit."""
+
+    def __init__(self, bucket_bytes: int, max_tensor_bytes: int | None = None, max_total_bytes: int = MAX_PLAN_BYTES) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.max_tensor_bytes = max_tensor_bytes
+        self.max_total_bytes = max_total_bytes
+        self.tensors = 0
+        self.total_bytes = 0
+        self.buckets = 1  # at most: each tensor's whole buckets, plus one packed bucket
+
+    def spec(self, data: Any) -> TensorSpec:
+        """Parse the next spec from the wire and count it."""
+        if self.tensors >= MAX_PLAN_TENSORS:
+            raise ValueError(f"plan tensors: more than {MAX_PLAN_TENSORS} tensors in one plan")
+        spec = TensorSpec.from_wire(data, self.max_tensor_bytes)
+        self.tensors += 1
+        self.total_bytes += spec.nbytes
+        if self.total_bytes > self.max_total_bytes:
+            raise ValueError(
+                f"tensor {_show(spec.name)}: it brings the plan to {self.total_bytes} bytes, "
+                f"more than the {self.max_total_bytes} bytes a plan may have"
+            )
+        self.buckets += -(-spec.nbytes // self.bucket_bytes)
+        if self.buckets > MAX_PLAN_BUCKETS:
+            raise ValueError(f"tensor {_show(spec.name)}: the plan would have about {self.buckets} buckets (limit {MAX_PLAN_BUCKETS})")
+        return spec
 
 
 def _align(n: int) -> int:
@@ -218,6 +300,67 @@ class PlanBuilder:
         return self._close()
 
 
+class StreamedPlan:
+    """A receiver's check of a plan announced bucket by bucket (a source that could not
+    tell its specs up front): each announcement's new specs pass ``WireLimits`` and its
+    bucket must be the next one, no larger than a bucket, with every piece continuing its
+    tensor exactly where the previous piece ended. ``specs`` (the list the receiver's
+    ``Assembler`` reads) grows only by what passed."""
+
+    def __init__(
+        self,
+        bucket_bytes: int,
+        specs: list[TensorSpec],
+        max_tensor_bytes: int | None = None,
+        max_total_bytes: int = MAX_PLAN_BYTES,
+    ) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.specs = specs
+        self.limits = WireLimits(bucket_bytes, max_tensor_bytes, max_total_bytes)
+        self._names = {s.name for s in specs}
+        self._filled = [0] * len(specs)  # bytes of each tensor announced so far
+        self.buckets = 0
+
+    def announce(self, tensors: Any, bucket: Any) -> tuple[list[TensorSpec], Bucket]:
+        """Check one announcement (``tensors``: the new specs, ``bucket``: the bucket);
+        return the new specs and the bucket, or raise ValueError naming the field."""
+        if not isinstance(tensors, list | tuple):
+            raise ValueError(f"announced tensors: expected a list, got {type(tensors).__name__}")
+        new = [self.limits.spec(t) for t in tensors]
+        b = Bucket.from_wire(bucket)
+        if b.index >= MAX_PLAN_BUCKETS:
+            raise ValueError(f"bucket index: {b.index}, more than the {MAX_PLAN_BUCKETS} buckets a plan may have")
+        if b.index != self.buckets:
+            raise ValueError(f"bucket index: {b.index} announced where bucket {self.buckets} is next")
+        if b.nbytes > self.bucket_bytes:
+            raise ValueError(f"bucket {b.index}: nbytes {b.nbytes} is more than a bucket ({self.bucket_bytes} bytes)")
+        names = set()
+        for spec in new:
+            if spec.name in self._names or spec.name in names:
+                raise ValueError(f"tensor {_show(spec.name)} is announced twice")
+            names.add(spec.name)
+        known = len(self.specs) + len(new)
+        filled = {}
+        for p in b.pieces:
+            if p.tensor >= known:
+                raise ValueError(f"bucket {b.index}: piece tensor {p.tensor} was never announced ({known} were)")
+            spec = self.specs[p.tensor] if p.tensor < len(self.specs) else new[p.tensor - len(self.specs)]
+            done = filled.get(p.tensor, self._filled[p.tensor] if p.tensor < len(self._filled) else 0)
+            if p.tensor_offset != done or done + p.length > spec.nbytes:
+                raise ValueError(
+                    f"bucket {b.index}: piece tensor_offset {p.tensor_offset} and length {p.length} of tensor "
+                    f"{_show(spec.name)} ({spec.nbytes} bytes) do not continue its {done} bytes announced before"
+                )
+            filled[p.tensor] = done + p.length
+        self.specs.extend(new)
+        self._names |= names
+        self._filled += [0] * len(new)
+        for i, n in filled.items():
+            self._filled[i] = n
+        self.buckets += 1
+        return new, b
+
+
 @dataclass(frozen=True)
 class Plan:
     """A complete, agreed transfer plan. Derived deterministically from
@@ -245,18 +388,33 @@ class Plan:
         }
 
     @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> Plan:
-        """Rebuild a plan from the wire, refusing one that would take unbounded memory."""
+    def from_wire(
+        cls,
+        data: Any,
+        *,
+        bucket_bytes: int | None = None,
+        max_tensor_bytes: int | None = None,
+        max_total_bytes: int = MAX_PLAN_BYTES,
+    ) -> Plan:
+        """Rebuild a plan from the wire, refusing one that would take unbounded memory
+        (ValueError naming the field): see ``WireLimits``. ``bucket_bytes``: the bucket
+        size this side is configured with; a plan of another size is refused."""
+        if not isinstance(data, dict):
+            raise ValueError(f"plan: expected a map, got {type(data).__name__}")
         if data.get("format") != PLAN_FORMAT:
-            raise ValueError(f"plan format {data.get('format')!r} is not {PLAN_FORMAT}")
-        specs = [TensorSpec.from_wire(t) for t in data["tensors"]]
-        bucket_bytes = _wire_int(data["bucket_bytes"])
-        if bucket_bytes < ALIGNMENT:
-            raise ValueError(f"bucket size {bucket_bytes} is below {ALIGNMENT} bytes")
-        buckets = sum(-(-s.nbytes // bucket_bytes) for s in specs) + 1
-        if buckets > MAX_PLAN_BUCKETS:
-            raise ValueError(f"the plan would have about {buckets} buckets (limit {MAX_PLAN_BUCKETS})")
-        return make_plan(specs, bucket_bytes)
+            raise ValueError(f"plan format {_show(data.get('format'))} is not {PLAN_FORMAT}")
+        wire_bucket = _wire_int(data.get("bucket_bytes"), "plan bucket_bytes")
+        if wire_bucket < ALIGNMENT:
+            raise ValueError(f"plan bucket_bytes: {wire_bucket} is below {ALIGNMENT} bytes")
+        if bucket_bytes is not None and wire_bucket != bucket_bytes:
+            raise ValueError(f"plan bucket_bytes: {wire_bucket}, where this side's buckets are {bucket_bytes} bytes")
+        tensors = data.get("tensors")
+        if not isinstance(tensors, list | tuple):
+            raise ValueError(f"plan tensors: expected a list, got {type(tensors).__name__}")
+        if len(tensors) > MAX_PLAN_TENSORS:
+            raise ValueError(f"plan tensors: {len(tensors)} tensors, more than the {MAX_PLAN_TENSORS} a plan may have")
+        limits = WireLimits(wire_bucket, max_tensor_bytes, max_total_bytes)
+        return make_plan([limits.spec(t) for t in tensors], wire_bucket)
 
 
 def plan_hash(tensors: Sequence[TensorSpec], bucket_bytes: int) -> str:

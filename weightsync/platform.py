@@ -114,6 +114,14 @@ def synchronize(device: torch.device) -> None:
         _accelerator_module(device.type).synchronize(device)
 
 
+def device_memory_bytes(device: torch.device) -> int:
+    """Total memory of ``device`` (host RAM for CPU): a tensor larger than this can never
+    be held there, so a receiver refuses one announced from the wire."""
+    if device.type in ("cuda", "npu"):
+        return int(_accelerator_module(device.type).mem_get_info(device)[1])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 # The configuration name users write (``backend=nccl``) and the library that serves the
 # collective differ by platform. This table is the one place that maps them.
 _COLLECTIVE_LIBRARY = {

@@ -23,7 +23,7 @@ from weightsync.delta_sync import DeltaHeader
 from weightsync.engines import Publisher, Transport, get_engine
 from weightsync.engines.base import Join
 from weightsync.packer import capacity
-from weightsync.plan import Assembler, Bucket, Plan, TensorSpec, as_bytes, plan_hash
+from weightsync.plan import Assembler, Bucket, Plan, StreamedPlan, TensorSpec, as_bytes, plan_hash
 from weightsync.session import (
     PROTOCOL_VERSION,
     Channel,
@@ -62,6 +62,10 @@ class Receiver:
       sync (a retry of the same version, or a newer one) makes it whole again.
 
     A version older than ``version`` is refused unless the sender passes ``force=True``.
+
+    Sizes from the wire are checked before memory is taken (``weightsync.plan.WireLimits``):
+    a tensor larger than ``max_tensor_bytes`` (default: the memory of this receiver's
+    device) is refused, as is a plan whose bucket size differs from ``bucket_bytes``.
     """
 
     def __init__(
@@ -80,6 +84,8 @@ class Receiver:
         self.engine_cls = get_engine(config.backend)
         #: which weights this receiver holds (shared by every backend family)
         self.state = VersionState()
+        #: the largest tensor accepted from the wire (settable; default: the device's memory)
+        self.max_tensor_bytes = platform.device_memory_bytes(self.device)
         self.last_stats: SyncStats | None = None
         self._publisher: Publisher | None = None
         self._transport: Transport | None = None
@@ -178,8 +184,9 @@ class Receiver:
         """Receive one version and copy it in place into ``module`` by name.
 
         Checks names, shapes and dtypes against the module before writing anything (when
-        the sender's source announced its specs). Names the module has but the sync did not
-        carry are logged and listed in ``stats.missing``.
+        the sender's source announced its specs); in a streamed sync, each tensor as it is
+        announced, before anything of it is allocated. Names the module has but the sync did
+        not carry are logged and listed in ``stats.missing``.
         """
         sink = ModuleSink(module)
         items = self._sync(version, sink=sink)
@@ -309,7 +316,8 @@ class Receiver:
         self._receiving = v
         deadline = Deadline(self.config.timeout_s, f"in the transfer of version {v}")
         specs: list[TensorSpec] = list(plan.tensors) if plan is not None else []
-        next_bucket = self._plan_reader(plan) if plan is not None else self._stream_reader(ch, specs, deadline)
+        refused: list[BaseException] = []  # a streamed tensor the sink cannot take (nothing allocated for it)
+        next_bucket = self._plan_reader(plan) if plan is not None else self._stream_reader(ch, specs, deadline, sink, refused)
         route = delta_sync.route(header, len(specs), holds)
         index = {spec.name: i for i, spec in enumerate(specs)}  # a streamed plan grows: see take()
         keep_base = self.config.delta == "auto" and sink is None
@@ -364,6 +372,9 @@ class Receiver:
         t0 = time.perf_counter()
         try:
             for bucket, buffer in buckets:
+                if refused:  # stop before unpacking anything of it, and drain
+                    consumer_error = refused[0]
+                    break
                 received.append((bucket, checksum(buffer) if checksum is not None else None))
                 stats.wire_bytes += bucket.nbytes
                 if plan is None:  # streamed: the reader announced new specs
@@ -502,8 +513,8 @@ class Receiver:
                 problem = stale
             elif msg.get("verify", "off") != self.config.verify:
                 problem = f"verify: sender {msg.get('verify')!r}, receiver {self.config.verify!r} (set the same value on both sides)"
-            elif not _valid_engine(msg.get("engine")):
-                problem = "the sync message carries no valid engine description"
+            elif (bad := _engine_problem(msg.get("engine"))) is not None:
+                problem = bad
             elif msg.get("bucket_bytes") != self.config.bucket_bytes:
                 problem = (
                     f"bucket size: sender {msg.get('bucket_bytes')} bytes, receiver {self.config.bucket_bytes} bytes "
@@ -511,7 +522,9 @@ class Receiver:
                 )
             elif msg.get("plan_hash") is not None:
                 if "plan" in msg:
-                    plan = Plan.from_wire(msg["plan"])
+                    plan = Plan.from_wire(
+                        msg["plan"], bucket_bytes=self.config.bucket_bytes, max_tensor_bytes=self.max_tensor_bytes
+                    )
                     if plan.hash != msg["plan_hash"]:
                         problem = f"plan hash: sender {msg['plan_hash']}, receiver computed {plan.hash}"
                 elif self._plan is not None and self._plan.hash == msg["plan_hash"]:
@@ -559,7 +572,13 @@ class Receiver:
         buckets = iter(plan.buckets)
         return lambda: next(buckets, None)
 
-    def _stream_reader(self, ch: Channel, specs: list[TensorSpec], deadline: Deadline):
+    def _stream_reader(self, ch: Channel, specs: list[TensorSpec], deadline: Deadline, sink: ModuleSink | None,
+                       refused: list[BaseException]):
+        """Announced buckets, each checked (``StreamedPlan``) before the transport receives
+        it; with a sink, each new spec is checked against the model before anything of it
+        is allocated (a misfit goes to ``refused``: the sync stops and drains)."""
+        stream = StreamedPlan(self.config.bucket_bytes, specs, max_tensor_bytes=self.max_tensor_bytes)
+
         def next_bucket() -> Bucket | None:
             msg = ch.recv(deadline, expect=("bucket", "end"))
             if msg["type"] == "end":
@@ -567,12 +586,15 @@ class Receiver:
                 if msg.get("plan_hash") != mine:
                     raise SyncError(f"streamed plan hash: sender {msg.get('plan_hash')}, receiver computed {mine}")
                 return None
-            specs.extend(TensorSpec.from_wire(t) for t in msg["tensors"])
-            bucket = Bucket.from_wire(msg["bucket"])
-            if bucket.nbytes > self.config.bucket_bytes or any(
-                p.tensor >= len(specs) or p.tensor_offset + p.length > specs[p.tensor].nbytes for p in bucket.pieces
-            ):
-                raise ProtocolError(f"{ch.peer} announced bucket {bucket.index} with unknown tensors, or out of bounds")
+            try:
+                new, bucket = stream.announce(msg.get("tensors"), msg.get("bucket"))
+            except ValueError as e:
+                raise ProtocolError(f"{ch.peer} announced a bucket that is refused {deadline.what}: {e}") from None
+            if sink is not None and not refused:
+                try:
+                    sink.check(new)
+                except SinkError as e:
+                    refused.append(e)
             return bucket
 
         return next_bucket
@@ -587,10 +609,18 @@ def _settle(settle: Callable[[], None]) -> BaseException | None:
     return None
 
 
-def _valid_engine(info: Any) -> bool:
+MAX_GROUP_SIZE = 1 << 16  # ranks in one data-plane group (a transport may allocate per rank)
+
+
+def _engine_problem(info: Any) -> str | None:
     """The session's part of an engine description: this receiver's group rank and the
-    group's size (the rest belongs to the transport)."""
+    group's size (the rest belongs to the transport). What is wrong with it, or None."""
     if not isinstance(info, dict):
-        return False
-    fields = [info.get("rank"), info.get("world_size"), info.get("senders", 1)]
-    return all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in fields) and 1 <= info["rank"] < info["world_size"]
+        return "the sync message carries no engine description"
+    for key in ("rank", "world_size", "senders"):
+        value = info.get(key, 1 if key == "senders" else None)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_GROUP_SIZE:
+            return f"engine {key}={value!r:.100}: expected an integer from 0 to {MAX_GROUP_SIZE}"
+    if not 1 <= info["rank"] < info["world_size"]:
+        return f"engine rank={info['rank']} is not a receiver's rank in a group of world_size={info['world_size']}"
+    return None

@@ -494,7 +494,7 @@ class Sender:
         if isinstance(error, SyncError):  # raised by the session: it names the peer already
             error.ranks = dead
             return error
-        if dead:
+        if dead:  # a peer gone without a word: PeerLost, whichever side noticed first
             names = ", ".join(self._channels[r].peer for r in dead)
-            return SyncError(f"sync of version {version} failed: {names} disconnected ({error})", ranks=dead)
+            return PeerLost(f"sync of version {version} failed: {names} disconnected ({error})", ranks=dead)
         return SyncError(f"sync of version {version} to {self.num_receivers} receiver(s) failed: {error}")
