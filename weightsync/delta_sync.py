@@ -132,6 +132,65 @@ def route(header: DeltaHeader | None, wire_count: int, holds_base: bool) -> Rout
     return Route(actions, relative=False)
 
 
+class Intake:
+    """A receiver's handling of one sync's wire entries (``route``): what its consumer gets
+    as it arrives, what is staged until the end, what is skipped. ``base``: a streaming
+    receiver's copy of the version (``delta=auto`` without a sink), kept up to date."""
+
+    def __init__(
+        self, header: DeltaHeader | None, specs: Sequence[TensorSpec], holds_base: bool,
+        base: dict[str, torch.Tensor] | None,
+    ) -> None:
+        self.header = header
+        self.specs = specs  # a streamed plan's list grows while it arrives: see ``grow``
+        self.route = route(header, len(specs), holds_base)
+        self.index = {spec.name: i for i, spec in enumerate(specs)}
+        self.base = base
+        self.staged: dict[int, torch.Tensor] = {}
+
+    def grow(self) -> None:
+        """A streamed sync announced more entries (never a delta sync: it has a plan)."""
+        self.index.update({s.name: i for i, s in enumerate(self.specs) if s.name not in self.index})
+
+    def destination(self, sink: Any) -> Callable[[TensorSpec], torch.Tensor | None]:
+        """Where a sink may receive an entry in place: its model tensor for entries taken
+        whole, nowhere for staged or skipped ones."""
+        header = self.header
+        if header is None:
+            return sink.destination
+
+        def destination(spec: TensorSpec) -> torch.Tensor | None:
+            i = self.index.get(spec.name)
+            if i is None:
+                return None
+            m, action = self.route.actions[i]
+            return sink.destination(header.model[m]) if action == "take" else None
+
+        return destination
+
+    def take(self, name: str, tensor: torch.Tensor, owned: bool) -> tuple[str, torch.Tensor] | None:
+        """What the consumer gets of one wire entry now (None: nothing, yet)."""
+        if self.header is None:
+            item = (name, tensor)
+        else:
+            m, action = self.route.actions[self.index[name]]
+            if action == "skip":
+                return None
+            if action == "stage":  # applied once everything arrived
+                self.staged[m] = tensor.clone()
+                return None
+            item = (self.header.model[m].name, tensor.clone() if owned else tensor)
+        if self.base is not None:
+            keep(self.base, *item)
+        return item
+
+    def apply(self, base: dict[str, torch.Tensor]) -> None:
+        """Apply the staged delta section to ``base`` in place."""
+        assert self.header is not None
+        apply_staged(self.header, self.staged, base)
+        self.staged.clear()
+
+
 def base_digest(specs: Sequence[TensorSpec], base: dict[str, torch.Tensor]) -> str | None:
     """The digest of what ``base`` holds for ``specs``, or None if it does not hold them."""
     items = []

@@ -23,7 +23,7 @@ from weightsync.delta_sync import DeltaHeader
 from weightsync.engines import Publisher, Transport, get_engine
 from weightsync.engines.base import Join
 from weightsync.packer import capacity
-from weightsync.plan import Assembler, Bucket, Plan, StreamedPlan, TensorSpec, as_bytes, plan_hash
+from weightsync.plan import Assembler, Bucket, Plan, StreamedPlan, TensorSpec, plan_hash
 from weightsync.session import (
     PROTOCOL_VERSION,
     Channel,
@@ -318,21 +318,10 @@ class Receiver:
         specs: list[TensorSpec] = list(plan.tensors) if plan is not None else []
         refused: list[BaseException] = []  # a streamed tensor the sink cannot take (nothing allocated for it)
         next_bucket = self._plan_reader(plan) if plan is not None else self._stream_reader(ch, specs, deadline, sink, refused)
-        route = delta_sync.route(header, len(specs), holds)
-        index = {spec.name: i for i, spec in enumerate(specs)}  # a streamed plan grows: see take()
-        keep_base = self.config.delta == "auto" and sink is None
-        staged: dict[int, torch.Tensor] = {}
-        destination = None
-        if sink is not None:
-            model = header.model if header is not None else None
-
-            def destination(spec: TensorSpec) -> torch.Tensor | None:
-                i = index.get(spec.name)
-                if model is None or i is None:
-                    return sink.destination(spec)
-                m, action = route.actions[i]
-                return sink.destination(model[m]) if action == "take" else None
-
+        # A delta sync's entries are taken, staged or skipped (weightsync.delta_sync).
+        intake = delta_sync.Intake(header, specs, holds, self._base if self.config.delta == "auto" and sink is None else None)
+        route = intake.route
+        destination = intake.destination(sink) if sink is not None else None
         if landing is not None and header is None:  # pooled landing memory (weightsync.pipeline)
             assembler = landing.assembler(specs, self.device)
         else:
@@ -341,21 +330,6 @@ class Receiver:
         owned = owned or landing is not None
         buckets = transport.recv_buckets(next_bucket, assembler.landing if assembler.destination is not None else None)
 
-        def take(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-            """What the consumer gets of one wire entry (None: nothing, yet)."""
-            if header is None:
-                item = (name, tensor)
-            else:
-                m, action = route.actions[index[name]]
-                if action == "skip":
-                    return None
-                if action == "stage":  # applied once everything arrived
-                    staged[m] = tensor.clone()
-                    return None
-                item = (header.model[m].name, tensor.clone() if owned else tensor)
-            if keep_base:
-                delta_sync.keep(self._base, *item)
-            return item
         checksum = checksum_fn(self.config.verify)
         received: list[tuple[Bucket, int | None]] = []  # each bucket with its checksum
         consumer_error: BaseException | None = None
@@ -378,10 +352,10 @@ class Receiver:
                 received.append((bucket, checksum(buffer) if checksum is not None else None))
                 stats.wire_bytes += bucket.nbytes
                 if plan is None:  # streamed: the reader announced new specs
-                    index.update({spec.name: i for i, spec in enumerate(specs) if spec.name not in index})
+                    intake.grow()
                 for name, tensor in assembler.unpack(bucket, buffer):
                     entries += 1
-                    item = take(name, tensor)
+                    item = intake.take(name, tensor, owned)
                     if item is None:
                         continue
                     stats.tensors += 1
@@ -408,9 +382,8 @@ class Receiver:
                 assert header is not None
                 base = self._base if sink is None else {s.name: sink.targets[s.name].data for s in header.model}
                 applied = True
-                delta_sync.apply_staged(header, staged, base)  # the base is now version v
+                intake.apply(base)  # the base is now version v
                 stats.delta_base = header.base_version
-                staged.clear()
                 if checksum is not None:
                     problem = delta_sync.verify_tensors(header, base, sent.get("tensors"), checksum)
                     if problem is not None:

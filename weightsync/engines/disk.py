@@ -43,8 +43,6 @@ import logging
 import os
 import re
 import secrets
-import shutil
-import socket
 import struct
 import time
 from collections.abc import Iterator, Sequence
@@ -56,6 +54,7 @@ import torch
 from weightsync import auth
 from weightsync.config import SECRET_ENV, EngineConfig
 from weightsync.engines.base import Offer, Publisher
+from weightsync.engines.disk_files import _alive, _fsync, _identity, _read_json, _remove_tree, _write_json
 from weightsync.plan import TensorSpec, as_bytes, plan_hash
 from weightsync.session import HandshakeError, PeerLost, RemoteFailure, SyncError, SyncStats, SyncTimeout, VerificationError
 from weightsync.sources import WeightSource
@@ -117,69 +116,6 @@ def published_versions(root: Path) -> list[int]:
 
 
 # ---------------------------------------------------------------------------- helpers
-def _identity() -> dict[str, Any]:
-    """Who this process is, precisely enough for another process to tell if it is alive."""
-    try:  # pids are only comparable inside one pid namespace (containers share hostnames)
-        pidns = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        pidns = None
-    return {"pid": os.getpid(), "host": socket.gethostname(), "pidns": pidns}
-
-
-def _alive(who: Any) -> bool | None:
-    """Whether the process ``who`` (an ``_identity``) still runs; None when this process
-    cannot tell (another host or pid namespace)."""
-    if not isinstance(who, dict) or not isinstance(who.get("pid"), int):
-        return None
-    me = _identity()
-    if me["pidns"] is None or who.get("host") != me["host"] or who.get("pidns") != me["pidns"]:
-        return None
-    try:
-        os.kill(who["pid"], 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, under another user
-        return True
-    try:  # a dead child not yet reaped by its parent (the sender may be that parent) is a zombie
-        with open(f"/proc/{who['pid']}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _fsync(path: Path) -> None:
-    """Make a file's bytes, or a directory's entries (new files, renames), durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, obj: Any, *, durable: bool) -> None:
-    """Write JSON so that readers see the old file or the whole new one, never a part."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _read_json(path: Path) -> Any:
-    """The JSON in ``path``, or None if it is absent or not (yet) valid JSON."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, UnicodeDecodeError):
-        return None
-
-
-def _remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def _host_tensor(tensor: torch.Tensor) -> torch.Tensor:
     t = tensor.detach()
     return t if t.device.type == "cpu" else t.cpu()
