@@ -150,6 +150,25 @@ def test_two_versions_reach_both_replicas_with_greedy_parity(setup):
     assert [(r.name, r.version, r.mixed) for r in setup.rollout.status()] == [("A", setup.version, False), ("B", setup.version, False)]
 
 
+def test_delta_sync_reaches_both_replicas_with_greedy_parity(setup):
+    """delta=auto through real vLLM workers (each keeps a base copy and streams full tensors
+    into vLLM's reload): versions after the first go relative, outputs match the trainer."""
+    setup.rollout.close()
+    setup.rollout = VLLMRollout(setup.replicas, OVERRIDES + ["delta=auto", "verify=crc32"])
+    try:
+        for step in range(3):
+            expected = setup.train()
+            setup.version += 1
+            report = setup.rollout.update(setup.model, setup.version, mode="abort")
+            assert report.ok, report.summary()
+            if step:  # the first update gave both workers their base
+                assert report.stats.delta_base == setup.version - 1, report.stats
+            for llm in setup.llms:
+                assert replica_greedy(llm, PROMPTS, NEW) == expected
+    finally:
+        setup._connect()  # the module's usual rollout (no delta) for the next tests
+
+
 def test_kv_cache_release_refused_on_cpu_leaves_replicas_serving(setup):
     """vLLM 0.32 frees KV cache memory only on GPUs: the update stops before the sync,
     names the replicas, and both resume on their old version."""
