@@ -283,6 +283,8 @@ class SenderBase:
             and not self._delta_lost()
         )
         self._pending = None
+        log.debug("version %d goes %s (base %s, holders %s, receivers %s, same specs %s)", version,
+                  "as deltas" if relative else "whole", self.version, sorted(self.holders), list(receivers), self.specs == specs)
         if not relative:
             items = [(name, t.detach()) for name, t in source.tensors()]
             if self._resting():  # deltas lost lately: no base to keep up until they are tried again
