@@ -394,6 +394,8 @@ class MooncakeEngine(Transport):
         k = 0
         try:
             while (bucket := next_bucket()) is not None:
+                if bucket.nbytes > self._capacity:  # the plan and the ring disagree: never read past a slot
+                    raise PeerError(f"bucket {k} has {bucket.nbytes} bytes, the sender's slots {self._capacity}")
                 nbytes = up.wait(READY, version, k)
                 if nbytes != bucket.nbytes:
                     raise PeerError(f"{up.peer} wrote {nbytes} bytes for bucket {k}, the plan says {bucket.nbytes}")

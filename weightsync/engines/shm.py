@@ -245,6 +245,8 @@ class ShmEngine(Transport):
         sender = self._peers[0]
         k = 0
         while (bucket := next_bucket()) is not None:
+            if bucket.nbytes > self._capacity:  # the plan and the ring disagree: never read past a slot
+                raise PeerError(f"bucket {k} has {bucket.nbytes} bytes, the sender's slots {self._capacity}")
             nbytes = sender.wait(READY, version, k)
             if nbytes != bucket.nbytes:
                 raise PeerError(f"the sender wrote {nbytes} bytes for bucket {k}, the plan says {bucket.nbytes}")
