@@ -259,6 +259,10 @@ def _child_env(opts: Options, blocked: str | None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     env[TEST_DEVICE_ENV] = opts.test_device
+    # A test the NCCL probe blocked skips, and gpu-check reports it as blocked (never as
+    # passed): the suite-wide rule that turns every skip into a failure does not apply here.
+    env.pop("WEIGHTSYNC_REQUIRE_ALL", None)
+    env.pop("CI", None)
     if blocked:
         env[NCCL_BLOCKED_ENV] = blocked
     else:
