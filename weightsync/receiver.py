@@ -35,6 +35,7 @@ from weightsync.session import (
     SyncStats,
     VerificationError,
     connect,
+    in_context,
 )
 from weightsync.sinks import ModuleSink, SinkError
 from weightsync.state import VersionState
@@ -405,7 +406,10 @@ class Receiver:
         except Exception as e:
             buckets.close()  # let the transport drop its pending receives now
             self._finish(v, ok=False, message=f"transfer failed: {e}", broken=True, delivered=delivered())
-            raise (e if isinstance(e, SyncError) else SyncError(f"receiver rank {self.rank}: transfer of version {v} from {ch.peer} failed: {e}")) from e
+            error = in_context(e, f"receiver rank {self.rank}: transfer of version {v} from {ch.peer} failed")
+            if error is e:
+                raise
+            raise error from e
         stats.buckets = len(received)
         stats.transfer_s = time.perf_counter() - t0
         self._finish(v, ok=problem is None, message=problem, delivered=delivered())
@@ -597,3 +601,4 @@ def _engine_problem(info: Any) -> str | None:
     if not 1 <= info["rank"] < info["world_size"]:
         return f"engine rank={info['rank']} is not a receiver's rank in a group of world_size={info['world_size']}"
     return None
+

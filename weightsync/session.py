@@ -95,6 +95,20 @@ class ProtocolError(SyncError):
     wrongly typed, out of order). Nothing it sent was acted on."""
 
 
+def in_context(error: Exception, context: str) -> SyncError:
+    """The error as a SyncError of its own kind whose message starts with ``context`` (which
+    receiver, which version, which sender), however deep in the transfer it arose: the same
+    failure reads the same whichever path noticed it first."""
+    if str(error).startswith(context):
+        return error if isinstance(error, SyncError) else SyncError(str(error))
+    kind = type(error) if isinstance(error, SyncError) else SyncError
+    ranks = error.ranks if isinstance(error, SyncError) else None
+    try:
+        return kind(f"{context}: {error}", ranks=ranks)
+    except TypeError:  # a subclass with its own constructor: keep its kind, say where
+        return SyncError(f"{context}: {error}", ranks=ranks)
+
+
 def _no_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack extension type {code} is not accepted")
 
