@@ -131,7 +131,7 @@ def test_plan_serializes_without_pickle_and_hash_is_stable():
     assert make_plan(specs, 192).hash != plan.hash
     assert make_plan(specs[::-1], 128).hash != plan.hash
     # Fixed value: a change to the layout rule must bump PLAN_FORMAT, not silently change this.
-    assert plan.hash == "98cdb6375d659f5bb0485015ee4b48b69f424e40e90497cc99dcd071f6d2c33a"
+    assert plan.hash == "a61373b54f9d8baf5e41c670486eb5499f6e575ad38e418b938b65df22bd76cf"
 
 
 def test_streaming_builder_matches_whole_plan():
@@ -168,3 +168,25 @@ def test_large_tensors_travel_alone_and_small_ones_stay_packed():
     packed = [b for b in plan.buckets if b not in alone]
     assert len(packed) == 1 and [plan.tensors[p.tensor].name for p in packed[0].pieces] == ["norm0", "norm1"]
     assert [b.index for b in plan.buckets] == list(range(len(plan.buckets)))
+
+
+def test_a_packed_bucket_closes_once_a_bucket_of_large_tensors_passed_it():
+    # Layer by layer, as a transformer's state dict: two large matrices, then a norm. An
+    # engine that completes a layer when its last tensor arrives (vLLM's layerwise reload)
+    # must not wait for the end of the model for the norms.
+    mib = 1 << 20
+    specs = []
+    for layer in range(6):
+        specs += [
+            TensorSpec(f"l{layer}.q", (mib // 2,), "float32"),  # 2 MiB each: direct
+            TensorSpec(f"l{layer}.o", (mib // 2,), "float32"),
+            TensorSpec(f"l{layer}.norm", (64,), "float32"),
+        ]
+    plan = make_plan(specs, 8 * mib)
+    order = [plan.tensors[p.tensor].name for b in plan.buckets for p in b.pieces]
+    # Every norm travels within one bucket (8 MiB: two layers) after its own layer's matrices.
+    for layer in range(6):
+        assert 0 < order.index(f"l{layer}.norm") - order.index(f"l{layer}.o") <= 2 * 2 + 1
+    packed = [[plan.tensors[p.tensor].name for p in b.pieces] for b in plan.buckets if len(b.pieces) > 1]
+    # A packed bucket closes before the first large tensor that finds 8 MiB passed it.
+    assert packed == [["l0.norm", "l1.norm", "l2.norm"], ["l3.norm", "l4.norm", "l5.norm"]]

@@ -58,6 +58,7 @@ def vllm_environment() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per replica
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # replicas share the cores
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout stays the caller's (--json)
 
 
 def save_tiny_model(path: str, seed: int = 0, **overrides: Any) -> str:

@@ -38,6 +38,9 @@ from weightsync.session import HandshakeError, SyncTimeout
 log = logging.getLogger("weightsync.pipeline")
 
 Reload = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
+# Buckets a transport may receive straight into pool memory ahead of the receiving thread:
+# one keeps the wire busy while the thread unpacks the bucket before it.
+LANDED_AHEAD = 1
 
 
 def _use_count(t: torch.Tensor) -> int:
@@ -135,11 +138,17 @@ class PooledAssembler(Assembler):
     """An ``Assembler`` whose tensors all live in pool memory and may be kept: a bucket
     that is one range of one tensor lands in that tensor's pool buffer, a packed bucket in
     a pool buffer of its own (its tensors are views of it), split tensors are merged in a
-    pool buffer of their full size."""
+    pool buffer of their full size.
 
-    def __init__(self, tensors: Sequence[TensorSpec], device: torch.device, pool: LandingPool) -> None:
+    At most ``ahead`` buckets land in pool memory before they are unpacked: a transport
+    that posts receives further ahead (``nccl`` posts up to 8) receives the others into
+    its own two buffers, copied into the pool when unpacked, so the pool does not grow
+    with the transport's window."""
+
+    def __init__(self, tensors: Sequence[TensorSpec], device: torch.device, pool: LandingPool, ahead: int = LANDED_AHEAD) -> None:
         super().__init__(tensors, device, destination=self._pooled, owned=False)
         self.pool = pool
+        self.ahead = max(1, ahead)
         self._targets: dict[int, torch.Tensor] = {}  # bucket index -> the bytes it lands in
 
     def _pooled(self, spec: TensorSpec) -> torch.Tensor:
@@ -147,18 +156,22 @@ class PooledAssembler(Assembler):
         return raw.view(spec.torch_dtype).view(spec.shape) if spec.nbytes else torch.empty(
             spec.shape, dtype=spec.torch_dtype, device=self.device)
 
-    def landing(self, bucket: Bucket) -> torch.Tensor | None:
+    def _land(self, bucket: Bucket) -> torch.Tensor:
         target = super().landing(bucket)  # one range of one tensor: that range of its buffer
         if target is None:
             target = self.pool.acquire(bucket.nbytes, self.device)  # packed: a buffer of its own
-        self._targets[bucket.index] = target
+        return target
+
+    def landing(self, bucket: Bucket) -> torch.Tensor | None:
+        if len(self._targets) >= self.ahead:
+            return None  # enough landed ahead of the consumer: the transport's own buffer
+        target = self._targets[bucket.index] = self._land(bucket)
         return target
 
     def unpack(self, bucket: Bucket, buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         target = self._targets.pop(bucket.index, None)
-        if target is None:  # the transport keeps its own memory: one copy into the pool
-            target = self.landing(bucket)
-            self._targets.pop(bucket.index, None)
+        if target is None:  # in the transport's own memory: one copy into the pool
+            target = self._land(bucket)
         if bucket.nbytes and target.data_ptr() != buffer.data_ptr():
             target.copy_(buffer[: bucket.nbytes])
         yield from super().unpack(bucket, target)
@@ -291,10 +304,11 @@ def receive_into(
     elif kind == "item":
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal reached_end
-            item = first
+            nonlocal reached_end, first
+            item, first = first, None  # the loader alone decides how long a tensor lives
             while True:
                 yield item
+                item = None
                 result.applied += 1
                 t0 = time.perf_counter()
                 kind, payload = handoff.get(guard_s)
@@ -318,7 +332,6 @@ def receive_into(
             load_error[0] = e
             result.error = result.error or e
         result.load_s = time.perf_counter() - t0
-        first = None
     if load_error[0] is not None and not reached_end:
         stop[0] = load_error[0]  # the transfer is still going: stop it, tell the sender
         handoff.clear()

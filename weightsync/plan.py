@@ -13,7 +13,11 @@ on either side). Small tensors are packed: each piece starts at a multiple of
 ``ALIGNMENT`` inside its bucket (so a receiver can view bucket bytes as any dtype); a
 tensor that does not fit in the space left starts a new bucket if it fits in a whole one,
 and is otherwise split, its first piece filling the space left. Buckets are numbered in
-the order they close: a packed bucket stays open while large tensors pass it.
+the order they close: a packed bucket stays open while large tensors pass it, until a
+whole bucket's bytes of them have: it then closes before the next large tensor, so a small
+tensor travels at most about one bucket behind its neighbours in the order given. (An
+engine that loads layer by layer, like vLLM's reload, completes a layer only when its
+norms and biases arrived; a packed bucket left open to the end would hold every layer.)
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 
 import torch
 
-PLAN_FORMAT = 2
+PLAN_FORMAT = 3
 ALIGNMENT = 64  # bytes; a multiple of every dtype's size, and a cache line
 DIRECT_MIN_BYTES = 1 << 20
 # What a receiver accepts from the wire, checked spec by spec before anything is built or
@@ -246,6 +250,7 @@ class PlanBuilder:
         self._pieces: list[Piece] = []
         self._used = 0
         self._open = False
+        self._passed = 0  # bytes of large tensors placed since the packed bucket opened
         self._next_index = 0
 
     def _close(self) -> list[Bucket]:
@@ -253,7 +258,7 @@ class PlanBuilder:
             return []
         bucket = Bucket(self._next_index, self._used, tuple(self._pieces))
         self._next_index += 1
-        self._pieces, self._used, self._open = [], 0, False
+        self._pieces, self._used, self._open, self._passed = [], 0, False, 0
         return [bucket]
 
     def _put(self, tensor: int, tensor_offset: int, length: int) -> None:
@@ -272,6 +277,10 @@ class PlanBuilder:
         n = spec.nbytes
         closed: list[Bucket] = []
         if n >= self.direct_bytes:  # alone, in whole buckets; the packed bucket stays open
+            if self._passed >= self.bucket_bytes:  # ... unless a whole bucket's worth passed it
+                closed += self._close()
+            if self._open:
+                self._passed += n
             for offset in range(0, n, self.bucket_bytes):
                 length = min(self.bucket_bytes, n - offset)
                 closed.append(Bucket(self._next_index, length, (Piece(index, offset, length, 0),)))
