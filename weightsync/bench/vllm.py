@@ -149,6 +149,8 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
                                  "worker_first_s", "worker_wait_s", "landing_mb", "landing_allocated_mb",
                                  "rss_before_mb") if steady[0][k] is not None},
                     "rss_growth_mb": round(max(u["rss_growth_mb"] for u in steady), 1),
+                    # where the first update's time went (the warm-up: groups, landing memory)
+                    "first": {k: round(v, 4) for k, v in updates[0].items() if v is not None},
                 })
             finally:
                 rollout.close()
