@@ -271,3 +271,16 @@ def test_no_pickle_on_any_network_path():
     assert len(files) > 20 and PACKAGE / "session.py" in files
     found = [o for path in files for o in offenses(path.read_text(), str(path.relative_to(PACKAGE.parent)))]
     assert found == []
+
+
+def test_a_delta_header_from_the_wire_is_bounded_before_anything_is_built():
+    from weightsync.delta_sync import DeltaHeader
+    from weightsync.plan import TensorSpec
+
+    wire = [TensorSpec("w", (8,), "uint8")]
+    huge = {"base": 1, "digest": "d", "model": [["w", [1 << 48], "bfloat16"]], "kinds": [1], "dense": False}
+    with pytest.raises(ValueError, match="'w'"):  # half a PiB: refused by size, not allocated
+        DeltaHeader.from_wire(huge, wire, max_tensor_bytes=1 << 30)
+    many = {"base": 1, "digest": "d", "model": [["w", [8], "uint8"]] * 1000, "kinds": [1] * 1000, "dense": False}
+    with pytest.raises(ValueError, match="1000 tensors, the plan has 1 entries"):
+        DeltaHeader.from_wire(many, wire)

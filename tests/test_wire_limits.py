@@ -24,6 +24,7 @@ from weightsync import plan as plan_module
 from weightsync.plan import (
     MAX_PLAN_BUCKETS,
     MAX_TENSOR_DIMS,
+    PLAN_FORMAT,
     Bucket,
     Plan,
     StreamedPlan,
@@ -198,7 +199,7 @@ def good_specs(n):
 def hostile_plans(draw):
     """``(wire plan, field, max_total_bytes)``."""
     specs = good_specs(draw(st.integers(0, 6)))
-    plan = {"format": 2, "bucket_bytes": BUCKET, "tensors": specs}
+    plan = {"format": PLAN_FORMAT, "bucket_bytes": BUCKET, "tensors": specs}
     case = draw(st.sampled_from(["spec", "total", "bucket_bytes", "foreign_bucket", "tensors", "format", "map"]))
     if case == "spec":
         spec, field = draw(hostile_specs())
@@ -224,7 +225,7 @@ def hostile_plans(draw):
 
 @settings(max_examples=300, deadline=None)
 @given(case=hostile_plans())
-@example(case=({"format": 2, "bucket_bytes": BUCKET, "tensors": good_specs(8) + [["big", [LIMIT // 4], "float32"]]},
+@example(case=({"format": PLAN_FORMAT, "bucket_bytes": BUCKET, "tensors": good_specs(8) + [["big", [LIMIT // 4], "float32"]]},
                "bytes a plan may have", LIMIT))
 def test_plan_decoder_refuses_hostile_sizes_naming_the_field(case):
     data, field, max_total = case
@@ -238,11 +239,11 @@ def test_plan_decoder_refuses_hostile_sizes_naming_the_field(case):
 def test_plan_decoder_refuses_too_many_tensors_or_buckets_before_building(monkeypatch):
     monkeypatch.setattr(plan_module, "MAX_PLAN_TENSORS", 8)
     with pytest.raises(ValueError, match="plan tensors: 9 tensors, more than the 8"):
-        Plan.from_wire({"format": 2, "bucket_bytes": BUCKET, "tensors": good_specs(9)})
+        Plan.from_wire({"format": PLAN_FORMAT, "bucket_bytes": BUCKET, "tensors": good_specs(9)})
     # 64-byte buckets: a 1 GiB tensor would take 16M Bucket objects (GBs of Python memory).
     with PeakMemory() as peak:
         with pytest.raises(ValueError, match=rf"tensor 'w': the plan would have about \d+ buckets \(limit {MAX_PLAN_BUCKETS}\)"):
-            Plan.from_wire({"format": 2, "bucket_bytes": 64, "tensors": [["w", [1 << 30], "int8"]]})
+            Plan.from_wire({"format": PLAN_FORMAT, "bucket_bytes": 64, "tensors": [["w", [1 << 30], "int8"]]})
     assert peak.growth < BOUND
 
 
@@ -468,7 +469,7 @@ def test_the_stream_reader_refuses_an_oversized_tensor_before_allocating_it(case
         fake.close()
 
 
-TOTAL_CASE = ({"format": 2, "bucket_bytes": BUCKET, "tensors": good_specs(8) + [["big", [LIMIT // 4], "float32"]]},
+TOTAL_CASE = ({"format": PLAN_FORMAT, "bucket_bytes": BUCKET, "tensors": good_specs(8) + [["big", [LIMIT // 4], "float32"]]},
               "bytes a plan may have", LIMIT)
 
 
@@ -520,7 +521,7 @@ def test_by_default_a_tensor_larger_than_the_devices_memory_is_refused():
     try:
         with Receiver(EngineConfig.from_overrides(TCP), fake.address, 0) as receiver:
             assert receiver.max_tensor_bytes == physical
-        plan = {"format": 2, "bucket_bytes": BUCKET, "tensors": [["w", [physical + 1], "int8"]]}
+        plan = {"format": PLAN_FORMAT, "bucket_bytes": BUCKET, "tensors": [["w", [physical + 1], "int8"]]}
         error = receive_from(fake, fake.sync(plan_hash="h", plan=plan), max_tensor_bytes=None)
         assert isinstance(error, HandshakeError), error
         assert f"tensor 'w': shape ({physical + 1},) of 'int8' is {physical + 1} bytes, more than the {physical} bytes" in str(error)

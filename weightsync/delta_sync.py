@@ -88,9 +88,10 @@ class DeltaHeader:
         }
 
     @classmethod
-    def from_wire(cls, data: Any, wire: Sequence[TensorSpec]) -> DeltaHeader:
-        """Parse and check against the plan's wire tensors ``wire``; ValueError if they
-        do not fit together."""
+    def from_wire(cls, data: Any, wire: Sequence[TensorSpec], max_tensor_bytes: int | None = None) -> DeltaHeader:
+        """Parse and check against the plan's wire tensors ``wire`` (already within the
+        receiver's limits); ValueError if they do not fit together, or if a model tensor is
+        larger than ``max_tensor_bytes``."""
         if not isinstance(data, dict):
             raise ValueError("the delta header is not a map")
         base, digest, model, kinds, dense = (data.get(k) for k in ("base", "digest", "model", "kinds", "dense"))
@@ -98,7 +99,9 @@ class DeltaHeader:
             raise ValueError("the delta header names no valid base")
         if not isinstance(model, list) or not isinstance(kinds, list) or len(model) != len(kinds) or not isinstance(dense, bool):
             raise ValueError("the delta header's tensors and kinds do not match")
-        specs = tuple(TensorSpec.from_wire(s) for s in model)
+        if len(model) > len(wire):  # one wire entry per model tensor at least: refuse before parsing
+            raise ValueError(f"the delta header names {len(model)} tensors, the plan has {len(wire)} entries")
+        specs = tuple(TensorSpec.from_wire(s, max_tensor_bytes) for s in model)
         valid = {int(k) for k in Kind}
         if not all(isinstance(k, int) and not isinstance(k, bool) and k in valid for k in kinds):
             raise ValueError("the delta header carries an unknown kind")

@@ -510,7 +510,7 @@ class Receiver:
                     have = self._plan.hash if self._plan is not None else None
                     problem = f"plan hash: sender {msg['plan_hash']}, receiver holds {have}"
                 if problem is None and msg.get("delta") is not None and plan is not None:
-                    header = DeltaHeader.from_wire(msg["delta"], plan.tensors)
+                    header = DeltaHeader.from_wire(msg["delta"], plan.tensors, self.max_tensor_bytes)
                 if problem is None and sink is not None and plan is not None:
                     sink.check(header.model if header is not None else plan.tensors)
                 if header is not None and problem is None:
