@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from weightsync import EngineConfig, Receiver, SyncError
+from weightsync.plan import PLAN_FORMAT
 from weightsync.session import PROTOCOL_VERSION, Channel, ControlServer, Deadline
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -124,7 +125,7 @@ sync_messages = st.fixed_dictionaries(
         "version": st.one_of(st.integers(-5, 10), values),
         "bucket_bytes": st.one_of(st.just(1 << 20), values),
         "plan_hash": values,
-        "plan": st.one_of(values, st.fixed_dictionaries({"format": st.just(2), "bucket_bytes": st.just(1 << 20),
+        "plan": st.one_of(values, st.fixed_dictionaries({"format": st.just(PLAN_FORMAT), "bucket_bytes": st.just(1 << 20),
                                                          "tensors": st.lists(values, max_size=4)})),
         "force": values,
         "verify": st.one_of(st.just("off"), values),

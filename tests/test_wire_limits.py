@@ -218,7 +218,7 @@ def hostile_plans(draw):
         plan["tensors"] = draw(not_a_list)
         return plan, "tensors", plan_module.MAX_PLAN_BYTES
     if case == "format":
-        plan["format"] = draw(st.one_of(ints.filter(lambda f: f != 2), st.none(), st.text(max_size=3)))
+        plan["format"] = draw(st.one_of(ints.filter(lambda f: f != PLAN_FORMAT), st.none(), st.text(max_size=3)))
         return plan, "format", plan_module.MAX_PLAN_BYTES
     return draw(st.one_of(st.lists(ints, max_size=3), ints, st.none())), "plan", plan_module.MAX_PLAN_BYTES
 

@@ -601,4 +601,3 @@ def _engine_problem(info: Any) -> str | None:
     if not 1 <= info["rank"] < info["world_size"]:
         return f"engine rank={info['rank']} is not a receiver's rank in a group of world_size={info['world_size']}"
     return None
-
