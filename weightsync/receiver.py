@@ -35,6 +35,7 @@ from weightsync.session import (
     SyncStats,
     VerificationError,
     connect,
+    engine_problem,
     in_context,
 )
 from weightsync.sinks import ModuleSink, SinkError
@@ -490,7 +491,7 @@ class Receiver:
                 problem = stale
             elif msg.get("verify", "off") != self.config.verify:
                 problem = f"verify: sender {msg.get('verify')!r}, receiver {self.config.verify!r} (set the same value on both sides)"
-            elif (bad := _engine_problem(msg.get("engine"))) is not None:
+            elif (bad := engine_problem(msg.get("engine"))) is not None:
                 problem = bad
             elif msg.get("bucket_bytes") != self.config.bucket_bytes:
                 problem = (
@@ -585,19 +586,3 @@ def _settle(settle: Callable[[], None]) -> BaseException | None:
         return e
     return None
 
-
-MAX_GROUP_SIZE = 1 << 16  # ranks in one data-plane group (a transport may allocate per rank)
-
-
-def _engine_problem(info: Any) -> str | None:
-    """The session's part of an engine description: this receiver's group rank and the
-    group's size (the rest belongs to the transport). What is wrong with it, or None."""
-    if not isinstance(info, dict):
-        return "the sync message carries no engine description"
-    for key in ("rank", "world_size", "senders"):
-        value = info.get(key, 1 if key == "senders" else None)
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_GROUP_SIZE:
-            return f"engine {key}={value!r:.100}: expected an integer from 0 to {MAX_GROUP_SIZE}"
-    if not 1 <= info["rank"] < info["world_size"]:
-        return f"engine rank={info['rank']} is not a receiver's rank in a group of world_size={info['world_size']}"
-    return None

@@ -109,6 +109,23 @@ def in_context(error: Exception, context: str) -> SyncError:
         return SyncError(f"{context}: {error}", ranks=ranks)
 
 
+MAX_GROUP_SIZE = 1 << 16  # ranks in one data-plane group (a transport may allocate per rank)
+
+
+def engine_problem(info: Any) -> str | None:
+    """The session's part of an engine description: this receiver's group rank and the
+    group's size (the rest belongs to the transport). What is wrong with it, or None."""
+    if not isinstance(info, dict):
+        return "the sync message carries no engine description"
+    for key in ("rank", "world_size", "senders"):
+        value = info.get(key, 1 if key == "senders" else None)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_GROUP_SIZE:
+            return f"engine {key}={value!r:.100}: expected an integer from 0 to {MAX_GROUP_SIZE}"
+    if not 1 <= info["rank"] < info["world_size"]:
+        return f"engine rank={info['rank']} is not a receiver's rank in a group of world_size={info['world_size']}"
+    return None
+
+
 def _no_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack extension type {code} is not accepted")
 
