@@ -420,23 +420,30 @@ def receive_from(fake: HostileSender, sync: dict, stream=(), max_tensor_bytes: i
     return error
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(case=hostile_streams())
-def test_the_stream_reader_refuses_hostile_announcements_over_a_real_socket(case, allocations):
-    stream, field = case
+def refused_stream(stream, allocations):
+    """Run a streamed sync of ``stream`` against a real receiver; return its error (a
+    ProtocolError, checked here) and the memory the refusal cost."""
     fake = HostileSender()
     try:
         allocations.sizes.clear()
         with PeakMemory() as peak:
             error = receive_from(fake, fake.sync(), stream)
         assert isinstance(error, ProtocolError), error
-        assert "sender at 127.0.0.1" in str(error) and field in str(error), error
-        # The transport's buffer, and the 3 MiB tensor of a sane announcement before the
-        # hostile one (merged from its pieces): nothing of what was refused.
-        assert allocations.largest() <= 3 * MIB, allocations.sizes
-        assert peak.growth < BOUND, peak.growth
+        return error, peak
     finally:
         fake.close()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=hostile_streams())
+def test_the_stream_reader_refuses_hostile_announcements_over_a_real_socket(case, allocations):
+    stream, field = case
+    error, peak = refused_stream(stream, allocations)
+    assert "sender at 127.0.0.1" in str(error) and field in str(error), error
+    # The transport's buffer, and the 3 MiB tensor of a sane announcement before the
+    # hostile one (merged from its pieces): nothing of what was refused.
+    assert allocations.largest() <= 3 * MIB, allocations.sizes
+    assert peak.growth < BOUND, peak.growth
 
 
 @st.composite
@@ -456,17 +463,10 @@ def oversized_streams(draw):
 @given(case=oversized_streams())
 def test_the_stream_reader_refuses_an_oversized_tensor_before_allocating_it(case, allocations):
     stream, field = case
-    fake = HostileSender()
-    try:
-        allocations.sizes.clear()
-        with PeakMemory() as peak:
-            error = receive_from(fake, fake.sync(), stream)
-        assert isinstance(error, ProtocolError), error
-        assert f"tensor 'huge.weight': shape" in str(error) and f"more than the {LIMIT} bytes a tensor may have" in str(error), error
-        assert allocations.largest() <= 3 * MIB, allocations.sizes
-        assert peak.growth < BOUND, peak.growth
-    finally:
-        fake.close()
+    error, peak = refused_stream(stream, allocations)
+    assert f"tensor 'huge.weight': shape" in str(error) and f"more than the {LIMIT} bytes a tensor may have" in str(error), error
+    assert allocations.largest() <= 3 * MIB, allocations.sizes
+    assert peak.growth < BOUND, peak.growth
 
 
 TOTAL_CASE = ({"format": PLAN_FORMAT, "bucket_bytes": BUCKET, "tensors": good_specs(8) + [["big", [LIMIT // 4], "float32"]]},
