@@ -231,9 +231,9 @@ def _sparse_versions(count):
 
 
 def test_replica_takes_delta_syncs_through_the_pipeline_bit_exact():
-    """delta=auto through the vLLM integration's receive path: the replica streams full
+    """delta=on through the vLLM integration's receive path: the replica streams full
     tensors into its loader (keeping a base copy), versions after the first travel as deltas."""
-    overrides = OVERRIDES + ["delta=auto", "verify=crc32"]
+    overrides = OVERRIDES + ["delta=on", "verify=crc32"]
     config = EngineConfig.from_overrides(overrides)
     replica = Replica()
     try:

@@ -98,7 +98,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed syncs per row after one warm-up (default: 3)")
     p.add_argument("--update", choices=("bump", "adamw"), default="bump",
                    help="how versions differ: every tensor a little (bump, default), or an AdamW step of fp32 "
-                        "masters sent in the model dtype, with rows for delta off and auto per backend (adamw)")
+                        "masters sent in the model dtype, with rows for delta off, auto and on per backend (adamw)")
     p.add_argument("--lr", type=float, default=1e-6, help="learning rate of --update adamw (default: 1e-6)")
     p.add_argument("--no-alternatives", dest="alternatives", action="store_false",
                    help="measure only weightsync's backends (no per-tensor, disk or ceiling rows)")

@@ -20,8 +20,9 @@ both sections then; a sync where every receiver holds the base carries deltas on
 The sender keeps a base: its copy of the last version some receiver took, in the wire
 dtype, in host memory (``SenderBase``); during a sync it also holds the new version's
 tensors (references to the source's; copies only where ``wire_dtype`` casts). The base
-advances only once a receiver confirmed the new version, by applying the sync's own deltas
-(only changed elements are written). Receivers that apply deltas stage the payloads (their size is the
+advances only once a receiver confirmed the new version (its changed tensors copied in, or
+where few elements changed, the sync's own deltas applied). Whether a sync tries deltas at
+all is ``delta_policy``'s call. Receivers that apply deltas stage the payloads (their size is the
 sync's wire bytes) and apply them once every byte arrived and, with ``verify``, the
 reconstructed tensors checked, so a delta sync that fails midway leaves their base intact
 (not torn) and the next sync can be a delta again.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,6 +43,7 @@ import torch
 
 from weightsync import delta
 from weightsync.delta import Kind
+from weightsync.delta_policy import DeltaPolicy, Probe
 from weightsync.plan import TensorSpec, as_bytes
 from weightsync.sources import WeightSource
 from weightsync.verify import checksum_fn
@@ -48,12 +51,11 @@ from weightsync.verify import checksum_fn
 log = logging.getLogger("weightsync.delta")
 
 DENSE_SUFFIX = "@dense"
-#: a delta sync that took longer than this times the last dense one (and NOTICE_S more):
-#: send dense a while. Below NOTICE_S differences are noise, not a verdict.
-SLOWER = 1.0
-NOTICE_S = 0.1
-#: dense syncs before delta is tried again after it lost
-RETRY_AFTER = 8
+#: at this density or more, the sender's base takes the new version by a copy (memory
+#: speed) rather than by applying the deltas (a scattered write per changed element)
+COPY_ABOVE = 1 / 128
+#: the most bytes of one tensor the probe of a delta sync encodes
+PROBE_SLICE = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -256,20 +258,21 @@ class _Entries(WeightSource):
 
 @dataclass
 class SenderBase:
-    """The sender's base (its copy of the last version it sent, wire dtype, host memory)
-    and the policy that decides when deltas pay."""
+    """The sender's base (its copy of the last version it sent, wire dtype, host memory),
+    and the policy (``delta_policy``) that decides when deltas pay."""
 
     version: int | None = None
     specs: list[TensorSpec] | None = None
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     #: receivers known to hold the base (they completed the sync that made it)
     holders: set[int] = field(default_factory=set)
-    last_dense_s: float | None = None
-    last_delta_s: float | None = None
-    dense_runs: int = 0  # dense syncs since delta last lost
+    policy: DeltaPolicy = field(default_factory=DeltaPolicy)
+    #: ``delta=on``: deltas wherever a receiver holds the base, whatever they cost
+    always: bool = False
     #: the sync in progress: (version, specs, wire entries of a delta sync, new tensors)
     _pending: tuple | None = None
     _digest: Any = None  # the base's digest, being computed
+    _encode_s: float = 0.0  # the sync in progress: seconds spent encoding
 
     def base_digest(self) -> str:
         """The digest of the base (waits for its computation, started when it advanced)."""
@@ -280,44 +283,80 @@ class SenderBase:
     def encode(self, source: WeightSource, specs: list[TensorSpec], version: int, receivers: Sequence[int]) -> Encoding:
         """Read ``source`` once and say how the sync travels. The base does not change
         until ``finished`` says some receiver took the version."""
+        t0 = time.perf_counter()
         model_bytes = sum(s.nbytes for s in specs)
         relative = (
             self.version is not None and self.specs == specs and any(r in self.holders for r in receivers)
-            and not self._delta_lost()
+            and (self.always or self.policy.trying())
         )
-        self._pending = None
-        log.debug("version %d goes %s (base %s, holders %s, receivers %s, same specs %s)", version,
+        self._pending, self._encode_s = None, 0.0
+        log.debug("version %d may go %s (base %s, holders %s, receivers %s, same specs %s)", version,
                   "as deltas" if relative else "whole", self.version, sorted(self.holders), list(receivers), self.specs == specs)
+        items = [(name, t.detach()) for name, t in source.tensors()]
         if not relative:
-            items = [(name, t.detach()) for name, t in source.tensors()]
-            if self._resting():  # deltas lost lately: no base to keep up until they are tried again
-                self.version, self.holders = None, set()
-            else:
-                self._pending = (version, specs, None, dict(items))
-            return Encoding(None, _Entries(items), model_bytes, model_bytes)
+            return self._whole(version, specs, items, model_bytes)
         assert self.version is not None
+        # The codec runs on host tensors; a dense fallback sends the source's own.
+        new = {name: t if t.device.type == "cpu" else t.cpu() for name, t in items}
+        names = list(new)
+        elements = sum(s.numel for s in specs)
+        # The codec's numpy kernels release the GIL: encode tensors on every core.
+        workers = os.cpu_count() or 1
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightsync-delta") as pool:
+            if not self.always and self.policy.dense_s is not None:  # whether deltas would pay, from a sample
+                probe = self._probe(new, pool, workers)
+                if not self.policy.go(self.policy.predict(probe, model_bytes, elements), probe):
+                    self._encode_s = time.perf_counter() - t0
+                    return self._whole(version, specs, items, model_bytes)
+            encoded = list(pool.map(lambda name: delta.encode(self.tensors[name], new[name]), names))
         entries: list[tuple[str, torch.Tensor]] = []
         kinds: list[int] = []
-        new: dict[str, torch.Tensor] = {}
-        changed = elements = 0
-        for name, t in source.tensors():
-            t = t.detach()
-            new[name] = t if t.device.type == "cpu" else t.cpu()
-        # The codec's numpy kernels release the GIL: encode tensors on every core.
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="weightsync-delta") as pool:
-            encoded = list(pool.map(lambda name: delta.encode(self.tensors[name], new[name]), list(new)))
-        for name, enc in zip(new, encoded):
+        changed = 0
+        for name, enc in zip(names, encoded):
             changed += enc.changed
-            elements += enc.numel
             kinds.append(int(enc.kind))
             entries.append((name, new[name] if enc.kind == Kind.DENSE else enc.payload))
         header = DeltaHeader(self.version, self.base_digest(), tuple(specs), tuple(kinds), False)
         self._pending = (version, specs, entries, new)
+        self._encode_s = time.perf_counter() - t0
         encoding = Encoding(header, _Entries(entries), model_bytes, 0, changed, elements)
         if any(r not in self.holders for r in receivers):
             return self.with_dense(encoding)
         encoding.wire_bytes = sum(t.numel() * t.element_size() for _, t in entries)
         return encoding
+
+    def _probe(self, new: dict[str, torch.Tensor], pool: ThreadPoolExecutor, workers: int) -> Probe:
+        """Encode the first ``PROBE_SLICE`` bytes of the tensors, largest first (they are
+        most of the bytes), ``workers`` at a time, until the policy's budget is spent (at
+        least one batch). Non-contiguous tensors are left out (slicing would copy them)."""
+        probe = Probe()
+        budget, t0 = self.policy.probe_budget(), time.perf_counter()
+        names = sorted((name for name, t in new.items() if t.numel() and t.is_contiguous()),
+                       key=lambda name: -new[name].numel() * new[name].element_size())
+
+        def sample(name: str) -> delta.Encoded:
+            base, now = self.tensors[name].reshape(-1), new[name].reshape(-1)
+            n = max(PROBE_SLICE // now.element_size(), 1)
+            return delta.encode(base[:n], now[:n])
+
+        for at in range(0, len(names), workers):
+            for enc in pool.map(sample, names[at : at + workers]):
+                probe.bytes += enc.dense_nbytes
+                probe.payload += enc.nbytes
+                probe.elements += enc.numel
+                probe.changed += enc.changed
+            probe.seconds = time.perf_counter() - t0
+            if probe.seconds >= budget:
+                break
+        return probe
+
+    def _whole(self, version: int, specs: list[TensorSpec], items: list[tuple[str, torch.Tensor]], model_bytes: int) -> Encoding:
+        """A dense sync, keeping its version as the next base unless deltas rest."""
+        if not self.always and self.policy.resting():  # deltas lost lately: no base to keep up until they are tried again
+            self.version, self.holders = None, set()
+        else:
+            self._pending = (version, specs, None, dict(items))
+        return Encoding(None, _Entries(items), model_bytes, model_bytes)
 
     def with_dense(self, encoding: Encoding) -> Encoding:
         """The same delta sync with a dense section (for receivers without the base)."""
@@ -344,7 +383,7 @@ class SenderBase:
         # ``seconds``: what the sync's kind cost (encoding, transfer, applying), not set-up
         """After a sync: if any receiver took the version, it becomes the base (held by
         those receivers); else the base stays, and so do its holders (a failed delta sync
-        leaves them their base). Also records how long each kind of sync takes."""
+        leaves them their base). Also tells the policy what the sync cost."""
         pending, self._pending = self._pending, None
         if ok_ranks and pending is not None:
             version, specs, entries, new = pending
@@ -352,25 +391,21 @@ class SenderBase:
             if header is None or self.specs != specs:
                 for name, t in new.items():
                     self._store(name, t)
-            else:  # apply our own deltas: only the changed elements are written
+            else:  # only what changed: copied, or where little did, the deltas applied
+                copy = encoding.density >= COPY_ABOVE
                 for (name, payload), kind in zip(entries or [], header.kinds):
-                    if kind == Kind.DENSE:
-                        self._store(name, payload)
-                    else:
+                    if kind == Kind.DENSE or (copy and kind != Kind.EMPTY):
+                        self._store(name, new[name])
+                    elif kind != Kind.EMPTY:
                         delta.apply(self.tensors[name], kind, payload)
             self.version, self.specs = version, specs
             # Hashed in the background, while the trainer computes its next step.
             self._digest = _Background(base_digest, specs, self.tensors)
             self.holders = set(ok_ranks)
         if encoding.header is None:
-            self.last_dense_s = seconds
-            self.dense_runs += 1
+            self.policy.dense_done(seconds)
         elif not encoding.header.dense:  # one with a dense section says nothing of deltas
-            self.last_delta_s = seconds
-            if seconds > SLOWER * (self.last_dense_s or float("inf")) + NOTICE_S:
-                log.info("delta sync took %.3f s, a dense one %.3f s: sending dense for a while",
-                         seconds, self.last_dense_s)
-                self.dense_runs = 0
+            self.policy.delta_done(seconds, self._encode_s, encoding.wire_bytes / max(encoding.model_bytes, 1), encoding.changed)
 
     def _store(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         t = tensor.detach()
@@ -379,24 +414,6 @@ class SenderBase:
             held = self.tensors[name] = torch.empty(t.shape, dtype=t.dtype)
         held.copy_(t)
         return held
-
-    def _resting(self) -> bool:
-        """Deltas lost lately, and the next sync does not try them again: a dense sync then
-        keeps no base (it costs a copy of the model); the one before a retry does."""
-        lost = self.last_delta_s is not None and self.last_dense_s is not None and (
-            self.last_delta_s > SLOWER * self.last_dense_s + NOTICE_S
-        )
-        return lost and self.dense_runs < RETRY_AFTER - 1
-
-    def _delta_lost(self) -> bool:
-        if self.last_delta_s is None or self.last_dense_s is None:
-            return False
-        if self.last_delta_s <= SLOWER * self.last_dense_s + NOTICE_S:
-            return False
-        if self.dense_runs >= RETRY_AFTER:  # try again: the wire or the density may have changed
-            self.dense_runs = 0
-            return False
-        return True
 
 
 def apply_staged(

@@ -321,7 +321,7 @@ class Receiver:
         refused: list[BaseException] = []  # a streamed tensor the sink cannot take (nothing allocated for it)
         next_bucket = self._plan_reader(plan) if plan is not None else self._stream_reader(ch, specs, deadline, sink, refused)
         # A delta sync's entries are taken, staged or skipped (weightsync.delta_sync).
-        intake = delta_sync.Intake(header, specs, holds, self._base if self.config.delta == "auto" and sink is None else None)
+        intake = delta_sync.Intake(header, specs, holds, self._base if self.config.delta != "off" and sink is None else None)
         route = intake.route
         destination = intake.destination(sink) if sink is not None else None
         if landing is not None and header is None:  # pooled landing memory (weightsync.pipeline)

@@ -115,7 +115,7 @@ class Sender:
         self._trainers = TrainerPeers(self.num_trainers - 1 if self._all_send else 0)
         self._follower: TrainerFollower | None = None
         self._acked_plan: dict[int, str] = {}  # receiver rank -> plan hash it holds
-        self._base = SenderBase()  # delta=auto: the last version sent, and who holds it
+        self._base = SenderBase(always=config.delta == "on")  # the last version sent, and who holds it
         self._confirmed: set[int] = set()  # receivers that confirmed the last sync
         self._sending: int | None = None  # the version in transfer, for messages
         if issubclass(self.engine_cls, Publisher):
@@ -286,7 +286,7 @@ class Sender:
         encoding: Encoding | None = None
         encode_s = 0.0
         self._confirmed = set()
-        if self.config.delta == "auto" and plan is not None and not self._trainers.count:
+        if self.config.delta != "off" and plan is not None and not self._trainers.count:
             # Before the handshake: the plan of a delta sync depends on what changed.
             t_encode = time.perf_counter()
             encoding = self._base.encode(src, list(plan.tensors), version, self.receivers)

@@ -70,7 +70,7 @@ class BenchOptions:
     work_dir: str | None = None
     timeout_s: float = 300.0
     #: how versions differ: "bump" (every tensor changes, cheaply) or "adamw" (an AdamW step
-    #: of fp32 masters sent in the model's dtype; rows with delta off and auto per backend)
+    #: of fp32 masters sent in the model's dtype; rows with delta off, auto and on per backend)
     update: str = "bump"
     lr: float = 1e-6
     #: where every process holds the model and transfer buffers: "cpu", or "cuda" / "cuda:N"
@@ -134,13 +134,13 @@ def _specs(opts: BenchOptions) -> list[TensorSpec]:
 
 def plan_rows(opts: BenchOptions) -> list[tuple[str, int | None, str | None]]:
     """(kind, bucket MiB, delta) of every row, alternatives first so ratios can be computed;
-    with ``update="adamw"`` each backend runs with ``delta`` off, then auto."""
+    with ``update="adamw"`` each backend runs with ``delta`` off, auto, then on."""
     rows: list[tuple[str, int | None, str | None]] = []
     if opts.alternatives:
         if opts.device == "cpu":  # per-tensor broadcast and the disk reload are CPU paths
             rows += [(alt, None, None) for alt in ALTERNATIVES]
         rows += [(c, None, None) for c in dict.fromkeys(ceiling_of(b, opts.device) for b in opts.backends) if c]
-    deltas: list[str | None] = ["off", "auto"] if opts.update == "adamw" else [None]
+    deltas: list[str | None] = ["off", "auto", "on"] if opts.update == "adamw" else [None]
     rows += [(b, mb, d) for b in opts.backends for mb in opts.bucket_mb for d in (deltas if b != "disk" else deltas[:1])]
     return rows
 

@@ -1,0 +1,80 @@
+"""``delta=auto`` decides before it spends: a probe of the version predicts what a delta
+sync would cost, and a sync predicted slower than the last dense one goes whole, with no
+base kept until deltas are probed again (``weightsync/delta_policy.py``). The sender's
+base and policy run here in-process on the real codec; the transports' side of delta
+syncs is in test_delta_sync.py."""
+
+from unittest import mock
+
+import torch
+
+from weightsync import delta_policy
+from weightsync.delta_sync import SenderBase
+from weightsync.plan import TensorSpec
+from weightsync.sources import as_source
+
+SHAPES = {f"layer{i}.weight": (512, 1024) for i in range(16)}  # 16 MiB of bf16
+
+
+def model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=g).to(torch.bfloat16) for name, shape in SHAPES.items()}
+
+
+def step(state: dict[str, torch.Tensor], seed: int) -> None:
+    """Change 3% of every tensor's elements by one unit in the last place."""
+    g = torch.Generator().manual_seed(seed)
+    for t in state.values():
+        flat = t.view(-1).view(torch.int16)
+        flat[torch.randperm(flat.numel(), generator=g)[: flat.numel() * 3 // 100]] += 1
+
+
+def sync(base: SenderBase, state: dict[str, torch.Tensor], version: int, seconds: float) -> bool:
+    """One sync to receiver 0 that it completes in ``seconds``; True if it went as deltas."""
+    specs = [TensorSpec.of(name, t) for name, t in state.items()]
+    encoding = base.encode(as_source(state), specs, version, [0])
+    base.finished(encoding, seconds, {0})
+    return encoding.header is not None
+
+
+def test_a_probe_that_predicts_a_loss_sends_the_version_whole_and_keeps_no_base():
+    state = model(0)
+    base = SenderBase()
+    assert not sync(base, state, 1, seconds=1e-4)  # no base yet: whole, and it becomes the base
+    step(state, 1)
+    with mock.patch.object(delta_policy, "NOTICE_S", 0.0):
+        assert not sync(base, state, 2, seconds=1e-4)  # a probe cannot encode 16 MiB that fast
+    assert base.policy.delta_s is not None and base.policy.delta_s > 1e-4  # the prediction
+    assert base.version is None, "while deltas lose, a dense sync keeps no base copy"
+
+
+def test_the_same_version_goes_as_deltas_where_dense_syncs_are_slow():
+    """As across a slow link: the probe predicts far less than a dense sync costs."""
+    state = model(0)
+    base = SenderBase()
+    assert not sync(base, state, 1, seconds=100.0)
+    step(state, 1)
+    assert sync(base, state, 2, seconds=100.0)
+    assert base.version == 2 and base.holders == {0}
+    # the base took the version: it equals the new state bit for bit
+    assert all(torch.equal(base.tensors[n].view(torch.int16), t.view(torch.int16)) for n, t in state.items())
+
+
+def test_after_a_loss_deltas_are_probed_again_and_the_sync_before_keeps_a_base():
+    state = model(0)
+    base = SenderBase()
+    sync(base, state, 1, seconds=1e-4)
+    kept = []
+    with mock.patch.object(delta_policy, "NOTICE_S", 0.0):
+        for v in range(2, 2 + delta_policy.RETRY_AFTER):
+            step(state, v)
+            assert not sync(base, state, v, seconds=1e-4)
+            kept.append(base.version is not None)
+        # the syncs that rest keep no base but for the one before the next probe
+        assert kept == [False] * (delta_policy.RETRY_AFTER - 1) + [True]
+        v = 2 + delta_policy.RETRY_AFTER
+        step(state, v)
+        probes = []
+        with mock.patch.object(delta_policy.DeltaPolicy, "go", lambda self, p, probe: probes.append(p) or True):
+            assert sync(base, state, v, seconds=1e-4)  # probed again (and told to go: deltas)
+        assert len(probes) == 1
