@@ -1,4 +1,4 @@
-"""Delta sync (``delta=auto``): a version sent relative to the base a receiver holds.
+"""Delta sync (``delta=auto`` or ``on``): a version sent relative to the base a receiver holds.
 
 The codec (``weightsync.delta``) turns one tensor into a small payload against its base;
 this module makes a whole sync of it, as plan-level data: a delta sync is an ordinary plan
@@ -140,7 +140,7 @@ def route(header: DeltaHeader | None, wire_count: int, holds_base: bool) -> Rout
 class Intake:
     """A receiver's handling of one sync's wire entries (``route``): what its consumer gets
     as it arrives, what is staged until the end, what is skipped. ``base``: a streaming
-    receiver's copy of the version (``delta=auto`` without a sink), kept up to date."""
+    receiver's copy of the version (``delta`` on or auto, without a sink), kept up to date."""
 
     def __init__(
         self, header: DeltaHeader | None, specs: Sequence[TensorSpec], holds_base: bool,
@@ -231,7 +231,7 @@ class _Background:
 
 @dataclass
 class Encoding:
-    """The sender's side of one sync under ``delta=auto``."""
+    """The sender's side of one sync under ``delta`` auto or on."""
 
     header: DeltaHeader | None  # None: a plain dense sync
     source: WeightSource  # the wire entries, in plan order

@@ -99,7 +99,7 @@ class Receiver:
         self._session: str | None = None  # the sender's session last joined
         self._plan: Plan | None = None
         self._receiving: int | None = None  # the version in transfer, for messages
-        #: delta=auto with ``receive()``: a copy of the last version, the base deltas apply to
+        #: delta auto or on, with ``receive()``: a copy of the last version, the base deltas apply to
         self._base: dict[str, torch.Tensor] = {}
 
     @property

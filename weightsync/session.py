@@ -478,7 +478,7 @@ class SyncStats:
     #: the model's bytes in this version
     bytes: int = 0
     #: the bytes the transport carried for the payload: ``bytes`` for a dense sync, less for
-    #: a delta sync (``delta=auto``), 0 where nothing travels (``naive``)
+    #: a delta sync (``delta`` auto or on), 0 where nothing travels (``naive``)
     wire_bytes: int = 0
     buckets: int = 0
     receivers: int = 0
