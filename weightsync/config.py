@@ -238,15 +238,15 @@ class EngineConfig:
             "that streams with `receive()` keeps one too (`load_into` applies deltas to the "
             "model in place). `auto` sends whole versions while deltas would not pay (predicted "
             "from a probe of each version, or measured); `on` never does (for links known to be "
-            "slower than the codec, about 1 GB/s per core). Session backends with one sending trainer rank; `disk` always publishes whole "
-            "checkpoints. Set the same value on both sides.",
+            "slower than the codec, about 1 GB/s per core). Session backends with one sending "
+            "trainer rank; `disk` always publishes whole checkpoints. Set the same value on both sides.",
             "增量同步：`off` 每个版本整体发送；`auto` 对每个张量在字节更少时发送相对于上一个已发送版本的"
             "增量（精确：按比特比较变化的元素），发给持有该基准的接收端（握手中按版本与摘要校验）；"
             "其他接收端在同一次同步中收到完整版本。发送端在主机内存中保留上一个版本的副本（传输 dtype）；"
             "用 `receive()` 流式接收的接收端也保留一份（`load_into` 直接在模型上原地应用增量）。"
             "增量不划算时（由对每个版本的抽样预测或实测得出）`auto` 整体发送；`on` 从不退回"
-            "（用于已知比编解码更慢的链路，约每核 1 GB/s）。适用于只有一个发送训练 rank 的会话后端；`disk` "
-            "始终发布完整检查点。两端须设置相同的值。",
+            "（用于已知比编解码更慢的链路，约每核 1 GB/s）。适用于只有一个发送训练 rank 的会话后端；"
+            "`disk` 始终发布完整检查点。两端须设置相同的值。",
             choices=DELTA_MODES,
         ),
     )

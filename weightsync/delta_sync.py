@@ -303,7 +303,7 @@ class SenderBase:
         # The codec's numpy kernels release the GIL: encode tensors on every core.
         workers = os.cpu_count() or 1
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightsync-delta") as pool:
-            if not self.always and self.policy.dense_s is not None:  # whether deltas would pay, from a sample
+            if not self.always and self.policy.dense_s is not None:  # would deltas pay? ask a sample
                 probe = self._probe(new, pool, workers)
                 if not self.policy.go(self.policy.predict(probe, model_bytes, elements), probe):
                     self._encode_s = time.perf_counter() - t0
@@ -350,9 +350,12 @@ class SenderBase:
                 break
         return probe
 
-    def _whole(self, version: int, specs: list[TensorSpec], items: list[tuple[str, torch.Tensor]], model_bytes: int) -> Encoding:
-        """A dense sync, keeping its version as the next base unless deltas rest."""
-        if not self.always and self.policy.resting():  # deltas lost lately: no base to keep up until they are tried again
+    def _whole(
+        self, version: int, specs: list[TensorSpec], items: list[tuple[str, torch.Tensor]], model_bytes: int
+    ) -> Encoding:
+        """A dense sync, keeping its version as the next base unless deltas rest (they
+        lost lately: no base to keep up until they are probed again)."""
+        if not self.always and self.policy.resting():
             self.version, self.holders = None, set()
         else:
             self._pending = (version, specs, None, dict(items))
@@ -405,7 +408,8 @@ class SenderBase:
         if encoding.header is None:
             self.policy.dense_done(seconds)
         elif not encoding.header.dense:  # one with a dense section says nothing of deltas
-            self.policy.delta_done(seconds, self._encode_s, encoding.wire_bytes / max(encoding.model_bytes, 1), encoding.changed)
+            wire_fraction = encoding.wire_bytes / max(encoding.model_bytes, 1)
+            self.policy.delta_done(seconds, self._encode_s, wire_fraction, encoding.changed)
 
     def _store(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         t = tensor.detach()
