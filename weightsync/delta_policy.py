@@ -18,7 +18,8 @@ The prediction for the whole version, from the probe:
 A delta sync goes on while it is predicted (and, once done, measured) to cost no more than
 ``SLOWER`` times the last dense sync plus ``NOTICE_S``. Otherwise the next ``RETRY_AFTER``
 syncs go whole, and keep no base copy (a copy of the model per sync) but for the one before
-the next try: the wire or the density may have changed by then.
+the next try: the wire or the density may have changed by then. With ``delta=on``
+(``always``) none of this applies: deltas go wherever a receiver holds the base.
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ class DeltaPolicy:
     delta_s: float | None = None  # the last delta sync, measured or predicted
     apply_s_per_change: float | None = None  # measured on the last delta sync
     dense_runs: int = 0  # dense syncs since deltas last lost
+    #: ``delta=on``: deltas wherever a receiver holds the base, whatever they cost
+    always: bool = False
+
+    def probes(self) -> bool:
+        """Whether a delta sync is probed before it is committed to (once a dense sync was
+        measured to compare with)."""
+        return not self.always and self.dense_s is not None
 
     def probe_budget(self) -> float:
         """Seconds to spend encoding before deciding (0: one batch)."""
@@ -64,7 +72,7 @@ class DeltaPolicy:
 
     def trying(self) -> bool:
         """Whether the next sync may go as deltas (they did not lose lately)."""
-        if not self._lost():
+        if self.always or not self._lost():
             return True
         if self.dense_runs >= RETRY_AFTER:
             self.dense_runs = 0
@@ -75,7 +83,7 @@ class DeltaPolicy:
     def resting(self) -> bool:
         """Deltas lost lately and the next sync does not try them again: a dense sync then
         keeps no base (it costs a copy of the model); the one before a try does."""
-        return self._lost() and self.dense_runs < RETRY_AFTER - 1
+        return not self.always and self._lost() and self.dense_runs < RETRY_AFTER - 1
 
     def predict(self, probe: Probe, model_bytes: int, elements: int) -> float:
         """A delta sync's cost, from the probe."""

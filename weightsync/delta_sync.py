@@ -267,8 +267,6 @@ class SenderBase:
     #: receivers known to hold the base (they completed the sync that made it)
     holders: set[int] = field(default_factory=set)
     policy: DeltaPolicy = field(default_factory=DeltaPolicy)
-    #: ``delta=on``: deltas wherever a receiver holds the base, whatever they cost
-    always: bool = False
     #: the sync in progress: (version, specs, wire entries of a delta sync, new tensors)
     _pending: tuple | None = None
     _digest: Any = None  # the base's digest, being computed
@@ -287,7 +285,7 @@ class SenderBase:
         model_bytes = sum(s.nbytes for s in specs)
         relative = (
             self.version is not None and self.specs == specs and any(r in self.holders for r in receivers)
-            and (self.always or self.policy.trying())
+            and self.policy.trying()
         )
         self._pending, self._encode_s = None, 0.0
         log.debug("version %d may go %s (base %s, holders %s, receivers %s, same specs %s)", version,
@@ -296,18 +294,18 @@ class SenderBase:
         if not relative:
             return self._whole(version, specs, items, model_bytes)
         assert self.version is not None
-        # The codec runs on host tensors; a dense fallback sends the source's own.
-        new = {name: t if t.device.type == "cpu" else t.cpu() for name, t in items}
-        names = list(new)
         elements = sum(s.numel for s in specs)
         # The codec's numpy kernels release the GIL: encode tensors on every core.
         workers = os.cpu_count() or 1
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightsync-delta") as pool:
-            if not self.always and self.policy.dense_s is not None:  # would deltas pay? ask a sample
-                probe = self._probe(new, pool, workers)
+            if self.policy.probes():  # would deltas pay? ask a sample
+                probe = self._probe(dict(items), pool, workers)
                 if not self.policy.go(self.policy.predict(probe, model_bytes, elements), probe):
                     self._encode_s = time.perf_counter() - t0
                     return self._whole(version, specs, items, model_bytes)
+            # The codec runs on host tensors (a dense fallback above sends the source's own).
+            new = {name: t if t.device.type == "cpu" else t.cpu() for name, t in items}
+            names = list(new)
             encoded = list(pool.map(lambda name: delta.encode(self.tensors[name], new[name]), names))
         entries: list[tuple[str, torch.Tensor]] = []
         kinds: list[int] = []
@@ -328,7 +326,8 @@ class SenderBase:
     def _probe(self, new: dict[str, torch.Tensor], pool: ThreadPoolExecutor, workers: int) -> Probe:
         """Encode the first ``PROBE_SLICE`` bytes of the tensors, largest first (they are
         most of the bytes), ``workers`` at a time, until the policy's budget is spent (at
-        least one batch). Non-contiguous tensors are left out (slicing would copy them)."""
+        least one batch). Non-contiguous tensors are left out (slicing would copy them);
+        only the slices of device tensors come to the host."""
         probe = Probe()
         budget, t0 = self.policy.probe_budget(), time.perf_counter()
         names = sorted((name for name, t in new.items() if t.numel() and t.is_contiguous()),
@@ -337,7 +336,7 @@ class SenderBase:
         def sample(name: str) -> delta.Encoded:
             base, now = self.tensors[name].reshape(-1), new[name].reshape(-1)
             n = max(PROBE_SLICE // now.element_size(), 1)
-            return delta.encode(base[:n], now[:n])
+            return delta.encode(base[:n], now[:n].cpu())
 
         for at in range(0, len(names), workers):
             for enc in pool.map(sample, names[at : at + workers]):
@@ -355,7 +354,7 @@ class SenderBase:
     ) -> Encoding:
         """A dense sync, keeping its version as the next base unless deltas rest (they
         lost lately: no base to keep up until they are probed again)."""
-        if not self.always and self.policy.resting():
+        if self.policy.resting():
             self.version, self.holders = None, set()
         else:
             self._pending = (version, specs, None, dict(items))

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from weightsync import platform
 from weightsync.config import SECRET_ENV, EngineConfig
+from weightsync.delta_policy import DeltaPolicy
 from weightsync.delta_sync import Encoding, SenderBase
 from weightsync.engines import Publisher, Transport, get_engine
 from weightsync.engines.base import Join
@@ -115,7 +116,7 @@ class Sender:
         self._trainers = TrainerPeers(self.num_trainers - 1 if self._all_send else 0)
         self._follower: TrainerFollower | None = None
         self._acked_plan: dict[int, str] = {}  # receiver rank -> plan hash it holds
-        self._base = SenderBase(always=config.delta == "on")  # the last version sent, and who holds it
+        self._base = SenderBase(policy=DeltaPolicy(always=config.delta == "on"))  # the last version sent, its holders
         self._confirmed: set[int] = set()  # receivers that confirmed the last sync
         self._sending: int | None = None  # the version in transfer, for messages
         if issubclass(self.engine_cls, Publisher):
