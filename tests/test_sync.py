@@ -220,6 +220,53 @@ def test_version_and_bucket_mismatch_fail_on_both_sides():
 
 
 @pytest.mark.parametrize("backend", TRANSPORTS)
+def test_warm_up_forms_the_data_plane_that_the_syncs_then_use(backend):
+    """``Sender.warm_up`` connects every receiver and forms the data plane before the first
+    version; a receiver takes part from ``Receiver.warm_up`` (an engine's init call) or
+    while it waits in ``receive``. The syncs then reuse that data plane (no new group,
+    ring or chain), bit-exact."""
+    q = CTX.Queue()
+    overrides = base(backend)
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
+        # rank 0 warms up explicitly, rank 1 waits in receive()
+        procs = [start(workers.run_receiver, sender.address, r, overrides, [1, 2], q, None, False, False, None, None, r == 0)
+                 for r in range(2)]
+        try:
+            sender.warm_up()
+            assert q.get(timeout=60) == (0, "warm")
+            assert sender._transport._generation == 1  # formed by the warm-up
+            for v in (1, 2):
+                stats = sender.send(workers.make_weights(v), version=v)
+                assert stats.plan_sent_to == (2 if v == 1 else 0)
+                for rank, version, got, held in collect(q, 2):
+                    assert (version, held) == (v, v) and got == workers.expected_digests(v), rank
+            assert sender._transport._generation == 1  # the syncs joined no new one
+        finally:
+            stop(procs)
+
+
+def test_warm_up_refused_names_the_receiver_and_the_others_go_on_to_the_sync():
+    q = CTX.Queue()
+    other = ["backend=nccl", "update_weights_bucket_megabytes=2", "timeout_s=60"]
+    with Sender(EngineConfig.from_overrides(BASE), "127.0.0.1:0", 2) as sender:
+        procs = [start(workers.run_receiver, sender.address, 0, BASE, [1], q),
+                 start(workers.run_receiver, sender.address, 1, other, [1], q, None, False, False, None, None, True)]
+        try:
+            with pytest.raises(HandshakeError, match="receiver rank 1 refused the warm-up: bucket size: sender 1048576 "
+                                                     "bytes, receiver 2097152 bytes") as info:
+                sender.warm_up()
+            assert info.value.ranks == [1]
+            rank, status, message, _ = q.get(timeout=30)
+            assert (rank, status) == (1, "error") and "bucket size" in message
+            sender.remove_receiver(1)
+            sender.send(workers.make_weights(1), version=1)  # rank 0 waited on for the sync
+            rank, version, got, held = q.get(timeout=60)
+            assert (rank, version, held) == (0, 1, 1) and got == workers.expected_digests(1)
+        finally:
+            stop(procs)
+
+
+@pytest.mark.parametrize("backend", TRANSPORTS)
 def test_failed_load_keeps_the_old_version_and_the_next_sync_succeeds(backend):
     q = CTX.Queue()
     trainer = workers.Small(seed=1)

@@ -150,6 +150,28 @@ def test_two_versions_reach_both_replicas_with_greedy_parity(setup):
     assert [(r.name, r.version, r.mixed) for r in setup.rollout.status()] == [("A", setup.version, False), ("B", setup.version, False)]
 
 
+def test_a_new_rollout_warms_every_worker_up_at_init_and_its_first_update_reuses_it(setup):
+    """weightsync_init connects every worker and forms the data plane while the sender
+    warms up; the first update then joins nothing new. A replica that refuses its
+    configuration fails the init at once (not after timeout_s)."""
+    setup._connect()
+    sender = setup.rollout.sender
+    assert sender._transport._generation == 1
+    warm = [r.call("weightsync_status")[0].get("warm_up_s") for r in setup.replicas]
+    assert all(s is not None and s > 0 for s in warm), warm
+    expected = setup.train()
+    setup.version += 1
+    report = setup.rollout.update(setup.model, setup.version)
+    assert report.ok, report.summary()
+    assert sender._transport._generation == 1
+    for llm in setup.llms:
+        assert replica_greedy(llm, PROMPTS, NEW) == expected
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="custom_backend_module"):
+        VLLMRollout(setup.replicas, OVERRIDES + ["custom_backend_module=json"])
+    assert time.monotonic() - t0 < TIMEOUT_S
+
+
 def test_delta_sync_reaches_both_replicas_with_greedy_parity(setup):
     """delta=on through real vLLM workers (each keeps a base copy and streams full tensors
     into vLLM's reload): versions after the first go relative, outputs match the trainer.

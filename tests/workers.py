@@ -51,17 +51,21 @@ def expected_digests(version: int) -> dict[str, str]:
 
 
 def run_receiver(address, rank, overrides, versions, queue, die_after_tensors=None, owned=False, keep_going=False,
-                 die_in_version=None, device=None):
+                 die_in_version=None, device=None, warm_up=False):
     """Receive each version and report ``(rank, version, digests, receiver.version)``;
     on error report ``(rank, "error", message, receiver.version)`` and stop (or, with
     ``keep_going``, go on with the next version); ``die_after_tensors`` (in version
     ``die_in_version``, or any): exit abruptly mid-sync. ``owned``: keep every tensor received
     and take the digests only at the end (proving none was overwritten). ``device``: the
-    receiver's transfer buffers there, and every tensor must arrive there."""
+    receiver's transfer buffers there, and every tensor must arrive there. ``warm_up``: take
+    part in the sender's warm-up first (``Receiver.warm_up``), reported as ``(rank, "warm")``."""
     torch.set_num_threads(1)
     receiver = None
     try:
         receiver = Receiver(EngineConfig.from_overrides(overrides), address, rank, device=device)
+        if warm_up:
+            receiver.warm_up()
+            queue.put((rank, "warm"))
         for v in versions:
             got, kept = {}, {}
             try:

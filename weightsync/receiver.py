@@ -130,6 +130,57 @@ class Receiver:
                 self._transport.reset()
             self._session = self._channel.session
 
+    def warm_up(self) -> None:
+        """Connect to the sender and join its data plane while it runs ``Sender.warm_up``
+        (waiting up to ``timeout_s`` for it), so the first ``receive`` pays for neither.
+        Raises ``SyncError`` if the warm-up fails (the first sync then joins as usual)."""
+        if self._transport is None:
+            return  # a publisher has no session to join
+        self.connect()
+        assert self._channel is not None
+        ch = self._channel
+        msg = ch.recv(Deadline(self.config.timeout_s, "for the sender's warm-up"), expect=("warmup", "closing"))
+        if msg["type"] == "closing":
+            self._reset()
+            raise PeerLost(f"{ch.peer} closed the session before its warm-up")
+        self._warm(ch, msg)
+
+    def _warm(self, ch: Channel, msg: dict[str, Any]) -> None:
+        """Answer the sender's warm-up: check it, join the data plane, say so."""
+        transport = self._transport
+        assert transport is not None
+        deadline = Deadline(self.config.timeout_s, "in the warm-up")
+        problem = self._session_problem(msg)
+        if problem is not None:
+            self._refuse(problem, deadline)
+            raise HandshakeError(f"receiver rank {self.rank} refused the warm-up: {problem}")
+        ch.send({"type": "ready"}, deadline)
+        ch.recv(deadline, expect="go")  # an abort (another receiver refused) raises HandshakeError
+        info = msg["engine"]
+        ok = False
+        try:
+            transport.connect(self._join(ch, 0, info, self.config.bucket_bytes), info)
+            ch.send({"type": "joined"}, deadline)
+            ok = True
+        except SyncError:
+            raise
+        except Exception as e:
+            raise SyncError(f"receiver rank {self.rank}: joining the data plane of {ch.peer} failed: "
+                            f"{type(e).__name__}: {e}") from e
+        finally:
+            transport.finish(ok=ok)
+            if not ok:
+                self._reset()
+
+    def _join(self, ch: Channel, version: int, info: dict[str, Any], capacity_bytes: int) -> Join:
+        """This receiver's ``Join`` record for the data plane ``info`` describes."""
+        return Join(
+            version=version, rank=int(info["rank"]), world_size=int(info["world_size"]),
+            senders=int(info.get("senders", 1)), capacity=capacity_bytes,
+            name=f"receiver rank {self.rank}", receiver_rank=self.rank,
+            local_host=ch.sock.getsockname()[0], sender_host=ch.sock.getpeername()[0], watch=self._watch_sender,
+        )
+
     def _watch_sender(self) -> None:
         ch = self._channel
         if ch is not None and ch.is_dead():
@@ -276,7 +327,7 @@ class Receiver:
             waiting = Deadline(self.config.timeout_s, f"for the sender to start a sync{what}")
             while True:
                 try:
-                    msg = ch.recv(waiting, expect=("sync", "closing"))
+                    msg = ch.recv(waiting, expect=("sync", "closing", "warmup"))
                 except PeerLost:
                     # The sender drops every connection after a sync that failed anywhere
                     # (ours may have gone well): join again, within the same deadline.
@@ -289,6 +340,16 @@ class Receiver:
                 if msg["type"] == "closing":
                     ch = self._join_next_session(ch)
                     continue
+                if msg["type"] == "warmup":  # the sender forms the data plane ahead of a sync
+                    try:
+                        self._warm(ch, msg)
+                    except SyncError as e:  # the sender failed it too; its sync may still come
+                        log.warning("receiver rank %d: %s; waiting for the sync", self.rank, e)
+                        waiting.left()
+                        self.connect()  # again, if the failure closed the connection
+                        ch = self._channel
+                        assert ch is not None
+                    continue
                 break
             start = time.perf_counter()  # the sync starts when the sender starts it
             while True:
@@ -299,13 +360,7 @@ class Receiver:
                 # Offered again, with a dense section for receivers without the base.
                 msg = ch.recv(Deadline(self.config.timeout_s, f"for version {v} again"), expect="sync")
             info = msg["engine"]
-            join = Join(
-                version=v, rank=int(info["rank"]), world_size=int(info["world_size"]),
-                senders=int(info.get("senders", 1)), capacity=capacity(plan, self.config.bucket_bytes),
-                name=f"receiver rank {self.rank}", receiver_rank=self.rank,
-                local_host=ch.sock.getsockname()[0], sender_host=ch.sock.getpeername()[0], watch=self._watch_sender,
-            )
-            transport.connect(join, info)
+            transport.connect(self._join(ch, v, info, capacity(plan, self.config.bucket_bytes)), info)
         except HandshakeError:
             raise  # a clean refusal: both sides are between syncs, the connection stays
         except SyncError:
@@ -481,8 +536,8 @@ class Receiver:
         header: DeltaHeader | None = None
         holds = False
         try:
-            if msg.get("protocol") != PROTOCOL_VERSION:
-                problem = f"protocol version: sender {msg.get('protocol')!r}, receiver {PROTOCOL_VERSION}"
+            if (common := self._session_problem(msg)) is not None:
+                problem = common
             elif not isinstance(v, int) or isinstance(v, bool):
                 problem = f"version {v!r} is not an integer"
             elif expected is not None and v != expected:
@@ -491,13 +546,6 @@ class Receiver:
                 problem = stale
             elif msg.get("verify", "off") != self.config.verify:
                 problem = f"verify: sender {msg.get('verify')!r}, receiver {self.config.verify!r} (set the same value on both sides)"
-            elif (bad := engine_problem(msg.get("engine"))) is not None:
-                problem = bad
-            elif msg.get("bucket_bytes") != self.config.bucket_bytes:
-                problem = (
-                    f"bucket size: sender {msg.get('bucket_bytes')} bytes, receiver {self.config.bucket_bytes} bytes "
-                    "(update_weights_bucket_megabytes must match)"
-                )
             elif msg.get("plan_hash") is not None:
                 if "plan" in msg:
                     plan = Plan.from_wire(
@@ -520,17 +568,36 @@ class Receiver:
             problem = str(e)
         deadline = Deadline(self.config.timeout_s, f"answering the sync of version {v}")
         if problem is not None:
-            self._channel.send({"type": "error", "message": problem}, deadline)
-            try:  # the sender answers every refusal with an abort: take it off the line
-                self._channel.recv(deadline, expect="abort")
-            except SyncError:
-                self._reset()
+            self._refuse(problem, deadline)
             raise HandshakeError(f"receiver rank {self.rank} refused version {v}: {problem}")
         if plan is not None:  # a streamed sync leaves the agreed plan as it was
             self._plan = plan
         # A delta sync without a dense section is offered again with one if we lack its base.
         self._channel.send({"type": "ready", "dense": header is not None and not holds}, deadline)
         return v, plan, header, holds
+
+    def _session_problem(self, msg: dict[str, Any]) -> str | None:
+        """What a sync or warm-up message says that this receiver cannot take part in:
+        another protocol, another bucket size, a bad engine description; or None."""
+        if msg.get("protocol") != PROTOCOL_VERSION:
+            return f"protocol version: sender {msg.get('protocol')!r}, receiver {PROTOCOL_VERSION}"
+        if (bad := engine_problem(msg.get("engine"))) is not None:
+            return bad
+        if msg.get("bucket_bytes") != self.config.bucket_bytes:
+            return (
+                f"bucket size: sender {msg.get('bucket_bytes')} bytes, receiver {self.config.bucket_bytes} bytes "
+                "(update_weights_bucket_megabytes must match)"
+            )
+        return None
+
+    def _refuse(self, problem: str, deadline: Deadline) -> None:
+        """Tell the sender why not, and take its abort off the line."""
+        assert self._channel is not None
+        self._channel.send({"type": "error", "message": problem}, deadline)
+        try:  # the sender answers every refusal with an abort
+            self._channel.recv(deadline, expect="abort")
+        except SyncError:
+            self._reset()
 
     def _holds_base(self, header: DeltaHeader, sink: ModuleSink | None) -> bool:
         """Whether the base of a delta sync is what this receiver holds: the same version,

@@ -118,7 +118,7 @@ class Sender:
         self._acked_plan: dict[int, str] = {}  # receiver rank -> plan hash it holds
         self._base = SenderBase(policy=DeltaPolicy(always=config.delta == "on"))  # the last version sent, its holders
         self._confirmed: set[int] = set()  # receivers that confirmed the last sync
-        self._sending: int | None = None  # the version in transfer, for messages
+        self._doing = ""  # what the session is in, for messages ("the transfer of version 3")
         if issubclass(self.engine_cls, Publisher):
             self._publisher = self.engine_cls(config, self.device, address)
         elif self.rank == 0:  # rank 0 runs the session
@@ -189,7 +189,7 @@ class Sender:
         gone = self._trainers.dead()
         if dead or gone:
             names = ", ".join([self._channels[r].peer for r in dead] + gone)
-            raise PeerLost(f"{names} disconnected during the transfer of version {self._sending}", ranks=dead)
+            raise PeerLost(f"{names} disconnected during {self._doing}", ranks=dead)
 
     def _group_rank(self, rank: int) -> int:
         """A receiver's rank in the data-plane group: its place among the members, after 0."""
@@ -214,6 +214,53 @@ class Sender:
                 else:
                     self._trainers.channels[key[1]] = ch
             self._transport.reset()  # new members: every rank joins a new data-plane group
+
+    def warm_up(self) -> None:
+        """Connect every receiver and form the data plane now, so the first ``send`` pays
+        for neither (rank 0 over a transport; elsewhere ``connect``).
+
+        Every receiver must be waiting for the sender meanwhile: in ``Receiver.warm_up``
+        (an engine's init call: ``VLLMRollout`` does this) or in ``Receiver.receive``. The
+        transport's buffers are sized for a full bucket (a sync sizes them by its plan).
+        With ``paired`` and more than one trainer rank only the connections are made (the
+        other trainer ranks join the data plane in their first ``send``). Raises
+        ``SyncError`` naming the receivers that refused or failed to join.
+        """
+        self.connect()
+        transport = self._transport
+        if self._server is None or transport is None or self._trainers.count:
+            return
+        self._doing = "the warm-up"
+        wildcard = self._server.host in ("", "0.0.0.0", "::")
+        join = Join(
+            version=0, rank=0, world_size=self.num_receivers + 1, senders=1, capacity=self.config.bucket_bytes,
+            name="trainer rank 0", local_host=None if wildcard else self._server.host, watch=self._watch_peers,
+        )
+        outcome = "broken"
+        try:
+            info = {**transport.prepare(join), "world_size": join.world_size, "senders": 1}
+            deadline = Deadline(self.config.timeout_s, "in the warm-up")
+            for rank, ch in self._channels.items():
+                ch.send({"type": "warmup", "protocol": PROTOCOL_VERSION, "bucket_bytes": self.config.bucket_bytes,
+                         "engine": {**info, "rank": self._group_rank(rank)}}, deadline)
+            peers = [(f"receiver rank {r}", r, ch) for r, ch in sorted(self._channels.items())]
+            self._answers(peers, deadline, "refused the warm-up")
+            for _, _, ch in peers:
+                ch.send({"type": "go"}, deadline)
+            transport.connect(join, info)
+            for _, _, ch in peers:
+                ch.recv(deadline, expect="joined")
+            outcome = "ok"
+        except HandshakeError:
+            outcome = "refused"
+            raise
+        except Exception as e:
+            raise self._explain(e, "warm-up") from e
+        finally:
+            transport.finish(ok=outcome != "broken")
+            if outcome == "broken":
+                self._drop_receivers()  # receivers see the failure and reconnect
+        log.info("warmed up: %d receivers joined the %s data plane", self.num_receivers, self.config.backend)
 
     def _drop_receivers(self, ranks: list[int] | None = None) -> None:
         """Close connections to these receivers (None: to every peer, trainers included)."""
@@ -261,7 +308,7 @@ class Sender:
         """
         src = as_source(source, wire_dtype or self.wire_dtype)
         start = time.perf_counter()
-        self._sending = version
+        self._doing = f"the transfer of version {version}"
         if self._publisher is not None and (self.rank == 0 or self._publisher.colocated):
             return self._finish_stats(self._publisher.publish(src, version, self.receivers, force), start)
         if self._transport is None:  # this rank does not send: drain
@@ -347,7 +394,7 @@ class Sender:
                 self._trainers.tell(version, str(e), self.config.timeout_s)
             raise
         except Exception as e:
-            raise self._explain(e, version) from e
+            raise self._explain(e, f"sync of version {version}") from e
         finally:
             if outcome == "ok":
                 self._trainers.tell(version, None, self.config.timeout_s)
@@ -444,14 +491,27 @@ class Sender:
             ch.send(trainer_msg, deadline)
         peers = [(f"receiver rank {r}", r, ch) for r, ch in sorted(self._channels.items())]
         peers += self._trainers.peers()
-        refusals = {}
-        need_dense = []
+        replies = self._answers(peers, deadline, f"refused version {version}")
+        need_dense = [
+            rank for rank, reply in replies
+            if reply.get("dense") is True and header is not None and not header.dense and rank is not None
+        ]
+        for _, _, ch in peers:
+            ch.send({"type": "again" if need_dense else "go"}, deadline)
+        return plans_sent, need_dense
+
+    @staticmethod
+    def _answers(
+        peers: list[tuple[str, int | None, Channel]], deadline: Deadline, refused: str
+    ) -> list[tuple[int | None, dict[str, Any]]]:
+        """Read every peer's ``ready`` (rank and reply, in order). If any answered with an
+        error, tell every peer to abort and raise ``HandshakeError`` naming the refusers."""
+        replies, refusals = [], {}
         for name, rank, ch in peers:
             reply = ch.recv(deadline, expect=("ready", "error"))
             if reply["type"] == "error":
-                refusals[name] = (rank, f"{name} refused version {version}: {reply.get('message')}")
-            elif reply.get("dense") is True and header is not None and not header.dense and rank is not None:
-                need_dense.append(rank)
+                refusals[name] = (rank, f"{name} {refused}: {reply.get('message')}")
+            replies.append((rank, reply))
         if refusals:
             reason = "; ".join(text for _, text in refusals.values())
             for _, _, ch in peers:
@@ -460,9 +520,7 @@ class Sender:
                 except SyncError:
                     pass
             raise HandshakeError(reason, ranks=[r for r, _ in refusals.values() if r is not None])
-        for _, _, ch in peers:
-            ch.send({"type": "again" if need_dense else "go"}, deadline)
-        return plans_sent, need_dense
+        return replies
 
     def _gather_done(self, version: int) -> None:
         deadline = Deadline(self.config.timeout_s, f"waiting for receivers to confirm version {version}")
@@ -483,7 +541,7 @@ class Sender:
         if failures:
             raise RemoteFailure("; ".join(failures.values()), ranks=list(failures))
 
-    def _explain(self, error: Exception, version: int) -> Exception:
+    def _explain(self, error: Exception, what: str) -> Exception:
         """Turn a transport error into one that names the peer(s) that went away."""
         if isinstance(error, SyncError) and error.ranks:
             return error
@@ -497,5 +555,5 @@ class Sender:
             return error
         if dead:  # a peer gone without a word: PeerLost, whichever side noticed first
             names = ", ".join(self._channels[r].peer for r in dead)
-            return PeerLost(f"sync of version {version} failed: {names} disconnected ({error})", ranks=dead)
-        return SyncError(f"sync of version {version} to {self.num_receivers} receiver(s) failed: {error}")
+            return PeerLost(f"{what} failed: {names} disconnected ({error})", ranks=dead)
+        return SyncError(f"{what} to {self.num_receivers} receiver(s) failed: {error}")

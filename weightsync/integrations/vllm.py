@@ -114,19 +114,27 @@ class ReplicaReceiver:
         #: landing memory of received tensors, kept across versions (and receivers)
         self.pool = LandingPool()
 
-    def open(self, address: str, rank: int, overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
-        """Create the receiver (it connects at the first sync). Idempotent for one address/rank.
-        ``overrides`` come from the remote caller: see ``check_remote_overrides``."""
+    def open(self, address: str, rank: int, overrides: list[str] | dict[str, Any], warm_up: bool = False) -> dict[str, Any]:
+        """Create the receiver. Idempotent for one address/rank. ``overrides`` come from the
+        remote caller: see ``check_remote_overrides``.
+
+        ``warm_up``: connect and join the sender's data plane now, while the trainer runs
+        ``Sender.warm_up`` (``VLLMRollout`` does), so the first update pays for neither;
+        otherwise the receiver connects at the first sync."""
         check_remote_overrides(overrides)
         config = (
             EngineConfig.from_dict(overrides) if isinstance(overrides, dict) else EngineConfig.from_overrides(list(overrides))
         )
-        if self.receiver is not None:
-            if (self.receiver.address, self.receiver.rank) == (address, rank):
-                return self.status()
+        if self.receiver is not None and (self.receiver.address, self.receiver.rank) != (address, rank):
             self.receiver.close()
-        self.receiver = Receiver(config, address, rank)
-        self.receiver.state = self.state  # one version state for the weights this worker serves
+            self.receiver = None
+        if self.receiver is None:
+            self.receiver = Receiver(config, address, rank)
+            self.receiver.state = self.state  # one version state for the weights this worker serves
+        if warm_up:
+            t0 = time.perf_counter()
+            self.receiver.warm_up()
+            self.last = {"warm_up_s": time.perf_counter() - t0}
         return self.status()
 
     def close(self) -> None:
@@ -260,9 +268,12 @@ class WeightsyncWorkerExtension:
             state = self._weightsync_state = ReplicaReceiver()
         return state
 
-    def weightsync_init(self, address: str, rank_offset: int, overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
-        """Join the sender at ``address`` as receiver ``rank_offset + this worker's rank``."""
-        return self._weightsync().open(address, rank_offset + int(getattr(self, "rank", 0)), overrides)
+    def weightsync_init(
+        self, address: str, rank_offset: int, overrides: list[str] | dict[str, Any], warm_up: bool = False
+    ) -> dict[str, Any]:
+        """Join the sender at ``address`` as receiver ``rank_offset + this worker's rank``;
+        ``warm_up``: join its data plane now, while the trainer runs ``Sender.warm_up``."""
+        return self._weightsync().open(address, rank_offset + int(getattr(self, "rank", 0)), overrides, warm_up)
 
     def weightsync_receive(self, version: int) -> dict[str, Any]:
         """Receive ``version`` into the running model; return this worker's status."""
@@ -301,11 +312,14 @@ def _engine_classes() -> tuple[type, type, type]:
     @dataclass
     class WeightsyncInitInfo(WeightTransferInitInfo):
         """``init_weight_transfer_engine(init_info={...})``: where the sender listens,
-        this replica's first receiver rank, and weightsync configuration overrides."""
+        this replica's first receiver rank, weightsync configuration overrides, and
+        whether to join the sender's data plane now (the trainer then runs
+        ``Sender.warm_up`` meanwhile)."""
 
         address: str
         rank_offset: int = 0
         overrides: list[str] = field(default_factory=list)
+        warm_up: bool = False
 
     @dataclass
     class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
@@ -330,7 +344,7 @@ def _engine_classes() -> tuple[type, type, type]:
             import torch.distributed as dist
 
             local = dist.get_rank() if dist.is_initialized() else 0  # this worker in its replica
-            self.state.open(init_info.address, init_info.rank_offset + local, init_info.overrides)
+            self.state.open(init_info.address, init_info.rank_offset + local, init_info.overrides, init_info.warm_up)
 
         def start_weight_update(self) -> None:
             pass

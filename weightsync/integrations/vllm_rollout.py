@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -194,15 +194,27 @@ class VLLMRollout:
             self._first_rank[r.name] = rank
             rank += r.workers()
         self.sender = Sender(self.config, address, num_receivers=rank, wire_dtype=wire_dtype)
-        self._pool = ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="weightsync-replica")
+        # A thread per replica's call, and one for the sender's warm-up
+        self._pool = ThreadPoolExecutor(max_workers=len(self.replicas) + 1, thread_name_prefix="weightsync-replica")
         # The secret never travels over vLLM's RPC (and to_flat masks it): each replica takes
         # it from its own WEIGHTSYNC_SECRET, as the trainer should.
         flat = {k: v for k, v in self.config.to_flat().items() if k != "auth_secret"}
         overrides = [f"{k}={'null' if v is None else v}" for k, v in flat.items()]
-        for r in self.replicas:
-            r.call("weightsync_init", self.sender.address, self._first_rank[r.name], overrides,
-                   timeout=self.config.timeout_s)
         self._paused: set[str] = set()
+        # Every worker connects and joins the data plane now, while the sender warms up:
+        # the first update pays for neither.
+        calls = [self._pool.submit(r.call, "weightsync_init", self.sender.address, self._first_rank[r.name],
+                                   overrides, True, timeout=self.config.timeout_s * 2 + 30) for r in self.replicas]
+        calls.append(self._pool.submit(self.sender.warm_up))
+        # The first failure ends the wait (a replica refusing its configuration does not
+        # leave the sender waiting for it until timeout_s).
+        done, pending = wait(calls, timeout=self.config.timeout_s * 2 + 40, return_when=FIRST_EXCEPTION)
+        failed = [f for f in calls if f in done and f.exception() is not None]
+        if failed or pending:
+            self.close()
+            if failed:
+                raise failed[0].exception()  # type: ignore[misc]
+            raise TimeoutError(f"weightsync_init of the replicas did not return within {self.config.timeout_s * 2 + 40:.0f} s")
 
     # ------------------------------------------------------------------ the update
     def update(self, source: Any, version: int, *, mode: PauseMode = "keep",
