@@ -253,8 +253,12 @@ def test_vllm_weight_transfer_registry_backend(setup):
     expected = setup.train()
     config = EngineConfig.from_overrides(OVERRIDES)
     with Sender(config, "127.0.0.1:0", num_receivers=1) as sender:
-        b.collective_rpc("init_weight_transfer_engine",
-                         args=({"address": sender.address, "rank_offset": 0, "overrides": OVERRIDES},))
+        init = threading.Thread(target=b.collective_rpc, args=("init_weight_transfer_engine",), kwargs={
+            "args": ({"address": sender.address, "rank_offset": 0, "overrides": OVERRIDES, "warm_up": True},)})
+        init.start()
+        sender.warm_up()  # the worker joins the data plane in init_weight_transfer_engine
+        init.join(timeout=60)
+        assert sender._transport._generation == 1
         b.collective_rpc("start_weight_update")
         errors: list[BaseException] = []
 
@@ -269,6 +273,7 @@ def test_vllm_weight_transfer_registry_backend(setup):
         stats = sender.send(setup.model, version=100)
         t.join(timeout=60)
         assert not errors and stats.version == 100
+        assert sender._transport._generation == 1  # the update joined no new group
         b.collective_rpc("finish_weight_update")
         b.collective_rpc("shutdown_weight_transfer_engine")
     assert replica_greedy(b, PROMPTS, NEW) == expected
