@@ -255,29 +255,38 @@ def test_what_the_trainer_side_sends_by_default_passes(monkeypatch):
 
 
 class _RecordingReplica:
-    """A replica (``vllm_rollout.Replica``) that records what the trainer side asks of it."""
+    """A replica (``vllm_rollout.Replica``) that records what the trainer side asks of it;
+    its ``weightsync_init`` joins as the vLLM worker extension would (``ReplicaReceiver``,
+    in this process), taking the secret from the environment."""
 
     name = "recording"
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple]] = []
+        self.state = ReplicaReceiver()
 
     def workers(self) -> int:
         return 1
 
     def call(self, method, *args, timeout=None):
         self.calls.append((method, args))
+        if method == "weightsync_init":
+            return [self.state.open(*args)]
         return [{"version": None, "mixed": False}]
 
 
-def test_vllm_rollout_never_sends_the_secret_to_its_replicas():
+def test_vllm_rollout_never_sends_the_secret_to_its_replicas(monkeypatch):
     from weightsync.integrations.vllm_rollout import VLLMRollout
 
+    monkeypatch.setenv(SECRET_ENV, "s3cret-value")  # the replica's own environment
     replica = _RecordingReplica()
     config = EngineConfig.from_overrides(["backend=nccl", "auth_secret=s3cret-value", "timeout_s=5"])
-    with VLLMRollout([replica], config):
-        pass
-    (method, (address, first_rank, overrides)), *_ = replica.calls
-    assert method == "weightsync_init" and first_rank == 0
+    try:
+        with VLLMRollout([replica], config):
+            assert replica.state.status()["warm_up_s"] > 0  # it joined with the secret of its environment
+    finally:
+        replica.state.close()
+    (method, (address, first_rank, overrides, warm_up)), *_ = replica.calls
+    assert method == "weightsync_init" and first_rank == 0 and warm_up is True
     assert not any(o.startswith("auth_secret=") for o in overrides), overrides  # not "<set>", not the secret
     assert "backend=nccl" in overrides

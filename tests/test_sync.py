@@ -224,7 +224,7 @@ def test_warm_up_forms_the_data_plane_that_the_syncs_then_use(backend):
     """``Sender.warm_up`` connects every receiver and forms the data plane before the first
     version; a receiver takes part from ``Receiver.warm_up`` (an engine's init call) or
     while it waits in ``receive``. The syncs then reuse that data plane (no new group,
-    ring or chain), bit-exact."""
+    ring or chain), bit-exact. Warmed up with the source, the buffers fit its plan."""
     q = CTX.Queue()
     overrides = base(backend)
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
@@ -232,7 +232,7 @@ def test_warm_up_forms_the_data_plane_that_the_syncs_then_use(backend):
         procs = [start(workers.run_receiver, sender.address, r, overrides, [1, 2], q, None, False, False, None, None, r == 0)
                  for r in range(2)]
         try:
-            sender.warm_up()
+            sender.warm_up(workers.make_weights(1))
             assert q.get(timeout=60) == (0, "warm")
             assert sender._transport._generation == 1  # formed by the warm-up
             for v in (1, 2):

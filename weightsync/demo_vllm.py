@@ -173,7 +173,7 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
     for col in ("version", "MB", "pause s", "sync s", "resume s", "GB/s", *[r.name for r in replicas]):
         table.add_column(col, justify="right")
     reports = []
-    with VLLMRollout(replicas, config, address=opts.address) as rollout:
+    with VLLMRollout(replicas, config, address=opts.address, model=model) as rollout:
         before = [replica_greedy(llm, PROMPTS, opts.new_tokens) for llm in llms]
         for step in range(1, opts.steps + 1):
             target = torch.randint(0, vocab, (opts.new_tokens,), generator=gen).tolist()

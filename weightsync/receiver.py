@@ -151,6 +151,9 @@ class Receiver:
         assert transport is not None
         deadline = Deadline(self.config.timeout_s, "in the warm-up")
         problem = self._session_problem(msg)
+        size = msg.get("capacity")
+        if problem is None and (not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= self.config.bucket_bytes):
+            problem = f"capacity {size!r:.40}: expected a byte count from 1 to the bucket size ({self.config.bucket_bytes})"
         if problem is not None:
             self._refuse(problem, deadline)
             raise HandshakeError(f"receiver rank {self.rank} refused the warm-up: {problem}")
@@ -159,8 +162,8 @@ class Receiver:
         info = msg["engine"]
         ok = False
         try:
-            transport.connect(self._join(ch, 0, info, self.config.bucket_bytes), info)
-            ch.send({"type": "joined"}, deadline)
+            transport.connect(self._join(ch, 0, info, size), info)  # its own deadline: timeout_s
+            ch.send({"type": "joined"}, Deadline(self.config.timeout_s, "confirming the warm-up"))
             ok = True
         except SyncError:
             raise

@@ -215,25 +215,28 @@ class Sender:
                     self._trainers.channels[key[1]] = ch
             self._transport.reset()  # new members: every rank joins a new data-plane group
 
-    def warm_up(self) -> None:
+    def warm_up(self, source: Any = None) -> None:
         """Connect every receiver and form the data plane now, so the first ``send`` pays
         for neither (rank 0 over a transport; elsewhere ``connect``).
 
         Every receiver must be waiting for the sender meanwhile: in ``Receiver.warm_up``
-        (an engine's init call: ``VLLMRollout`` does this) or in ``Receiver.receive``. The
-        transport's buffers are sized for a full bucket (a sync sizes them by its plan).
-        With ``paired`` and more than one trainer rank only the connections are made (the
-        other trainer ranks join the data plane in their first ``send``). Raises
-        ``SyncError`` naming the receivers that refused or failed to join.
+        (an engine's init call: ``VLLMRollout`` does this) or in ``Receiver.receive``.
+        ``source``: what ``send`` will send (a module, a state dict); the transport's
+        buffers are then sized by its plan, as a sync would size them (without one: for a
+        full bucket). With ``paired`` and more than one trainer rank only the connections
+        are made (the other trainer ranks join the data plane in their first ``send``).
+        Raises ``SyncError`` naming the receivers that refused or failed to join.
         """
         self.connect()
         transport = self._transport
         if self._server is None or transport is None or self._trainers.count:
             return
         self._doing = "the warm-up"
+        specs = as_source(source, self.wire_dtype).specs() if source is not None else None
+        size = capacity(make_plan(specs, self.config.bucket_bytes) if specs is not None else None, self.config.bucket_bytes)
         wildcard = self._server.host in ("", "0.0.0.0", "::")
         join = Join(
-            version=0, rank=0, world_size=self.num_receivers + 1, senders=1, capacity=self.config.bucket_bytes,
+            version=0, rank=0, world_size=self.num_receivers + 1, senders=1, capacity=size,
             name="trainer rank 0", local_host=None if wildcard else self._server.host, watch=self._watch_peers,
         )
         outcome = "broken"
@@ -242,14 +245,15 @@ class Sender:
             deadline = Deadline(self.config.timeout_s, "in the warm-up")
             for rank, ch in self._channels.items():
                 ch.send({"type": "warmup", "protocol": PROTOCOL_VERSION, "bucket_bytes": self.config.bucket_bytes,
-                         "engine": {**info, "rank": self._group_rank(rank)}}, deadline)
+                         "capacity": size, "engine": {**info, "rank": self._group_rank(rank)}}, deadline)
             peers = [(f"receiver rank {r}", r, ch) for r, ch in sorted(self._channels.items())]
             self._answers(peers, deadline, "refused the warm-up")
             for _, _, ch in peers:
                 ch.send({"type": "go"}, deadline)
-            transport.connect(join, info)
+            transport.connect(join, info)  # its own deadline: timeout_s
+            joined = Deadline(self.config.timeout_s, "waiting for receivers to confirm the warm-up")
             for _, _, ch in peers:
-                ch.recv(deadline, expect="joined")
+                ch.recv(joined, expect="joined")
             outcome = "ok"
         except HandshakeError:
             outcome = "refused"

@@ -109,7 +109,7 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
         rows: list[dict[str, Any]] = []
         for backend in opts.backends:
             overrides = [f"backend={backend}", f"update_weights_bucket_megabytes={opts.bucket_mb}", *opts.overrides]
-            rollout = VLLMRollout(replicas, overrides)
+            rollout = VLLMRollout(replicas, overrides, model=model)
             try:
                 pids = [r.call("weightsync_status")[0]["pid"] for r in replicas]
                 updates: list[dict[str, Any]] = []

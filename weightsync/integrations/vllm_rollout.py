@@ -174,10 +174,18 @@ class VLLMRollout:
         address: where the sender listens (``host:port``; port 0 picks a free one).
         wire_dtype: cast floating weights to this dtype for the wire (e.g. bf16 replicas
             fed from fp32 master weights).
+        model: the trainer's weights as ``update`` will get them (an ``nn.Module`` or a
+            state dict; only their names, shapes and dtypes are read). The data plane that
+            every worker joins here gets buffers sized by them, as a sync would size them;
+            without it, buffers for a full bucket.
+
+    Creating it connects every worker and forms the data plane (``weightsync_init`` with
+    ``warm_up`` while the sender runs ``Sender.warm_up``), so the first update pays for
+    neither.
     """
 
     def __init__(self, replicas: list[Replica], config: EngineConfig | list[str], *,
-                 address: str = "127.0.0.1:0", wire_dtype: Any = None) -> None:
+                 address: str = "127.0.0.1:0", wire_dtype: Any = None, model: Any = None) -> None:
         if not replicas:
             raise ValueError("VLLMRollout needs at least one replica")
         names = [r.name for r in replicas]
@@ -205,7 +213,7 @@ class VLLMRollout:
         # the first update pays for neither.
         calls = [self._pool.submit(r.call, "weightsync_init", self.sender.address, self._first_rank[r.name],
                                    overrides, True, timeout=self.config.timeout_s * 2 + 30) for r in self.replicas]
-        calls.append(self._pool.submit(self.sender.warm_up))
+        calls.append(self._pool.submit(self.sender.warm_up, model))
         # The first failure ends the wait (a replica refusing its configuration does not
         # leave the sender waiting for it until timeout_s).
         done, pending = wait(calls, timeout=self.config.timeout_s * 2 + 40, return_when=FIRST_EXCEPTION)
