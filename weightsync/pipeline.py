@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from weightsync.plan import Assembler, Bucket, TensorSpec
+from weightsync.plan import Assembler, Bucket, Plan, TensorSpec
 from weightsync.session import HandshakeError, SyncTimeout
 
 log = logging.getLogger("weightsync.pipeline")
@@ -108,6 +108,30 @@ class LandingPool:
             entry[1] = self._generation
             return entry[0][:nbytes]
 
+    def reserve(self, plan: Plan, in_flight_bytes: int, device: torch.device | None = None) -> int:
+        """Allocate now the landing memory a first version of ``plan`` needs, so it does
+        not fault fresh memory in mid transfer; returns the bytes allocated.
+
+        Replays where the plan's buckets land (``landing_sizes``), each buffer held while
+        the next ones land, up to what the pipeline holds at once when the loader keeps
+        pace: ``in_flight_bytes`` queued for the loader, the tensor it loads, the one the
+        receiving thread is handing over and the bucket landed ahead of it. Buffers the pool
+        holds already are reused by the same rule as in a sync; new ones are zeroed (their
+        pages are in). Reserved buffers no version uses are freed by ``trim`` after two
+        versions."""
+        limit = in_flight_bytes + (2 + LANDED_AHEAD) * plan.bucket_bytes
+        before = self.allocated_bytes
+        held: collections.deque[torch.Tensor] = collections.deque()  # what the loader would hold
+        held_bytes = 0
+        for size in landing_sizes(plan):
+            view = self.acquire(size, device)
+            view.zero_()
+            held.append(view)
+            held_bytes += size
+            while held_bytes > limit and len(held) > 1:
+                held_bytes -= held.popleft().numel()
+        return self.allocated_bytes - before
+
     def next_version(self) -> None:
         with self._lock:
             self._generation += 1
@@ -132,6 +156,27 @@ class LandingPool:
     def assembler(self, specs: Sequence[TensorSpec], device: torch.device) -> PooledAssembler:
         """For ``Receiver.receive(landing=pool)``."""
         return PooledAssembler(specs, device, self)
+
+
+def landing_sizes(plan: Plan) -> list[int]:
+    """The pool buffer each bucket of ``plan`` lands in (``PooledAssembler``), by size, in
+    plan order: a bucket that is one range of one tensor lands in that tensor's buffer
+    (where a tensor is split over buckets, its whole size, once), a packed bucket in a
+    buffer of its own size."""
+    sizes: list[int] = []
+    seen: set[int] = set()
+    for bucket in plan.buckets:
+        first = bucket.pieces[0] if bucket.pieces else None
+        if len(bucket.pieces) == 1 and first is not None and first.bucket_offset == 0 and first.length:
+            if first.tensor in seen:
+                continue
+            seen.add(first.tensor)
+            size = plan.tensors[first.tensor].nbytes
+        else:
+            size = bucket.nbytes
+        if size:
+            sizes.append(size)
+    return sizes
 
 
 class PooledAssembler(Assembler):
@@ -346,4 +391,4 @@ def receive_into(
     return result
 
 
-__all__ = ["HandshakeError", "LandingPool", "PipelineResult", "PooledAssembler", "receive_into"]
+__all__ = ["HandshakeError", "LandingPool", "PipelineResult", "PooledAssembler", "landing_sizes", "receive_into"]

@@ -107,6 +107,11 @@ class Receiver:
         return self.state.version
 
     @property
+    def plan(self) -> Plan | None:
+        """The plan last agreed with the sender (in a sync, or sent in its warm-up)."""
+        return self._plan
+
+    @property
     def failed_version(self) -> int | None:
         return self.state.failed_version
 
@@ -152,8 +157,14 @@ class Receiver:
         deadline = Deadline(self.config.timeout_s, "in the warm-up")
         problem = self._session_problem(msg)
         size = msg.get("capacity")
+        plan: Plan | None = None
         if problem is None and (not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= self.config.bucket_bytes):
             problem = f"capacity {size!r:.40}: expected a byte count from 1 to the bucket size ({self.config.bucket_bytes})"
+        if problem is None and "plan" in msg:  # what the first sync will send (its hash, then)
+            try:
+                plan = self._wire_plan(msg)
+            except (ValueError, TypeError, KeyError) as e:
+                problem = str(e)
         if problem is not None:
             self._refuse(problem, deadline)
             raise HandshakeError(f"receiver rank {self.rank} refused the warm-up: {problem}")
@@ -165,6 +176,8 @@ class Receiver:
             transport.connect(self._join(ch, 0, info, size), info)  # its own deadline: timeout_s
             ch.send({"type": "joined"}, Deadline(self.config.timeout_s, "confirming the warm-up"))
             ok = True
+            if plan is not None:
+                self._plan = plan
         except SyncError:
             raise
         except Exception as e:
@@ -551,11 +564,7 @@ class Receiver:
                 problem = f"verify: sender {msg.get('verify')!r}, receiver {self.config.verify!r} (set the same value on both sides)"
             elif msg.get("plan_hash") is not None:
                 if "plan" in msg:
-                    plan = Plan.from_wire(
-                        msg["plan"], bucket_bytes=self.config.bucket_bytes, max_tensor_bytes=self.max_tensor_bytes
-                    )
-                    if plan.hash != msg["plan_hash"]:
-                        problem = f"plan hash: sender {msg['plan_hash']}, receiver computed {plan.hash}"
+                    plan = self._wire_plan(msg)
                 elif self._plan is not None and self._plan.hash == msg["plan_hash"]:
                     plan = self._plan
                 else:
@@ -578,6 +587,14 @@ class Receiver:
         # A delta sync without a dense section is offered again with one if we lack its base.
         self._channel.send({"type": "ready", "dense": header is not None and not holds}, deadline)
         return v, plan, header, holds
+
+    def _wire_plan(self, msg: dict[str, Any]) -> Plan:
+        """The plan a sync or warm-up message carries, checked (sizes, its hash); raises
+        ValueError saying what is wrong with it."""
+        plan = Plan.from_wire(msg["plan"], bucket_bytes=self.config.bucket_bytes, max_tensor_bytes=self.max_tensor_bytes)
+        if plan.hash != msg.get("plan_hash"):
+            raise ValueError(f"plan hash: sender {msg.get('plan_hash')}, receiver computed {plan.hash}")
+        return plan
 
     def _session_problem(self, msg: dict[str, Any]) -> str | None:
         """What a sync or warm-up message says that this receiver cannot take part in:

@@ -233,7 +233,8 @@ class Sender:
             return
         self._doing = "the warm-up"
         specs = as_source(source, self.wire_dtype).specs() if source is not None else None
-        size = capacity(make_plan(specs, self.config.bucket_bytes) if specs is not None else None, self.config.bucket_bytes)
+        plan = make_plan(specs, self.config.bucket_bytes) if specs is not None else None
+        size = capacity(plan, self.config.bucket_bytes)
         wildcard = self._server.host in ("", "0.0.0.0", "::")
         join = Join(
             version=0, rank=0, world_size=self.num_receivers + 1, senders=1, capacity=size,
@@ -243,9 +244,12 @@ class Sender:
         try:
             info = {**transport.prepare(join), "world_size": join.world_size, "senders": 1}
             deadline = Deadline(self.config.timeout_s, "in the warm-up")
+            msg: dict[str, Any] = {"type": "warmup", "protocol": PROTOCOL_VERSION,
+                                   "bucket_bytes": self.config.bucket_bytes, "capacity": size}
+            if plan is not None:  # receivers may prepare for it (landing memory); the first sync sends its hash
+                msg |= {"plan": plan.to_wire(), "plan_hash": plan.hash}
             for rank, ch in self._channels.items():
-                ch.send({"type": "warmup", "protocol": PROTOCOL_VERSION, "bucket_bytes": self.config.bucket_bytes,
-                         "capacity": size, "engine": {**info, "rank": self._group_rank(rank)}}, deadline)
+                ch.send({**msg, "engine": {**info, "rank": self._group_rank(rank)}}, deadline)
             peers = [(f"receiver rank {r}", r, ch) for r, ch in sorted(self._channels.items())]
             self._answers(peers, deadline, "refused the warm-up")
             for _, _, ch in peers:
@@ -255,6 +259,8 @@ class Sender:
             for _, _, ch in peers:
                 ch.recv(joined, expect="joined")
             outcome = "ok"
+            if plan is not None:
+                self._acked_plan = {r: plan.hash for r in self._channels}
         except HandshakeError:
             outcome = "refused"
             raise

@@ -134,7 +134,12 @@ class ReplicaReceiver:
         if warm_up:
             t0 = time.perf_counter()
             self.receiver.warm_up()
-            self.last = {"warm_up_s": time.perf_counter() - t0}
+            plan = self.receiver.plan  # sent by a sender warmed up with the model
+            reserved = 0
+            if plan is not None:  # the first version's landing memory, faulted in now
+                cfg = self.receiver.config
+                reserved = self.pool.reserve(plan, cfg.receive_buckets_in_flight * cfg.bucket_bytes, self.receiver.device)
+            self.last = {"warm_up_s": time.perf_counter() - t0, "landing_reserved_bytes": reserved}
         return self.status()
 
     def close(self) -> None:
