@@ -119,17 +119,16 @@ class LandingPool:
         holds already are reused by the same rule as in a sync; new ones are zeroed (their
         pages are in). Reserved buffers no version uses are freed by ``trim`` after two
         versions."""
-        limit = in_flight_bytes + (2 + LANDED_AHEAD) * plan.bucket_bytes
+        newest = 2 + LANDED_AHEAD  # buffers beyond the queue: loading, being handed over, landed ahead
         before = self.allocated_bytes
-        held: collections.deque[torch.Tensor] = collections.deque()  # what the loader would hold
-        held_bytes = 0
+        held: collections.deque[torch.Tensor] = collections.deque()  # oldest first
         for size in landing_sizes(plan):
             view = self.acquire(size, device)
             view.zero_()
             held.append(view)
-            held_bytes += size
-            while held_bytes > limit and len(held) > 1:
-                held_bytes -= held.popleft().numel()
+            # the queue holds at least one buffer, and older ones only within in_flight_bytes
+            while len(held) > newest + 1 and sum(t.numel() for t in list(held)[:-newest]) > in_flight_bytes:
+                held.popleft()
         return self.allocated_bytes - before
 
     def next_version(self) -> None:
