@@ -46,12 +46,17 @@ def test_every_replica_gets_every_tensor_bit_exact(trainers, receivers):
     q = CTX.Queue()
     overrides = BASE + ["verify=crc32"]
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", receivers, rank=0, num_trainers=trainers) as sender:
-        procs = [start(workers.run_receiver, sender.address, r, overrides, versions, q) for r in range(receivers)]
+        # receiver 0 warms up explicitly (an engine's init), the others wait in receive()
+        procs = [start(workers.run_receiver, sender.address, r, overrides, versions, q, None, False, False, None, None,
+                       r == 0) for r in range(receivers)]
         procs += [
             start(workers.run_paired_trainer, sender.address, i, trainers, overrides, receivers, versions, q)
             for i in range(1, trainers)
         ]
         try:
+            # with several trainer ranks: connections only (they join the data plane in their first send)
+            sender.warm_up(workers.make_weights(1))
+            assert q.get(timeout=60) == (0, "warm")
             links = None
             for v in versions:
                 stats = sender.send(workers.make_weights(v), version=v)

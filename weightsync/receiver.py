@@ -155,6 +155,9 @@ class Receiver:
         transport = self._transport
         assert transport is not None
         deadline = Deadline(self.config.timeout_s, "in the warm-up")
+        if msg.get("engine") is None and msg.get("protocol") == PROTOCOL_VERSION:
+            ch.send({"type": "joined"}, deadline)  # connections only: the data plane forms in the first sync
+            return
         problem = self._session_problem(msg)
         size = msg.get("capacity")
         plan: Plan | None = None

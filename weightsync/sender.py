@@ -229,9 +229,20 @@ class Sender:
         """
         self.connect()
         transport = self._transport
-        if self._server is None or transport is None or self._trainers.count:
+        if self._server is None or transport is None:
             return
         self._doing = "the warm-up"
+        if self._trainers.count:  # connections only; receivers waiting in their warm-up are told so
+            deadline = Deadline(self.config.timeout_s, "in the warm-up")
+            try:
+                for ch in self._channels.values():
+                    ch.send({"type": "warmup", "protocol": PROTOCOL_VERSION, "engine": None}, deadline)
+                for ch in self._channels.values():
+                    ch.recv(deadline, expect="joined")
+            except Exception as e:
+                self._drop_receivers()
+                raise self._explain(e, "warm-up") from e
+            return
         specs = as_source(source, self.wire_dtype).specs() if source is not None else None
         plan = make_plan(specs, self.config.bucket_bytes) if specs is not None else None
         size = capacity(plan, self.config.bucket_bytes)
