@@ -232,16 +232,8 @@ class Sender:
         if self._server is None or transport is None:
             return
         self._doing = "the warm-up"
-        if self._trainers.count:  # connections only; receivers waiting in their warm-up are told so
-            deadline = Deadline(self.config.timeout_s, "in the warm-up")
-            try:
-                for ch in self._channels.values():
-                    ch.send({"type": "warmup", "protocol": PROTOCOL_VERSION, "engine": None}, deadline)
-                for ch in self._channels.values():
-                    ch.recv(deadline, expect="joined")
-            except Exception as e:
-                self._drop_receivers()
-                raise self._explain(e, "warm-up") from e
+        if self._trainers.count:
+            self._warm_connections_only()
             return
         specs = as_source(source, self.wire_dtype).specs() if source is not None else None
         plan = make_plan(specs, self.config.bucket_bytes) if specs is not None else None
@@ -282,6 +274,19 @@ class Sender:
             if outcome == "broken":
                 self._drop_receivers()  # receivers see the failure and reconnect
         log.info("warmed up: %d receivers joined the %s data plane", self.num_receivers, self.config.backend)
+
+    def _warm_connections_only(self) -> None:
+        """Tell the receivers that this warm-up makes no data plane (other trainer ranks
+        join it in their first ``send``), so those waiting in ``Receiver.warm_up`` return."""
+        deadline = Deadline(self.config.timeout_s, "in the warm-up")
+        try:
+            for ch in self._channels.values():
+                ch.send({"type": "warmup", "protocol": PROTOCOL_VERSION, "engine": None}, deadline)
+            for ch in self._channels.values():
+                ch.recv(deadline, expect="joined")
+        except Exception as e:
+            self._drop_receivers()
+            raise self._explain(e, "warm-up") from e
 
     def _drop_receivers(self, ranks: list[int] | None = None) -> None:
         """Close connections to these receivers (None: to every peer, trainers included)."""
