@@ -266,6 +266,24 @@ def test_warm_up_refused_names_the_receiver_and_the_others_go_on_to_the_sync():
             stop(procs)
 
 
+def test_receiver_dying_in_the_warm_up_fails_it_naming_the_receiver_and_the_others_go_on():
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(BASE), "127.0.0.1:0", 2) as sender:
+        procs = [start(workers.run_receiver, sender.address, 0, BASE, [1], q),
+                 start(workers.run_dying_in_warm_up, sender.address, 1, BASE)]
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(SyncError, match="receiver rank 1") as info:
+                sender.warm_up()
+            assert info.value.ranks == [1] and time.monotonic() - t0 < 30
+            sender.remove_receiver(1)
+            sender.send(workers.make_weights(1), version=1)  # rank 0 waited on for the sync
+            rank, version, got, held = q.get(timeout=60)
+            assert (rank, version, held) == (0, 1, 1) and got == workers.expected_digests(1)
+        finally:
+            stop(procs)
+
+
 @pytest.mark.parametrize("backend", TRANSPORTS)
 def test_failed_load_keeps_the_old_version_and_the_next_sync_succeeds(backend):
     q = CTX.Queue()

@@ -92,6 +92,13 @@ def run_receiver(address, rank, overrides, versions, queue, die_after_tensors=No
             receiver.close()
 
 
+def run_dying_in_warm_up(address, rank, overrides):
+    """A receiver whose process dies the moment the sender's warm-up reaches it."""
+    receiver = Receiver(EngineConfig.from_overrides(overrides), address, rank)
+    receiver._warm = lambda ch, msg: os._exit(9)  # a crash at that point of the protocol
+    receiver.warm_up()
+
+
 class Small(torch.nn.Module):
     def __init__(self, seed: int):
         super().__init__()
