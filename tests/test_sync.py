@@ -245,39 +245,29 @@ def test_warm_up_forms_the_data_plane_that_the_syncs_then_use(backend):
             stop(procs)
 
 
-def test_warm_up_refused_names_the_receiver_and_the_others_go_on_to_the_sync():
-    q = CTX.Queue()
-    other = ["backend=nccl", "update_weights_bucket_megabytes=2", "timeout_s=60"]
-    with Sender(EngineConfig.from_overrides(BASE), "127.0.0.1:0", 2) as sender:
-        procs = [start(workers.run_receiver, sender.address, 0, BASE, [1], q),
-                 start(workers.run_receiver, sender.address, 1, other, [1], q, None, False, False, None, None, True)]
-        try:
-            with pytest.raises(HandshakeError, match="receiver rank 1 refused the warm-up: bucket size: sender 1048576 "
-                                                     "bytes, receiver 2097152 bytes") as info:
-                sender.warm_up()
-            assert info.value.ranks == [1]
-            rank, status, message, _ = q.get(timeout=30)
-            assert (rank, status) == (1, "error") and "bucket size" in message
-            sender.remove_receiver(1)
-            sender.send(workers.make_weights(1), version=1)  # rank 0 waited on for the sync
-            rank, version, got, held = q.get(timeout=60)
-            assert (rank, version, held) == (0, 1, 1) and got == workers.expected_digests(1)
-        finally:
-            stop(procs)
-
-
-def test_receiver_dying_in_the_warm_up_fails_it_naming_the_receiver_and_the_others_go_on():
+@pytest.mark.parametrize("fault", ["refuses", "dies"])
+def test_a_receiver_refusing_or_dying_in_the_warm_up_is_named_and_the_other_takes_the_sync(fault):
+    """Receiver 1 refuses the warm-up (another bucket size) or its process dies when the
+    warm-up reaches it: the sender's warm-up fails naming it; receiver 0, waiting in
+    receive(), takes the next sync once receiver 1 is removed."""
     q = CTX.Queue()
     with Sender(EngineConfig.from_overrides(BASE), "127.0.0.1:0", 2) as sender:
-        procs = [start(workers.run_receiver, sender.address, 0, BASE, [1], q),
-                 start(workers.run_dying_in_warm_up, sender.address, 1, BASE)]
+        other = ["backend=nccl", "update_weights_bucket_megabytes=2", "timeout_s=60"]
+        second = (start(workers.run_receiver, sender.address, 1, other, [1], q, None, False, False, None, None, True)
+                  if fault == "refuses" else start(workers.run_dying_in_warm_up, sender.address, 1, BASE))
+        procs = [start(workers.run_receiver, sender.address, 0, BASE, [1], q), second]
         try:
             t0 = time.monotonic()
-            with pytest.raises(SyncError, match="receiver rank 1") as info:
+            expected = (HandshakeError, "receiver rank 1 refused the warm-up: bucket size: sender 1048576 bytes, "
+                                        "receiver 2097152 bytes") if fault == "refuses" else (SyncError, "receiver rank 1")
+            with pytest.raises(expected[0], match=expected[1]) as info:
                 sender.warm_up()
             assert info.value.ranks == [1] and time.monotonic() - t0 < 30
+            if fault == "refuses":
+                rank, status, message, _ = q.get(timeout=30)
+                assert (rank, status) == (1, "error") and "bucket size" in message
             sender.remove_receiver(1)
-            sender.send(workers.make_weights(1), version=1)  # rank 0 waited on for the sync
+            sender.send(workers.make_weights(1), version=1)
             rank, version, got, held = q.get(timeout=60)
             assert (rank, version, held) == (0, 1, 1) and got == workers.expected_digests(1)
         finally:
