@@ -121,14 +121,21 @@ class LandingPool:
         versions."""
         newest = 2 + LANDED_AHEAD  # buffers beyond the queue: loading, being handed over, landed ahead
         before = self.allocated_bytes
-        held: collections.deque[torch.Tensor] = collections.deque()  # oldest first
+        queued: collections.deque[torch.Tensor] = collections.deque()  # oldest first
+        queued_bytes = 0
+        recent: collections.deque[torch.Tensor] = collections.deque(maxlen=newest)
         for size in landing_sizes(plan):
+            allocations = self.allocations
             view = self.acquire(size, device)
-            view.zero_()
-            held.append(view)
+            if self.allocations != allocations:
+                view.zero_()  # a new buffer: its pages are in now, not mid-transfer
+            if len(recent) == newest:  # the oldest of the newest moves on to the queue
+                queued.append(recent[0])
+                queued_bytes += recent[0].numel()
+            recent.append(view)
             # the queue holds at least one buffer, and older ones only within in_flight_bytes
-            while len(held) > newest + 1 and sum(t.numel() for t in list(held)[:-newest]) > in_flight_bytes:
-                held.popleft()
+            while len(queued) > 1 and queued_bytes > in_flight_bytes:
+                queued_bytes -= queued.popleft().numel()
         return self.allocated_bytes - before
 
     def next_version(self) -> None:

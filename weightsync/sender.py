@@ -238,11 +238,7 @@ class Sender:
         specs = as_source(source, self.wire_dtype).specs() if source is not None else None
         plan = make_plan(specs, self.config.bucket_bytes) if specs is not None else None
         size = capacity(plan, self.config.bucket_bytes)
-        wildcard = self._server.host in ("", "0.0.0.0", "::")
-        join = Join(
-            version=0, rank=0, world_size=self.num_receivers + 1, senders=1, capacity=size,
-            name="trainer rank 0", local_host=None if wildcard else self._server.host, watch=self._watch_peers,
-        )
+        join = self._join(0, 1, size)
         outcome = "broken"
         try:
             info = {**transport.prepare(join), "world_size": join.world_size, "senders": 1}
@@ -274,6 +270,17 @@ class Sender:
             if outcome == "broken":
                 self._drop_receivers()  # receivers see the failure and reconnect
         log.info("warmed up: %d receivers joined the %s data plane", self.num_receivers, self.config.backend)
+
+    def _join(self, version: int, senders: int, capacity_bytes: int) -> Join:
+        """Trainer rank 0's ``Join`` record: the host of the data plane, on the control
+        socket's interface (any, where that listens on a wildcard)."""
+        assert self._server is not None
+        wildcard = self._server.host in ("", "0.0.0.0", "::")
+        return Join(
+            version=version, rank=0, world_size=self.num_receivers + senders, senders=senders,
+            capacity=capacity_bytes, name="trainer rank 0", local_host=None if wildcard else self._server.host,
+            watch=self._watch_peers,
+        )
 
     def _warm_connections_only(self) -> None:
         """Tell the receivers that this warm-up makes no data plane (other trainer ranks
@@ -370,12 +377,7 @@ class Sender:
                 plan = make_plan(src.specs() or [], self.config.bucket_bytes)
                 stats.density, stats.delta_base = encoding.density, encoding.header.base_version
         senders = self._trainers.count + 1
-        wildcard = self._server.host in ("", "0.0.0.0", "::")
-        join = Join(
-            version=version, rank=0, world_size=self.num_receivers + senders, senders=senders,
-            capacity=capacity(plan, self.config.bucket_bytes), name="trainer rank 0",
-            local_host=None if wildcard else self._server.host, watch=self._watch_peers,
-        )
+        join = self._join(version, senders, capacity(plan, self.config.bucket_bytes))
         # "broken": the transport or a peer failed mid-protocol, so connections and group
         # are in an unknown state and are rebuilt; "refused": a receiver refused or failed
         # cleanly, everyone is between syncs and the connections stay.
