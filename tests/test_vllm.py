@@ -172,6 +172,22 @@ def test_a_new_rollout_warms_every_worker_up_at_init_and_its_first_update_reuses
     assert time.monotonic() - t0 < TIMEOUT_S
 
 
+def test_a_rollout_with_an_initial_version_serves_the_model_when_constructed(setup):
+    """initial_version: the constructor syncs the trainer's weights (changed since the
+    replicas' last update) as that version; every replica serves it, greedy parity."""
+    expected = setup.train()
+    setup.version += 1
+    setup.rollout.close()
+    setup.rollout = VLLMRollout(setup.replicas, OVERRIDES, model=setup.model, initial_version=setup.version)
+    report = setup.rollout.initial_report
+    assert report is not None and report.ok and report.stats.bytes > 0, report
+    assert [(r.version, r.ok) for r in setup.rollout.status()] == [(setup.version, True)] * 2
+    for llm in setup.llms:
+        assert replica_greedy(llm, PROMPTS, NEW) == expected
+    with pytest.raises(ValueError, match="initial_version needs model"):
+        VLLMRollout(setup.replicas, OVERRIDES, initial_version=setup.version + 1)
+
+
 def test_delta_sync_reaches_both_replicas_with_greedy_parity(setup):
     """delta=on through real vLLM workers (each keeps a base copy and streams full tensors
     into vLLM's reload): versions after the first go relative, outputs match the trainer.

@@ -100,6 +100,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="how versions differ: every tensor a little (bump, default), or an AdamW step of fp32 "
                         "masters sent in the model dtype, with rows for delta off, auto and on per backend (adamw)")
     p.add_argument("--lr", type=float, default=1e-6, help="learning rate of --update adamw (default: 1e-6)")
+    p.add_argument("--no-initial-sync", dest="initial_sync", action="store_false",
+                   help="--rollout vllm: no sync at each rollout's construction (VLLMRollout initial_version), so "
+                        "the first update pays vLLM's first reload on fresh replicas")
     p.add_argument("--no-alternatives", dest="alternatives", action="store_false",
                    help="measure only weightsync's backends (no per-tensor, disk or ceiling rows)")
     p.add_argument("--work-dir", metavar="DIR", help="where the disk path writes (default: the temp dir)")
@@ -226,6 +229,7 @@ def _vllm_bench_command(args: argparse.Namespace) -> int:
     opts = VLLMBenchOptions(
         backends=args.backend, model=args.model, size_mb=args.size_mb or 392, replicas=args.receivers or 2,
         bucket_mb=args.bucket_mb[0], repeats=args.repeats, overrides=args.overrides, work_dir=args.work_dir,
+        initial_sync=args.initial_sync,
     )
     try:
         result = run_vllm_bench(opts, lambda text: print(text, file=sys.stderr, flush=True))
@@ -240,7 +244,8 @@ def _vllm_bench_command(args: argparse.Namespace) -> int:
         for r in result["rows"]:
             print(f"  {r['backend']:>8} {r['bucket_mb']} MiB: update {r['seconds']:.3f} s (first {r['first_s']:.3f} s; "
                   f"pause {r['pause_s']:.3f}, sync {r['sync_s']:.3f}, resume {r['resume_s']:.3f}; worker load "
-                  f"{r['worker_load_s']:.3f}); x disk reload {r['ratio_to_disk_reload']:.2f}, x save+reload "
+                  f"{r['worker_load_s']:.3f}); disk reload {r['disk_reload_s']:.3f} s, save {r['save_s']:.3f} s; "
+                  f"x disk reload {r['ratio_to_disk_reload']:.2f}, x save+reload "
                   f"{r['ratio_to_save_reload']:.2f}; landing {r['landing_mb']:.0f} MiB, RSS growth {r['rss_growth_mb']:.0f} MB")
         print(f"greedy output matches the trainer: {result['greedy_matches_trainer']}")
     return 0 if all(result["greedy_matches_trainer"].values()) else 1

@@ -1,12 +1,14 @@
 """``weightsync bench --rollout vllm``: a weightsync update of real vLLM replicas against
 the replicas reloading the same weights from disk, in one run.
 
-The replicas start once. For every backend: a warm-up update, then ``repeats`` timed
-updates (the trainer's weights change before each); the row's figure is the median. The
-alternatives are measured on the same replicas and weights: the trainer's save
-(``safetensors.torch.save_file``) and every replica's ``reload_weights(weights_path=...)``
-at once. After the last update every replica's greedy output is checked against the
-trainer's.
+The replicas start once. Per backend, a new ``VLLMRollout`` syncs the trainer's weights at
+construction (``initial_version``, timed) unless ``initial_sync`` is off; then a first
+update and ``repeats`` timed ones (the trainer's weights change before each), the row's
+figure being their median. After each update the trainer saves the same weights
+(``safetensors.torch.save_file``) and every replica reloads them at once
+(``reload_weights(weights_path=...)``): the row's ratios compare medians taken in the
+same stretch of the run, as the machine's load drifts. After the last update every
+replica's greedy output is checked against the trainer's.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +53,9 @@ class VLLMBenchOptions:
     repeats: int = 5
     overrides: list[str] = field(default_factory=list)
     work_dir: str | None = None
+    #: each rollout syncs the model at construction (``initial_version``); off: the first
+    #: ``update`` is the first sync of the rollout (on fresh replicas, vLLM's first reload)
+    initial_sync: bool = True
 
 
 def _rss(pid: int) -> dict[str, float]:
@@ -105,14 +110,42 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
         say(f"model: {nbytes / 1e6:.0f} MB; starting {opts.replicas} replicas")
         llms = [start_replica(model_dir, max_model_len=128) for _ in range(opts.replicas)]
         replicas = [LLMReplica(llm, f"replica{i}") for i, llm in enumerate(llms)]
+        disk = os.path.join(tmp.name, "disk")
+        os.makedirs(disk, exist_ok=True)
+        for f in os.listdir(model_dir):
+            if f.endswith(".json"):
+                with open(os.path.join(model_dir, f), "rb") as src, open(os.path.join(disk, f), "wb") as dst:
+                    dst.write(src.read())
+
+        def disk_round() -> tuple[float, float]:
+            """The trainer saves the model, every replica reloads it at once: (save, reload) seconds."""
+            state = {k: v.contiguous() for k, v in model.state_dict().items()}
+            t0 = time.perf_counter()
+            save_file(state, os.path.join(disk, "model.safetensors"), metadata={"format": "pt"})
+            save_s = time.perf_counter() - t0
+            with ThreadPoolExecutor(len(replicas)) as pool:
+                t0 = time.perf_counter()
+                for call in [pool.submit(r.call, "weightsync_reload_from_path", disk) for r in replicas]:
+                    call.result()  # a replica's failure fails the bench
+                return save_s, time.perf_counter() - t0
+
         step = 0
         rows: list[dict[str, Any]] = []
+        saves, reloads = [], []
         for backend in opts.backends:
             overrides = [f"backend={backend}", f"update_weights_bucket_megabytes={opts.bucket_mb}", *opts.overrides]
-            rollout = VLLMRollout(replicas, overrides, model=model)
+            step += 1
+            _bump(model, step)
+            t0 = time.perf_counter()
+            rollout = VLLMRollout(replicas, overrides, model=model, initial_version=step if opts.initial_sync else None)
+            init_s = time.perf_counter() - t0
+            initial = rollout.initial_report
+            say(f"{backend}: rollout created in {init_s:.3f} s"
+                + (f" (initial sync {initial.sync_s:.3f} s)" if initial is not None else ""))
             try:
                 pids = [r.call("weightsync_status")[0]["pid"] for r in replicas]
                 updates: list[dict[str, Any]] = []
+                row_saves, row_reloads = [], []
                 for i in range(opts.repeats + 1):
                     step += 1
                     _bump(model, step)
@@ -136,55 +169,39 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
                         "landing_allocated_mb": max(w["landing_allocated_bytes"] for w in workers) / 2**20,
                         "rss_before_mb": max(rss), "rss_growth_mb": max(pk - r0 for pk, r0 in zip(peaks, rss)),
                     })
-                    say(f"{backend} update {i}{' (warm-up)' if i == 0 else ''}: {total:.3f} s "
-                        f"(sync {report.sync_s:.3f}, load {updates[-1]['worker_load_s']:.3f})")
+                    save_s, reload_s = disk_round()  # the same weights, from disk
+                    if i:  # after the first update, as the updates' median
+                        row_saves.append(save_s)
+                        row_reloads.append(reload_s)
+                    say(f"{backend} update {i}{' (first)' if i == 0 else ''}: {total:.3f} s "
+                        f"(sync {report.sync_s:.3f}, load {updates[-1]['worker_load_s']:.3f}); "
+                        f"disk: save {save_s:.3f} s, reload {reload_s:.3f} s")
                 steady = updates[1:]
+                seconds = statistics.median(u["seconds"] for u in steady)
+                save_s, reload_s = statistics.median(row_saves), statistics.median(row_reloads)
+                saves += row_saves
+                reloads += row_reloads
                 rows.append({
                     "backend": backend, "bucket_mb": opts.bucket_mb, "bytes": nbytes,
+                    "init_s": round(init_s, 4),
+                    "initial_sync_s": round(initial.sync_s, 4) if initial is not None else None,
                     "first_s": round(updates[0]["seconds"], 4),
-                    "seconds": round(statistics.median(u["seconds"] for u in steady), 4),
+                    "seconds": round(seconds, 4),
                     "repeats_s": [round(u["seconds"], 4) for u in steady],
                     **{k: round(statistics.median(u[k] for u in steady), 4)
                        for k in ("pause_s", "sync_s", "resume_s", "handshake_s", "transfer_s", "worker_load_s",
                                  "worker_first_s", "worker_wait_s", "landing_mb", "landing_allocated_mb",
                                  "rss_before_mb") if steady[0][k] is not None},
                     "rss_growth_mb": round(max(u["rss_growth_mb"] for u in steady), 1),
-                    # where the first update's time went (the warm-up: groups, landing memory)
+                    # where the first update's time went
                     "first": {k: round(v, 4) for k, v in updates[0].items() if v is not None},
+                    "disk_reload_s": round(reload_s, 4), "disk_reload_repeats_s": [round(x, 4) for x in row_reloads],
+                    "save_s": round(save_s, 4),
+                    "ratio_to_disk_reload": round(seconds / reload_s, 3),
+                    "ratio_to_save_reload": round(seconds / (save_s + reload_s), 3),
                 })
             finally:
                 rollout.close()
-
-        # the alternatives, on the same weights: save, then every replica reloads at once
-        saves, reloads = [], []
-        disk = os.path.join(tmp.name, "disk")
-        os.makedirs(disk, exist_ok=True)
-        for f in os.listdir(model_dir):
-            if f.endswith(".json"):
-                with open(os.path.join(model_dir, f), "rb") as src, open(os.path.join(disk, f), "wb") as dst:
-                    dst.write(src.read())
-        say("disk: save and reload")
-        for i in range(opts.repeats + 1):
-            state = {k: v.contiguous() for k, v in model.state_dict().items()}
-            t0 = time.perf_counter()
-            save_file(state, os.path.join(disk, "model.safetensors"), metadata={"format": "pt"})
-            save_s = time.perf_counter() - t0
-            took: list[float] = [0.0] * len(replicas)
-
-            def reload(k: int) -> None:
-                took[k] = replicas[k].call("weightsync_reload_from_path", disk)[0]
-
-            threads = [threading.Thread(target=reload, args=(k,)) for k in range(len(replicas))]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
-            if i:  # the first is the warm-up
-                saves.append(save_s)
-                reloads.append(wall)
-            say(f"disk {i}: save {save_s:.3f} s, reload {wall:.3f} s")
         save_s, reload_s = statistics.median(saves), statistics.median(reloads)
 
         # one more update, then greedy parity with the trainer
@@ -196,9 +213,6 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
             rollout.update(model, step, mode="keep")
         expected = trainer_greedy(model, PROMPTS, 8)
         greedy = {r.name: replica_greedy(llm, PROMPTS, 8) == expected for r, llm in zip(replicas, llms)}
-        for row in rows:
-            row["ratio_to_disk_reload"] = round(row["seconds"] / reload_s, 3)
-            row["ratio_to_save_reload"] = round(row["seconds"] / (save_s + reload_s), 3)
         return {
             "model_bytes": nbytes, "replicas": opts.replicas, "rows": rows,
             "disk_reload_s": round(reload_s, 4), "disk_reload_repeats_s": [round(s, 4) for s in reloads],

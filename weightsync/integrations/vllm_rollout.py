@@ -175,9 +175,15 @@ class VLLMRollout:
         wire_dtype: cast floating weights to this dtype for the wire (e.g. bf16 replicas
             fed from fp32 master weights).
         model: the trainer's weights as ``update`` will get them (an ``nn.Module`` or a
-            state dict; only their names, shapes and dtypes are read). The data plane that
-            every worker joins here gets buffers sized by them, as a sync would size them;
-            without it, buffers for a full bucket.
+            state dict). The data plane that every worker joins here gets buffers sized by
+            their names, shapes and dtypes, as a sync would size them; without it, buffers
+            for a full bucket.
+        initial_version: sync ``model``'s weights as this version before returning (an
+            ``update`` with ``mode="keep"``; its report is ``initial_report``), verl's habit
+            of filling replicas started from dummy or stale weights at init. It also pays
+            vLLM's first ``reload_weights`` in each worker (kernels and memory set up for
+            the first time: 2-4x a later reload in BENCHMARKS.md), which the first training
+            step's update would otherwise pay. A failure raises ``ReplicaUpdateError``.
 
     Creating it connects every worker and forms the data plane (``weightsync_init`` with
     ``warm_up`` while the sender runs ``Sender.warm_up``), so the first update pays for
@@ -185,7 +191,10 @@ class VLLMRollout:
     """
 
     def __init__(self, replicas: list[Replica], config: EngineConfig | list[str], *,
-                 address: str = "127.0.0.1:0", wire_dtype: Any = None, model: Any = None) -> None:
+                 address: str = "127.0.0.1:0", wire_dtype: Any = None, model: Any = None,
+                 initial_version: int | None = None) -> None:
+        if initial_version is not None and model is None:
+            raise ValueError("initial_version needs model: the weights to sync as that version")
         if not replicas:
             raise ValueError("VLLMRollout needs at least one replica")
         names = [r.name for r in replicas]
@@ -223,6 +232,14 @@ class VLLMRollout:
             if failed:
                 raise failed[0].exception()  # type: ignore[misc]
             raise TimeoutError(f"weightsync_init of the replicas did not return within {self.config.timeout_s * 2 + 40:.0f} s")
+        #: the report of the ``initial_version`` sync (None without one)
+        self.initial_report: UpdateReport | None = None
+        if initial_version is not None:
+            try:
+                self.initial_report = self.update(model, initial_version, mode="keep")
+            except BaseException:
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ the update
     def update(self, source: Any, version: int, *, mode: PauseMode = "keep",
