@@ -245,6 +245,26 @@ def test_warm_up_forms_the_data_plane_that_the_syncs_then_use(backend):
             stop(procs)
 
 
+def test_a_warm_up_without_the_source_forms_the_group_and_leaves_the_buffers_to_the_first_sync():
+    """Without the source the warm-up cannot know the plan: it forms the group but holds
+    no bucket-sized buffers (two full buckets, 2 GiB each by default, on every rank); the
+    first sync sizes them by its plan and keeps the group."""
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(BASE), "127.0.0.1:0", 2) as sender:
+        procs = [start(workers.run_receiver, sender.address, r, BASE, [1], q) for r in range(2)]
+        try:
+            sender.warm_up()
+            transport = sender._transport
+            assert transport._generation == 1 and [b.numel() for b in transport._buffers] == [1, 1]
+            sender.send(workers.make_weights(1), version=1)
+            for rank, version, got, held in collect(q, 2):
+                assert (version, held) == (1, 1) and got == workers.expected_digests(1), rank
+            assert transport._generation == 1  # the same group
+            assert transport._buffers[0].numel() == 2**20  # sized by the plan (its buckets fill 1 MiB)
+        finally:
+            stop(procs)
+
+
 @pytest.mark.parametrize("fault", ["refuses", "dies"])
 def test_a_receiver_refusing_or_dying_in_the_warm_up_is_named_and_the_other_takes_the_sync(fault):
     """Receiver 1 refuses the warm-up (another bucket size) or its process dies when the

@@ -222,8 +222,10 @@ class Sender:
         Every receiver must be waiting for the sender meanwhile: in ``Receiver.warm_up``
         (an engine's init call: ``VLLMRollout`` does this) or in ``Receiver.receive``.
         ``source``: what ``send`` will send (a module, a state dict); the transport's
-        buffers are then sized by its plan, as a sync would size them (without one: for a
-        full bucket). With ``paired`` and more than one trainer rank only the connections
+        buffers are then sized by its plan, as a sync would size them. Without one they
+        are left to the first sync (1-byte buffers now, rather than two full buckets of
+        2 GiB by default for a model that may need far less): ``nccl`` keeps its group and
+        grows them, ``shm`` makes its ring then. With ``paired`` and more than one trainer rank only the connections
         are made (the other trainer ranks join the data plane in their first ``send``).
         Raises ``SyncError`` naming the receivers that refused or failed to join.
         """
@@ -237,7 +239,7 @@ class Sender:
             return
         specs = as_source(source, self.wire_dtype).specs() if source is not None else None
         plan = make_plan(specs, self.config.bucket_bytes) if specs is not None else None
-        size = capacity(plan, self.config.bucket_bytes)
+        size = capacity(plan, self.config.bucket_bytes) if plan is not None else 1
         join = self._join(0, 1, size)
         outcome = "broken"
         try:

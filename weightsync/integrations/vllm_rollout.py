@@ -176,8 +176,8 @@ class VLLMRollout:
             fed from fp32 master weights).
         model: the trainer's weights as ``update`` will get them (an ``nn.Module`` or a
             state dict). The data plane that every worker joins here gets buffers sized by
-            their names, shapes and dtypes, as a sync would size them; without it, buffers
-            for a full bucket.
+            their names, shapes and dtypes, as a sync would size them; without it, the
+            first update sizes them.
         initial_version: sync ``model``'s weights as this version before returning (an
             ``update`` with ``mode="keep"``; its report is ``initial_report``), verl's habit
             of filling replicas started from dummy or stale weights at init. It also pays
