@@ -68,6 +68,42 @@ def _rss(pid: int) -> dict[str, float]:
     return out
 
 
+def _stat(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()  # the fields after the command name
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process used so far (all its threads)."""
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _CPU:
+    """CPU seconds of the run's processes between two points: the trainer's (the sender
+    and the replicas' vLLM front-ends), the replicas' engine cores (the workers' parents)
+    and their workers. On 2 shared cores an update and a reload from disk are bounded by
+    these sums, not by any one process."""
+
+    def __init__(self, workers: list[int]) -> None:
+        self.groups = {"trainer": [os.getpid()], "engine_cores": [int(_stat(w)[1]) for w in workers],
+                       "workers": list(workers)}
+        self.start: dict[str, float] = {}
+
+    def now(self) -> dict[str, float]:
+        return {k: sum(_cpu_s(p) for p in pids) for k, pids in self.groups.items()}
+
+    def begin(self) -> None:
+        self.start = self.now()
+
+    def end(self) -> dict[str, float]:
+        return {k: v - self.start[k] for k, v in self.now().items()}
+
+
+def _show(cpu: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+
+
 def _reset_peak(pid: int) -> None:
     try:
         with open(f"/proc/{pid}/clear_refs", "w") as f:
@@ -117,13 +153,15 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
                 with open(os.path.join(model_dir, f), "rb") as src, open(os.path.join(disk, f), "wb") as dst:
                     dst.write(src.read())
 
-        def disk_round() -> tuple[float, float]:
-            """The trainer saves the model, every replica reloads it at once: (save, reload) seconds."""
+        def disk_round(cpu: _CPU) -> tuple[float, float]:
+            """The trainer saves the model, every replica reloads it at once: (save, reload)
+            seconds; ``cpu`` measures the reload."""
             state = {k: v.contiguous() for k, v in model.state_dict().items()}
             t0 = time.perf_counter()
             save_file(state, os.path.join(disk, "model.safetensors"), metadata={"format": "pt"})
             save_s = time.perf_counter() - t0
             with ThreadPoolExecutor(len(replicas)) as pool:
+                cpu.begin()
                 t0 = time.perf_counter()
                 for call in [pool.submit(r.call, "weightsync_reload_from_path", disk) for r in replicas]:
                     call.result()  # a replica's failure fails the bench
@@ -144,17 +182,20 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
                 + (f" (initial sync {initial.sync_s:.3f} s)" if initial is not None else ""))
             try:
                 pids = [r.call("weightsync_status")[0]["pid"] for r in replicas]
+                cpu = _CPU(pids)
                 updates: list[dict[str, Any]] = []
-                row_saves, row_reloads = [], []
+                row_saves, row_reloads, row_disk_cpu = [], [], []
                 for i in range(opts.repeats + 1):
                     step += 1
                     _bump(model, step)
                     rss = [_rss(p)["VmRSS"] for p in pids]
                     for p in pids:
                         _reset_peak(p)
+                    cpu.begin()
                     t0 = time.perf_counter()
                     report = rollout.update(model, step, mode="keep")
                     total = time.perf_counter() - t0
+                    update_cpu = cpu.end()
                     workers = [r.call("weightsync_status")[0] for r in replicas]
                     peaks = [_rss(p)["VmHWM"] for p in pids]
                     updates.append({
@@ -168,14 +209,18 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
                         "landing_mb": max(w["landing_bytes"] for w in workers) / 2**20,
                         "landing_allocated_mb": max(w["landing_allocated_bytes"] for w in workers) / 2**20,
                         "rss_before_mb": max(rss), "rss_growth_mb": max(pk - r0 for pk, r0 in zip(peaks, rss)),
+                        **{f"cpu_{k}_s": v for k, v in update_cpu.items()},
                     })
-                    save_s, reload_s = disk_round()  # the same weights, from disk
+                    save_s, reload_s = disk_round(cpu)  # the same weights, from disk
+                    disk_cpu = cpu.end()
                     if i:  # after the first update, as the updates' median
                         row_saves.append(save_s)
                         row_reloads.append(reload_s)
+                        row_disk_cpu.append(disk_cpu)
                     say(f"{backend} update {i}{' (first)' if i == 0 else ''}: {total:.3f} s "
-                        f"(sync {report.sync_s:.3f}, load {updates[-1]['worker_load_s']:.3f}); "
-                        f"disk: save {save_s:.3f} s, reload {reload_s:.3f} s")
+                        f"(sync {report.sync_s:.3f}, load {updates[-1]['worker_load_s']:.3f}; "
+                        f"CPU s {_show(update_cpu)}); disk: save {save_s:.3f} s, reload {reload_s:.3f} s "
+                        f"(CPU s {_show(disk_cpu)})")
                 steady = updates[1:]
                 seconds = statistics.median(u["seconds"] for u in steady)
                 save_s, reload_s = statistics.median(row_saves), statistics.median(row_reloads)
@@ -191,12 +236,13 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
                     **{k: round(statistics.median(u[k] for u in steady), 4)
                        for k in ("pause_s", "sync_s", "resume_s", "handshake_s", "transfer_s", "worker_load_s",
                                  "worker_first_s", "worker_wait_s", "landing_mb", "landing_allocated_mb",
-                                 "rss_before_mb") if steady[0][k] is not None},
+                                 "rss_before_mb", *(f"cpu_{g}_s" for g in cpu.groups)) if steady[0][k] is not None},
                     "rss_growth_mb": round(max(u["rss_growth_mb"] for u in steady), 1),
                     # where the first update's time went
                     "first": {k: round(v, 4) for k, v in updates[0].items() if v is not None},
                     "disk_reload_s": round(reload_s, 4), "disk_reload_repeats_s": [round(x, 4) for x in row_reloads],
                     "save_s": round(save_s, 4),
+                    **{f"disk_cpu_{g}_s": round(statistics.median(c[g] for c in row_disk_cpu), 3) for g in cpu.groups},
                     "ratio_to_disk_reload": round(seconds / reload_s, 3),
                     "ratio_to_save_reload": round(seconds / (save_s + reload_s), 3),
                 })
