@@ -150,6 +150,17 @@ def test_two_versions_reach_both_replicas_with_greedy_parity(setup):
     assert [(r.name, r.version, r.mixed) for r in setup.rollout.status()] == [("A", setup.version, False), ("B", setup.version, False)]
 
 
+def test_replicas_run_with_tcmalloc_preloaded_as_vllm_recommends_on_cpu(setup):
+    """start_replica preloads TCMalloc (make install-vllm installs it) into the engine's
+    processes only: every worker has it mapped, this process does not."""
+    for pid in setup.pids:
+        with open(f"/proc/{pid}/maps") as f:
+            assert "libtcmalloc" in f.read(), pid
+    with open("/proc/self/maps") as f:
+        assert "libtcmalloc" not in f.read()
+    assert "tcmalloc" not in os.environ.get("LD_PRELOAD", "")
+
+
 def test_a_new_rollout_warms_every_worker_up_at_init_and_its_first_update_reuses_it(setup):
     """weightsync_init connects every worker and forms the data plane while the sender
     warms up; the first update then joins nothing new. A replica that refuses its

@@ -71,9 +71,18 @@ def save_tiny_model(path: str, seed: int = 0, **overrides: Any) -> str:
     return path
 
 
+#: vLLM's CPU setup preloads TCMalloc into its processes (its workers warn when it is
+#: missing): every layerwise reload then reuses the memory the last one freed instead of
+#: faulting in fresh pages. Debian's libtcmalloc-minimal4 (``make install-vllm``).
+TCMALLOC = "tcmalloc_minimal"
+
+
 def start_replica(model_dir: str, *, max_model_len: int, seed: int = 0, **kwargs: Any) -> Any:
     """A vLLM ``LLM`` for ``model_dir`` with the weightsync worker extension (float32,
-    token ids in and out, eager)."""
+    token ids in and out, eager), its processes started with TCMalloc preloaded where the
+    system has it, as vLLM's CPU installation guide sets up."""
+    import ctypes.util
+
     from vllm import LLM
 
     from weightsync.integrations.vllm_rollout import EXTENSION
@@ -83,7 +92,19 @@ def start_replica(model_dir: str, *, max_model_len: int, seed: int = 0, **kwargs
         max_model_len=max_model_len, max_num_seqs=16, seed=seed, worker_extension_cls=EXTENSION,
         disable_log_stats=True,
     )
-    return LLM(**(args | kwargs))
+    preload = os.environ.get("LD_PRELOAD", "")
+    lib = ctypes.util.find_library(TCMALLOC)
+    if lib is None or TCMALLOC in preload:
+        return LLM(**(args | kwargs))
+    # Only the engine's processes (started now) get it, not the ones this process starts later.
+    os.environ["LD_PRELOAD"] = f"{lib}:{preload}" if preload else lib
+    try:
+        return LLM(**(args | kwargs))
+    finally:
+        if preload:
+            os.environ["LD_PRELOAD"] = preload
+        else:
+            del os.environ["LD_PRELOAD"]
 
 
 def replica_greedy(llm: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
