@@ -64,3 +64,29 @@ def test_mooncake_protocol_follows_the_buffer_device(caplog):
     assert "backend 'mooncake' with device npu uses Mooncake protocol ascend_direct" in [r.getMessage() for r in caplog.records]
     with pytest.raises(ValueError, match="engine_kwargs.mooncake.device='tpu'"):
         platform.mooncake_protocol("tpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.int64])
+def test_copy_bytes_equals_torch_copy_bit_for_bit(dtype):
+    """The data path's byte copy (one memmove between contiguous host tensors) leaves what
+    ``copy_`` would: every bit, for every size (empty, odd, larger than a page)."""
+    g = torch.Generator().manual_seed(0)
+    for n in (0, 1, 7, 4099, 1 << 20):
+        src = torch.randint(0, 256, (n * torch.tensor([], dtype=dtype).element_size(),), dtype=torch.uint8,
+                            generator=g).view(dtype)
+        dst = torch.zeros_like(src)
+        platform.copy_bytes(dst, src)
+        assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8)), n
+
+
+def test_copy_bytes_converts_and_strides_as_torch_does():
+    """Anything but a same-dtype, same-size contiguous host copy is torch's: a float16 source
+    into a bfloat16 destination is converted (not its bits moved), a strided one gathered."""
+    src = torch.linspace(-2, 2, 64, dtype=torch.float16)
+    dst = torch.empty(64, dtype=torch.bfloat16)
+    platform.copy_bytes(dst, src)
+    assert torch.equal(dst, src.to(torch.bfloat16))
+    wide = torch.arange(128, dtype=torch.float32)
+    dst = torch.empty(64, dtype=torch.float32)
+    platform.copy_bytes(dst, wide[::2])
+    assert torch.equal(dst, wide[::2])

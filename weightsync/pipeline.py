@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from weightsync import platform
 from weightsync.plan import Assembler, Bucket, Plan, TensorSpec
 from weightsync.session import HandshakeError, SyncTimeout
 
@@ -224,7 +225,7 @@ class PooledAssembler(Assembler):
         if target is None:  # in the transport's own memory: one copy into the pool
             target = self._land(bucket)
         if bucket.nbytes and target.data_ptr() != buffer.data_ptr():
-            target.copy_(buffer[: bucket.nbytes])
+            platform.copy_bytes(target, buffer[: bucket.nbytes])
         yield from super().unpack(bucket, target)
 
 

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from weightsync import platform
+
 PLAN_FORMAT = 3
 ALIGNMENT = 64  # bytes; a multiple of every dtype's size, and a cache line
 DIRECT_MIN_BYTES = 1 << 20
@@ -461,7 +463,7 @@ def pack_pieces(bucket: Bucket, buffer: torch.Tensor, tensor_bytes: Mapping[int,
     for p in bucket.pieces:
         if p.length:
             src = tensor_bytes[p.tensor][p.tensor_offset : p.tensor_offset + p.length]
-            buffer[p.bucket_offset : p.bucket_offset + p.length].copy_(src)
+            platform.copy_bytes(buffer[p.bucket_offset : p.bucket_offset + p.length], src)
 
 
 class Assembler:
@@ -542,7 +544,7 @@ class Assembler:
             dst = as_bytes(full)[p.tensor_offset : p.tensor_offset + p.length]
             src = buffer[p.bucket_offset : p.bucket_offset + p.length]
             if dst.data_ptr() != src.data_ptr() or dst.device != src.device:  # else it landed in place
-                dst.copy_(src)
+                platform.copy_bytes(dst, src)
             if p.tensor_offset + p.length == spec.nbytes:
                 self._landed.discard(bucket.index)
                 yield spec.name, self._partial.pop(p.tensor)

@@ -366,7 +366,7 @@ class MooncakeEngine(Transport):
                     break
                 bucket, payload = produced
                 if bucket.nbytes and payload.data_ptr() != slot.data_ptr():
-                    slot[: bucket.nbytes].copy_(payload)  # a bucket sent from its source tensor
+                    platform.copy_bytes(slot[: bucket.nbytes], payload)  # a bucket sent from its source tensor
                 platform.synchronize(slot.device)
                 batch = self._write(k, bucket.nbytes)
                 if pending is not None:  # the previous bucket was on the wire meanwhile

@@ -224,7 +224,7 @@ class ShmEngine(Transport):
                     break
                 bucket, payload = produced
                 if bucket.nbytes and payload.data_ptr() != slot.data_ptr():
-                    slot[: bucket.nbytes].copy_(payload)  # a bucket sent from its source tensor
+                    platform.copy_bytes(slot[: bucket.nbytes], payload)  # a bucket sent from its source tensor
                 platform.synchronize(self.device)
                 for peer in self._peers:
                     peer.send(READY, version, k, bucket.nbytes)
