@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 
-from weightsync import platform
 from weightsync.plan import Assembler, Bucket, Plan, TensorSpec
 from weightsync.session import HandshakeError, SyncTimeout
 
@@ -225,7 +224,7 @@ class PooledAssembler(Assembler):
         if target is None:  # in the transport's own memory: one copy into the pool
             target = self._land(bucket)
         if bucket.nbytes and target.data_ptr() != buffer.data_ptr():
-            platform.copy_bytes(target, buffer[: bucket.nbytes])
+            target.copy_(buffer[: bucket.nbytes])
         yield from super().unpack(bucket, target)
 
 

@@ -544,7 +544,7 @@ class Assembler:
             dst = as_bytes(full)[p.tensor_offset : p.tensor_offset + p.length]
             src = buffer[p.bucket_offset : p.bucket_offset + p.length]
             if dst.data_ptr() != src.data_ptr() or dst.device != src.device:  # else it landed in place
-                platform.copy_bytes(dst, src)
+                dst.copy_(src)
             if p.tensor_offset + p.length == spec.nbytes:
                 self._landed.discard(bucket.index)
                 yield spec.name, self._partial.pop(p.tensor)

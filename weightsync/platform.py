@@ -116,14 +116,17 @@ def synchronize(device: torch.device) -> None:
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for the data path's copies of bucket bytes.
+    """``dst.copy_(src)`` for the sender's copies into the wire's buffers (packing a
+    bucket, a bucket into a shared-memory or Mooncake slot).
 
-    Between contiguous host tensors of one size: one ``memmove`` in this thread (the GIL
-    released). torch spreads a large copy over its intra-op threads, whose barrier waits for
-    a thread the scheduler put aside when the cores are shared (a trainer beside its rollout
-    engines): measured with 2 vLLM replicas on 2 cores, 3x the CPU for the same bytes and
-    every other 7 MB update twice as long. One thread already moves bytes at about the
-    memory bandwidth a copy gets."""
+    Between contiguous host tensors of one dtype and size: one ``memmove`` in this thread
+    (the GIL released). torch spreads a large copy over its intra-op threads, whose barrier
+    waits for a thread the scheduler put aside when the cores are shared (a trainer beside
+    its rollout engines): with 2 vLLM replicas on 2 cores that cost the trainer 3x the CPU
+    for the same bytes, and every other 7 MB update twice the time. Receivers keep torch's
+    copy: where a worker's landing copies went through ``memmove`` its CPU per update
+    doubled (not traced; likely: the engine's loader reads the bytes right after they
+    land, and glibc's ``memmove`` writes large copies around the cache)."""
     if (dst.device.type == "cpu" and src.device.type == "cpu" and dst.is_contiguous() and src.is_contiguous()
             and dst.dtype == src.dtype and dst.numel() == src.numel()):
         if dst.nbytes:
