@@ -182,8 +182,9 @@ class VLLMRollout:
             ``update`` with ``mode="keep"``; its report is ``initial_report``), verl's habit
             of filling replicas started from dummy or stale weights at init. It also pays
             vLLM's first ``reload_weights`` in each worker (kernels and memory set up for
-            the first time: 2-4x a later reload in BENCHMARKS.md), which the first training
-            step's update would otherwise pay. A failure raises ``ReplicaUpdateError``.
+            the first time: 2.7x a steady update at 392 MB in BENCHMARKS.md), which the
+            first training step's update would otherwise pay. A failure raises
+            ``ReplicaUpdateError``.
 
     Creating it connects every worker and forms the data plane (``weightsync_init`` with
     ``warm_up`` while the sender runs ``Sender.warm_up``), so the first update pays for
