@@ -1,7 +1,8 @@
 """``weightsync demo --rollout vllm``: the demo with real vLLM replicas as the rollout side.
 
-The trainer (this process) trains a causal LM towards a new target sequence every step and
-updates every replica (pause, sync, resume) with version = step. After each update, greedy
+The rollout syncs the trainer's weights to every replica as version 0 when it is created;
+then the trainer (this process) trains a causal LM towards a new target sequence every step
+and updates every replica (pause, sync, resume) with version = step. After each update, greedy
 generation from every replica for fixed token-id prompts must equal the trainer's own
 greedy generation with its updated weights (same dtype), and must differ from what that
 replica generated before the update. At the end, vLLM's own reload from a weights
@@ -194,7 +195,12 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
     for col in ("version", "MB", "pause s", "sync s", "resume s", "GB/s", *[r.name for r in replicas]):
         table.add_column(col, justify="right")
     reports = []
-    with VLLMRollout(replicas, config, address=opts.address, model=model) as rollout:
+    t0 = time.perf_counter()
+    # initial_version=0: every replica serves the trainer's weights from here on, and vLLM's
+    # slower first reload is paid now, not by the first training step's update
+    with VLLMRollout(replicas, config, address=opts.address, model=model, initial_version=0) as rollout:
+        console.print(f"rollout ready in {time.perf_counter() - t0:.2f} s: every worker joined, version 0 "
+                      f"synced in {rollout.initial_report.sync_s:.3f} s")
         before = [replica_greedy(llm, PROMPTS, opts.new_tokens) for llm in llms]
         for step in range(1, opts.steps + 1):
             target = torch.randint(0, vocab, (opts.new_tokens,), generator=gen).tolist()
