@@ -93,19 +93,18 @@ def start_replica(model_dir: str, *, max_model_len: int, seed: int = 0, **kwargs
         max_model_len=max_model_len, max_num_seqs=16, seed=seed, worker_extension_cls=EXTENSION,
         disable_log_stats=True,
     )
-    preload = os.environ.get("LD_PRELOAD", "")
+    preload = os.environ.get("LD_PRELOAD")
     lib = ctypes.util.find_library(TCMALLOC)
-    if lib is None or TCMALLOC in preload:
-        return LLM(**(args | kwargs))
-    # Only the engine's processes (started now) get it, not the ones this process starts later.
-    os.environ["LD_PRELOAD"] = f"{lib}:{preload}" if preload else lib
+    if lib is not None and TCMALLOC not in (preload or ""):
+        # Only the engine's processes (started now) get it, not the ones this process starts later.
+        os.environ["LD_PRELOAD"] = f"{lib}:{preload}" if preload else lib
     try:
         return LLM(**(args | kwargs))
     finally:
-        if preload:
-            os.environ["LD_PRELOAD"] = preload
+        if preload is None:
+            os.environ.pop("LD_PRELOAD", None)
         else:
-            del os.environ["LD_PRELOAD"]
+            os.environ["LD_PRELOAD"] = preload
 
 
 def replica_greedy(llm: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

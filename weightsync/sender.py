@@ -225,8 +225,9 @@ class Sender:
         buffers are then sized by its plan, as a sync would size them. Without one they
         are left to the first sync (1-byte buffers now, rather than two full buckets of
         2 GiB by default for a model that may need far less): ``nccl`` keeps its group and
-        grows them, ``shm`` makes its ring then. With ``paired`` and more than one trainer rank only the connections
-        are made (the other trainer ranks join the data plane in their first ``send``).
+        grows them, ``shm`` makes its ring then. With ``paired`` and more than one trainer
+        rank only the connections are made (the other trainer ranks join the data plane in
+        their first ``send``).
         Raises ``SyncError`` naming the receivers that refused or failed to join.
         """
         self.connect()
