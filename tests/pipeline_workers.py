@@ -29,7 +29,8 @@ def expected(version: int) -> dict[str, str]:
 def replica(commands, results):
     """Serve ``(method, args, options)`` commands the way a vLLM worker extension serves
     ``collective_rpc`` (one result per call): ``weightsync_init``, ``weightsync_receive``
-    (options shape the loader: ``sleep_first`` seconds on the first tensor, ``fail_after``
+    (options shape the loader: ``sleep_first`` seconds on the first tensor, ``sleep_each``
+    on every one, ``fail_after``
     tensors then raise, ``keep`` every tensor beyond the call), ``weightsync_status``,
     ``kept_digests``. Replies ``(status, digests loaded, extra)``."""
     from weightsync.integrations.vllm import ReplicaReceiver
@@ -52,6 +53,7 @@ def replica(commands, results):
                         for i, (name, tensor) in enumerate(items):
                             if i == 0 and opts.get("sleep_first"):
                                 time.sleep(opts["sleep_first"])
+                            time.sleep(opts.get("sleep_each", 0))
                             if opts.get("fail_after") is not None and i == opts["fail_after"]:
                                 raise ValueError(f"the loader refused {name}")
                             loaded[name] = workers.digest(tensor)

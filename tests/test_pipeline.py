@@ -13,6 +13,7 @@ import torch
 import pipeline_workers as pw
 from procs import CTX, start, stop
 from weightsync import EngineConfig, Sender, SyncError
+from weightsync.session import SyncTimeout
 from weightsync.pipeline import LANDED_AHEAD, LandingPool
 from weightsync.sources import StateDictSource
 
@@ -23,6 +24,10 @@ IN_FLIGHT = 2
 OVERRIDES = ["backend=nccl", "update_weights_bucket_megabytes=1", f"timeout_s={TIMEOUT_S}",
              f"receive_buckets_in_flight={IN_FLIGHT}"]
 MiB = 1 << 20
+# An arena that holds the largest tensor (split over two buckets), the bucket unpacked and
+# the one landed ahead: no version needs more unless the loader keeps tensors.
+WIDE = 4
+WIDE_OVERRIDES = [*OVERRIDES[:-1], f"receive_buckets_in_flight={WIDE}"]
 
 
 class Replica:
@@ -113,27 +118,49 @@ def test_versions_are_exact_landing_memory_is_reused_and_transfer_overlaps_loadi
 
 def test_warm_up_with_the_model_reserves_the_first_versions_landing_memory():
     """weightsync_init with warm_up while the sender warms up with the model: the worker
-    joins, takes the plan and allocates the landing memory of the first buckets then,
-    within its bound; the first version travels without its plan and finds that memory."""
+    joins, takes the plan and allocates its landing memory then (the arena of the
+    in-flight bound); the first version travels without its plan and finds that memory."""
     replica = Replica()
     try:
         with Sender(EngineConfig.from_overrides(OVERRIDES), "127.0.0.1:0", num_receivers=1) as sender:
-            replica.commands.put(("weightsync_init", (sender.address, 0, OVERRIDES, True), {}))
+            replica.commands.put(("weightsync_init", (sender.address, 0, WIDE_OVERRIDES, True), {}))
             sender.warm_up(pw.weights(1))
             status, _, extra = replica.results.get(timeout=90)
             assert "raised" not in extra, status
-            split = max(t.nbytes for t in pw.weights(1).values())  # held whole
-            assert MiB <= status["landing_reserved_bytes"] <= (IN_FLIGHT + LANDED_AHEAD + 3) * MiB + split, status
-            allocated = []
+            assert status["landing_reserved_bytes"] == WIDE * MiB, status
             for v in (1, 2):
                 outcome, (status, loaded, _) = _send_while(replica, sender, pw.weights(v), v)
                 assert not isinstance(outcome, Exception), outcome
                 assert status["ok"] and loaded == pw.expected(v), status
                 assert v > 1 or outcome.plan_sent_to == 0  # the warm-up carried it
-                allocated.append(status["landing_allocated_bytes"])
-            # (without the reservation the first version allocates its whole landing memory,
-            # about 5 MiB here; at most a bucket more where loader and transfer overlap differently)
-            assert allocated[0] <= MiB and allocated[1] <= MiB, allocated
+                assert status["landing_allocated_bytes"] == 0, status  # without it: the arena, at v1
+    finally:
+        replica.close()
+
+
+def test_landing_memory_stays_within_the_in_flight_bound_allocated_once():
+    """A loader slower than the transfer: the received tensors it has not let go of stay
+    within receive_buckets_in_flight buckets (the transfer waits for it), in one arena
+    allocated at the first version and reused by the next; a loader that keeps a whole
+    version passes the bound rather than hanging, and keeps its tensors intact."""
+    replica = Replica()
+    try:
+        with Sender(EngineConfig.from_overrides(OVERRIDES), "127.0.0.1:0", num_receivers=1) as sender:
+            replica.call("weightsync_init", sender.address, 0, WIDE_OVERRIDES)
+            for v in (1, 2, 3):
+                outcome, (status, loaded, extra) = _send_while(replica, sender, pw.weights(v), v, sleep_each=0.01)
+                assert not isinstance(outcome, Exception) and status["ok"] and loaded == pw.expected(v), status
+                assert status["landing_peak_bytes"] <= WIDE * MiB, status
+                assert status["landing_wait_s"] > 0, status  # the transfer waited for the loader
+                assert status["landing_bytes"] == WIDE * MiB and extra["allocations"] == 1, (status, extra)
+            total = sum(t.nbytes for t in pw.weights(4).values())
+            outcome, (status, loaded, _) = _send_while(replica, sender, pw.weights(4), 4, keep=True)
+            assert status["ok"] and loaded == pw.expected(4), status
+            assert status["landing_peak_bytes"] >= total > WIDE * MiB, status
+            outcome, (status, loaded, _) = _send_while(replica, sender, pw.weights(5), 5)
+            assert status["ok"] and loaded == pw.expected(5), status
+            kept, _, _ = replica.call("kept_digests")
+            assert kept == pw.expected(4)
     finally:
         replica.close()
 
@@ -188,6 +215,33 @@ def test_landing_pool_reuses_only_released_buffers():
     assert pool.bytes == 1000
     pool.close()
     assert pool.bytes == 0 and d.sum() >= 0  # d stays valid after close
+
+
+def test_bounded_pool_lands_in_one_arena_and_reuses_ranges_as_they_are_released():
+    pool = LandingPool()
+    exceed = [False]
+    pool.bound(3 * 4096, lambda: exceed[0], wait_s=0.05)
+    a, b = pool.acquire(4096), pool.acquire(4096)
+    c = pool.acquire(4000)
+    b.fill_(2), c.fill_(3)
+    assert pool.allocations == 1 and pool.bytes == 3 * 4096  # one arena
+    assert pool.acquire(4096, wait=False) is None  # full: the transport's own buffer serves
+    with pytest.raises(SyncTimeout):
+        pool.acquire(4096)  # nobody lets go within wait_s
+    view = b[100:200]  # a view of a range keeps it busy
+    del a, b
+    d = pool.acquire(4096)  # the released range
+    assert pool.allocations == 1 and d.numel() == 4096 and pool.in_use_bytes() == 3 * 4096 - 96
+    d.fill_(1)
+    assert bool((view == 2).all()) and bool((c == 3).all())  # ranges in use are not handed out again
+    exceed[0] = True  # the loader waits with nothing queued: the bound is passed
+    e = pool.acquire(4096)
+    assert pool.allocations == 2 and pool.peak_bytes > 3 * 4096
+    del c, d, e, view
+    pool.next_version()
+    assert pool.in_use_bytes() == 0 and pool.peak_bytes == 0
+    pool.close()
+    assert pool.bytes == 0
 
 
 class FakeReplica:

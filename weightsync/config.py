@@ -203,12 +203,15 @@ class EngineConfig:
     receive_buckets_in_flight: int = field(
         default=2,
         metadata=_doc(
-            "Receivers that load through an engine's own loader (the vLLM integration): how many "
-            "buckets' worth of received tensors a background thread may hold ahead of the loader "
-            "(so the transfer overlaps the engine's loading). Received tensors land in reusable "
-            "memory kept by the worker between versions; at least 1.",
-            "通过推理引擎自身加载器加载的接收端（vLLM 集成）：后台线程最多可领先加载器持有多少个桶的已接收张量"
-            "（使传输与引擎加载重叠）。接收的张量落在工作进程跨版本复用的内存中；至少为 1。",
+            "Receivers that load through an engine's own loader (the vLLM integration): the memory, "
+            "in buckets, that received tensors may occupy at once in the worker (queued for the "
+            "loader, being loaded, held by the engine until a layer completes, landed ahead), so a "
+            "background thread's transfer runs ahead of the engine's loading by at most that much. "
+            "One arena of this size (at most the model's bytes), allocated once and kept between "
+            "versions; passed only while the engine holds more than it to complete a layer. At least 1.",
+            "通过推理引擎自身加载器加载的接收端（vLLM 集成）：已接收张量在工作进程中同时占用的内存上限（以桶计："
+            "排队等待加载、正在加载、引擎为凑齐一层而持有、提前落地的部分），后台线程的传输最多领先引擎加载这么多。"
+            "该大小（至多为模型字节数）的一块内存只分配一次，跨版本复用；仅当引擎为凑齐一层需要持有更多时才会超出。至少为 1。",
             allowed=">= 1",
         ),
     )

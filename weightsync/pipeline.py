@@ -3,21 +3,24 @@
 An inference engine (vLLM) loads a version through a call that consumes an iterator of
 ``(name, tensor)`` (``reload``). ``receive_into`` runs the receiver's transfer in a
 background thread, so buckets arrive (and are unpacked) while the engine processes the
-layers whose tensors came before, and hands the tensors over through a queue bounded in
-bytes (``receive_buckets_in_flight`` buckets). The sender is told the version arrived only
-after ``reload`` returned (``Receiver.receive(settle=...)``), so a loader error, even in
-the engine's final processing, fails the sync on the sender too.
+layers whose tensors came before. The sender is told the version arrived only after
+``reload`` returned (``Receiver.receive(settle=...)``), so a loader error, even in the
+engine's final processing, fails the sync on the sender too.
 
-Landing memory (``LandingPool``): every bucket lands in a buffer of the pool (a transport
-that can write anywhere, ``nccl``, receives straight into it; others are copied into it
-once), and the tensors handed to the engine are views of it. A buffer is reused only when
-no tensor viewing its storage is alive any more: vLLM's layerwise reload keeps the tensors
-of a layer (in ``LayerReloadingInfo.loaded_weights``) until the layer's last weight arrived
-and the layer was processed (``_layerwise_process`` ends with ``info.reset()``), or until
+Landing memory (``LandingPool``): every bucket lands in pool memory (a transport that can
+write anywhere, ``nccl``, receives straight into it; others are copied into it once), and
+the tensors handed to the engine are views of it. Memory is reused only when no tensor
+viewing it is alive any more: vLLM's layerwise reload keeps the tensors of a layer (in
+``LayerReloadingInfo.loaded_weights``) until the layer's last weight arrived and the layer
+was processed (``_layerwise_process`` ends with ``info.reset()``), or until
 ``finalize_layerwise_reload`` for layers that never complete; whatever the engine holds,
-the storage's use count says when it let go. The pool keeps its buffers between versions
-(so a steady update allocates nothing proportional to the model, and pays no page faults),
-drops those a version did not use, and frees everything on ``close``.
+the use count of the storage it views says when it let go. During a version the memory in
+use (queued for the loader, being loaded, held by the engine, landed ahead) stays within
+``receive_buckets_in_flight`` buckets, one arena of that size allocated once: the transfer
+waits for the engine to let go, and passes the bound only when waiting cannot help (the
+loader waits with nothing queued). The pool keeps its memory between versions (a steady
+update allocates nothing proportional to the model, and pays no page faults) and frees it
+on ``close``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -48,37 +51,128 @@ def _use_count(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
-class LandingPool:
-    """Buffers that received buckets land in, reused across versions.
+def _aligned(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
 
-    ``acquire(nbytes)`` returns a uint8 view of a free buffer (one whose storage nothing
-    else references) of at least ``nbytes`` and at most twice that, or of a new one.
-    ``trim()`` (after a version) frees the buffers the last two versions did not use.
+
+class LandingPool:
+    """Memory that received buckets land in, reused across versions.
+
+    Bounded (``bound(limit_bytes, ...)``, for the length of one version): buckets land in
+    one arena of ``limit_bytes``, allocated once and kept, each range handed out as a
+    tensor with a storage of its own (``torch.from_dlpack``), so its use count says when
+    nothing views it any more and the range is free again. ``acquire`` takes the first
+    free range after the last one handed out (the engine lets go of buckets roughly in
+    the order they came, so the arena is used as a ring), and waits for the engine to let
+    go of a range when none fits; the limit is passed only when ``may_exceed()`` says
+    waiting cannot help (the loader waits for a tensor with nothing queued: the engine
+    holds what it needs to complete a layer) or for a request larger than the arena.
+    Such requests, and every request of an unbounded pool, take a buffer of their own
+    from the overflow: buffers kept by size (a free one of at least ``nbytes`` and at
+    most twice that serves), those the last two versions did not use freed by ``trim``.
     """
+
+    #: seconds between looks at the use counts while waiting (nothing signals when the
+    #: engine drops its last view of a range)
+    POLL_S = 0.002
+    #: ranges of the arena start on this boundary (any dtype's alignment, a page)
+    ALIGN = 4096
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = torch.device(device) if device is not None else None
-        # size -> [[buffer, generation it was last handed out in], ...]
+        self._arena: torch.Tensor | None = None
+        self._ranges: list[list[Any]] = []  # [offset, nbytes, handle] handed out, by offset
+        self._cursor = 0  # where the last range handed out ends
+        # overflow: size -> [[buffer, generation it was last handed out in], ...]
         self._by_size: dict[int, list[list[Any]]] = {}
         self._generation = 0
         self._lock = threading.Lock()
-        #: buffers allocated over the pool's life (a steady version adds none)
+        #: buffers allocated over the pool's life (the arena counts as one; a steady
+        #: version adds none)
         self.allocations = 0
         self.allocated_bytes = 0
+        self.limit_bytes: int | None = None
+        #: the bytes of the plan being received (set by ``assembler``): the arena's cap
+        self.plan_bytes = 0
+        self._may_exceed: Callable[[], bool] = lambda: True
+        self._wait_s = 0.0
+        #: the most bytes in use at once during this version (``next_version`` resets it)
+        self.peak_bytes = 0
+        #: seconds ``acquire`` waited for the engine to release memory this version
+        self.waited_s = 0.0
 
+    # -------------------------------------------------------------- accounting
     def _entries(self) -> list[list[Any]]:
         return [e for entries in self._by_size.values() for e in entries]
 
     @property
     def bytes(self) -> int:
-        """Bytes the pool holds now."""
-        return sum(size * len(entries) for size, entries in self._by_size.items())
+        """Bytes the pool holds now (the arena and the overflow)."""
+        arena = self._arena.numel() if self._arena is not None else 0
+        return arena + sum(size * len(entries) for size, entries in self._by_size.items())
 
     def in_use_bytes(self) -> int:
-        """Bytes of buffers that some tensor still views."""
+        """Bytes that some tensor still views."""
         with self._lock:
-            return sum(e[0].numel() for e in self._entries() if _use_count(e[0]) > 2)
+            return self._in_use()
 
+    def _in_use(self) -> int:
+        self._ranges = [r for r in self._ranges if _use_count(r[2]) > 2]
+        return sum(r[1] for r in self._ranges) + sum(e[0].numel() for e in self._entries() if _use_count(e[0]) > 2)
+
+    def bound(self, limit_bytes: int | None, may_exceed: Callable[[], bool] = lambda: True, wait_s: float = 0.0) -> None:
+        """Land in an arena of ``limit_bytes`` (None: unbounded, every request from the
+        overflow). ``acquire`` waits up to ``wait_s`` for room, and passes the limit at
+        once when ``may_exceed()`` is true."""
+        self.limit_bytes, self._may_exceed, self._wait_s = limit_bytes, may_exceed, wait_s
+
+    # ---------------------------------------------------------------- the arena
+    def _arena_for(self, device: torch.device) -> torch.Tensor | None:
+        """The arena on ``device``, as much of it as the bound allows: the limit, capped at
+        the plan's bytes (a bound of 2 GiB buckets for a 7 MB model). Made (or grown) when
+        none of it is in use; a larger one serves a smaller bound (a delta version)."""
+        if self.limit_bytes is None:
+            return None
+        size = min(self.limit_bytes, _aligned(self.plan_bytes, self.ALIGN)) if self.plan_bytes else self.limit_bytes
+        arena = self._arena
+        if (arena is None or arena.numel() < size or arena.device != device) and not self._ranges:
+            self._arena = arena = None  # dropped before its successor is allocated
+            arena = self._arena = torch.empty(size, dtype=torch.uint8, device=device)
+            self.allocations += 1
+            self.allocated_bytes += size
+        if arena is None or arena.device != device:
+            return None
+        return arena[:size]
+
+    def _gap(self, nbytes: int, size: int) -> int | None:
+        """The offset of the first free range of ``nbytes`` at or after the cursor, else
+        from the start."""
+        edges, start = [], 0
+        for offset, length, _ in self._ranges:  # sorted by offset
+            if offset > start and start < size:
+                edges.append((start, min(offset, size)))
+            start = _aligned(offset + length, self.ALIGN)
+        if start < size:
+            edges.append((start, size))
+        after = [(max(a, self._cursor), b) for a, b in edges if b > self._cursor]
+        before = [(a, min(b, self._cursor)) for a, b in edges if a < self._cursor]
+        for a, b in after + before:
+            a = _aligned(a, self.ALIGN)
+            if b - a >= nbytes:
+                return a
+        return None
+
+    def _from_arena(self, arena: torch.Tensor, nbytes: int) -> torch.Tensor | None:
+        offset = self._gap(nbytes, arena.numel())
+        if offset is None:
+            return None
+        handle = torch.from_dlpack(arena[offset : offset + nbytes])  # a storage of its own: its own use count
+        self._ranges.append([offset, nbytes, handle])
+        self._ranges.sort(key=lambda r: r[0])
+        self._cursor = offset + nbytes
+        return handle[:nbytes]
+
+    # ----------------------------------------------------------- the overflow
     def _free_entry(self, nbytes: int, device: torch.device) -> list[Any] | None:
         for e in self._by_size.get(nbytes, ()):  # the same plan every version: exact sizes recur
             if e[0].device == device and _use_count(e[0]) <= 2:
@@ -92,60 +186,88 @@ class LandingPool:
                         break
         return best
 
-    def acquire(self, nbytes: int, device: torch.device | None = None) -> torch.Tensor:
+    def _from_overflow(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        entry = self._free_entry(nbytes, device)
+        if entry is None:
+            entry = [torch.empty(nbytes, dtype=torch.uint8, device=device), self._generation]
+            self._by_size.setdefault(nbytes, []).append(entry)
+            self.allocations += 1
+            self.allocated_bytes += nbytes
+        entry[1] = self._generation
+        return entry[0][:nbytes]
+
+    # ------------------------------------------------------------------ acquire
+    @overload
+    def acquire(self, nbytes: int, device: torch.device | None = None) -> torch.Tensor: ...
+    @overload
+    def acquire(self, nbytes: int, device: torch.device | None = None, *, wait: bool) -> torch.Tensor | None: ...
+
+    def acquire(self, nbytes: int, device: torch.device | None = None, *, wait: bool = True) -> torch.Tensor | None:
         """A uint8 tensor of ``nbytes`` in pool memory, the caller's until it lets go of
-        every view of it."""
+        every view of it. Bounded (``bound``): waits for room, or with ``wait=False``
+        returns None when there is none; raises ``SyncTimeout`` after ``wait_s``."""
         device = device if device is not None else (self.device or torch.device("cpu"))
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8, device=device)
-        with self._lock:
-            entry = self._free_entry(nbytes, device)
-            if entry is None:
-                entry = [torch.empty(nbytes, dtype=torch.uint8, device=device), self._generation]
-                self._by_size.setdefault(nbytes, []).append(entry)
-                self.allocations += 1
-                self.allocated_bytes += nbytes
-            entry[1] = self._generation
-            return entry[0][:nbytes]
+        waited_since = None
+        while True:
+            with self._lock:
+                in_use = self._in_use()
+                arena = self._arena_for(device)
+                view = None
+                if arena is not None and nbytes <= arena.numel():
+                    view = self._from_arena(arena, nbytes)
+                # (not to land ahead: the transport's own buffer serves then)
+                if view is None and (arena is None or nbytes > arena.numel() or (wait and self._may_exceed())):
+                    view = self._from_overflow(nbytes, device)
+                if view is not None:
+                    self.peak_bytes = max(self.peak_bytes, in_use + nbytes)
+                    if waited_since is not None:
+                        self.waited_s += time.perf_counter() - waited_since
+                    return view
+            if not wait:
+                return None
+            now = time.perf_counter()
+            if waited_since is None:
+                waited_since = now
+            elif now - waited_since > self._wait_s:
+                self.waited_s += now - waited_since
+                raise SyncTimeout(f"no landing memory for {nbytes} bytes within {self._wait_s:.0f} s: the engine "
+                                  f"held {in_use} of the {self.limit_bytes} bytes allowed")
+            time.sleep(self.POLL_S)
 
-    def reserve(self, plan: Plan, in_flight_bytes: int, device: torch.device | None = None) -> int:
-        """Allocate now the landing memory a first version of ``plan`` needs, so it does
-        not fault fresh memory in mid transfer; returns the bytes allocated.
-
-        Replays where the plan's buckets land (``landing_sizes``), each buffer held while
-        the next ones land, up to what the pipeline holds at once when the loader keeps
-        pace: ``in_flight_bytes`` queued for the loader, the tensor it loads, the one the
-        receiving thread is handing over and the bucket landed ahead of it. Buffers the pool
-        holds already are reused by the same rule as in a sync; new ones are zeroed (their
-        pages are in). Reserved buffers no version uses are freed by ``trim`` after two
-        versions."""
-        newest = 2 + LANDED_AHEAD  # buffers beyond the queue: loading, being handed over, landed ahead
+    def reserve(self, plan: Plan, limit_bytes: int, device: torch.device | None = None) -> int:
+        """Allocate now the landing memory that versions of ``plan`` land in within
+        ``limit_bytes`` (the arena, and a buffer for each size of the plan that is larger),
+        zeroed so its pages are in before the first transfer; returns the bytes allocated.
+        Overflow buffers no version uses are freed by ``trim`` after two versions."""
+        device = device if device is not None else (self.device or torch.device("cpu"))
         before = self.allocated_bytes
-        queued: collections.deque[torch.Tensor] = collections.deque()  # oldest first
-        queued_bytes = 0
-        recent: collections.deque[torch.Tensor] = collections.deque(maxlen=newest)
-        for size in landing_sizes(plan):
-            allocations = self.allocations
-            view = self.acquire(size, device)
-            if self.allocations != allocations:
-                view.zero_()  # a new buffer: its pages are in now, not mid-transfer
-            if len(recent) == newest:  # the oldest of the newest moves on to the queue
-                queued.append(recent[0])
-                queued_bytes += recent[0].numel()
-            recent.append(view)
-            # the queue holds at least one buffer, and older ones only within in_flight_bytes
-            while len(queued) > 1 and queued_bytes > in_flight_bytes:
-                queued_bytes -= queued.popleft().numel()
+        self.plan_bytes = sum(spec.nbytes for spec in plan.tensors)
+        self.bound(limit_bytes)
+        try:
+            with self._lock:
+                arena = self._arena_for(device)
+                if arena is not None and self.allocated_bytes != before:
+                    arena.zero_()
+                cap = arena.numel() if arena is not None else 0
+                held = [self._from_overflow(size, device) for size in sorted(set(landing_sizes(plan))) if size > cap]
+                for view in held:
+                    view.zero_()
+        finally:
+            self.bound(None)
         return self.allocated_bytes - before
 
     def next_version(self) -> None:
         with self._lock:
             self._generation += 1
+            self.peak_bytes = 0
+            self.waited_s = 0.0
 
     def trim(self) -> None:
-        """Free the buffers neither this version nor the one before handed out (and that
-        nothing references): the pool follows the plan, without churning on small timing
-        differences between versions."""
+        """Free the overflow buffers neither this version nor the one before handed out
+        (and that nothing references): the pool follows the plan, without churning on
+        small timing differences between versions."""
         with self._lock:
             for size in list(self._by_size):
                 keep = [e for e in self._by_size[size] if e[1] >= self._generation - 1 or _use_count(e[0]) > 2]
@@ -155,12 +277,15 @@ class LandingPool:
                     del self._by_size[size]
 
     def close(self) -> None:
-        """Drop every buffer (tensors still viewing one keep it alive until they go)."""
+        """Drop the arena and every buffer (tensors still viewing one keep it alive until
+        they go)."""
         with self._lock:
             self._by_size = {}
+            self._arena, self._ranges, self._cursor = None, [], 0
 
     def assembler(self, specs: Sequence[TensorSpec], device: torch.device) -> PooledAssembler:
         """For ``Receiver.receive(landing=pool)``."""
+        self.plan_bytes = sum(spec.nbytes for spec in specs)
         return PooledAssembler(specs, device, self)
 
 
@@ -201,22 +326,31 @@ class PooledAssembler(Assembler):
         self.pool = pool
         self.ahead = max(1, ahead)
         self._targets: dict[int, torch.Tensor] = {}  # bucket index -> the bytes it lands in
+        self._wait = True  # acquire waits for room in the pool (not while the transport asks ahead)
 
-    def _pooled(self, spec: TensorSpec) -> torch.Tensor:
-        raw = self.pool.acquire(spec.nbytes, self.device)
-        return raw.view(spec.torch_dtype).view(spec.shape) if spec.nbytes else torch.empty(
-            spec.shape, dtype=spec.torch_dtype, device=self.device)
+    def _pooled(self, spec: TensorSpec) -> torch.Tensor | None:
+        if not spec.nbytes:
+            return torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.device)
+        raw = self.pool.acquire(spec.nbytes, self.device, wait=self._wait)
+        return None if raw is None else raw.view(spec.torch_dtype).view(spec.shape)
 
-    def _land(self, bucket: Bucket) -> torch.Tensor:
-        target = super().landing(bucket)  # one range of one tensor: that range of its buffer
-        if target is None:
-            target = self.pool.acquire(bucket.nbytes, self.device)  # packed: a buffer of its own
-        return target
+    def _land(self, bucket: Bucket) -> torch.Tensor | None:
+        """Where ``bucket`` lands; None only when not waiting and the pool has no room."""
+        first = bucket.pieces[0] if len(bucket.pieces) == 1 else None
+        if first is not None and first.bucket_offset == 0 and first.length:
+            return super().landing(bucket)  # one range of one tensor: that range of its buffer
+        return self.pool.acquire(bucket.nbytes, self.device, wait=self._wait)  # packed: a buffer of its own
 
     def landing(self, bucket: Bucket) -> torch.Tensor | None:
         if len(self._targets) >= self.ahead:
             return None  # enough landed ahead of the consumer: the transport's own buffer
-        target = self._targets[bucket.index] = self._land(bucket)
+        self._wait = False  # no room in the pool now: the transport's own buffer
+        try:
+            target = self._land(bucket)
+        finally:
+            self._wait = True
+        if target is not None:
+            self._targets[bucket.index] = target
         return target
 
     def unpack(self, bucket: Bucket, buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -238,7 +372,12 @@ class _Handoff:
         self.items: collections.deque[tuple[str, Any, int]] = collections.deque()
         self.bytes = 0
         self.peak_bytes = 0
+        self.waiting = 0  # the loader waits in get
         self.cond = threading.Condition()
+
+    def starved(self) -> bool:
+        """The loader waits for an item and none is queued."""
+        return self.waiting > 0 and not self.items
 
     def put(self, item: Any, nbytes: int, timeout: float) -> bool:
         """Queue an item; False if there was no room within ``timeout``."""
@@ -260,7 +399,12 @@ class _Handoff:
 
     def get(self, timeout: float) -> tuple[str, Any]:
         with self.cond:
-            if not self.cond.wait_for(lambda: bool(self.items), timeout):
+            self.waiting += 1
+            try:
+                arrived = self.cond.wait_for(lambda: bool(self.items), timeout)
+            finally:
+                self.waiting -= 1
+            if not arrived:
                 return "error", SyncTimeout(f"no tensor from the receiving thread within {timeout:.0f} s")
             kind, payload, nbytes = self.items.popleft()
             self.bytes -= nbytes
@@ -290,6 +434,10 @@ class PipelineResult:
     wait_s: float = 0.0
     #: most bytes queued ahead of the loader
     queued_peak_bytes: int = 0
+    #: most landing memory in use at once (queued, loading, held by the engine, landed ahead)
+    landing_peak_bytes: int = 0
+    #: seconds the receiving thread waited for the engine to release landing memory
+    landing_wait_s: float = 0.0
 
 
 def receive_into(
@@ -321,6 +469,10 @@ def receive_into(
             raise load_error[0]
 
     pool.next_version()
+    # Landing memory in use stays within the in-flight bound, passed only when the loader
+    # waits with nothing queued (the engine holds what it needs to complete a layer) or
+    # has stopped (the receiving thread must get on to stopping the transfer).
+    pool.bound(in_flight_bytes, lambda: handoff.starved() or stop[0] is not None, timeout_s)
     items = receiver.receive(version, landing=pool, settle=settle)
 
     def receiving() -> None:
@@ -392,7 +544,10 @@ def receive_into(
         log.error("weightsync: the receiving thread of version %s did not end within %.0f s", version, guard_s)
         result.error = result.error or SyncTimeout(f"the transfer of version {version} did not end")
     handoff.clear()
+    pool.bound(None)
     result.queued_peak_bytes = handoff.peak_bytes
+    result.landing_peak_bytes = pool.peak_bytes
+    result.landing_wait_s = pool.waited_s
     pool.trim()
     return result
 

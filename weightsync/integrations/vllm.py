@@ -197,6 +197,8 @@ class ReplicaReceiver:
             "landing_bytes": self.pool.bytes,
             "landing_allocated_bytes": self.pool.allocated_bytes - allocated,
             "queued_peak_bytes": result.queued_peak_bytes,
+            "landing_peak_bytes": result.landing_peak_bytes,
+            "landing_wait_s": result.landing_wait_s,
         }
         return self.status()
 
