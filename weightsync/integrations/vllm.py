@@ -161,9 +161,9 @@ class ReplicaReceiver:
     def receive(self, version: int, reload: Reload) -> dict[str, Any]:
         """Receive ``version`` and load it through ``reload``; return the status.
 
-        Pipelined (``weightsync.pipeline``): the transfer runs in a background thread up to
-        ``receive_buckets_in_flight`` buckets ahead of ``reload``, and tensors land in this
-        worker's landing pool, reused across versions. Never raises for a failed sync: the
+        Pipelined (``weightsync.pipeline``): the transfer runs in a background thread ahead
+        of ``reload``, and tensors land in this worker's landing arena of
+        ``receive_buckets_in_flight`` buckets, reused across versions. Never raises for a failed sync: the
         status says what happened (``ok``, ``error``), so the trainer gets every replica's
         account, not just the first exception.
         """
