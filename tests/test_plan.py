@@ -16,6 +16,7 @@ from weightsync.plan import (
     TensorSpec,
     as_bytes,
     direct_bytes,
+    packed_lag_bytes,
     dtype_name,
     make_plan,
     pack_pieces,
@@ -131,7 +132,7 @@ def test_plan_serializes_without_pickle_and_hash_is_stable():
     assert make_plan(specs, 192).hash != plan.hash
     assert make_plan(specs[::-1], 128).hash != plan.hash
     # Fixed value: a change to the layout rule must bump PLAN_FORMAT, not silently change this.
-    assert plan.hash == "a61373b54f9d8baf5e41c670486eb5499f6e575ad38e418b938b65df22bd76cf"
+    assert plan.hash == "3f96d02677d88540f0e29d980ccb8d8c709d0ff0a1ccd24b43a0113fcf5a973d"
 
 
 def test_streaming_builder_matches_whole_plan():
@@ -164,16 +165,18 @@ def test_large_tensors_travel_alone_and_small_ones_stay_packed():
     # Every bucket of a large tensor holds one range of it, at offset 0, nothing else.
     assert all(len(b.pieces) == 1 and b.pieces[0].bucket_offset == 0 for b in alone)
     assert [b.nbytes for b in alone] == [2 * mib, mib + 40, mib]
-    # The small ones share one bucket, which stayed open while the large ones passed.
-    packed = [b for b in plan.buckets if b not in alone]
-    assert len(packed) == 1 and [plan.tensors[p.tensor].name for p in packed[0].pieces] == ["norm0", "norm1"]
+    # The small ones are packed: norm0's bucket closed before "big", which alone is more
+    # than an eighth of a bucket, could pass it.
+    packed = [[plan.tensors[p.tensor].name for p in b.pieces] for b in plan.buckets if b not in alone]
+    assert packed == [["norm0"], ["norm1"]]
     assert [b.index for b in plan.buckets] == list(range(len(plan.buckets)))
 
 
-def test_a_packed_bucket_closes_once_a_bucket_of_large_tensors_passed_it():
-    # Layer by layer, as a transformer's state dict: two large matrices, then a norm. An
+def test_a_packed_bucket_closes_before_an_eighth_of_a_bucket_of_large_tensors_passed_it():
+    # Layer by layer, as a transformer's state dict: large matrices, then small tensors. An
     # engine that completes a layer when its last tensor arrives (vLLM's layerwise reload)
-    # must not wait for the end of the model for the norms.
+    # holds the layer's matrices until its norms come: they must follow closely, and must
+    # not wait behind a huge tensor (an lm_head) either.
     mib = 1 << 20
     specs = []
     for layer in range(6):
@@ -182,11 +185,15 @@ def test_a_packed_bucket_closes_once_a_bucket_of_large_tensors_passed_it():
             TensorSpec(f"l{layer}.o", (mib // 2,), "float32"),
             TensorSpec(f"l{layer}.norm", (64,), "float32"),
         ]
-    plan = make_plan(specs, 8 * mib)
+    specs += [TensorSpec("final_norm", (64,), "float32"), TensorSpec("lm_head", (9 * mib,), "float32")]
+    plan = make_plan(specs, 32 * mib)  # lag: 4 MiB, two matrices
+    assert packed_lag_bytes(32 * mib) == 4 * mib
     order = [plan.tensors[p.tensor].name for b in plan.buckets for p in b.pieces]
-    # Every norm travels within one bucket (8 MiB: two layers) after its own layer's matrices.
+    # Every norm travels within 4 MiB (two matrices) of its own layer's matrices.
     for layer in range(6):
-        assert 0 < order.index(f"l{layer}.norm") - order.index(f"l{layer}.o") <= 2 * 2 + 1
+        assert 0 < order.index(f"l{layer}.norm") - order.index(f"l{layer}.o") <= 3
     packed = [[plan.tensors[p.tensor].name for p in b.pieces] for b in plan.buckets if len(b.pieces) > 1]
-    # A packed bucket closes before the first large tensor that finds 8 MiB passed it.
-    assert packed == [["l0.norm", "l1.norm", "l2.norm"], ["l3.norm", "l4.norm", "l5.norm"]]
+    # A packed bucket closes before the large tensor that would take 4 MiB past it, and
+    # before the lm_head, which alone is larger.
+    assert packed == [["l0.norm", "l1.norm"], ["l2.norm", "l3.norm"], ["l4.norm", "l5.norm", "final_norm"]], packed
+    assert order.index("final_norm") < order.index("lm_head")

@@ -72,9 +72,10 @@ class LandingPool:
     most twice that serves), those the last two versions did not use freed by ``trim``.
     """
 
-    #: seconds between looks at the use counts while waiting (nothing signals when the
-    #: engine drops its last view of a range)
-    POLL_S = 0.002
+    #: the longest ``acquire`` waits between looks at the use counts: the engine lets go
+    #: of tensors while it loads, and the loader calls ``released`` when it asks for the
+    #: next one, but nothing signals every release
+    POLL_S = 0.02
     #: ranges of the arena start on this boundary (any dtype's alignment, a page)
     ALIGN = 4096
 
@@ -87,6 +88,7 @@ class LandingPool:
         self._by_size: dict[int, list[list[Any]]] = {}
         self._generation = 0
         self._lock = threading.Lock()
+        self._released_cond = threading.Condition(self._lock)
         #: buffers allocated over the pool's life (the arena counts as one; a steady
         #: version adds none)
         self.allocations = 0
@@ -100,6 +102,8 @@ class LandingPool:
         self.peak_bytes = 0
         #: seconds ``acquire`` waited for the engine to release memory this version
         self.waited_s = 0.0
+        #: bytes received elsewhere (the transport's own buffers) and copied in this version
+        self.copied_bytes = 0
 
     # -------------------------------------------------------------- accounting
     def _entries(self) -> list[list[Any]]:
@@ -225,16 +229,22 @@ class LandingPool:
                     if waited_since is not None:
                         self.waited_s += time.perf_counter() - waited_since
                     return view
-            if not wait:
-                return None
-            now = time.perf_counter()
-            if waited_since is None:
-                waited_since = now
-            elif now - waited_since > self._wait_s:
-                self.waited_s += now - waited_since
-                raise SyncTimeout(f"no landing memory for {nbytes} bytes within {self._wait_s:.0f} s: the engine "
-                                  f"held {in_use} of the {self.limit_bytes} bytes allowed")
-            time.sleep(self.POLL_S)
+                if not wait:
+                    return None
+                now = time.perf_counter()
+                if waited_since is None:
+                    waited_since = now
+                elif now - waited_since > self._wait_s:
+                    self.waited_s += now - waited_since
+                    raise SyncTimeout(f"no landing memory for {nbytes} bytes within {self._wait_s:.0f} s: the engine "
+                                      f"held {in_use} of the {self.limit_bytes} bytes allowed")
+                self._released_cond.wait(self.POLL_S)
+
+    def released(self) -> None:
+        """The engine may have let go of memory (the loader asks for its next tensor): wake
+        an ``acquire`` that waits for room."""
+        with self._lock:
+            self._released_cond.notify_all()
 
     def reserve(self, plan: Plan, limit_bytes: int, device: torch.device | None = None) -> int:
         """Allocate now the landing memory that versions of ``plan`` land in within
@@ -263,6 +273,7 @@ class LandingPool:
             self._generation += 1
             self.peak_bytes = 0
             self.waited_s = 0.0
+            self.copied_bytes = 0
 
     def trim(self) -> None:
         """Free the overflow buffers neither this version nor the one before handed out
@@ -359,6 +370,7 @@ class PooledAssembler(Assembler):
             target = self._land(bucket)
         if bucket.nbytes and target.data_ptr() != buffer.data_ptr():
             target.copy_(buffer[: bucket.nbytes])
+            self.pool.copied_bytes += bucket.nbytes
         yield from super().unpack(bucket, target)
 
 
@@ -367,8 +379,9 @@ class _Handoff:
     """Items from the receiving thread to the loader, bounded in bytes (one item always
     fits), then one end: ``("end", None)`` or ``("error", exception)``."""
 
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(self, limit_bytes: int, on_get: Callable[[], None] = lambda: None) -> None:
         self.limit = max(1, limit_bytes)
+        self.on_get = on_get  # the loader asks for the next item: the engine let go of the last
         self.items: collections.deque[tuple[str, Any, int]] = collections.deque()
         self.bytes = 0
         self.peak_bytes = 0
@@ -400,6 +413,7 @@ class _Handoff:
     def get(self, timeout: float) -> tuple[str, Any]:
         with self.cond:
             self.waiting += 1
+            self.on_get()
             try:
                 arrived = self.cond.wait_for(lambda: bool(self.items), timeout)
             finally:
@@ -438,6 +452,8 @@ class PipelineResult:
     landing_peak_bytes: int = 0
     #: seconds the receiving thread waited for the engine to release landing memory
     landing_wait_s: float = 0.0
+    #: bytes the transport received into its own buffers, then copied into landing memory
+    landing_copied_bytes: int = 0
 
 
 def receive_into(
@@ -455,7 +471,7 @@ def receive_into(
     engine finalizes its reload); a loader that raises (or stops early) stops the transfer
     and the sender is told."""
     result = PipelineResult()
-    handoff = _Handoff(in_flight_bytes)
+    handoff = _Handoff(in_flight_bytes, on_get=pool.released)
     loaded = threading.Event()
     load_error: list[BaseException | None] = [None]
     stop: list[BaseException | None] = [None]  # set by the loader side: throw this into the sync
@@ -548,6 +564,7 @@ def receive_into(
     result.queued_peak_bytes = handoff.peak_bytes
     result.landing_peak_bytes = pool.peak_bytes
     result.landing_wait_s = pool.waited_s
+    result.landing_copied_bytes = pool.copied_bytes
     pool.trim()
     return result
 

@@ -13,11 +13,15 @@ on either side). Small tensors are packed: each piece starts at a multiple of
 ``ALIGNMENT`` inside its bucket (so a receiver can view bucket bytes as any dtype); a
 tensor that does not fit in the space left starts a new bucket if it fits in a whole one,
 and is otherwise split, its first piece filling the space left. Buckets are numbered in
-the order they close: a packed bucket stays open while large tensors pass it, until a
-whole bucket's bytes of them have: it then closes before the next large tensor, so a small
-tensor travels at most about one bucket behind its neighbours in the order given. (An
-engine that loads layer by layer, like vLLM's reload, completes a layer only when its
-norms and biases arrived; a packed bucket left open to the end would hold every layer.)
+the order they close: a packed bucket stays open while large tensors pass it, at most an
+eighth of a bucket's bytes of them (``packed_lag_bytes``): it closes before a large tensor
+that would take them beyond, so a small tensor travels at most that far behind its
+neighbours in the order given (or one large tensor, if that alone is larger). (An engine that loads layer by layer, like
+vLLM's reload, completes a layer only when its norms and biases arrived, and holds the
+layer's matrices until then: the lag is memory on every receiver. A packed bucket left
+open to the end would hold every layer; one closed a whole bucket later held about three
+layers of a small model, and the lm_head passed the last layers' norms. Format 3 closed
+there.)
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 
 from weightsync import platform
 
-PLAN_FORMAT = 3
+PLAN_FORMAT = 4
 ALIGNMENT = 64  # bytes; a multiple of every dtype's size, and a cache line
 DIRECT_MIN_BYTES = 1 << 20
 # What a receiver accepts from the wire, checked spec by spec before anything is built or
@@ -51,6 +55,13 @@ def direct_bytes(bucket_bytes: int) -> int:
     on every receiver; a bucket of its own costs one more transfer call. From 1 MiB (or
     1/64 of a bucket) up, the saved copies outweigh the call."""
     return max(DIRECT_MIN_BYTES, bucket_bytes // 64)
+
+
+def packed_lag_bytes(bucket_bytes: int) -> int:
+    """Bytes of large tensors that may pass an open packed bucket before it closes: an
+    eighth of a bucket (8 MiB of 64 MiB buckets, about one layer of a small model). Each
+    close costs one more (small) bucket on the wire."""
+    return max(1, bucket_bytes // 8)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -248,6 +259,7 @@ class PlanBuilder:
             raise ValueError(f"bucket size must be at least {ALIGNMENT} bytes, got {bucket_bytes}")
         self.bucket_bytes = bucket_bytes
         self.direct_bytes = direct_bytes(bucket_bytes)
+        self.lag_bytes = packed_lag_bytes(bucket_bytes)
         self.specs: list[TensorSpec] = []
         self._pieces: list[Piece] = []
         self._used = 0
@@ -279,7 +291,7 @@ class PlanBuilder:
         n = spec.nbytes
         closed: list[Bucket] = []
         if n >= self.direct_bytes:  # alone, in whole buckets; the packed bucket stays open
-            if self._passed >= self.bucket_bytes:  # ... unless a whole bucket's worth passed it
+            if self._passed + n > self.lag_bytes:  # ... unless this one would pass it too far
                 closed += self._close()
             if self._open:
                 self._passed += n

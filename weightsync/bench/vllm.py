@@ -210,6 +210,7 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
                         "landing_allocated_mb": max(w["landing_allocated_bytes"] for w in workers) / 2**20,
                         "landing_peak_mb": max(w["landing_peak_bytes"] for w in workers) / 2**20,
                         "landing_wait_s": max(w["landing_wait_s"] for w in workers),
+                        "landing_copied_mb": max(w["landing_copied_bytes"] for w in workers) / 2**20,
                         "rss_before_mb": max(rss), "rss_growth_mb": max(pk - r0 for pk, r0 in zip(peaks, rss)),
                         **{f"cpu_{k}_s": v for k, v in update_cpu.items()},
                     })
@@ -237,7 +238,7 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
                     "repeats_s": [round(u["seconds"], 4) for u in steady],
                     **{k: round(statistics.median(u[k] for u in steady), 4)
                        for k in ("pause_s", "sync_s", "resume_s", "handshake_s", "transfer_s", "worker_load_s",
-                                 "worker_first_s", "worker_wait_s", "landing_mb", "landing_allocated_mb", "landing_peak_mb", "landing_wait_s",
+                                 "worker_first_s", "worker_wait_s", "landing_mb", "landing_allocated_mb", "landing_peak_mb", "landing_wait_s", "landing_copied_mb",
                                  "rss_before_mb", *(f"cpu_{g}_s" for g in cpu.groups)) if steady[0][k] is not None},
                     "rss_growth_mb": round(max(u["rss_growth_mb"] for u in steady), 1),
                     # where the first update's time went

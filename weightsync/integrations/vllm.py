@@ -199,6 +199,7 @@ class ReplicaReceiver:
             "queued_peak_bytes": result.queued_peak_bytes,
             "landing_peak_bytes": result.landing_peak_bytes,
             "landing_wait_s": result.landing_wait_s,
+            "landing_copied_bytes": result.landing_copied_bytes,
         }
         return self.status()
 
