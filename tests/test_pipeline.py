@@ -244,18 +244,6 @@ def test_bounded_pool_lands_in_one_arena_and_reuses_ranges_as_they_are_released(
     assert pool.bytes == 0
 
 
-def test_the_arena_holds_twice_the_largest_tensor_and_no_more_than_the_model():
-    from weightsync.plan import TensorSpec, make_plan
-
-    big = [TensorSpec("embed", (3 * 4096,), "uint8")] + [TensorSpec(f"w{i}", (4096,), "uint8") for i in range(4)]
-    pool = LandingPool()
-    # a bound of one 4096-byte bucket: the 3-page embedding lands whole, beside a range held
-    assert pool.reserve(make_plan(big, 4096), 4096) == 6 * 4096 and pool.bytes == 6 * 4096
-    small = LandingPool()
-    # a bound of 2 GiB for a model of 7 pages: the model's bytes
-    assert small.reserve(make_plan(big, 4096), 2 << 30) == 7 * 4096
-
-
 class FakeReplica:
     """A replica as ``VLLMRollout`` drives one (the ``Replica`` protocol), served by a
     replica process without vLLM; pausing and resuming are recorded."""

@@ -59,8 +59,7 @@ class LandingPool:
     """Memory that received buckets land in, reused across versions.
 
     Bounded (``bound(limit_bytes, ...)``, for the length of one version): buckets land in
-    one arena of ``limit_bytes`` (at least twice the plan's largest tensor, at most the
-    plan's bytes: ``_arena_for``), allocated once and kept, each range handed out as a
+    one arena of ``limit_bytes``, allocated once and kept, each range handed out as a
     tensor with a storage of its own (``torch.from_dlpack``), so its use count says when
     nothing views it any more and the range is free again. ``acquire`` takes the first
     free range after the last one handed out (the engine lets go of buckets roughly in
@@ -95,10 +94,8 @@ class LandingPool:
         self.allocations = 0
         self.allocated_bytes = 0
         self.limit_bytes: int | None = None
-        #: the bytes of the plan being received, and of its largest tensor (set by
-        #: ``assembler``): what the arena's size depends on besides the limit
+        #: the bytes of the plan being received (set by ``assembler``): the arena's cap
         self.plan_bytes = 0
-        self.largest_bytes = 0
         self._may_exceed: Callable[[], bool] = lambda: True
         self._wait_s = 0.0
         #: the most bytes in use at once during this version (``next_version`` resets it)
@@ -135,16 +132,12 @@ class LandingPool:
 
     # ---------------------------------------------------------------- the arena
     def _arena_for(self, device: torch.device) -> torch.Tensor | None:
-        """The arena on ``device``, as much of it as the bound allows: the limit, at least
-        twice the largest tensor (which lands whole: beside one range still held, say the
-        tensor the engine's loop has not let go of yet, it always finds room), at most the
-        plan's bytes (a bound of 2 GiB buckets for a 7 MB model). Made (or grown) when none
-        of it is in use; a larger one serves a smaller bound (a delta version)."""
+        """The arena on ``device``, as much of it as the bound allows: the limit, capped at
+        the plan's bytes (a bound of 2 GiB buckets for a 7 MB model). Made (or grown) when
+        none of it is in use; a larger one serves a smaller bound (a delta version)."""
         if self.limit_bytes is None:
             return None
-        size = max(self.limit_bytes, 2 * _aligned(self.largest_bytes, self.ALIGN))
-        if self.plan_bytes:
-            size = min(size, _aligned(self.plan_bytes, self.ALIGN))
+        size = min(self.limit_bytes, _aligned(self.plan_bytes, self.ALIGN)) if self.plan_bytes else self.limit_bytes
         arena = self._arena
         if (arena is None or arena.numel() < size or arena.device != device) and not self._ranges:
             self._arena = arena = None  # dropped before its successor is allocated
@@ -260,7 +253,7 @@ class LandingPool:
         Overflow buffers no version uses are freed by ``trim`` after two versions."""
         device = device if device is not None else (self.device or torch.device("cpu"))
         before = self.allocated_bytes
-        self._plan(plan.tensors)
+        self.plan_bytes = sum(spec.nbytes for spec in plan.tensors)
         self.bound(limit_bytes)
         try:
             with self._lock:
@@ -303,12 +296,8 @@ class LandingPool:
 
     def assembler(self, specs: Sequence[TensorSpec], device: torch.device) -> PooledAssembler:
         """For ``Receiver.receive(landing=pool)``."""
-        self._plan(specs)
-        return PooledAssembler(specs, device, self)
-
-    def _plan(self, specs: Sequence[TensorSpec]) -> None:
         self.plan_bytes = sum(spec.nbytes for spec in specs)
-        self.largest_bytes = max((spec.nbytes for spec in specs), default=0)
+        return PooledAssembler(specs, device, self)
 
 
 def landing_sizes(plan: Plan) -> list[int]:
