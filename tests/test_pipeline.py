@@ -244,6 +244,19 @@ def test_bounded_pool_lands_in_one_arena_and_reuses_ranges_as_they_are_released(
     assert pool.bytes == 0
 
 
+def test_a_request_larger_than_half_the_arena_takes_a_buffer_of_its_own_kept_across_versions():
+    pool = LandingPool()
+    for version in range(3):
+        pool.next_version()
+        pool.bound(4 * 4096, lambda: False, wait_s=0.05)
+        small = pool.acquire(4096)  # the ring: wherever its cursor is, ...
+        big = pool.acquire(3 * 4096)  # ... 3 pages would not always fit beside it
+        assert big.data_ptr() not in range(small.data_ptr() - 3 * 4096, small.data_ptr() + 4096)
+        del small, big
+        pool.trim()
+    assert pool.allocations == 2 and pool.bytes == 7 * 4096  # the arena and one buffer, once
+
+
 class FakeReplica:
     """A replica as ``VLLMRollout`` drives one (the ``Replica`` protocol), served by a
     replica process without vLLM; pausing and resuming are recorded."""

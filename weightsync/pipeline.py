@@ -66,10 +66,11 @@ class LandingPool:
     the order they came, so the arena is used as a ring), and waits for the engine to let
     go of a range when none fits; the limit is passed only when ``may_exceed()`` says
     waiting cannot help (the loader waits for a tensor with nothing queued: the engine
-    holds what it needs to complete a layer) or for a request larger than the arena.
-    Such requests, and every request of an unbounded pool, take a buffer of their own
-    from the overflow: buffers kept by size (a free one of at least ``nbytes`` and at
-    most twice that serves), those the last two versions did not use freed by ``trim``.
+    holds what it needs to complete a layer). Requests larger than half the arena (a
+    tensor larger than a bucket lands whole), those that pass the limit, and every request
+    of an unbounded pool take a buffer of their own from the overflow: buffers kept by
+    size (a free one of at least ``nbytes`` and at most twice that serves), those the last
+    two versions did not use freed by ``trim``.
     """
 
     #: the longest ``acquire`` waits between looks at the use counts: the engine lets go
@@ -219,10 +220,15 @@ class LandingPool:
                 in_use = self._in_use()
                 arena = self._arena_for(device)
                 view = None
-                if arena is not None and nbytes <= arena.numel():
+                # A request larger than half the arena takes a buffer of its own (kept): the
+                # arena is a ring, and beside the ranges still held it would not always find
+                # that much contiguous room; half or less always does beside one small range.
+                large = arena is None or 2 * nbytes > arena.numel()
+                if not large:
                     view = self._from_arena(arena, nbytes)
-                # (not to land ahead: the transport's own buffer serves then)
-                if view is None and (arena is None or nbytes > arena.numel() or (wait and self._may_exceed())):
+                elif self.limit_bytes is None or in_use + nbytes <= self.limit_bytes:
+                    view = self._from_overflow(nbytes, device)
+                if view is None and wait and self._may_exceed():  # (not to land ahead: the transport's buffer serves)
                     view = self._from_overflow(nbytes, device)
                 if view is not None:
                     self.peak_bytes = max(self.peak_bytes, in_use + nbytes)
@@ -248,7 +254,7 @@ class LandingPool:
 
     def reserve(self, plan: Plan, limit_bytes: int, device: torch.device | None = None) -> int:
         """Allocate now the landing memory that versions of ``plan`` land in within
-        ``limit_bytes`` (the arena, and a buffer for each size of the plan that is larger),
+        ``limit_bytes`` (the arena, and a buffer for each size of the plan larger than half of it),
         zeroed so its pages are in before the first transfer; returns the bytes allocated.
         Overflow buffers no version uses are freed by ``trim`` after two versions."""
         device = device if device is not None else (self.device or torch.device("cpu"))
@@ -261,7 +267,7 @@ class LandingPool:
                 if arena is not None and self.allocated_bytes != before:
                     arena.zero_()
                 cap = arena.numel() if arena is not None else 0
-                held = [self._from_overflow(size, device) for size in sorted(set(landing_sizes(plan))) if size > cap]
+                held = [self._from_overflow(size, device) for size in sorted(set(landing_sizes(plan))) if 2 * size > cap]
                 for view in held:
                     view.zero_()
         finally:
