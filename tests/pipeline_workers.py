@@ -11,7 +11,7 @@ import workers
 
 def weights(version: int) -> dict[str, torch.Tensor]:
     """``workers.make_weights`` (a split tensor, packed small ones) plus 30 tensors of one
-    1 MiB bucket each and 4 of 800 KB (a packed bucket each): 38 buckets of 1 MiB, many more
+    1 MiB bucket each and 4 of 800 KB (a packed bucket each): 37 buckets of up to 1 MiB, many more
     than the transport's window and the in-flight bound."""
     g = torch.Generator().manual_seed(2000 + version)
     out = dict(workers.make_weights(version))
