@@ -16,12 +16,12 @@ and is otherwise split, its first piece filling the space left. Buckets are numb
 the order they close: a packed bucket stays open while large tensors pass it, at most an
 eighth of a bucket's bytes of them (``packed_lag_bytes``): it closes before a large tensor
 that would take them beyond, so a small tensor travels at most that far behind its
-neighbours in the order given (or one large tensor, if that alone is larger). (An engine that loads layer by layer, like
-vLLM's reload, completes a layer only when its norms and biases arrived, and holds the
-layer's matrices until then: the lag is memory on every receiver. A packed bucket left
-open to the end would hold every layer; one closed a whole bucket later held about three
-layers of a small model, and the lm_head passed the last layers' norms. Format 3 closed
-there.)
+neighbours in the order given (or one large tensor, if that alone is larger). (An engine
+that loads layer by layer, like vLLM's reload, completes a layer only when its norms and
+biases arrived, and holds the layer's matrices until then: the lag is memory on every
+receiver. A packed bucket left open to the end would hold every layer; one closed a whole
+bucket later, as format 3 did, held about three layers of a small model, and the lm_head
+passed the last layers' norms.)
 """
 
 from __future__ import annotations

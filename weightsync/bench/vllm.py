@@ -238,7 +238,8 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
                     "repeats_s": [round(u["seconds"], 4) for u in steady],
                     **{k: round(statistics.median(u[k] for u in steady), 4)
                        for k in ("pause_s", "sync_s", "resume_s", "handshake_s", "transfer_s", "worker_load_s",
-                                 "worker_first_s", "worker_wait_s", "landing_mb", "landing_allocated_mb", "landing_peak_mb", "landing_wait_s", "landing_copied_mb",
+                                 "worker_first_s", "worker_wait_s", "landing_mb", "landing_allocated_mb",
+                                 "landing_peak_mb", "landing_wait_s", "landing_copied_mb",
                                  "rss_before_mb", *(f"cpu_{g}_s" for g in cpu.groups)) if steady[0][k] is not None},
                     "rss_growth_mb": round(max(u["rss_growth_mb"] for u in steady), 1),
                     # where the first update's time went

@@ -163,9 +163,9 @@ class ReplicaReceiver:
 
         Pipelined (``weightsync.pipeline``): the transfer runs in a background thread ahead
         of ``reload``, and tensors land in this worker's landing arena of
-        ``receive_buckets_in_flight`` buckets, reused across versions. Never raises for a failed sync: the
-        status says what happened (``ok``, ``error``), so the trainer gets every replica's
-        account, not just the first exception.
+        ``receive_buckets_in_flight`` buckets, reused across versions. Never raises for a
+        failed sync: the status says what happened (``ok``, ``error``), so the trainer gets
+        every replica's account, not just the first exception.
         """
         if self.receiver is None:
             raise RuntimeError("weightsync receiver not initialized: call weightsync_init first")
