@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from weightsync import EngineConfig, Sender  # noqa: E402
+from weightsync.bench.vllm import _cpu_s, _stat  # noqa: E402
 from weightsync.demo_vllm import (  # noqa: E402
     PROMPTS,
     replica_greedy,
@@ -159,6 +160,27 @@ def test_replicas_run_with_tcmalloc_preloaded_as_vllm_recommends_on_cpu(setup):
     with open("/proc/self/maps") as f:
         assert "libtcmalloc" not in f.read()
     assert "tcmalloc" not in os.environ.get("LD_PRELOAD", "")
+
+
+def test_engine_cores_wait_for_an_update_without_spinning(setup):
+    """vLLM's engine core spins on its workers' answer queue for 1 s after each read; during
+    weightsync's calls it waits on the queue's notification socket instead (the plugin's
+    ``register``), so it leaves the cores to the transfer and the workers' loading. Here
+    the sender holds the update 1.5 s right after a status call (a read by each engine
+    core): spinning, each engine core would burn about that second."""
+    cores = [int(_stat(pid)[1]) for pid in setup.pids]  # a worker's parent: its engine core
+
+    def held(state):
+        time.sleep(1.5)  # the workers wait in weightsync_receive, the engine cores for them
+        yield from state.items()
+
+    setup.rollout.status()
+    before = sum(_cpu_s(p) for p in cores)
+    setup.version += 1
+    report = setup.rollout.update(held(setup.model.state_dict()), setup.version)
+    used = sum(_cpu_s(p) for p in cores) - before
+    assert report.ok and report.sync_s > 1.5, report.summary()
+    assert used < 0.3, f"the engine cores used {used:.2f} CPU s while waiting for their workers"
 
 
 def test_a_new_rollout_warms_every_worker_up_at_init_and_its_first_update_reuses_it(setup):

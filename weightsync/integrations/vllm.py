@@ -389,12 +389,51 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
+def _idle_waits_for_weightsync_calls() -> None:
+    """Make the engine core wait for the workers' answer to a ``weightsync_*`` call without
+    spinning (idempotent).
+
+    vLLM's engine core reads its workers' answers from a shared-memory queue that spins
+    (``sched_yield``) for 1 s after its last read (``SpinCondition.busy_loop_s``): right for
+    a model step, but an update lasts longer, and where the replicas share the trainer's
+    cores (the CPU backend) the spinning engine cores take the cores the transfer and the
+    workers' loading need. During our calls the queues wait on their notification socket
+    instead (every write notifies); vLLM's own calls keep spinning as before.
+    """
+    try:
+        from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    except ImportError:
+        return
+    original = MultiprocExecutor.collective_rpc
+    if getattr(original, "_weightsync_idle", False):
+        return
+
+    @functools.wraps(original)
+    def collective_rpc(self: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
+        if not (isinstance(method, str) and method.startswith("weightsync_")) or kwargs.get("non_block"):
+            return original(self, method, *args, **kwargs)
+        waits = [c for mq in getattr(self, "response_mqs", None) or ()
+                 if hasattr(c := getattr(mq, "_spin_condition", None), "busy_loop_s")]
+        spins = [c.busy_loop_s for c in waits]
+        for c in waits:
+            c.busy_loop_s = 0
+        try:
+            return original(self, method, *args, **kwargs)
+        finally:
+            for c, s in zip(waits, spins):
+                c.busy_loop_s = s
+
+    collective_rpc._weightsync_idle = True  # type: ignore[attr-defined]
+    MultiprocExecutor.collective_rpc = collective_rpc  # type: ignore[method-assign]
+
+
 def register() -> None:
-    """Register ``weightsync`` in vLLM's weight-transfer engine registry (idempotent).
+    """Register ``weightsync`` in vLLM's weight-transfer engine registry, and let vLLM's
+    engine core wait idle for our calls (``_idle_waits_for_weightsync_calls``); idempotent.
 
     Run by this module's import and by vLLM's plugin loader (entry point
-    ``vllm.general_plugins``), so worker processes know the backend before they build
-    their engine.
+    ``vllm.general_plugins``) in each of vLLM's processes, so worker processes know the
+    backend before they build their engine, and the engine core waits idle.
     """
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -402,6 +441,7 @@ def register() -> None:
         return
     if BACKEND_NAME not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, __name__, "WeightsyncTransferEngine")
+    _idle_waits_for_weightsync_calls()
 
 
 register()
