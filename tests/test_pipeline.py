@@ -244,17 +244,40 @@ def test_bounded_pool_lands_in_one_arena_and_reuses_ranges_as_they_are_released(
     assert pool.bytes == 0
 
 
-def test_a_request_larger_than_half_the_arena_takes_a_buffer_of_its_own_kept_across_versions():
+def test_a_request_told_a_large_one_follows_leaves_it_room_and_only_one_larger_than_the_arena_takes_a_buffer():
+    """A layer's last bucket is placed so that the large tensor after it (the lm_head) fits
+    in the arena right after it, or, with no room there now, at the arena's end; a request as large as the arena lands in it when nothing
+    is held; only a request larger than the arena takes a buffer of its own, kept across
+    versions."""
+    page = LandingPool.ALIGN
     pool = LandingPool()
     for version in range(3):
         pool.next_version()
-        pool.bound(4 * 4096, lambda: False, wait_s=0.05)
-        small = pool.acquire(4096)  # the ring: wherever its cursor is, ...
-        big = pool.acquire(3 * 4096)  # ... 3 pages would not always fit beside it
-        assert big.data_ptr() not in range(small.data_ptr() - 3 * 4096, small.data_ptr() + 4096)
-        del small, big
+        pool.bound(4 * page, lambda: True, wait_s=0.05)
+        first = pool.acquire(page)
+        held = pool.acquire(page)  # the ring's cursor after 2 of 4 pages
+        del first
+        last = pool.acquire(page, then=3 * page)  # at the cursor, 3 pages would not fit after it
+        del held  # the engine lets go of what came before ...
+        large = pool.acquire(3 * page)  # ... and the large tensor lands right after the last bucket
+        arena = pool._arena
+        assert last.data_ptr() == arena.data_ptr()
+        assert large.data_ptr() == last.data_ptr() + page
+        del last, large
+        held = [pool.acquire(page), pool.acquire(page)]  # pages 0 and 1, the cursor after them
+        last = pool.acquire(page, then=3 * page)  # no room after it now: at the arena's end ...
+        del held
+        large = pool.acquire(3 * page)  # ... so the large one finds the pages let go of before it
+        assert (last.data_ptr(), large.data_ptr()) == (arena.data_ptr() + 3 * page, arena.data_ptr())
+        del last, large
+        mid = pool.acquire(page)
+        del mid  # nothing held, the ring's cursor one page in: the whole arena still serves
+        assert pool.acquire(4 * page).data_ptr() == arena.data_ptr()
+        huge = pool.acquire(5 * page)  # larger than the arena
+        assert not arena.data_ptr() <= huge.data_ptr() < arena.data_ptr() + 4 * page
+        del huge
         pool.trim()
-    assert pool.allocations == 2 and pool.bytes == 7 * 4096  # the arena and one buffer, once
+    assert pool.allocations == 2 and pool.bytes == 9 * page  # the arena and one buffer, once
 
 
 class FakeReplica:

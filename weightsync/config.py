@@ -208,11 +208,11 @@ class EngineConfig:
             "loader, being loaded, held by the engine until a layer completes, landed ahead), so a "
             "background thread's transfer runs ahead of the engine's loading by at most that much. "
             "One arena of this size (at most the model's bytes), allocated once and kept between "
-            "versions; a tensor larger than half of it gets a buffer of its own beside it, and the bound is "
+            "versions; a tensor larger than all of it gets a buffer of its own beside it, and the bound is "
             "passed only while the engine holds more than it to complete a layer. At least 1.",
             "通过推理引擎自身加载器加载的接收端（vLLM 集成）：已接收张量在工作进程中同时占用的内存上限（以桶计："
             "排队等待加载、正在加载、引擎为凑齐一层而持有、提前落地的部分），后台线程的传输最多领先引擎加载这么多。"
-            "该大小（至多为模型字节数）的一块内存只分配一次，跨版本复用；大于其一半的张量在其之外使用单独的缓冲区；"
+            "该大小（至多为模型字节数）的一块内存只分配一次，跨版本复用；大于整块内存的张量在其之外使用单独的缓冲区；"
             "仅当引擎为凑齐一层需要持有更多时才会超出。至少为 1。",
             allowed=">= 1",
         ),

@@ -63,14 +63,15 @@ class LandingPool:
     tensor with a storage of its own (``torch.from_dlpack``), so its use count says when
     nothing views it any more and the range is free again. ``acquire`` takes the first
     free range after the last one handed out (the engine lets go of buckets roughly in
-    the order they came, so the arena is used as a ring), and waits for the engine to let
-    go of a range when none fits; the limit is passed only when ``may_exceed()`` says
-    waiting cannot help (the loader waits for a tensor with nothing queued: the engine
-    holds what it needs to complete a layer). Requests larger than half the arena (a
-    tensor larger than a bucket lands whole), those that pass the limit, and every request
-    of an unbounded pool take a buffer of their own from the overflow: buffers kept by
-    size (a free one of at least ``nbytes`` and at most twice that serves), those the last
-    two versions did not use freed by ``trim``.
+    the order they came, so the arena is used as a ring; a free range across the cursor
+    serves when none on either side of it does), and waits for the engine to let go of a
+    range when none fits; the limit is passed only when ``may_exceed()`` says waiting cannot help (the
+    loader waits for a tensor with nothing queued: the engine holds what it needs to
+    complete a layer). A request told what comes next (``then``: a large tensor) is placed
+    so that the next one fits right after it. Requests larger than the arena, those that
+    pass the limit, and every request of an unbounded pool take a buffer of their own from
+    the overflow: buffers kept by size (a free one of at least ``nbytes`` and at most
+    twice that serves), those the last two versions did not use freed by ``trim``.
     """
 
     #: the longest ``acquire`` waits between looks at the use counts: the engine lets go
@@ -149,9 +150,11 @@ class LandingPool:
             return None
         return arena[:size]
 
-    def _gap(self, nbytes: int, size: int) -> int | None:
+    def _gap(self, nbytes: int, size: int, then: int = 0) -> int | None:
         """The offset of the first free range of ``nbytes`` at or after the cursor, else
-        from the start."""
+        from the start; with ``then``, preferably one that leaves room for ``then`` bytes
+        right after it (the engine will have let go of most of what lies there by then: it
+        is what came before), else the arena's end."""
         edges, start = [], 0
         for offset, length, _ in self._ranges:  # sorted by offset
             if offset > start and start < size:
@@ -161,14 +164,19 @@ class LandingPool:
             edges.append((start, size))
         after = [(max(a, self._cursor), b) for a, b in edges if b > self._cursor]
         before = [(a, min(b, self._cursor)) for a, b in edges if a < self._cursor]
-        for a, b in after + before:
-            a = _aligned(a, self.ALIGN)
-            if b - a >= nbytes:
-                return a
-        return None
+        fits = [a for a, b in after + before + edges if b - _aligned(a, self.ALIGN) >= nbytes]
+        fits = [_aligned(a, self.ALIGN) for a in fits]
+        ahead = [a for a in fits if _aligned(a + nbytes, self.ALIGN) + then <= size]
+        if then and not ahead and edges and edges[-1][1] == size:
+            # No room after it now: at the arena's end, where it splits none of the room
+            # the ranges held now leave when the engine lets go of them.
+            top = (size - nbytes) // self.ALIGN * self.ALIGN
+            if top >= edges[-1][0]:
+                return top
+        return (ahead or fits or [None])[0]
 
-    def _from_arena(self, arena: torch.Tensor, nbytes: int) -> torch.Tensor | None:
-        offset = self._gap(nbytes, arena.numel())
+    def _from_arena(self, arena: torch.Tensor, nbytes: int, then: int = 0) -> torch.Tensor | None:
+        offset = self._gap(nbytes, arena.numel(), then)
         if offset is None:
             return None
         handle = torch.from_dlpack(arena[offset : offset + nbytes])  # a storage of its own: its own use count
@@ -203,14 +211,16 @@ class LandingPool:
 
     # ------------------------------------------------------------------ acquire
     @overload
-    def acquire(self, nbytes: int, device: torch.device | None = None) -> torch.Tensor: ...
+    def acquire(self, nbytes: int, device: torch.device | None = None, *, then: int = 0) -> torch.Tensor: ...
     @overload
-    def acquire(self, nbytes: int, device: torch.device | None = None, *, wait: bool) -> torch.Tensor | None: ...
+    def acquire(self, nbytes: int, device: torch.device | None = None, *, wait: bool, then: int = 0) -> torch.Tensor | None: ...
 
-    def acquire(self, nbytes: int, device: torch.device | None = None, *, wait: bool = True) -> torch.Tensor | None:
+    def acquire(self, nbytes: int, device: torch.device | None = None, *, wait: bool = True, then: int = 0) -> torch.Tensor | None:
         """A uint8 tensor of ``nbytes`` in pool memory, the caller's until it lets go of
         every view of it. Bounded (``bound``): waits for room, or with ``wait=False``
-        returns None when there is none; raises ``SyncTimeout`` after ``wait_s``."""
+        returns None when there is none; raises ``SyncTimeout`` after ``wait_s``.
+        ``then``: the bytes of the request that will follow this one (placed, if it can
+        be, so that those fit right after it)."""
         device = device if device is not None else (self.device or torch.device("cpu"))
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8, device=device)
@@ -220,12 +230,9 @@ class LandingPool:
                 in_use = self._in_use()
                 arena = self._arena_for(device)
                 view = None
-                # A request larger than half the arena takes a buffer of its own (kept): the
-                # arena is a ring, and beside the ranges still held it would not always find
-                # that much contiguous room; half or less always does beside one small range.
-                large = arena is None or 2 * nbytes > arena.numel()
+                large = arena is None or nbytes > arena.numel()
                 if not large:
-                    view = self._from_arena(arena, nbytes)
+                    view = self._from_arena(arena, nbytes, then)
                 elif self.limit_bytes is None or in_use + nbytes <= self.limit_bytes:
                     view = self._from_overflow(nbytes, device)
                 if view is None and wait and self._may_exceed():  # (not to land ahead: the transport's buffer serves)
@@ -254,7 +261,7 @@ class LandingPool:
 
     def reserve(self, plan: Plan, limit_bytes: int, device: torch.device | None = None) -> int:
         """Allocate now the landing memory that versions of ``plan`` land in within
-        ``limit_bytes`` (the arena, and a buffer for each size of the plan larger than half of it),
+        ``limit_bytes`` (the arena, and a buffer for each size of the plan larger than it),
         zeroed so its pages are in before the first transfer; returns the bytes allocated.
         Overflow buffers no version uses are freed by ``trim`` after two versions."""
         device = device if device is not None else (self.device or torch.device("cpu"))
@@ -267,7 +274,7 @@ class LandingPool:
                 if arena is not None and self.allocated_bytes != before:
                     arena.zero_()
                 cap = arena.numel() if arena is not None else 0
-                held = [self._from_overflow(size, device) for size in sorted(set(landing_sizes(plan))) if 2 * size > cap]
+                held = [self._from_overflow(size, device) for size in sorted(set(landing_sizes(plan))) if size > cap]
                 for view in held:
                     view.zero_()
         finally:
@@ -300,31 +307,44 @@ class LandingPool:
             self._by_size = {}
             self._arena, self._ranges, self._cursor = None, [], 0
 
-    def assembler(self, specs: Sequence[TensorSpec], device: torch.device) -> PooledAssembler:
-        """For ``Receiver.receive(landing=pool)``."""
+    def assembler(self, specs: Sequence[TensorSpec], device: torch.device, buckets: Sequence[Bucket] = ()) -> PooledAssembler:
+        """For ``Receiver.receive(landing=pool)``; ``buckets``: the plan's, when known
+        before the transfer (each landing is then placed to leave room for the next)."""
         self.plan_bytes = sum(spec.nbytes for spec in specs)
-        return PooledAssembler(specs, device, self)
+        return PooledAssembler(specs, device, self, following=following_landings(specs, buckets))
 
 
-def landing_sizes(plan: Plan) -> list[int]:
-    """The pool buffer each bucket of ``plan`` lands in (``PooledAssembler``), by size, in
-    plan order: a bucket that is one range of one tensor lands in that tensor's buffer
-    (where a tensor is split over buckets, its whole size, once), a packed bucket in a
-    buffer of its own size."""
-    sizes: list[int] = []
+def _landings(tensors: Sequence[TensorSpec], buckets: Sequence[Bucket]) -> list[tuple[int, int]]:
+    """``(bucket index, bytes)`` of each bucket that takes pool memory (``PooledAssembler``),
+    in plan order: a bucket that is one range of one tensor lands in that tensor's buffer
+    (where a tensor is split over buckets, its whole size, taken by its first bucket), a
+    packed bucket in a buffer of its own size."""
+    out: list[tuple[int, int]] = []
     seen: set[int] = set()
-    for bucket in plan.buckets:
+    for bucket in buckets:
         first = bucket.pieces[0] if bucket.pieces else None
         if len(bucket.pieces) == 1 and first is not None and first.bucket_offset == 0 and first.length:
             if first.tensor in seen:
                 continue
             seen.add(first.tensor)
-            size = plan.tensors[first.tensor].nbytes
+            size = tensors[first.tensor].nbytes
         else:
             size = bucket.nbytes
         if size:
-            sizes.append(size)
-    return sizes
+            out.append((bucket.index, size))
+    return out
+
+
+def landing_sizes(plan: Plan) -> list[int]:
+    """The size of the pool buffer each bucket of ``plan`` that takes one lands in, in plan
+    order (``_landings``)."""
+    return [size for _, size in _landings(plan.tensors, plan.buckets)]
+
+
+def following_landings(tensors: Sequence[TensorSpec], buckets: Sequence[Bucket]) -> dict[int, int]:
+    """For each bucket that takes pool memory, the bytes the next one takes."""
+    landings = _landings(tensors, buckets)
+    return {index: size for (index, _), (_, size) in zip(landings, landings[1:])}
 
 
 class PooledAssembler(Assembler):
@@ -338,25 +358,31 @@ class PooledAssembler(Assembler):
     its own two buffers, copied into the pool when unpacked, so the pool does not grow
     with the transport's window."""
 
-    def __init__(self, tensors: Sequence[TensorSpec], device: torch.device, pool: LandingPool, ahead: int = LANDED_AHEAD) -> None:
+    def __init__(self, tensors: Sequence[TensorSpec], device: torch.device, pool: LandingPool, ahead: int = LANDED_AHEAD,
+                 following: dict[int, int] | None = None) -> None:
         super().__init__(tensors, device, destination=self._pooled, owned=False)
         self.pool = pool
         self.ahead = max(1, ahead)
         self._targets: dict[int, torch.Tensor] = {}  # bucket index -> the bytes it lands in
         self._wait = True  # acquire waits for room in the pool (not while the transport asks ahead)
+        # bucket index -> the bytes the next landing takes: a large tensor after a layer's
+        # last bucket (the lm_head) then finds the room right after it
+        self._following = following or {}
+        self._then = 0
 
     def _pooled(self, spec: TensorSpec) -> torch.Tensor | None:
         if not spec.nbytes:
             return torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.device)
-        raw = self.pool.acquire(spec.nbytes, self.device, wait=self._wait)
+        raw = self.pool.acquire(spec.nbytes, self.device, wait=self._wait, then=self._then)
         return None if raw is None else raw.view(spec.torch_dtype).view(spec.shape)
 
     def _land(self, bucket: Bucket) -> torch.Tensor | None:
         """Where ``bucket`` lands; None only when not waiting and the pool has no room."""
+        self._then = self._following.get(bucket.index, 0)
         first = bucket.pieces[0] if len(bucket.pieces) == 1 else None
         if first is not None and first.bucket_offset == 0 and first.length:
             return super().landing(bucket)  # one range of one tensor: that range of its buffer
-        return self.pool.acquire(bucket.nbytes, self.device, wait=self._wait)  # packed: a buffer of its own
+        return self.pool.acquire(bucket.nbytes, self.device, wait=self._wait, then=self._then)  # packed: its own
 
     def landing(self, bucket: Bucket) -> torch.Tensor | None:
         if len(self._targets) >= self.ahead:

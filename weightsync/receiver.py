@@ -399,7 +399,7 @@ class Receiver:
         route = intake.route
         destination = intake.destination(sink) if sink is not None else None
         if landing is not None and header is None:  # pooled landing memory (weightsync.pipeline)
-            assembler = landing.assembler(specs, self.device)
+            assembler = landing.assembler(specs, self.device, plan.buckets if plan is not None else ())
         else:
             assembler = Assembler(specs, self.device, destination, owned=owned and header is None)
         # Tensors handed out of a delta sync's buffers are copies when the consumer keeps them.
