@@ -27,6 +27,10 @@ import torch
 #: heads, kv heads) and the bytes of the two embeddings, of one layer (fp32)
 _LARGE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_attention_heads=12, num_key_value_heads=2)
 _SMALL = dict(vocab_size=5000, hidden_size=128, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+#: vLLM's workers spin on their queue (``sched_yield``) for 1 s after each call they read:
+#: the trainer's save waits that long after the last call, so it does not share the cores
+#: with them (in an RL loop the save follows a training step, not a call)
+_WORKERS_SPIN_S = 1.0
 
 
 def _layer_bytes(c: dict[str, int]) -> int:
@@ -157,6 +161,7 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
             """The trainer saves the model, every replica reloads it at once: (save, reload)
             seconds; ``cpu`` measures the reload."""
             state = {k: v.contiguous() for k, v in model.state_dict().items()}
+            time.sleep(_WORKERS_SPIN_S)
             t0 = time.perf_counter()
             save_file(state, os.path.join(disk, "model.safetensors"), metadata={"format": "pt"})
             save_s = time.perf_counter() - t0
