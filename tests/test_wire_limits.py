@@ -30,7 +30,6 @@ from weightsync.plan import (
     StreamedPlan,
     TensorSpec,
     make_plan,
-    plan_hash,
 )
 from weightsync.session import PROTOCOL_VERSION, Channel, Deadline, ProtocolError, RemoteFailure, SyncError
 from weightsync.sources import IteratorSource
@@ -464,7 +463,7 @@ def oversized_streams(draw):
 def test_the_stream_reader_refuses_an_oversized_tensor_before_allocating_it(case, allocations):
     stream, field = case
     error, peak = refused_stream(stream, allocations)
-    assert f"tensor 'huge.weight': shape" in str(error) and f"more than the {LIMIT} bytes a tensor may have" in str(error), error
+    assert "tensor 'huge.weight': shape" in str(error) and f"more than the {LIMIT} bytes a tensor may have" in str(error), error
     assert allocations.largest() <= 3 * MIB, allocations.sizes
     assert peak.growth < BOUND, peak.growth
 
