@@ -297,7 +297,8 @@ def test_keep_mode_carries_an_in_flight_request_across_the_update(setup):
 
 def test_vllm_weight_transfer_registry_backend(setup):
     """vLLM's own RL API (init_weight_transfer_engine, start/update/finish_weight_update)
-    with weightsync as the registered backend."""
+    with weightsync as the registered backend; the engine core waits for update_weights
+    without spinning, as for weightsync's own calls."""
     b = setup.llms[1]
     expected = setup.train()
     config = EngineConfig.from_overrides(OVERRIDES)
@@ -317,11 +318,15 @@ def test_vllm_weight_transfer_registry_backend(setup):
             except BaseException as e:
                 errors.append(e)
 
+        core = int(_stat(setup.pids[1])[1])  # B's engine core
+        before = _cpu_s(core)
         t = threading.Thread(target=update)
         t.start()
+        time.sleep(1.5)  # right after start_weight_update: spinning, the engine core would burn this
         stats = sender.send(setup.model, version=100)
         t.join(timeout=60)
         assert not errors and stats.version == 100
+        assert _cpu_s(core) - before < 0.3  # it waited idle for update_weights (weightsync is the backend)
         assert sender._transport._generation == 1  # the update joined no new group
         b.collective_rpc("finish_weight_update")
         b.collective_rpc("shutdown_weight_transfer_engine")

@@ -389,16 +389,22 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
+#: vLLM's weight-transfer calls that wait for a transfer (for the sender's warm-up, or a
+#: version): the engine core waits idle for them too where weightsync is the backend
+_TRANSFER_CALLS = ("init_weight_transfer_engine", "update_weights")
+
+
 def _idle_waits_for_weightsync_calls() -> None:
-    """Make the engine core wait for the workers' answer to a ``weightsync_*`` call without
-    spinning (idempotent).
+    """Make the engine core wait for the workers' answer to a ``weightsync_*`` call (and
+    to vLLM's weight-transfer calls with weightsync as their backend) without spinning
+    (idempotent).
 
     vLLM's engine core reads its workers' answers from a shared-memory queue that spins
     (``sched_yield``) for 1 s after its last read (``SpinCondition.busy_loop_s``): right for
     a model step, but an update lasts longer, and where the replicas share the trainer's
     cores (the CPU backend) the spinning engine cores take the cores the transfer and the
     workers' loading need. During our calls the queues wait on their notification socket
-    instead (every write notifies); vLLM's own calls keep spinning as before.
+    instead (every write notifies); the model's steps keep spinning as before.
     """
     try:
         from vllm.v1.executor.multiproc_executor import MultiprocExecutor
@@ -408,9 +414,16 @@ def _idle_waits_for_weightsync_calls() -> None:
     if getattr(original, "_weightsync_idle", False):
         return
 
+    def ours(executor: Any, method: Any) -> bool:
+        if not isinstance(method, str):
+            return False
+        transfer = getattr(getattr(executor, "vllm_config", None), "weight_transfer_config", None)
+        return method.startswith("weightsync_") or (
+            method in _TRANSFER_CALLS and getattr(transfer, "backend", None) == BACKEND_NAME)
+
     @functools.wraps(original)
     def collective_rpc(self: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
-        if not (isinstance(method, str) and method.startswith("weightsync_")) or kwargs.get("non_block"):
+        if not ours(self, method) or kwargs.get("non_block"):
             return original(self, method, *args, **kwargs)
         waits = [c for mq in getattr(self, "response_mqs", None) or ()
                  if hasattr(c := getattr(mq, "_spin_condition", None), "busy_loop_s")]
