@@ -5,6 +5,7 @@ bound, landing memory is reused across versions without overwriting tensors stil
 a transfer that fails midway ends the loader's stream cleanly (the replica reports a mix),
 and a loader error fails the sync on the sender within the deadline."""
 
+import threading
 import time
 
 import pytest
@@ -14,7 +15,8 @@ import pipeline_workers as pw
 from procs import CTX, start, stop
 from weightsync import EngineConfig, Sender, SyncError
 from weightsync.session import SyncTimeout
-from weightsync.pipeline import LANDED_AHEAD, LandingPool
+from weightsync.pipeline import LANDED_AHEAD, LOOKAHEAD, LandingPool, following_landings
+from weightsync.plan import TensorSpec, make_plan
 from weightsync.sources import StateDictSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -278,6 +280,39 @@ def test_a_request_told_a_large_one_follows_leaves_it_room_and_only_one_larger_t
         del huge
         pool.trim()
     assert pool.allocations == 2 and pool.bytes == 9 * page  # the arena and one buffer, once
+
+
+def test_the_landings_before_a_large_tensor_are_told_its_size():
+    """``following_landings``: each of the last LOOKAHEAD landings before the lm_head-like
+    tensor carries its size (the whole tensor, though it travels split over buckets)."""
+    layer = [TensorSpec(f"l.{i}.w", (1024,), "float32") for i in range(6)]  # 4 KiB each: one bucket each
+    big = TensorSpec("lm_head.w", (3000,), "float32")  # 12000 bytes, over three buckets
+    plan = make_plan([*layer, big], 4096)
+    told = following_landings(plan.tensors, plan.buckets)
+    order = [b.index for b in plan.buckets if b.pieces[0].tensor_offset == 0]  # the buckets that take memory
+    assert [told[i] for i in order] == [4096, 4096] + [12000] * LOOKAHEAD + [0]
+
+
+def test_a_request_before_a_large_one_waits_for_room_below_the_arenas_top_while_waiting_can_help():
+    """Before a large tensor the last layer's buckets keep clear of the arena's top (the
+    large one's room, the engine may still hold them when it arrives): with the loader busy
+    such a request waits for room below rather than landing in the top, and the large one
+    lands there."""
+    page = LandingPool.ALIGN
+    pool = LandingPool()
+    pool.bound(4 * page, lambda: False, wait_s=5)
+    held = pool.acquire(page)  # page 0: the only page below the top 3
+    arena = pool._arena
+    got: list[torch.Tensor] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(page, then=3 * page)))
+    waiter.start()
+    time.sleep(0.2)
+    assert not got and waiter.is_alive()  # pages 1-3 are free, but they are the large one's
+    del held
+    pool.released()
+    waiter.join(5)
+    assert got[0].data_ptr() == arena.data_ptr()
+    assert pool.acquire(3 * page).data_ptr() == arena.data_ptr() + page  # though got[0] is held
 
 
 class FakeReplica:

@@ -67,8 +67,11 @@ class LandingPool:
     serves when none on either side of it does), and waits for the engine to let go of a
     range when none fits; the limit is passed only when ``may_exceed()`` says waiting cannot help (the
     loader waits for a tensor with nothing queued: the engine holds what it needs to
-    complete a layer). A request told what comes next (``then``: a large tensor) is placed
-    so that the next one fits right after it. Requests larger than the arena, those that
+    complete a layer). A request told that a large one follows soon (``then``: more than
+    half the arena, a tensor larger than a bucket) is placed below the top ``then`` bytes
+    of the arena, waiting for room there as for any room, so that the large one finds those
+    bytes clear of the tensors that come just before it, which the engine may still hold
+    when it arrives (its loader looks ahead). Requests larger than the arena, those that
     pass the limit, and every request of an unbounded pool take a buffer of their own from
     the overflow: buffers kept by size (a free one of at least ``nbytes`` and at most
     twice that serves), those the last two versions did not use freed by ``trim``.
@@ -150,11 +153,10 @@ class LandingPool:
             return None
         return arena[:size]
 
-    def _gap(self, nbytes: int, size: int, then: int = 0) -> int | None:
+    def _gap(self, nbytes: int, size: int, then: int = 0, strict: bool = False) -> int | None:
         """The offset of the first free range of ``nbytes`` at or after the cursor, else
-        from the start; with ``then``, preferably one that leaves room for ``then`` bytes
-        right after it (the engine will have let go of most of what lies there by then: it
-        is what came before), else the arena's end."""
+        from the start; with ``then``, one that leaves room for ``then`` bytes after it
+        (below the arena's top ``then`` bytes), else (not ``strict``) the arena's end."""
         edges, start = [], 0
         for offset, length, _ in self._ranges:  # sorted by offset
             if offset > start and start < size:
@@ -167,6 +169,8 @@ class LandingPool:
         fits = [a for a, b in after + before + edges if b - _aligned(a, self.ALIGN) >= nbytes]
         fits = [_aligned(a, self.ALIGN) for a in fits]
         ahead = [a for a in fits if _aligned(a + nbytes, self.ALIGN) + then <= size]
+        if strict:
+            return (ahead or [None])[0]
         if then and not ahead and edges and edges[-1][1] == size:
             # No room after it now: at the arena's end, where it splits none of the room
             # the ranges held now leave when the engine lets go of them.
@@ -175,8 +179,8 @@ class LandingPool:
                 return top
         return (ahead or fits or [None])[0]
 
-    def _from_arena(self, arena: torch.Tensor, nbytes: int, then: int = 0) -> torch.Tensor | None:
-        offset = self._gap(nbytes, arena.numel(), then)
+    def _from_arena(self, arena: torch.Tensor, nbytes: int, then: int = 0, strict: bool = False) -> torch.Tensor | None:
+        offset = self._gap(nbytes, arena.numel(), then, strict)
         if offset is None:
             return None
         handle = torch.from_dlpack(arena[offset : offset + nbytes])  # a storage of its own: its own use count
@@ -219,8 +223,8 @@ class LandingPool:
         """A uint8 tensor of ``nbytes`` in pool memory, the caller's until it lets go of
         every view of it. Bounded (``bound``): waits for room, or with ``wait=False``
         returns None when there is none; raises ``SyncTimeout`` after ``wait_s``.
-        ``then``: the bytes of the request that will follow this one (placed, if it can
-        be, so that those fit right after it)."""
+        ``then``: the bytes of a large request that will follow soon (this one is placed
+        below the arena's top ``then`` bytes; waits for room there while waiting can help)."""
         device = device if device is not None else (self.device or torch.device("cpu"))
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8, device=device)
@@ -232,7 +236,10 @@ class LandingPool:
                 view = None
                 large = arena is None or nbytes > arena.numel()
                 if not large:
-                    view = self._from_arena(arena, nbytes, then)
+                    soon = then if then <= arena.numel() < 2 * then else 0  # a large one follows
+                    view = self._from_arena(arena, nbytes, soon, strict=bool(soon))
+                    if view is None and soon and wait and self._may_exceed():
+                        view = self._from_arena(arena, nbytes, soon)  # anywhere, rather than beside it
                 elif self.limit_bytes is None or in_use + nbytes <= self.limit_bytes:
                     view = self._from_overflow(nbytes, device)
                 if view is None and wait and self._may_exceed():  # (not to land ahead: the transport's buffer serves)
@@ -341,10 +348,17 @@ def landing_sizes(plan: Plan) -> list[int]:
     return [size for _, size in _landings(plan.tensors, plan.buckets)]
 
 
-def following_landings(tensors: Sequence[TensorSpec], buckets: Sequence[Bucket]) -> dict[int, int]:
-    """For each bucket that takes pool memory, the bytes the next one takes."""
-    landings = _landings(tensors, buckets)
-    return {index: size for (index, _), (_, size) in zip(landings, landings[1:])}
+#: landings before a large one that keep clear of its room: vLLM's loader still holds one of
+#: the last layer's matrices when it waits for the lm_head (the third landing before it here)
+LOOKAHEAD = 4
+
+
+def following_landings(tensors: Sequence[TensorSpec], buckets: Sequence[Bucket], lookahead: int = LOOKAHEAD) -> dict[int, int]:
+    """For each bucket that takes pool memory, the largest of the ``lookahead`` landings
+    after it."""
+    sizes = _landings(tensors, buckets)
+    return {index: max((size for _, size in sizes[k + 1 : k + 1 + lookahead]), default=0)
+            for k, (index, _) in enumerate(sizes)}
 
 
 class PooledAssembler(Assembler):
@@ -365,8 +379,8 @@ class PooledAssembler(Assembler):
         self.ahead = max(1, ahead)
         self._targets: dict[int, torch.Tensor] = {}  # bucket index -> the bytes it lands in
         self._wait = True  # acquire waits for room in the pool (not while the transport asks ahead)
-        # bucket index -> the bytes the next landing takes: a large tensor after a layer's
-        # last bucket (the lm_head) then finds the room right after it
+        # bucket index -> the largest of the next landings (``following_landings``): a large
+        # tensor after the last layer (the lm_head) then finds room clear of its tensors
         self._following = following or {}
         self._then = 0
 
