@@ -65,9 +65,9 @@ class LandingPool:
     free range after the last one handed out (the engine lets go of buckets roughly in
     the order they came, so the arena is used as a ring; a free range across the cursor
     serves when none on either side of it does), and waits for the engine to let go of a
-    range when none fits; the limit is passed only when ``may_exceed()`` says waiting cannot help (the
-    loader waits for a tensor with nothing queued: the engine holds what it needs to
-    complete a layer). A request told that a large one follows soon (``then``: more than
+    range when none fits; the limit is passed only when ``may_exceed()`` says waiting
+    cannot help (the loader waits for a tensor with nothing queued: the engine holds what
+    it needs to complete a layer). A request told that a large one follows soon (``then``: more than
     half the arena, a tensor larger than a bucket) is placed below the top ``then`` bytes
     of the arena, waiting for room there as for any room, so that the large one finds those
     bytes clear of the tensors that come just before it, which the engine may still hold
