@@ -67,11 +67,11 @@ class LandingPool:
     serves when none on either side of it does), and waits for the engine to let go of a
     range when none fits; the limit is passed only when ``may_exceed()`` says waiting
     cannot help (the loader waits for a tensor with nothing queued: the engine holds what
-    it needs to complete a layer). A request told that a large one follows soon (``then``: more than
-    half the arena, a tensor larger than a bucket) is placed below the top ``then`` bytes
-    of the arena, waiting for room there as for any room, so that the large one finds those
-    bytes clear of the tensors that come just before it, which the engine may still hold
-    when it arrives (its loader looks ahead). Requests larger than the arena, those that
+    it needs to complete a layer). A request told that a large one follows soon (``then``:
+    more than half the arena, a tensor larger than a bucket) is placed below the top
+    ``then`` bytes of the arena, waiting for room there as for any room, so that the large
+    one finds those bytes clear of the tensors that come just before it, which the engine
+    may still hold when it arrives (its loader looks ahead). Requests larger than the arena, those that
     pass the limit, and every request of an unbounded pool take a buffer of their own from
     the overflow: buffers kept by size (a free one of at least ``nbytes`` and at most
     twice that serves), those the last two versions did not use freed by ``trim``.
@@ -316,7 +316,7 @@ class LandingPool:
 
     def assembler(self, specs: Sequence[TensorSpec], device: torch.device, buckets: Sequence[Bucket] = ()) -> PooledAssembler:
         """For ``Receiver.receive(landing=pool)``; ``buckets``: the plan's, when known
-        before the transfer (each landing is then placed to leave room for the next)."""
+        before the transfer (the landings before a large tensor then keep its room clear)."""
         self.plan_bytes = sum(spec.nbytes for spec in specs)
         return PooledAssembler(specs, device, self, following=following_landings(specs, buckets))
 

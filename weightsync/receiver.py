@@ -243,8 +243,8 @@ class Receiver:
         Stopping early (``break``) drains the rest and marks the version as failed.
 
         Session transports only (used by ``weightsync.pipeline``): ``landing``, an object
-        whose ``assembler(specs, device)`` returns the ``Assembler`` to unpack with (tensors
-        land in its memory); ``settle``, called after the last tensor was handed out and
+        whose ``assembler(specs, device, buckets)`` returns the ``Assembler`` to unpack with
+        (tensors land in its memory; ``buckets``: the plan's, empty when it streams); ``settle``, called after the last tensor was handed out and
         before the sender is told the version arrived: if it raises, the version fails as
         if the consumer had failed (the sender is told).
         """
