@@ -248,9 +248,9 @@ def test_bounded_pool_lands_in_one_arena_and_reuses_ranges_as_they_are_released(
 
 def test_a_request_told_a_large_one_follows_leaves_it_room_and_only_one_larger_than_the_arena_takes_a_buffer():
     """A layer's last bucket is placed so that the large tensor after it (the lm_head) fits
-    in the arena right after it, or, with no room there now, at the arena's end; a request as large as the arena lands in it when nothing
-    is held; only a request larger than the arena takes a buffer of its own, kept across
-    versions."""
+    in the arena right after it, or, with no room there now, at the arena's end; a request
+    as large as the arena lands in it when nothing is held; only a request larger than the
+    arena takes a buffer of its own, kept across versions."""
     page = LandingPool.ALIGN
     pool = LandingPool()
     for version in range(3):

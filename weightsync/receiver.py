@@ -244,9 +244,10 @@ class Receiver:
 
         Session transports only (used by ``weightsync.pipeline``): ``landing``, an object
         whose ``assembler(specs, device, buckets)`` returns the ``Assembler`` to unpack with
-        (tensors land in its memory; ``buckets``: the plan's, empty when it streams); ``settle``, called after the last tensor was handed out and
-        before the sender is told the version arrived: if it raises, the version fails as
-        if the consumer had failed (the sender is told).
+        (tensors land in its memory; ``buckets``: the plan's, empty when it streams);
+        ``settle``, called after the last tensor was handed out and before the sender is
+        told the version arrived: if it raises, the version fails as if the consumer had
+        failed (the sender is told).
         """
         if self._publisher is not None:
             return self._take(self._publisher, version, None, owned)
