@@ -565,3 +565,21 @@ class Assembler:
     def incomplete(self) -> list[str]:
         """Names of split tensors still waiting for pieces."""
         return [self.tensors[i].name for i in self._partial]
+
+
+def shortfall(tensors: Sequence[TensorSpec], buckets: Sequence[Bucket], received: Iterable[int], incomplete: Sequence[str]) -> str:
+    """What a receive that ended early lacks: the buckets of ``buckets`` whose index is not
+    in ``received``, the tensors with a piece in them, and ``incomplete`` (split tensors
+    still waiting for pieces), each list cut short after a few names."""
+    def few(items: Sequence[Any]) -> str:
+        return ", ".join(map(str, items[:6])) + (f", ... ({len(items)} in all)" if len(items) > 6 else "")
+
+    got = set(received)
+    lost = [b for b in buckets if b.index not in got]
+    names = list(dict.fromkeys(tensors[p.tensor].name for b in lost for p in b.pieces))
+    parts = [f"{len(lost)} of {len(buckets)} bucket(s) did not arrive ({few([b.index for b in lost])})"] if lost else []
+    if names:
+        parts.append(f"tensor(s) {few(names)} missing")
+    if incomplete:
+        parts.append(f"split tensor(s) {few(list(incomplete))} still waiting for pieces")
+    return "; ".join(parts) or "no bucket is missing, but fewer tensors came out than the plan holds"

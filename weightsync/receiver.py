@@ -23,7 +23,7 @@ from weightsync.delta_sync import DeltaHeader
 from weightsync.engines import Publisher, Transport, get_engine
 from weightsync.engines.base import Join
 from weightsync.packer import capacity
-from weightsync.plan import Assembler, Bucket, Plan, StreamedPlan, TensorSpec, plan_hash
+from weightsync.plan import Assembler, Bucket, Plan, StreamedPlan, TensorSpec, plan_hash, shortfall
 from weightsync.session import (
     PROTOCOL_VERSION,
     Channel,
@@ -451,7 +451,8 @@ class Receiver:
                     pass
                 problem = f"receiver rank {self.rank} did not complete version {v}: {consumer_error!r}"
             elif assembler.incomplete or entries != len(specs):
-                raise SyncError(f"version {v} ended with incomplete tensors: {assembler.incomplete}")
+                lacking = shortfall(specs, plan.buckets if plan is not None else [], (b.index for b, _ in received), assembler.incomplete)
+                raise SyncError(f"version {v} ended with {entries} of {len(specs)} tensors: {lacking}")
             sent = ch.recv(deadline, expect="verify") if checksum is not None else {}
             if problem is None and checksum is not None and not route.relative:
                 problem = self._verify(v, specs, received, sent.get("checksums"))

@@ -96,9 +96,13 @@ class CollectiveEngine(Transport):
         """This rank is in a working group (its key is reused by the next sync)."""
         return self._group is not None
 
-    def connect(self, join: Join, info: dict[str, Any]) -> None:
+    def start(self, join: Join) -> None:
+        """The per-sync state, before any group is joined: the sync's record, buffers."""
         self._join = join
         self._reserve(join.capacity)
+
+    def connect(self, join: Join, info: dict[str, Any]) -> None:
+        self.start(join)
         key = (info["host"], info["port"], info["group"], join.world_size)
         if self._group is not None and key == self._group_key:
             return
@@ -195,8 +199,7 @@ class CollectiveEngine(Transport):
     # ------------------------------------------------------------------ data
     def _post_send(self, payload: torch.Tensor) -> dist.Work:
         """Start moving one bucket's bytes from this rank (here: a broadcast to all)."""
-        assert self._group is not None, "connect() first"
-        return self._group.broadcast(payload, 0)
+        return self._send_op(None, payload)
 
     def send_buckets(self, produce: Producer) -> int:
         bufs = self._bufs()
@@ -242,8 +245,10 @@ class CollectiveEngine(Transport):
         assert self._group is not None, "connect() first"
         return self._group.broadcast(tensor, 0)
 
-    def _send_op(self, to: int, tensor: torch.Tensor) -> dist.Work:  # pragma: no cover - nccl never forwards
-        raise NotImplementedError
+    def _send_op(self, to: int | None, tensor: torch.Tensor) -> dist.Work:
+        """Start sending ``tensor`` to rank ``to`` (None: to every rank of the group)."""
+        assert self._group is not None and to is None, "connect() first; nccl never forwards"
+        return self._group.broadcast(tensor, 0)
 
     def recv_buckets(self, next_bucket: NextBucket, landing: Landing | None = None) -> Iterator[tuple[Bucket, torch.Tensor]]:
         """Post receives in bucket order (the order the senders send in) up to ``WINDOW``
@@ -258,13 +263,16 @@ class CollectiveEngine(Transport):
         pending: Bucket | None = None
         ended = False
 
-        def reclaim(block: bool) -> None:
-            while forwarding and (block or forwarding[0][0].is_completed()):
+        def reclaim(until_free: bool) -> None:
+            """Retire the forwards that completed, oldest first; with ``until_free``, wait
+            for forwards in order until one gives a buffer slot back. (A forward of a
+            landed bucket holds no slot: waiting for the oldest forward alone may free
+            nothing while both slots stay on the wire.)"""
+            while forwarding and (forwarding[0][0].is_completed() or (until_free and not free)):
                 work, slot = forwarding.popleft()
                 self._wait(work)
                 if slot is not None:
                     free.append(slot)
-                block = False
 
         def post_ahead() -> None:
             nonlocal pending, ended
@@ -277,8 +285,12 @@ class CollectiveEngine(Transport):
                 target = landing(pending) if landing is not None else None
                 slot = None
                 if target is None:
-                    reclaim(block=not free and not posted)
+                    # With receives posted, the loop comes back here after the next one;
+                    # with none, a slot must be won now or nothing would ever be posted.
+                    reclaim(until_free=not posted)
                     if not free:
+                        if not posted:  # every slot is posted or forwarding, so unreachable
+                            raise RuntimeError(f"{self.name}: no buffer slot for bucket {pending.index} and nothing in flight")
                         return
                     slot = free.pop(0)
                     target = bufs[slot][: pending.nbytes]
@@ -300,10 +312,11 @@ class CollectiveEngine(Transport):
                 # The consumer asked for more: its views of this bucket are released.
                 if slot is not None and forward is None:
                     free.append(slot)
-                reclaim(block=False)
+                reclaim(until_free=False)
                 post_ahead()
             while forwarding:
-                reclaim(block=True)
+                work, _ = forwarding.popleft()
+                self._wait(work)
         except BaseException:
             # The sync failed or was abandoned: let go of the group(s) and of our pending
             # operations at once, so the senders fail now, not at their timeout.

@@ -83,7 +83,8 @@ class PairedEngine(CollectiveEngine):
             links |= {(j + 1, (j + 1) % self._replicas + 1) for j in range(self._replicas)}
         return sorted(links)
 
-    def _send_op(self, to: int, tensor: torch.Tensor) -> dist.Work:
+    def _send_op(self, to: int | None, tensor: torch.Tensor) -> dist.Work:
+        assert to is not None, "paired sends to one rank"
         return self._groups[(self.rank, to)].broadcast(tensor, 0)
 
     def _recv_op(self, source: int, tensor: torch.Tensor) -> dist.Work:
@@ -93,18 +94,25 @@ class PairedEngine(CollectiveEngine):
     def _joined(self) -> bool:
         return bool(self._groups)
 
-    def connect(self, join: Join, info: dict[str, Any]) -> None:
-        self._join = join
-        self._reserve(join.capacity)
-        self._deal = Deal(join.senders)  # every sync deals from the first bucket again
-        key = (info["host"], info["port"], info["group"], join.world_size, join.senders)
-        if self._groups and key == self._group_key:
-            return
-        self._drop_group()
+    def _arrange(self, join: Join) -> None:
+        """The layout of ``join``'s group: how many trainer ranks and replicas (pure)."""
         self._trainers = join.senders
         self._replicas = join.world_size - self._trainers
         if self._trainers < 1 or self._replicas < 1:
             raise RuntimeError(f"paired: {self._trainers} trainer rank(s) and {self._replicas} receiver(s) cannot pair")
+
+    def start(self, join: Join) -> None:
+        """The per-sync state (both sides): the sync's record, buffers, a fresh deal."""
+        super().start(join)
+        self._deal = Deal(join.senders)  # every sync deals from the first bucket again
+
+    def connect(self, join: Join, info: dict[str, Any]) -> None:
+        self.start(join)
+        key = (info["host"], info["port"], info["group"], join.world_size, join.senders)
+        if self._groups and key == self._group_key:
+            return
+        self._drop_group()
+        self._arrange(join)
         store = self._rendezvous(join, info)
         for a, b in self._links():
             if join.rank in (a, b):
