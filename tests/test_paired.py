@@ -6,7 +6,8 @@ import time
 import pytest
 
 from weightsync import EngineConfig, PeerLost, Sender, SyncError
-from weightsync.engines.paired import Deal, partner
+from weightsync.engines.nccl import partner
+from weightsync.engines.paired import Deal
 from weightsync.plan import TensorSpec, make_plan
 
 import workers

@@ -282,6 +282,7 @@ class Sender:
         return Join(
             version=version, rank=0, world_size=self.num_receivers + senders, senders=senders,
             capacity=capacity_bytes, name="trainer rank 0", local_host=None if wildcard else self._server.host,
+            peer_hosts=tuple(self._channels[r].sock.getpeername()[0] for r in sorted(self._channels)),
             watch=self._watch_peers,
         )
 

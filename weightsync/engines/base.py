@@ -90,6 +90,9 @@ class Join:
     #: receivers and trainer ranks > 0: the sender's address as reached over the control
     #: connection (None on the sender)
     sender_host: str | None = None
+    #: trainer rank 0: the address each receiver's control connection came from, by
+    #: receiver rank (empty elsewhere): where the receivers are, for a transport's route
+    peer_hosts: tuple[str, ...] = ()
     #: called now and then while the transport waits; raises to abandon the wait (the
     #: session raises when a peer's control connection closed)
     watch: Callable[[], None] | None = None

@@ -1,6 +1,16 @@
-"""Backend ``nccl``: collective broadcast from the sender (rank 0) to every receiver.
+"""Backend ``nccl``: the sender's (rank 0's) buckets to every receiver, by a collective
+broadcast or along a chain of two-rank groups.
 
 Served by NCCL on CUDA, HCCL on Ascend and Gloo on CPU (``platform.collective_backend``).
+Route (``engine_kwargs.nccl.topology``): ``broadcast`` is one group of all ranks; Gloo's
+broadcast sends the model from the sender once per receiver, which is what a shared link
+cannot afford (NCCL pipelines a ring on GPUs itself). ``chain`` is the route ``paired``
+takes with one trainer rank: sender -> replica -> replica ..., each link a two-rank group
+carrying bytes one way in pieces of ``CHUNK_BYTES``, each piece forwarded as soon as it
+arrived, so every link carries the model once and a hop delays the stream by one piece,
+not one bucket. ``auto`` chains when a receiver is on another host (its control
+connection comes from another address), and broadcasts on one host, where the "wire" is
+memory and one collective is the faster.
 The group is our own, built from a rendezvous store hosted by the sender on the control
 socket's interface, which only ranks holding the group's token (handed out in the
 authenticated handshake) may use (``weightsync.rendezvous``); the caller's default process
@@ -47,6 +57,23 @@ def _await_burials(limit_s: float = 30.0) -> None:
     for thread in _burials:
         thread.join(max(0.0, end - time.monotonic()))
 
+# Bytes per operation on a chain's link: a hop holds a piece back, not a bucket (64 MiB at
+# 1 Gbit/s is half a second a hop); 4 MiB keeps each call's latency small beside it.
+CHUNK_BYTES = 4 << 20
+TOPOLOGIES = ("broadcast", "chain")
+
+
+def partner(share: int, replicas: int) -> int:
+    """The replica a chain of share ``share`` starts at: a cyclic derangement of the
+    indices (``paired``: trainer rank s never feeds the replica on its own device)."""
+    return (share + 1) % replicas
+
+
+def _remote(hosts: tuple[str, ...], here: str | None) -> bool:
+    """Whether any of ``hosts`` is another machine than ``here`` (loopback is here)."""
+    return any(not h.startswith("127.") and h not in ("::1", here) for h in hosts)
+
+
 # Broadcasts queued at once. Buckets sent from (or landing in) the model's own tensors need
 # no buffer, so more than two can be in flight, hiding each call's latency.
 WINDOW = 8
@@ -63,8 +90,13 @@ class CollectiveEngine(Transport):
         # The store the current group was built from (torch calls a Python store's methods
         # only while the Python object lives): rank 0's own view, or a client elsewhere.
         self._store: dist.Store | None = None
-        self._group: dist.ProcessGroup | None = None
+        # The sync's groups: key None is the group of all ranks (``broadcast``); a chain
+        # has one two-rank group per link, keyed (from rank, to rank).
+        self._groups: dict[tuple[int, int] | None, dist.ProcessGroup] = {}
         self._group_key: tuple | None = None
+        self._chain = False  # this group's route (``topology``)
+        self._trainers = 1
+        self._replicas = 0
         self._generation = 0
         self._token = ""  # rank 0: the current group's rendezvous token
         self._buffers: list[torch.Tensor] | None = None
@@ -90,11 +122,18 @@ class CollectiveEngine(Transport):
             "group": f"{self._kwargs.group_name}/{self._generation}",
             "token": self._token,
             "library": self.library,
+            "topology": self._topology(join),
         }
+
+    def _topology(self, join: Join) -> str:
+        chosen = self._kwargs.topology
+        if chosen == "auto":
+            chosen = "chain" if _remote(join.peer_hosts, join.local_host) else "broadcast"
+        return chosen
 
     def _joined(self) -> bool:
         """This rank is in a working group (its key is reused by the next sync)."""
-        return self._group is not None
+        return bool(self._groups)
 
     def start(self, join: Join) -> None:
         """The per-sync state, before any group is joined: the sync's record, buffers."""
@@ -103,16 +142,79 @@ class CollectiveEngine(Transport):
 
     def connect(self, join: Join, info: dict[str, Any]) -> None:
         self.start(join)
-        key = (info["host"], info["port"], info["group"], join.world_size)
-        if self._group is not None and key == self._group_key:
+        topology = info.get("topology", "broadcast")
+        if topology not in TOPOLOGIES:
+            raise RuntimeError(f"the sender's route {topology!r} is not one of {', '.join(TOPOLOGIES)}: run the same weightsync on both sides")
+        key = (info["host"], info["port"], info["group"], join.world_size, join.senders, topology)
+        if self._groups and key == self._group_key:
             return
         self._drop_group()
+        self.arrange(join, topology)
         store = self._rendezvous(join, info)
-        log.debug("%s joining group %s as rank %d (%s)", join.name, info["group"], join.rank, self.library)
-        self._group = platform.new_process_group(
-            self.library, store, join.rank, join.world_size, self.config.timeout_s, bind_host=join.local_host
-        )
+        log.debug("%s joining group %s as rank %d (%s, %s)", join.name, info["group"], join.rank, self.library, topology)
+        if not self._chain:
+            self._groups[None] = platform.new_process_group(
+                self.library, store, join.rank, join.world_size, self.config.timeout_s, bind_host=join.local_host
+            )
+        for a, b in self._links():
+            if join.rank in (a, b):
+                self._groups[(a, b)] = platform.new_process_group(
+                    self.library, dist.PrefixStore(f"link/{a}-{b}", store), (a, b).index(join.rank), 2,
+                    self.config.timeout_s, bind_host=join.local_host,
+                )
         self._group_key = key
+
+    # ------------------------------------------------------------------ route
+    def arrange(self, join: Join, topology: str) -> None:
+        """The route of ``join``'s group (pure: no group is joined): its topology, trainer
+        ranks and replicas."""
+        self._chain = topology == "chain"
+        self._trainers = join.senders
+        self._replicas = join.world_size - self._trainers
+        if self._trainers < 1 or self._replicas < 1:
+            raise RuntimeError(f"{self.name}: {self._trainers} trainer rank(s) and {self._replicas} receiver(s) cannot form a route")
+
+    def _trainer_rank(self, share: int) -> int:
+        return 0 if share == 0 else self._replicas + share
+
+    @property
+    def _share(self) -> int:
+        """This trainer rank's share of the buckets (trainer ranks only)."""
+        return 0 if self.rank == 0 else self.rank - self._replicas
+
+    def _share_of(self, bucket: Bucket) -> int:
+        """Which trainer rank's share ``bucket`` is (called once per bucket, in plan order)."""
+        return 0
+
+    def _links(self) -> list[tuple[int, int]]:
+        """Every link of a chain as (from, to) ranks, in one order all ranks agree on.
+        Ranks join their links' groups in this order, so the lowest link not yet built
+        always has both its ends waiting for it: no deadlock."""
+        if not self._chain:
+            return []
+        links = {(self._trainer_rank(s), partner(s, self._replicas) + 1) for s in range(self._trainers)}
+        if self._replicas > 1:
+            links |= {(j + 1, (j + 1) % self._replicas + 1) for j in range(self._replicas)}
+        return sorted(links)
+
+    def _route(self, bucket: Bucket) -> tuple[int, int | None]:
+        """Where ``bucket`` comes from, and the rank to forward it to (None: nowhere). On a
+        chain, a bucket of share s comes from trainer rank s to replica d(s), then goes
+        around the ring of replicas; the last replica of the ring keeps it."""
+        share = self._share_of(bucket)
+        if not self._chain:
+            return 0, None
+        me, n = self.rank - 1, self._replicas
+        hop = (me - partner(share, n)) % n  # 0: straight from the trainer rank
+        source = self._trainer_rank(share) if hop == 0 else (me - 1) % n + 1
+        forward = (me + 1) % n + 1 if hop < n - 1 else None
+        return source, forward
+
+    def _pieces(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """The operations one bucket's bytes take: one on a broadcast, pieces on a chain."""
+        if not self._chain or tensor.numel() <= CHUNK_BYTES:
+            return [tensor] if tensor.numel() else []
+        return list(torch.split(tensor, CHUNK_BYTES))
 
     def _rendezvous(self, join: Join, info: dict[str, Any]) -> dist.Store:
         """The key space of the group described by ``info``, in the store rank 0 hosts."""
@@ -143,8 +245,9 @@ class CollectiveEngine(Transport):
 
     def _take_groups(self) -> list[dist.ProcessGroup]:
         """Forget this rank's groups; return them (the only references from here on)."""
-        groups = [self._group] if self._group is not None else []
-        self._group = self._group_key = None
+        groups = list(self._groups.values())
+        self._groups.clear()
+        self._group_key = None
         return groups
 
     def _drop_group(self, failed: bool = False) -> None:
@@ -198,8 +301,9 @@ class CollectiveEngine(Transport):
 
     # ------------------------------------------------------------------ data
     def _post_send(self, payload: torch.Tensor) -> dist.Work:
-        """Start moving one bucket's bytes from this rank (here: a broadcast to all)."""
-        return self._send_op(None, payload)
+        """Start moving (a piece of) one bucket's bytes from this rank: to all, or to the
+        replica this rank's chain starts at."""
+        return self._send_op(partner(self._share, self._replicas) + 1 if self._chain else None, payload)
 
     def send_buckets(self, produce: Producer) -> int:
         bufs = self._bufs()
@@ -218,8 +322,8 @@ class CollectiveEngine(Transport):
                     break
                 bucket, payload = produced
                 packed = payload.data_ptr() == bufs[slot].data_ptr()
-                if bucket.nbytes:
-                    in_flight.append((self._post_send(payload), slot if packed else None))
+                for piece in self._pieces(payload):
+                    in_flight.append((self._post_send(piece), slot if packed else None))
                 if packed:
                     slot = (slot + 1) % 2
                 sent += bucket.nbytes
@@ -237,18 +341,13 @@ class CollectiveEngine(Transport):
 
     # Receiving, for ``nccl`` and ``paired`` alike: which rank each bucket comes from and
     # whether it goes on to a next rank is all that differs (``_route``).
-    def _route(self, bucket: Bucket) -> tuple[int, int | None]:
-        """Where ``bucket`` comes from, and the rank to forward it to (None: nowhere)."""
-        return 0, None
-
     def _recv_op(self, source: int, tensor: torch.Tensor) -> dist.Work:
-        assert self._group is not None, "connect() first"
-        return self._group.broadcast(tensor, 0)
+        """Start receiving ``tensor`` from rank ``source`` (on a broadcast: from rank 0)."""
+        return self._groups[(source, self.rank) if self._chain else None].broadcast(tensor, 0)
 
     def _send_op(self, to: int | None, tensor: torch.Tensor) -> dist.Work:
         """Start sending ``tensor`` to rank ``to`` (None: to every rank of the group)."""
-        assert self._group is not None and to is None, "connect() first; nccl never forwards"
-        return self._group.broadcast(tensor, 0)
+        return self._groups[(self.rank, to) if to is not None else None].broadcast(tensor, 0)
 
     def recv_buckets(self, next_bucket: NextBucket, landing: Landing | None = None) -> Iterator[tuple[Bucket, torch.Tensor]]:
         """Post receives in bucket order (the order the senders send in) up to ``WINDOW``
@@ -256,8 +355,9 @@ class CollectiveEngine(Transport):
         once its bucket was consumed and, where it is forwarded, forwarded."""
         bufs = self._bufs()
         free = [0, 1]  # buffer slots not holding a posted, handed-out or forwarding bucket
-        # Receives posted, in plan order: (bucket, slot, target, work, rank to forward to).
-        posted: deque[tuple[Bucket, int | None, torch.Tensor, dist.Work | None, int | None]] = deque()
+        # Receives posted, in plan order: (bucket, slot, target, its pieces' receives, rank
+        # to forward to).
+        posted: deque[tuple[Bucket, int | None, torch.Tensor, list[tuple[dist.Work, torch.Tensor]], int | None]] = deque()
         # Forwards on the wire: (work, slot its bytes are in, or None for a landed bucket).
         forwarding: deque[tuple[dist.Work, int | None]] = deque()
         pending: Bucket | None = None
@@ -295,19 +395,21 @@ class CollectiveEngine(Transport):
                     slot = free.pop(0)
                     target = bufs[slot][: pending.nbytes]
                 source, forward = self._route(pending)
-                work = self._recv_op(source, target) if pending.nbytes else None
-                posted.append((pending, slot, target, work, forward if pending.nbytes else None))
+                works = [(self._recv_op(source, piece), piece) for piece in self._pieces(target)]
+                posted.append((pending, slot, target, works, forward if works else None))
                 pending = None
 
         try:
             post_ahead()
             while posted:
-                bucket, slot, target, work, forward = posted.popleft()
-                if work is not None:
+                bucket, slot, target, works, forward = posted.popleft()
+                work = None
+                for i, (work, piece) in enumerate(works):
                     self._wait(work)
-                del work
-                if forward is not None:  # on its way on while the consumer reads it
-                    forwarding.append((self._send_op(forward, target), slot))
+                    if forward is not None:  # each piece on its way on as soon as it is here
+                        last = i == len(works) - 1  # the slot is free once the last piece left
+                        forwarding.append((self._send_op(forward, piece), slot if last else None))
+                del works, work
                 yield bucket, target
                 # The consumer asked for more: its views of this bucket are released.
                 if slot is not None and forward is None:

@@ -1,0 +1,201 @@
+"""An emulated cluster on one machine: hosts as network namespaces with shaped NICs.
+
+A tool of the bench and the tests, not a layer of the library (no engine knows it exists).
+``Cluster(hosts, rates)`` makes, as root with iproute2:
+
+- a switch: a namespace of its own holding a bridge, so nothing is added to the machine's
+  own namespace (its interfaces and routes are never touched);
+- per host a namespace with one NIC, ``eth0``, on a private /24 that exists only inside
+  these namespaces (``10.213.0.0/24``: host i is ``10.213.0.(i+1)``), wired to a bridge
+  port by a veth pair;
+- per host a rate: a ``tbf`` qdisc on its NIC shapes what it sends, one on its bridge port
+  what it receives (egress and ingress, each host its own rate);
+- ``cut(i)`` / ``heal(i)``: the bridge port down / up (no RST or FIN reaches anyone, as
+  when a switch port or a NIC fails);
+- ``counters()``: each NIC's bytes sent and received;
+- ``enter(host)``: moves the calling process into a host (call it first thing in a child
+  process: threads started afterwards follow it); ``popen(i, argv)`` starts a command there.
+
+Names carry the creating process's PID (``wsc<pid>-...``): at start, namespaces of a
+process that no longer runs are deleted (an earlier run that crashed); at exit, the
+context manager (and an ``atexit`` hook, for an exit without it) deletes what it made.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SUBNET = "10.213.0"  # a private /24, only ever inside namespaces made here
+PREFIX = "wsc"
+_NAME = re.compile(rf"^{PREFIX}(\d+)-")
+_CLONE_NEWNET = 0x40000000
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+class ClusterUnavailable(RuntimeError):
+    """This machine cannot host an emulated cluster (not root, no iproute2, no netns)."""
+
+
+def parse_rate(text: str | float) -> float:
+    """A link rate in bits per second: ``1gbit``, ``10Gbit``, ``500mbit``, or a number."""
+    if isinstance(text, int | float):
+        return float(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|b)?(/s)?\s*", text.lower())
+    if not m or (m.group(3) not in (None, "bit")):
+        raise ValueError(f"link rate {text!r}: expected a number of bits per second such as 1gbit, 400mbit, 25gbit")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if check and done.returncode != 0:
+        raise ClusterUnavailable(f"`{' '.join(argv)}` failed: {done.stderr.strip() or done.stdout.strip()}")
+    return done
+
+
+def _namespaces() -> list[str]:
+    done = _run("ip", "netns", "list", check=False)
+    return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale() -> list[str]:
+    """Delete the namespaces of emulated clusters whose creating process is gone."""
+    removed = []
+    for name in _namespaces():
+        m = _NAME.match(name)
+        if m and not _alive(int(m.group(1))):
+            _run("ip", "netns", "del", name, check=False)
+            removed.append(name)
+    return removed
+
+
+def check_available() -> None:
+    """Raise ``ClusterUnavailable`` saying what is missing."""
+    if os.geteuid() != 0:
+        raise ClusterUnavailable("an emulated cluster needs root (network namespaces and tc): run as root")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise ClusterUnavailable(f"an emulated cluster needs iproute2's `{tool}` (apt-get install iproute2)")
+
+
+def enter(netns: str) -> None:
+    """Move the calling thread (and the threads it starts later) into namespace ``netns``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {netns!r} failed")
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class Host:
+    index: int
+    netns: str
+    address: str
+    rate_bps: float  # egress and ingress of its NIC
+
+
+class Cluster:
+    """``hosts`` namespaces on one bridge; ``rates``: each host's NIC rate in bits/s (one
+    number for all, or one per host; None: unshaped)."""
+
+    def __init__(self, hosts: int, rates: float | Sequence[float | None] | None = None) -> None:
+        if not 1 <= hosts <= 250:
+            raise ValueError(f"hosts={hosts}: an emulated cluster has 1 to 250 hosts")
+        per_host = list(rates) if isinstance(rates, Sequence) else [rates] * hosts
+        if len(per_host) != hosts:
+            raise ValueError(f"{len(per_host)} rates for {hosts} hosts")
+        tag = f"{PREFIX}{os.getpid()}-{id(self) % 10000:04d}"
+        self.switch = f"{tag}-sw"
+        self.hosts = [Host(i, f"{tag}-h{i}", f"{SUBNET}.{i + 1}", r or 0.0) for i, r in enumerate(per_host)]
+        self._made: list[str] = []
+
+    # ------------------------------------------------------------------ life
+    def __enter__(self) -> Cluster:
+        check_available()
+        remove_stale()
+        atexit.register(self.close)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _ns(self, netns: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+        return _run("ip", "netns", "exec", netns, *argv, check=check)
+
+    def _build(self) -> None:
+        _run("ip", "netns", "add", self.switch)
+        self._made.append(self.switch)
+        self._ns(self.switch, "ip", "link", "add", "br0", "type", "bridge")
+        self._ns(self.switch, "ip", "link", "set", "br0", "up")
+        for h in self.hosts:
+            _run("ip", "netns", "add", h.netns)
+            self._made.append(h.netns)
+            port = f"p{h.index}"
+            self._ns(self.switch, "ip", "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", h.netns)
+            self._ns(self.switch, "ip", "link", "set", port, "master", "br0", "up")
+            self._ns(h.netns, "ip", "addr", "add", f"{h.address}/24", "dev", "eth0")
+            self._ns(h.netns, "ip", "link", "set", "eth0", "up")
+            self._ns(h.netns, "ip", "link", "set", "lo", "up")
+            if h.rate_bps:
+                self._shape(h.netns, "eth0", h.rate_bps)  # what the host sends
+                self._shape(self.switch, port, h.rate_bps)  # what the host receives
+
+    def _shape(self, netns: str, dev: str, rate_bps: float) -> None:
+        # A token bucket: the burst holds a few ms of traffic and at least a few of the
+        # 64 KiB segments veth passes whole (GSO), so the rate holds from 100 Mbit/s up.
+        burst = max(256 * 1024, int(rate_bps / 8 * 0.004))
+        self._ns(netns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{int(rate_bps)}bit",
+                 "burst", str(burst), "latency", "50ms")
+
+    def close(self) -> None:
+        """Delete every namespace this cluster made (their veths and qdiscs go with them)."""
+        while self._made:
+            _run("ip", "netns", "del", self._made.pop(), check=False)
+        atexit.unregister(self.close)
+
+    # ------------------------------------------------------------------ use
+    def cut(self, host: int) -> None:
+        """Cut ``host`` off: its bridge port goes down, nothing tells its peers."""
+        self._ns(self.switch, "ip", "link", "set", f"p{host}", "down")
+
+    def heal(self, host: int) -> None:
+        self._ns(self.switch, "ip", "link", "set", f"p{host}", "up")
+
+    def counters(self) -> list[dict[str, int]]:
+        """Each host's NIC: ``{"tx_bytes", "rx_bytes"}`` since the cluster was made."""
+        out = []
+        for h in self.hosts:
+            link = json.loads(self._ns(h.netns, "ip", "-s", "-j", "link", "show", "eth0").stdout)[0]
+            stats = link.get("stats64", link.get("stats", {}))
+            out.append({"tx_bytes": int(stats["tx"]["bytes"]), "rx_bytes": int(stats["rx"]["bytes"])})
+        return out
+
+    def popen(self, host: int, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+        """Start ``argv`` inside ``host``."""
+        return subprocess.Popen(["ip", "netns", "exec", self.hosts[host].netns, *argv], **kwargs)
