@@ -110,6 +110,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="where every process holds its model and transfer buffers: cpu (default) or cuda[:N], all "
                         "processes on that one GPU; the alternatives are then the d2d-ceiling row only (device-to-device "
                         "copy of the bytes every receiver needs)")
+    p.add_argument("--hosts", type=int, default=0, metavar="N",
+                   help="an emulated cluster of N hosts (network namespaces, needs root): trainer rank(s) on their own "
+                        "host(s), receivers on the others; rows report ratio_to_link_ceiling and each NIC's bytes per sync")
+    p.add_argument("--link", default="1gbit", metavar="RATE", help="--hosts: every NIC's rate, egress and ingress (default: 1gbit)")
+    p.add_argument("--trainer-link", default=None, metavar="RATE", help="--hosts: the trainer hosts' NIC rate (default: --link)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="configuration key for weightsync's rows (repeatable)")
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of a table")
@@ -265,7 +270,7 @@ def _bench_command(args: argparse.Namespace) -> int:
         size_mb=args.size_mb or 1024,
         shape=args.shape, dtype=args.dtype, model=args.model, repeats=args.repeats,
         alternatives=args.alternatives, overrides=args.overrides, work_dir=args.work_dir, device=args.device,
-        update=args.update, lr=args.lr,
+        update=args.update, lr=args.lr, hosts=args.hosts, link=args.link, trainer_link=args.trainer_link,
     )
     err = Console(stderr=True)  # progress on stderr keeps --json output clean
     try:
@@ -281,6 +286,8 @@ def _bench_command(args: argparse.Namespace) -> int:
     title = f"{what}, {rows[0].tensors} tensors, {senders} -> {opts.receivers} receivers"
     if rows[0].device != "cpu":
         title += f", every process on {rows[0].device}"
+    if args.hosts:
+        title += f", {args.hosts} emulated hosts, NICs {args.link}" + (f" (trainers {args.trainer_link})" if args.trainer_link else "")
     if args.json:
         print(to_json(rows))
     else:

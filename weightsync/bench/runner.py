@@ -17,6 +17,7 @@ which bounds every transport between processes on one GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -75,6 +76,12 @@ class BenchOptions:
     lr: float = 1e-6
     #: where every process holds the model and transfer buffers: "cpu", or "cuda" / "cuda:N"
     device: str = "cpu"
+    #: an emulated cluster of this many hosts (0: every process on this machine): trainer
+    #: ranks on hosts 0..trainers-1, receivers on the others, NICs shaped to ``link``
+    #: (``trainer_link`` for the trainers' hosts)
+    hosts: int = 0
+    link: str = "1gbit"
+    trainer_link: str | None = None
 
 
 @dataclass
@@ -99,6 +106,8 @@ class Row:
     wire_bytes: int | None = None
     density: float | None = None
     device: str = "cpu"
+    #: on an emulated cluster: each host's NIC bytes per sync (``tx``, ``rx``), host 0 first
+    nic_bytes: list[dict[str, int]] | None = None
 
     @property
     def gbps(self) -> float:
@@ -122,6 +131,7 @@ class Row:
             "wire_bytes": self.wire_bytes,
             "density": None if self.density is None else round(self.density, 5),
             "device": self.device,
+            **({"nic_bytes_per_sync": self.nic_bytes} if self.nic_bytes is not None else {}),
             **self.ratios,
         }
 
@@ -152,6 +162,38 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int, int], None] | No
     for backend in opts.backends:
         if backend == "naive":
             raise ValueError("backend 'naive' hands tensors over inside one process: there is no transport to bench")
+    if opts.hosts:
+        return _run_on_hosts(opts, progress)
+    return _run_rows(opts, progress)
+
+
+def _run_on_hosts(opts: BenchOptions, progress: Callable[[str, int, int], None] | None) -> list[Row]:
+    """Every row on an emulated cluster (``weightsync.bench.cluster``), made for the run
+    and deleted after it; each row gets its link ceiling and its NICs' bytes."""
+    from weightsync.bench.cluster import Cluster
+    from weightsync.bench.hosts import CROSS_HOST, Placement
+
+    others = [b for b in opts.backends if b not in CROSS_HOST]
+    if others:
+        raise ValueError(f"--hosts: {', '.join(others)} cannot cross hosts; the cross-host backends are {', '.join(CROSS_HOST)}")
+    if opts.device != "cpu":
+        raise ValueError("--hosts emulates hosts with network namespaces on this machine's CPU: leave --device at cpu")
+    placement = Placement.of(opts.hosts, opts.trainers, opts.receivers, opts.link, opts.trainer_link)
+    with Cluster(opts.hosts, placement.rates) as cluster:
+        netns = {key: cluster.hosts[placement.host_of(key)].netns for key in range(opts.receivers + opts.trainers)}
+        rows = _run_rows(opts, progress, netns=netns, host=cluster.hosts[0].address, counters=cluster.counters)
+    for row in rows:
+        trainers = opts.trainers if row.backend in _ALL_RANKS_SEND else 1
+        ceiling = placement.ceiling_s(row.bytes, trainers)
+        row.ratios = {"link_ceiling_s": round(ceiling, 4), "ratio_to_link_ceiling": round(ceiling / row.seconds, 3)}
+    _add_dense_ratios(rows)
+    return rows
+
+
+def _run_rows(opts: BenchOptions, progress: Callable[[str, int, int], None] | None, netns: dict[int, str] | None = None,
+              host: str = "127.0.0.1", counters: Callable[[], list[dict[str, int]]] | None = None) -> list[Row]:
+    if netns is not None and opts.alternatives:
+        opts = dataclasses.replace(opts, alternatives=False)  # the link ceiling is their yardstick there
     device = _device(opts.device)
     specs = _specs(opts)
     planned = plan_rows(opts)
@@ -178,11 +220,16 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int, int], None] | No
         with scratch_overrides([f"backend={kind}", *overrides] if mb else [], opts.work_dir) as row_overrides:
             job = Job(kind, specs, opts.receivers, opts.repeats, row_overrides[1:], opts.model, opts.work_dir, opts.timeout_s,
                       trainers=opts.trainers if kind in _ALL_RANKS_SEND else 1, update=opts.update, lr=opts.lr,
-                      device=device)
+                      device=device, netns=netns or {}, host=host)
+            before = counters() if counters is not None else None
             row = _run_row(job, mb, tick)
+            if counters is not None:
+                syncs = len(job.versions)  # the warm-up included: the NICs count it too
+                row.nic_bytes = [{k: (a[k] - b[k]) // syncs for k in a} for a, b in zip(counters(), before)]
             row.delta = delta
             rows.append(row)
-    _add_ratios(rows, device)
+    if netns is None:
+        _add_ratios(rows, device)
     return rows
 
 
@@ -299,6 +346,11 @@ def _add_ratios(rows: list[Row], device: str = "cpu") -> None:
             "speedup_vs_per_tensor": round(per_tensor.seconds / row.seconds, 2) if per_tensor else None,
             "speedup_vs_disk": round(disk.seconds / row.seconds, 2) if disk else None,
         }
+    _add_dense_ratios(rows)
+
+
+def _add_dense_ratios(rows: list[Row]) -> None:
+    for row in rows:
         if row.delta is not None:  # the same backend and bucket with delta off, same run
             dense = next((r for r in rows if (r.backend, r.bucket_mb, r.delta) == (row.backend, row.bucket_mb, "off")), None)
             row.ratios["speedup_vs_dense"] = round(dense.seconds / row.seconds, 2) if dense else None

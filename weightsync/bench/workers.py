@@ -43,6 +43,17 @@ class Job:
     update: str = "bump"  # how versions differ: "bump" (every tensor, cheaply) or "adamw" (an RL step)
     lr: float = 1e-6  # the AdamW learning rate of update="adamw"
     device: str = "cpu"  # where every process holds the model (and the transfer buffers, when not "cpu")
+    #: on an emulated cluster (``--hosts``): each process's host (network namespace) by
+    #: result key, and trainer rank 0's address there
+    netns: dict[int, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+
+    def enter_host(self, key: int) -> None:
+        """Move this process onto its emulated host, first thing (threads follow)."""
+        if self.netns:
+            from weightsync.bench.cluster import enter
+
+            enter(self.netns[key])
 
     def sender_state(self) -> dict[str, torch.Tensor]:
         if self.model_dir:
@@ -82,10 +93,13 @@ def _guard(queue, rank: int, body) -> None:
 
 
 # ---------------------------------------------------------------------------- weightsync
-def sync_sender(job: Job, queue, rank: int = 0, address: str = "127.0.0.1:0") -> None:
-    """Trainer rank ``rank``: rank 0 listens and times the syncs; with ``paired`` the other
-    trainer ranks (``job.trainers``) connect to it and send their shares."""
+def sync_sender(job: Job, queue, rank: int = 0, address: str | None = None) -> None:
+    """Trainer rank ``rank``: rank 0 listens (on ``job.host``) and times the syncs; with
+    ``paired`` the other trainer ranks (``job.trainers``) connect to it and send their shares."""
     from weightsync import Sender
+
+    job.enter_host(0 if rank == 0 else job.receivers + rank)
+    address = address or f"{job.host}:0"
 
     def body() -> dict[str, Any]:
         updates = None
@@ -121,6 +135,8 @@ def sync_sender(job: Job, queue, rank: int = 0, address: str = "127.0.0.1:0") ->
 
 def sync_receiver(job: Job, address: str, rank: int, queue) -> None:
     from weightsync import Receiver
+
+    job.enter_host(rank + 1)
 
     def body() -> dict[str, Any]:
         state = models.zeros(job.specs, job.device)
