@@ -6,7 +6,7 @@ import time
 import pytest
 
 from weightsync import EngineConfig, PeerLost, Sender, SyncError
-from weightsync.engines.nccl import partner
+from weightsync.engines.nccl import CHUNK_BYTES, partner
 from weightsync.engines.paired import Deal
 from weightsync.plan import TensorSpec, make_plan
 
@@ -26,9 +26,18 @@ def test_partner_is_a_derangement_and_the_deal_is_balanced():
     specs = [s for s in workers_specs(40)]
     plan = make_plan(specs, 1 << 20)
     deal = Deal(3)
-    shares = [deal(b) for b in plan.buckets]
+    shares = [deal(b.nbytes) for b in plan.buckets]
     assert set(shares) == {0, 1, 2}
     assert max(deal.loads) - min(deal.loads) <= max(b.nbytes for b in plan.buckets)
+    # Pieces of the LLM shape (its 64 MiB embedding and lm_head included) over 2 trainer
+    # links: the shares differ by at most one piece, at every point of the plan.
+    from weightsync.bench.models import llm_specs
+
+    deal = Deal(2)
+    for b in make_plan(llm_specs(256 << 20, "bfloat16"), 64 << 20).buckets:
+        for offset in range(0, b.nbytes, CHUNK_BYTES):
+            deal(min(CHUNK_BYTES, b.nbytes - offset))
+            assert max(deal.loads) - min(deal.loads) <= CHUNK_BYTES
 
 
 def workers_specs(n):
@@ -73,13 +82,15 @@ def test_every_replica_gets_every_tensor_bit_exact(trainers, receivers):
                     assert version == v, digests
                     assert held == v
                     assert digests == workers.expected_digests(v), f"receiver {rank} differs at version {v}"
-                # Every trainer rank with a bucket dealt to it sent a share; rank 0 (the
-                # first bucket is its) counts them all, together the whole model.
+                # Every trainer rank with a piece dealt to it sent a share of nearly equal
+                # bytes; rank 0 (the first piece is its) counts them all, the whole model.
                 plan = make_plan([TensorSpec.of(n, t) for n, t in workers.make_weights(v).items()], 2 << 20)
                 assert stats.bytes == sum(b.nbytes for b in plan.buckets)
                 others = [sent for _, _, sent, _ in shares]
                 assert sum(others) < stats.bytes
-                assert sum(1 for sent in others if sent) == min(trainers, len(plan.buckets)) - 1
+                pieces = sum(-(-b.nbytes // CHUNK_BYTES) for b in plan.buckets)
+                assert sum(1 for sent in others if sent) == min(trainers, pieces) - 1
+                assert all(abs(sent - stats.bytes / trainers) <= CHUNK_BYTES for sent in others if sent)
         finally:
             stop(procs)
 

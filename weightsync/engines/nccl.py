@@ -59,7 +59,7 @@ def _await_burials(limit_s: float = 30.0) -> None:
 
 # Bytes per operation on a chain's link: a hop holds a piece back, not a bucket (64 MiB at
 # 1 Gbit/s is half a second a hop); 4 MiB keeps each call's latency small beside it.
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 1 << 20
 TOPOLOGIES = ("broadcast", "chain")
 
 
@@ -182,8 +182,9 @@ class CollectiveEngine(Transport):
         """This trainer rank's share of the buckets (trainer ranks only)."""
         return 0 if self.rank == 0 else self.rank - self._replicas
 
-    def _share_of(self, bucket: Bucket) -> int:
-        """Which trainer rank's share ``bucket`` is (called once per bucket, in plan order)."""
+    def _share_of(self, nbytes: int) -> int:
+        """Which trainer rank's share the next piece (of ``nbytes``) is: called once per
+        piece, in plan order, on every rank alike."""
         return 0
 
     def _links(self) -> list[tuple[int, int]]:
@@ -197,11 +198,10 @@ class CollectiveEngine(Transport):
             links |= {(j + 1, (j + 1) % self._replicas + 1) for j in range(self._replicas)}
         return sorted(links)
 
-    def _route(self, bucket: Bucket) -> tuple[int, int | None]:
-        """Where ``bucket`` comes from, and the rank to forward it to (None: nowhere). On a
-        chain, a bucket of share s comes from trainer rank s to replica d(s), then goes
+    def _route(self, share: int) -> tuple[int, int | None]:
+        """Where a piece of share ``share`` comes from, and the rank to forward it to (None:
+        nowhere). On a chain, share s comes from trainer rank s to replica d(s), then goes
         around the ring of replicas; the last replica of the ring keeps it."""
-        share = self._share_of(bucket)
         if not self._chain:
             return 0, None
         me, n = self.rank - 1, self._replicas
@@ -210,11 +210,13 @@ class CollectiveEngine(Transport):
         forward = (me + 1) % n + 1 if hop < n - 1 else None
         return source, forward
 
-    def _pieces(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """The operations one bucket's bytes take: one on a broadcast, pieces on a chain."""
-        if not self._chain or tensor.numel() <= CHUNK_BYTES:
-            return [tensor] if tensor.numel() else []
-        return list(torch.split(tensor, CHUNK_BYTES))
+    def _layout(self, bucket: Bucket, tensor: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        """The operations ``bucket``'s bytes (in ``tensor``) take, each with the share that
+        sends it: the whole bucket on a broadcast, pieces of ``CHUNK_BYTES`` on a chain."""
+        if not tensor.numel():
+            return []
+        pieces = [tensor] if not self._chain or tensor.numel() <= CHUNK_BYTES else torch.split(tensor, CHUNK_BYTES)
+        return [(p, self._share_of(p.numel())) for p in pieces]
 
     def _rendezvous(self, join: Join, info: dict[str, Any]) -> dist.Store:
         """The key space of the group described by ``info``, in the store rank 0 hosts."""
@@ -300,10 +302,10 @@ class CollectiveEngine(Transport):
         return self._buffers
 
     # ------------------------------------------------------------------ data
-    def _post_send(self, payload: torch.Tensor) -> dist.Work:
-        """Start moving (a piece of) one bucket's bytes from this rank: to all, or to the
-        replica this rank's chain starts at."""
-        return self._send_op(partner(self._share, self._replicas) + 1 if self._chain else None, payload)
+    def _post_send(self, piece: torch.Tensor) -> dist.Work:
+        """Start moving a piece of this rank's share: to all, or to the replica this rank's
+        chain starts at."""
+        return self._send_op(partner(self._share, self._replicas) + 1 if self._chain else None, piece)
 
     def send_buckets(self, produce: Producer) -> int:
         bufs = self._bufs()
@@ -322,11 +324,12 @@ class CollectiveEngine(Transport):
                     break
                 bucket, payload = produced
                 packed = payload.data_ptr() == bufs[slot].data_ptr()
-                for piece in self._pieces(payload):
-                    in_flight.append((self._post_send(piece), slot if packed else None))
+                for piece, share in self._layout(bucket, payload):
+                    if share == self._share:  # this rank's pieces (all, but on a chain of shares)
+                        in_flight.append((self._post_send(piece), slot if packed else None))
+                        sent += piece.numel()
                 if packed:
                     slot = (slot + 1) % 2
-                sent += bucket.nbytes
             while in_flight:
                 self._wait(in_flight.popleft()[0])
         except BaseException:
@@ -355,11 +358,12 @@ class CollectiveEngine(Transport):
         once its bucket was consumed and, where it is forwarded, forwarded."""
         bufs = self._bufs()
         free = [0, 1]  # buffer slots not holding a posted, handed-out or forwarding bucket
-        # Receives posted, in plan order: (bucket, slot, target, its pieces' receives, rank
-        # to forward to).
-        posted: deque[tuple[Bucket, int | None, torch.Tensor, list[tuple[dist.Work, torch.Tensor]], int | None]] = deque()
-        # Forwards on the wire: (work, slot its bytes are in, or None for a landed bucket).
-        forwarding: deque[tuple[dist.Work, int | None]] = deque()
+        # Receives posted, in plan order: (bucket, slot, target, its pieces' receives, each
+        # with the piece and the rank to forward it to, if any).
+        posted: deque[tuple[Bucket, int | None, torch.Tensor, list[tuple[dist.Work, torch.Tensor, int | None]]]] = deque()
+        # Forwards on the wire, a bucket's together (its pieces may go to several ranks):
+        # (works, slot its bytes are in, or None for a landed bucket).
+        forwarding: deque[tuple[list[dist.Work], int | None]] = deque()
         pending: Bucket | None = None
         ended = False
 
@@ -368,9 +372,10 @@ class CollectiveEngine(Transport):
             for forwards in order until one gives a buffer slot back. (A forward of a
             landed bucket holds no slot: waiting for the oldest forward alone may free
             nothing while both slots stay on the wire.)"""
-            while forwarding and (forwarding[0][0].is_completed() or (until_free and not free)):
-                work, slot = forwarding.popleft()
-                self._wait(work)
+            while forwarding and (all(w.is_completed() for w in forwarding[0][0]) or (until_free and not free)):
+                works, slot = forwarding.popleft()
+                for work in works:
+                    self._wait(work)
                 if slot is not None:
                     free.append(slot)
 
@@ -394,31 +399,35 @@ class CollectiveEngine(Transport):
                         return
                     slot = free.pop(0)
                     target = bufs[slot][: pending.nbytes]
-                source, forward = self._route(pending)
-                works = [(self._recv_op(source, piece), piece) for piece in self._pieces(target)]
-                posted.append((pending, slot, target, works, forward if works else None))
+                works = []
+                for piece, share in self._layout(pending, target):
+                    source, forward = self._route(share)
+                    works.append((self._recv_op(source, piece), piece, forward))
+                posted.append((pending, slot, target, works))
                 pending = None
 
         try:
             post_ahead()
             while posted:
-                bucket, slot, target, works, forward = posted.popleft()
+                bucket, slot, target, works = posted.popleft()
+                onward = []  # each piece on its way on as soon as it is here
                 work = None
-                for i, (work, piece) in enumerate(works):
+                for work, piece, forward in works:
                     self._wait(work)
-                    if forward is not None:  # each piece on its way on as soon as it is here
-                        last = i == len(works) - 1  # the slot is free once the last piece left
-                        forwarding.append((self._send_op(forward, piece), slot if last else None))
+                    if forward is not None:
+                        onward.append(self._send_op(forward, piece))
                 del works, work
+                if onward:  # the slot is free once every piece of it left
+                    forwarding.append((onward, slot))
                 yield bucket, target
                 # The consumer asked for more: its views of this bucket are released.
-                if slot is not None and forward is None:
+                if slot is not None and not onward:
                     free.append(slot)
                 reclaim(until_free=False)
                 post_ahead()
             while forwarding:
-                work, _ = forwarding.popleft()
-                self._wait(work)
+                for work in forwarding.popleft()[0]:
+                    self._wait(work)
         except BaseException:
             # The sync failed or was abandoned: let go of the group(s) and of our pending
             # operations at once, so the senders fail now, not at their timeout.

@@ -1,14 +1,18 @@
 """Backend ``paired``: every trainer rank feeds a different replica; replicas pass it on.
 
-M trainer ranks send to N receivers (rollout replicas). The plan's buckets are dealt into
-M shares of nearly equal bytes (each bucket, in plan order, to the share with the fewest
-bytes so far: every rank computes the same deal without a word). Trainer rank s sends
-share s to replica d(s) = (s + 1) mod N, a cyclic derangement: where trainer and rollout
-processes share device indices, no trainer rank feeds the replica on its own device. Each
-share then travels the ring of replicas d(s) -> d(s)+1 -> ... (N - 1 hops), each replica
-forwarding a bucket piece by piece as it arrives. So every byte crosses each link at most
-once: a trainer rank's link carries 1/M of the model, a replica's inbound link the whole
-model and its outbound link (N-1)/N of it, and all M trainer links work at once, where a
+M trainer ranks send to N receivers (rollout replicas). The pieces of the plan's buckets
+(``CHUNK_BYTES`` each, in plan order) are dealt into M shares: each piece to the share
+with the fewest bytes so far, so every rank computes the same deal without a word, the
+shares differ by at most a piece, and every trainer link is busy at every point of the
+plan (a deal of whole buckets left one link idle while the other sent a 64 MiB
+embedding, and an lm_head at the end loaded one share with a bucket more). Every trainer
+rank packs every bucket and sends its pieces of it. Trainer rank s sends share s to
+replica d(s) = (s + 1) mod N, a cyclic derangement: where trainer and rollout processes
+share device indices, no trainer rank feeds the replica on its own device. Each share
+then travels the ring of replicas d(s) -> d(s)+1 -> ... (N - 1 hops), each replica
+forwarding a piece as soon as it arrived. So every byte crosses each link at most once:
+a trainer rank's link carries 1/M of the model, a replica's inbound link the whole model
+and its outbound link (N-1)/N of it, and all M trainer links work at once, where a
 broadcast from rank 0 puts the whole model on one trainer link.
 
 Transport: the chain of ``nccl`` (``engine_kwargs.nccl.topology=chain``), with M shares:
@@ -25,18 +29,18 @@ from __future__ import annotations
 
 from weightsync.engines.base import Join
 from weightsync.engines.nccl import CollectiveEngine
-from weightsync.plan import Bucket
 
 
 class Deal:
-    """Deals buckets, in plan order, into ``shares`` shares of nearly equal bytes."""
+    """Deals pieces of ``nbytes`` each, in plan order, into ``shares`` shares of nearly
+    equal bytes: each to the share with the fewest so far (the lowest on ties)."""
 
     def __init__(self, shares: int) -> None:
         self.loads = [0] * shares
 
-    def __call__(self, bucket: Bucket) -> int:
-        share = min(range(len(self.loads)), key=self.loads.__getitem__)  # lowest on ties
-        self.loads[share] += bucket.nbytes
+    def __call__(self, nbytes: int) -> int:
+        share = min(range(len(self.loads)), key=self.loads.__getitem__)
+        self.loads[share] += nbytes
         return share
 
 
@@ -55,11 +59,8 @@ class PairedEngine(CollectiveEngine):
     def start(self, join: Join) -> None:
         """The per-sync state (both sides): the sync's record, buffers, a fresh deal."""
         super().start(join)
-        self._deal = Deal(join.senders)  # every sync deals from the first bucket again
+        self._deal = Deal(join.senders)  # every sync deals from the first piece again
 
-    def _share_of(self, bucket: Bucket) -> int:
+    def _share_of(self, nbytes: int) -> int:
         assert self._deal is not None, "connect() first"
-        return self._deal(bucket)
-
-    def sends(self, bucket: Bucket) -> bool:
-        return self._share_of(bucket) == self._share
+        return self._deal(nbytes)
