@@ -7,20 +7,29 @@ host memory, RDMA for CUDA memory, ``ascend_direct`` on Ascend NPUs). No metadat
 is needed: engines find each other by Mooncake's peer-to-peer handshake (``P2PHANDSHAKE``),
 addressed as ``host:rpc_port``.
 
-Fan-out is a chain: sender -> receiver 1 -> receiver 2 -> ... Each receiver forwards every
-bucket it holds to the next one while its consumer reads that bucket, so every link carries
-the model exactly once and the sender uploads it once, whatever the number of receivers; a
-sync takes about (buckets + receivers - 1) bucket times. A tree would shorten that start-up
-by a few buckets but makes each inner node upload everything two or more times, halving the
-rate on the links that are the bottleneck for a large model; with many buckets per model
-the chain is the faster of the two, and the simpler. Its cost is that one receiver lost in
+Fan-out is a chain: sender -> receiver 1 -> receiver 2 -> ... A bucket goes down each link
+in pieces of ``CHUNK_BYTES`` (``engines.ring``), at most two writes in flight: once a piece
+landed, READY tells the downstream how many bytes of the bucket are in its slot so far, and
+a receiver forwards each newly announced range at once, in the same pieces; it hands the
+bucket to its consumer once all of it arrived (the last pieces go on meanwhile), and says
+DONE upstream once the consumer and its forwards are through with the slot. So every link
+carries the model exactly once, the sender uploads it once, whatever the number of
+receivers, and a hop delays the stream by about a piece, not a bucket. A slot is rewritten
+only after DONE for the bucket it held. The sender copies a bucket that is one range of a
+source tensor into its (registered) slot piece by piece, each copy while earlier pieces are
+on the wire; registering every source tensor with Mooncake instead would save that copy
+but is not done (registration per sync, and memory a failed write may still read). A
+tree would make each inner node upload everything two or more times, halving the rate on
+the links that are the bottleneck for a large model: the chain is the faster of the two,
+and the simpler. Its cost is that one receiver lost in
 the middle fails the sync for those behind it; the sync fails at once either way and the
 next one is built for the survivors.
 
 Signals do not go through Mooncake: each link has a small TCP connection of our own,
 bound to the control connection's interface, carrying the slot ring's versioned frames
-(``engines.ring``, shared with ``shm``): "bucket k is in your slot" downstream, "I am done
-with bucket k" upstream, so nothing left over from an earlier version can satisfy a wait
+(``engines.ring``, shared with ``shm``): "n bytes of bucket k are in your slot"
+downstream, "I am done with bucket k" upstream, tagged with version and bucket, so nothing
+left over from an earlier version can satisfy a wait
 in a later one. Set-up messages (who is up- and downstream of whom) are msgpack; a
 connection must first prove it belongs to this sync with the 128-bit token from
 ``prepare()`` (which travels over the authenticated control channel); others are logged
@@ -59,6 +68,7 @@ log = logging.getLogger("weightsync.engines.mooncake")
 
 _POLL_S = ring.POLL_S
 _IN_FLIGHT = 2  # piece writes on a link's wire at once: one lands while the next one goes
+_DRAIN_POLL_S = 0.0005  # a forwarding receiver looks this often whether a write landed
 # Ring memory that a transfer may still have been using when its sync was abandoned: kept,
 # never freed, so Mooncake cannot write into memory that was given back.
 _ORPHANS: list[Any] = []
@@ -380,6 +390,24 @@ class MooncakeEngine(Transport):
         while window and self._retire(window, block=False):
             pass
 
+    def _drain(self, window: deque, up: Signals) -> None:
+        """Announce our writes downstream as they land while nothing comes from ``up``
+        (each bounded like ``_complete``), so a piece waits for no later one to go on."""
+        deadline = time.monotonic() + self.config.timeout_s
+        next_watch = time.monotonic() + _POLL_S
+        while window and not up.readable(_DRAIN_POLL_S):
+            if self._retire(window, block=False):
+                deadline = time.monotonic() + self.config.timeout_s
+                continue
+            now = time.monotonic()
+            if now > deadline:
+                k = window[0][0]
+                raise TimeoutError(f"writing bucket {k} of version {self._sync.version} to {self._down.peer} "
+                                   f"took longer than {self.config.timeout_s} s")
+            if now > next_watch:
+                next_watch = now + _POLL_S
+                self._sync.check()
+
     def _flush(self, window: deque, upto: int | None = None) -> None:
         """Wait for the writes in ``window`` (those of buckets up to ``upto``) and announce them."""
         while window and (upto is None or window[0][0] <= upto):
@@ -455,6 +483,8 @@ class MooncakeEngine(Transport):
                     raise PeerError(f"bucket {k} has {n} bytes, the sender's slots {self._capacity}")
                 have = -1  # bytes of bucket k known to have landed (none announced yet)
                 while have < n:
+                    if down is not None:
+                        self._drain(window, up)
                     got = up.wait(READY, version, k)
                     if got > n:
                         raise PeerError(f"{up.peer} wrote {got} bytes for bucket {k}, the plan says {n}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import select
 import selectors
 import socket
 import struct
@@ -215,6 +216,17 @@ class Signals:
             self.sock.sendall(_SIGNAL.pack(kind, version, seq, nbytes))
         except OSError as e:
             raise PeerError(f"{self.peer} closed its connection ({e})", self.label) from e
+
+    def readable(self, timeout_s: float) -> bool:
+        """Whether a frame (or a part of one, or the peer's close) waits to be read, after
+        at most ``timeout_s``; reads nothing."""
+        if len(self._buf) >= _SIGNAL.size:
+            return True
+        try:
+            ready, _, _ = select.select([self.sock], [], [], timeout_s)
+        except (OSError, ValueError):  # a closed socket: the next wait says so
+            return True
+        return bool(ready)
 
     def wait(self, kind: int, version: int, seq: int) -> int:
         """The byte count of the next frame, which must be ``(kind, version, seq)``."""
