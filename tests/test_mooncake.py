@@ -64,6 +64,72 @@ def test_many_versions_through_the_chain_are_bit_exact_every_time():
             stop(procs)
 
 
+def run_recording_receiver(address, rank, overrides, versions, queue, frames):
+    """``workers.run_receiver``, logging in order the READY frames it reads from upstream
+    ("in") and sends downstream ("out"), reported as ``(rank, log)`` once it is done."""
+    from weightsync.engines import ring
+
+    log = []
+    send, wait = ring.Signals.send, ring.Signals.wait
+
+    def sending(self, kind, version, seq, nbytes):
+        send(self, kind, version, seq, nbytes)
+        if kind == ring.READY:
+            log.append(("out", seq, nbytes))
+
+    def waiting(self, kind, version, seq):
+        nbytes = wait(self, kind, version, seq)
+        if kind == ring.READY:
+            log.append(("in", seq, nbytes))
+        return nbytes
+
+    ring.Signals.send, ring.Signals.wait = sending, waiting
+    workers.run_receiver(address, rank, overrides, versions, queue)
+    frames.put((rank, log))
+
+
+@workers.needs_mooncake
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_bucket_travels_the_chain_in_pieces_each_forwarded_before_the_bucket_is_whole():
+    """16 MiB buckets of a model with a 40 MiB tensor, to 3 receivers: every bucket is
+    announced in pieces of ``CHUNK_BYTES`` (growing byte counts, the last the bucket's
+    size), and each forwarding receiver passes a piece on before the last piece of its
+    bucket arrived (store and forward would announce it once, whole), bit-exact."""
+    from weightsync.engines.ring import CHUNK_BYTES
+
+    g = torch.Generator().manual_seed(77)
+    payload = {**workers.make_weights(1), "big": torch.randn(10 * CHUNK_BYTES // 4, generator=g)}
+    q, frames = CTX.Queue(), CTX.Queue()
+    overrides = ["backend=mooncake", "update_weights_bucket_megabytes=16", "timeout_s=30"]
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 3) as sender:
+        procs = [start(run_recording_receiver, sender.address, r, overrides, [1], q, frames) for r in range(3)]
+        try:
+            sender.send(payload, version=1)
+            for rank, version, got, held in collect(q, 3, timeout=90):
+                assert (version, held) == (1, 1) and got == digests(payload), f"receiver {rank} differs"
+            logs = dict(frames.get(timeout=30) for _ in range(3))
+        finally:
+            stop(procs)
+    for rank in range(3):
+        for way in ("in", "out") if rank < 2 else ("in",):
+            counts: dict[int, list[int]] = {}
+            for w, seq, nbytes in logs[rank]:
+                if w == way:
+                    counts.setdefault(seq, []).append(nbytes)
+            assert counts and all(c == sorted(set(c)) for c in counts.values()), (rank, way, counts)
+            sizes = {seq: c[-1] for seq, c in counts.items()}
+            assert max(sizes.values()) == 16 << 20
+            for seq, c in counts.items():  # pieces of CHUNK_BYTES, the last the rest
+                assert [b - a for a, b in zip([0] + c, c)][:-1] == [CHUNK_BYTES] * (len(c) - 1), (rank, way, seq, c)
+    for rank in range(2):  # a piece went on before its bucket was whole
+        log = logs[rank]
+        whole = {seq: i for i, (w, seq, nbytes) in enumerate(log) if w == "in" and nbytes == 16 << 20}
+        assert whole, log
+        for seq, at in whole.items():
+            assert any(w == "out" and s == seq and nbytes < 16 << 20 for w, s, nbytes in log[:at]), (rank, seq, log)
+
+
 # ---------------------------------------------------------------------------- failures
 @workers.needs_mooncake
 @pytest.mark.slow

@@ -7,20 +7,29 @@ host memory, RDMA for CUDA memory, ``ascend_direct`` on Ascend NPUs). No metadat
 is needed: engines find each other by Mooncake's peer-to-peer handshake (``P2PHANDSHAKE``),
 addressed as ``host:rpc_port``.
 
-Fan-out is a chain: sender -> receiver 1 -> receiver 2 -> ... Each receiver forwards every
-bucket it holds to the next one while its consumer reads that bucket, so every link carries
-the model exactly once and the sender uploads it once, whatever the number of receivers; a
-sync takes about (buckets + receivers - 1) bucket times. A tree would shorten that start-up
-by a few buckets but makes each inner node upload everything two or more times, halving the
-rate on the links that are the bottleneck for a large model; with many buckets per model
-the chain is the faster of the two, and the simpler. Its cost is that one receiver lost in
+Fan-out is a chain: sender -> receiver 1 -> receiver 2 -> ... A bucket goes down each link
+in pieces of ``CHUNK_BYTES`` (``engines.ring``), at most two writes in flight: once a piece
+landed, READY tells the downstream how many bytes of the bucket are in its slot so far, and
+a receiver forwards each newly announced range at once, in the same pieces; it hands the
+bucket to its consumer once all of it arrived (the last pieces go on meanwhile), and says
+DONE upstream once the consumer and its forwards are through with the slot. So every link
+carries the model exactly once, the sender uploads it once, whatever the number of
+receivers, and a hop delays the stream by about a piece, not a bucket. A slot is rewritten
+only after DONE for the bucket it held. The sender copies a bucket that is one range of a
+source tensor into its (registered) slot piece by piece, each copy while earlier pieces are
+on the wire; registering every source tensor with Mooncake instead would save that copy
+but is not done (registration per sync, and memory a failed write may still read). A
+tree would make each inner node upload everything two or more times, halving the rate on
+the links that are the bottleneck for a large model: the chain is the faster of the two,
+and the simpler. Its cost is that one receiver lost in
 the middle fails the sync for those behind it; the sync fails at once either way and the
 next one is built for the survivors.
 
 Signals do not go through Mooncake: each link has a small TCP connection of our own,
 bound to the control connection's interface, carrying the slot ring's versioned frames
-(``engines.ring``, shared with ``shm``): "bucket k is in your slot" downstream, "I am done
-with bucket k" upstream, so nothing left over from an earlier version can satisfy a wait
+(``engines.ring``, shared with ``shm``): "n bytes of bucket k are in your slot"
+downstream, "I am done with bucket k" upstream, tagged with version and bucket, so nothing
+left over from an earlier version can satisfy a wait
 in a later one. Set-up messages (who is up- and downstream of whom) are msgpack; a
 connection must first prove it belongs to this sync with the 128-bit token from
 ``prepare()`` (which travels over the authenticated control channel); others are logged
@@ -34,6 +43,7 @@ import logging
 import secrets
 import socket
 import time
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,7 +52,7 @@ import torch
 from weightsync import platform
 from weightsync.engines import ring
 from weightsync.engines.base import Join, Landing, NextBucket, Producer, Transport
-from weightsync.engines.ring import DONE, FAIL, READY, SLOTS, PeerError, Signals
+from weightsync.engines.ring import CHUNK_BYTES, DONE, FAIL, READY, SLOTS, PeerError, Signals
 from weightsync.plan import Bucket
 
 try:
@@ -57,6 +67,8 @@ except ImportError as e:  # the registry reports this as "backend 'mooncake' can
 log = logging.getLogger("weightsync.engines.mooncake")
 
 _POLL_S = ring.POLL_S
+_IN_FLIGHT = 2  # piece writes on a link's wire at once: one lands while the next one goes
+_DRAIN_POLL_S = 0.0005  # a forwarding receiver looks this often whether a write landed
 # Ring memory that a transfer may still have been using when its sync was abandoned: kept,
 # never freed, so Mooncake cannot write into memory that was given back.
 _ORPHANS: list[Any] = []
@@ -306,12 +318,16 @@ class MooncakeEngine(Transport):
             self._listener = None
 
     # ------------------------------------------------------------------ data
-    def _write(self, k: int, nbytes: int) -> int | None:
-        """Start writing our slot of bucket ``k`` into the downstream's slot; its batch id."""
+    # A bucket goes down a link in pieces of CHUNK_BYTES: each piece is a write into the same
+    # range of the downstream's slot; once it landed, READY carries the bytes of the bucket
+    # landed so far. At most _IN_FLIGHT writes are on their way, so the link has the next
+    # piece while a completion is polled. ``window`` holds them, oldest first, as
+    # (bucket, batch id or None, end of the piece in the bucket).
+    def _write(self, k: int, start: int, nbytes: int) -> int:
+        """Start writing bytes ``[start, start + nbytes)`` of our slot of bucket ``k`` into
+        the same range of the downstream's slot; its batch id."""
         assert self._local is not None and self._down is not None
-        if nbytes == 0:
-            return None
-        offset = (k % SLOTS) * self._capacity
+        offset = (k % SLOTS) * self._capacity + start
         batch = self._local.te.transfer_submit_write(
             self._target, self._local.ring.data_ptr() + offset, self._target_ring + offset, nbytes
         )
@@ -322,16 +338,30 @@ class MooncakeEngine(Transport):
         self._local.inflight.add(batch)
         return batch
 
-    def _complete(self, k: int, batch: int | None) -> None:
-        """Wait (bounded) until the write of bucket ``k`` landed downstream."""
+    def _landed(self, k: int, batch: int | None) -> bool:
+        """Whether the write ``batch`` of bucket ``k`` landed downstream (asks Mooncake once)."""
         if batch is None:
-            return
+            return True
         assert self._local is not None and self._down is not None
-        te = self._local.te
+        status = self._local.te.transfer_check_status(batch)
+        if status == 0:
+            return False
+        self._local.inflight.discard(batch)  # its id is freed once reported; never ask again
+        if status != 1:
+            raise PeerError(
+                f"Mooncake failed to write bucket {k} of version {self._sync.version} to {self._down.peer} "
+                f"({'timed out' if status == -2 else f'status {status}'})",
+                self._down.label,
+            )
+        return True
+
+    def _complete(self, k: int, batch: int | None) -> None:
+        """Wait (bounded) until the write ``batch`` of bucket ``k`` landed downstream."""
+        assert self._down is not None
         deadline = time.monotonic() + self.config.timeout_s
         next_watch = time.monotonic() + _POLL_S
         pause = 0.0001
-        while (status := te.transfer_check_status(batch)) == 0:
+        while not self._landed(k, batch):
             now = time.monotonic()
             if now > deadline:
                 raise TimeoutError(f"writing bucket {k} of version {self._sync.version} to {self._down.peer} "
@@ -341,43 +371,96 @@ class MooncakeEngine(Transport):
                 self._sync.check()
             time.sleep(pause)
             pause = min(pause * 2, 0.002)
-        self._local.inflight.discard(batch)  # its id is freed once reported; never ask again
-        if status != 1:
-            raise PeerError(
-                f"Mooncake failed to write bucket {k} of version {self._sync.version} to {self._down.peer} "
-                f"({'timed out' if status == -2 else f'status {status}'})",
-                self._down.label,
-            )
+
+    def _retire(self, window: deque, block: bool = True) -> bool:
+        """The oldest write of ``window`` landed (waiting for it if ``block``): READY for
+        the bytes of its bucket up to its end. False if it had not landed."""
+        assert self._down is not None
+        k, batch, end = window[0]
+        if block:
+            self._complete(k, batch)
+        elif not self._landed(k, batch):
+            return False
+        window.popleft()
+        self._down.send(READY, self._sync.version, k, end)
+        return True
+
+    def _retire_landed(self, window: deque) -> None:
+        """Announce the writes that already landed, oldest first, without waiting."""
+        while window and self._retire(window, block=False):
+            pass
+
+    def _drain(self, window: deque, up: Signals) -> None:
+        """Announce our writes downstream as they land while nothing comes from ``up``
+        (each bounded like ``_complete``), so a piece waits for no later one to go on."""
+        deadline = time.monotonic() + self.config.timeout_s
+        next_watch = time.monotonic() + _POLL_S
+        while window and not up.readable(_DRAIN_POLL_S):
+            if self._retire(window, block=False):
+                deadline = time.monotonic() + self.config.timeout_s
+                continue
+            now = time.monotonic()
+            if now > deadline:
+                k = window[0][0]
+                raise TimeoutError(f"writing bucket {k} of version {self._sync.version} to {self._down.peer} "
+                                   f"took longer than {self.config.timeout_s} s")
+            if now > next_watch:
+                next_watch = now + _POLL_S
+                self._sync.check()
+
+    def _flush(self, window: deque, upto: int | None = None) -> None:
+        """Wait for the writes in ``window`` (those of buckets up to ``upto``) and announce them."""
+        while window and (upto is None or window[0][0] <= upto):
+            self._retire(window)
+
+    def _forward(self, window: deque, k: int, start: int, end: int) -> None:
+        """Write bytes ``[start, end)`` of bucket ``k`` downstream, in pieces of
+        ``CHUNK_BYTES``, at most ``_IN_FLIGHT`` on the wire. An empty bucket is one READY."""
+        if start == end == 0:
+            self._flush(window)
+            assert self._down is not None
+            self._down.send(READY, self._sync.version, k, 0)
+            return
+        for a in range(start, end, CHUNK_BYTES):
+            b = min(a + CHUNK_BYTES, end)
+            while len(window) >= _IN_FLIGHT:
+                self._retire(window)
+            window.append((k, self._write(k, a, b - a), b))
 
     def send_buckets(self, produce: Producer) -> int:
         assert self._down is not None and self._local is not None, "connect() first"
         version = self._sync.version
         down = self._down
+        window: deque = deque()
         sent = 0
         k = 0
-        pending: tuple[int, int | None, int] | None = None  # (bucket, batch, bytes) on the wire
         try:
             while True:
                 if k >= SLOTS:  # the receiver's slot (and ours) must be free of bucket k - SLOTS
+                    self._flush(window, upto=k - SLOTS)  # its READYs are what that DONE waits for
                     down.wait(DONE, version, k - SLOTS)
+                self._retire_landed(window)
                 slot = self._local.slot(k)
                 produced = produce(slot)
                 if produced is None:
                     break
                 bucket, payload = produced
-                if bucket.nbytes and payload.data_ptr() != slot.data_ptr():
-                    platform.copy_bytes(slot[: bucket.nbytes], payload)  # a bucket sent from its source tensor
-                platform.synchronize(slot.device)
-                batch = self._write(k, bucket.nbytes)
-                if pending is not None:  # the previous bucket was on the wire meanwhile
-                    self._complete(pending[0], pending[1])
-                    down.send(READY, version, pending[0], pending[2])
-                pending = (k, batch, bucket.nbytes)
-                sent += bucket.nbytes
+                n = bucket.nbytes
+                if n and payload.data_ptr() != slot.data_ptr():
+                    # A bucket sent from its source tensor: copied into the slot (the memory
+                    # registered with Mooncake) piece by piece, each while the previous ones
+                    # are on the wire.
+                    for a in range(0, n, CHUNK_BYTES):
+                        b = min(a + CHUNK_BYTES, n)
+                        platform.copy_bytes(slot[a:b], payload[a:b])
+                        platform.synchronize(slot.device)
+                        self._forward(window, k, a, b)
+                else:
+                    platform.synchronize(slot.device)
+                    self._forward(window, k, 0, n)
+                sent += n
                 k += 1
-            if pending is not None:
-                self._complete(pending[0], pending[1])
-                down.send(READY, version, pending[0], pending[2])
+            self._flush(window)
             # The loop's last pass waited for bucket k - SLOTS: the later ones are still read.
             for seq in range(max(0, k - SLOTS + 1), k):
                 down.wait(DONE, version, seq)
@@ -391,25 +474,33 @@ class MooncakeEngine(Transport):
         assert self._up is not None and self._local is not None, "connect() first"
         version = self._sync.version
         up, down = self._up, self._down
+        window: deque = deque()
         k = 0
         try:
             while (bucket := next_bucket()) is not None:
-                if bucket.nbytes > self._capacity:  # the plan and the ring disagree: never read past a slot
-                    raise PeerError(f"bucket {k} has {bucket.nbytes} bytes, the sender's slots {self._capacity}")
-                nbytes = up.wait(READY, version, k)
-                if nbytes != bucket.nbytes:
-                    raise PeerError(f"{up.peer} wrote {nbytes} bytes for bucket {k}, the plan says {bucket.nbytes}")
-                batch = None
-                if down is not None:  # forward while our consumer reads the bucket
-                    if k >= SLOTS:
-                        down.wait(DONE, version, k - SLOTS)
-                    batch = self._write(k, nbytes)
-                yield bucket, self._local.slot(k)[:nbytes]
+                n = bucket.nbytes
+                if n > self._capacity:  # the plan and the ring disagree: never read past a slot
+                    raise PeerError(f"bucket {k} has {n} bytes, the sender's slots {self._capacity}")
+                have = -1  # bytes of bucket k known to have landed (none announced yet)
+                while have < n:
+                    if down is not None:
+                        self._drain(window, up)
+                    got = up.wait(READY, version, k)
+                    if got > n:
+                        raise PeerError(f"{up.peer} wrote {got} bytes for bucket {k}, the plan says {n}")
+                    if got <= have or got == 0 < n:
+                        raise PeerError(f"{up.peer} announced {got} bytes of bucket {k} after {have}")
+                    if down is not None:  # forward what arrived at once, in pieces
+                        if have < 0 and k >= SLOTS:
+                            down.wait(DONE, version, k - SLOTS)
+                        self._forward(window, k, max(have, 0), got)
+                        self._retire_landed(window)
+                    have = got
+                yield bucket, self._local.slot(k)[:n]  # the last pieces go on while it is read
                 platform.synchronize(self._local.ring.device)  # our reads of the slot are complete
                 if down is not None:
-                    self._complete(k, batch)
-                    down.send(READY, version, k, nbytes)
-                up.send(DONE, version, k, 0)
+                    self._flush(window)
+                up.send(DONE, version, k, 0)  # our slot may be rewritten: nothing reads it now
                 k += 1
             if down is not None:
                 for seq in range(max(0, k - SLOTS), k):

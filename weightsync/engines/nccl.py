@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync import platform, rendezvous
+from weightsync.engines import ring
 from weightsync.engines.base import Join, Landing, NextBucket, Producer, Transport
 from weightsync.plan import Bucket
 
@@ -57,9 +58,8 @@ def _await_burials(limit_s: float = 30.0) -> None:
     for thread in _burials:
         thread.join(max(0.0, end - time.monotonic()))
 
-# Bytes per operation on a chain's link: a hop holds a piece back, not a bucket (64 MiB at
-# 1 Gbit/s is half a second a hop); 4 MiB keeps each call's latency small beside it.
-CHUNK_BYTES = 1 << 20
+# Bytes per operation on a chain's link (one constant for every chain: engines.ring)
+CHUNK_BYTES = ring.CHUNK_BYTES
 TOPOLOGIES = ("broadcast", "chain")
 
 
