@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # multi-GB CUDA build. On a GPU machine: make TORCH=torch==<cuda build> ...
 TORCH  ?= torch==2.13.0
 
-.PHONY: install install-vllm install-mooncake install-verl demo demo-vllm test test-fast gpu-check docs clean
+.PHONY: install install-vllm install-mooncake install-verl install-cluster demo demo-vllm test test-fast gpu-check docs clean
 
 install: $(VENV)/.installed
 
@@ -68,7 +68,14 @@ demo-vllm: install-vllm
 # The tests marked cuda need a GPU: deselected here (and said so), run by `make gpu-check`.
 CUDA_NOTE := echo "cuda tests deselected (-m 'not cuda'): run make gpu-check on a GPU machine"
 
-test: install-vllm install-mooncake install-verl
+# iproute2 (ip, tc) for the emulated cluster of tests/test_cluster.py and bench --hosts.
+CLUSTER_DEBS := iproute2
+
+install-cluster:
+	dpkg -s $(CLUSTER_DEBS) >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
+		$(SUDO) apt-get install -y --no-install-recommends $(CLUSTER_DEBS); }
+
+test: install-vllm install-mooncake install-verl install-cluster
 	@$(CUDA_NOTE)
 	WEIGHTSYNC_REQUIRE_ALL=1 $(BIN)/python -m pytest -q -rs -m "not cuda"
 	WEIGHTSYNC_REQUIRE_ALL=1 $(VERL_BIN)/python -m pytest -q -rs tests/verl

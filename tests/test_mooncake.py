@@ -99,7 +99,7 @@ def test_a_bucket_travels_the_chain_in_pieces_each_forwarded_before_the_bucket_i
     from weightsync.engines.ring import CHUNK_BYTES
 
     g = torch.Generator().manual_seed(77)
-    payload = {**workers.make_weights(1), "big": torch.randn(10 * CHUNK_BYTES // 4, generator=g)}
+    payload = {**workers.make_weights(1), "big": torch.randn((40 << 20) // 4, generator=g)}
     q, frames = CTX.Queue(), CTX.Queue()
     overrides = ["backend=mooncake", "update_weights_bucket_megabytes=16", "timeout_s=30"]
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 3) as sender:

@@ -67,11 +67,11 @@ class NcclKwargs:
         metadata=_doc(
             "Route of `nccl`'s buckets: `broadcast` (one collective from the sender to all: the "
             "sender's link carries the model once per receiver over Gloo), `chain` (two-rank "
-            "groups sender -> receiver -> receiver ..., each forwarding in 4 MiB pieces as they "
+            "groups sender -> receiver -> receiver ..., each forwarding in 1 MiB pieces as they "
             "arrive: every link carries the model once), or `auto`: `chain` when a receiver's "
             "control connection comes from another host than the sender's, else `broadcast`.",
             "`nccl` 的桶传输路径：`broadcast`（发送方对全体的一次集合通信；在 Gloo 上发送方链路为每个接收方"
-            "各承载一次模型）、`chain`（两 rank 进程组 发送方 -> 接收方 -> 接收方 ...，每段按 4 MiB 分片边收边转发："
+            "各承载一次模型）、`chain`（两 rank 进程组 发送方 -> 接收方 -> 接收方 ...，每段按 1 MiB 分片边收边转发："
             "每条链路只承载一次模型）或 `auto`：有接收方的控制连接来自发送方以外的主机时用 `chain`，否则 `broadcast`。",
             choices=("auto", "broadcast", "chain"),
         ),
