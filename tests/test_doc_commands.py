@@ -128,14 +128,15 @@ COMMANDS: dict[str, Run | NotHere] = {
     # README: weightsync bench (1 GiB by default: run at 64 MiB, one timed sync per row)
     "weightsync bench": Run((f"bench {SMALL}",), "--size-mb 64 --repeats 1", timeout=240),
     "weightsync bench --shape small-tensors": Run(
-        (f"bench --shape small-tensors {SMALL}",), "--size-mb 64 --repeats 1", timeout=240),
+        (f"bench --shape small-tensors --no-alternatives {SMALL}",),
+        "--no-alternatives --size-mb 64 --repeats 1 (the alternatives run in `weightsync bench`)", timeout=240),
     "weightsync bench --bucket-mb 16,64,256 --plot bench.png": Run(
         (f"bench --bucket-mb 16,64,256 --plot {{tmp}}/bench.png --no-alternatives {SMALL}",),
         "the plot into tmp_path; --no-alternatives --size-mb 64 --repeats 1 (the alternatives run in `weightsync bench`)",
         timeout=240, check="plot"),
     "weightsync bench --model DIR --receivers 2 --json": Run(
-        ("bench --model {model} --receivers 2 --json --repeats 1",),
-        "DIR: the tiny tied Llama's model.safetensors; --repeats 1", check="json"),
+        ("bench --model {model} --receivers 2 --json --no-alternatives --repeats 1",),
+        "DIR: the tiny tied Llama's model.safetensors; --no-alternatives --repeats 1", check="json"),
     "weightsync bench --backend mooncake,paired,disk,nccl,shm": Run(
         ("bench --backend mooncake,paired,disk,nccl,shm --receivers 3 --size-mb 256 --bucket-mb 64 --repeats 2 "
          "--no-alternatives --json",),
@@ -147,8 +148,9 @@ COMMANDS: dict[str, Run | NotHere] = {
     "weightsync bench --device cuda --size-mb 4096": NotHere(
         "needs a CUDA GPU: `make gpu-check` runs the --device cuda bench rows (weightsync/gpucheck.py)"),
     "weightsync bench --update adamw --lr 1e-6": Run(
-        (f"bench --update adamw --lr 1e-6 --no-alternatives {SMALL}",),
-        "--no-alternatives --size-mb 64 --repeats 1", timeout=240),
+        ("bench --update adamw --lr 1e-6 --no-alternatives --size-mb 16 --receivers 1 --repeats 2 --json",),
+        "--no-alternatives --size-mb 16 (the smallest LLM shape, 149 MB) --receivers 1 --repeats 2 --json: rows for "
+        "delta off, auto and on per backend, bit-exact, `on` sending a few percent", timeout=240, check="adamw"),
     "weightsync bench --rollout vllm --backend nccl,shm": Run(
         ("bench --rollout vllm --backend nccl,shm --size-mb 16 --repeats 1",),
         "a 16 MiB fp32 Qwen2 model instead of 392 MB, one timed update (about 70 s here)", timeout=240, vllm=True),
@@ -229,8 +231,18 @@ def _check_five(outs, tmp_path):
     assert sorted(rows) == ["disk", "mooncake", "nccl", "paired", "shm"]
     expected = sum(s.nbytes for s in models.synthetic_specs("llm", 256, "bfloat16"))
     for backend, r in rows.items():
-        assert (r["bytes"], r["receivers"], r["bucket_mb"], len(r["repeats"])) == (expected, 3, 64, 2), backend
+        assert (r["bytes"], r["receivers"], r["bucket_mb"], len(r["repeats_s"])) == (expected, 3, 64, 2), backend
         assert r["gbps"] > 0, backend
+
+
+def _check_adamw(outs, tmp_path):
+    """Per backend, rows with delta off, auto and on; AdamW at lr 1e-6 changes a few percent."""
+    rows = json.loads(outs[0].stdout)
+    assert [(r["backend"], r["delta"]) for r in rows] == [(b, d) for b in ("nccl", "shm") for d in ("off", "auto", "on")]
+    for off, auto, on in (rows[:3], rows[3:]):
+        assert off["wire_bytes"] == off["bytes"] and off["speedup_vs_dense"] == 1.0
+        assert auto["speedup_vs_dense"] > 0 and 0 < on["density"] < 0.2
+        assert on["wire_bytes"] < 0.2 * on["bytes"]
 
 
 def _check_docs(outs, tmp_path):
@@ -238,7 +250,7 @@ def _check_docs(outs, tmp_path):
         assert out.stdout == (ROOT / "docs" / name).read_text(), f"docs/{name} drifted from `weightsync config --docs`"
 
 
-CHECKS = {"plot": _check_plot, "json": _check_json, "five": _check_five, "docs": _check_docs}
+CHECKS = {"adamw": _check_adamw, "plot": _check_plot, "json": _check_json, "five": _check_five, "docs": _check_docs}
 
 FOUND = doc_commands()
 
