@@ -88,3 +88,20 @@ def pytest_runtest_makereport(item, call):
 def pytest_make_collect_report(collector):
     outcome = yield
     _as_failure(outcome.get_result())
+
+
+@pytest.fixture(scope="session")
+def tied_llama_dir(tmp_path_factory):
+    """A tiny Hugging Face model directory (config.json + model.safetensors), made here: a
+    2-layer Llama with tied embeddings, whose embedding (3001 x 96 fp32, 1.15 MB) is larger
+    than a 1 MiB bucket."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=3001, hidden_size=96, intermediate_size=200, num_hidden_layers=2,
+                         num_attention_heads=3, num_key_value_heads=1, tie_word_embeddings=True,
+                         max_position_embeddings=128)
+    path = tmp_path_factory.mktemp("tied-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path

@@ -1,0 +1,325 @@
+"""Every command README.md and docs/*.md tell a user to run, run here.
+
+The commands are collected from the docs themselves: each line of a fenced ```bash block
+that starts with ``weightsync `` (continuation lines joined, the comment after ``#`` cut off
+and kept). docs/configuration*.md are generated (``make docs``) and not read. ``COMMANDS``
+below decides, once, for every collected command: run it as written, run it adjusted (a
+model directory or file made here, a smaller size), or not here, with the reason and what
+covers it instead. A command in the docs that ``COMMANDS`` does not name fails
+``test_every_doc_command_is_classified``, an entry no longer in the docs fails
+``test_every_entry_is_still_in_the_docs``: a command added to the docs later is run (or
+explained) without anyone having to remember it.
+
+What a run must show: where the doc line's comment says ``exit N: message``, that exit
+status and the message; otherwise exit 0, and for ``weightsync demo`` ``demo OK``. The bench
+checks itself that every receiver ends with the sender's bytes (a digest per process) and
+exits 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if not p.name.startswith("configuration"))]
+
+
+# ------------------------------------------------------------------------------ collecting
+@dataclass(frozen=True)
+class DocLine:
+    where: str  # file:line
+    command: str  # whitespace-normalised, comment removed
+    comment: str
+
+
+def _split_comment(line: str) -> tuple[str, str]:
+    """``line`` before and after its first ``#`` that starts a shell comment (at the start or
+    after whitespace, outside quotes)."""
+    quote = None
+    for i, c in enumerate(line):
+        if quote:
+            quote = None if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i], line[i + 1:].strip()
+    return line, ""
+
+
+def commands_in(text: str, name: str = "<text>") -> list[DocLine]:
+    """The ``weightsync ...`` commands of the fenced ```bash blocks of a markdown text."""
+    out: list[DocLine] = []
+    fence = None  # the open fence's language, None outside one
+    pending: list[str] = []
+    start = 0
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        stripped = raw.strip()
+        if stripped.startswith("```"):
+            fence = stripped[3:].strip().lower() if fence is None else None
+            pending = []
+            continue
+        if fence != "bash":
+            continue
+        if not pending:
+            start = lineno
+        code, comment = _split_comment(raw)
+        if code.rstrip().endswith("\\") and not comment:  # a continuation line
+            pending.append(code.rstrip()[:-1])
+            continue
+        pending.append(code)
+        command = " ".join(" ".join(pending).split())
+        pending = []
+        if command.startswith("weightsync "):
+            out.append(DocLine(f"{name}:{start}", command, comment))
+    return out
+
+
+def doc_commands() -> dict[str, list[DocLine]]:
+    found: dict[str, list[DocLine]] = {}
+    for path in DOCS:
+        for line in commands_in(path.read_text(), str(path.relative_to(ROOT))):
+            found.setdefault(line.command, []).append(line)
+    return found
+
+
+# ------------------------------------------------------------------------------ the table
+@dataclass(frozen=True)
+class Run:
+    """Run the command: as written (``argv`` None) or as ``argv`` (one or more command lines,
+    without the leading ``weightsync``). Placeholders: {model} a tiny Hugging Face model
+    directory, {tmp} this test's directory, {ppo} a verl-style YAML there."""
+
+    argv: tuple[str, ...] | None = None
+    why: str = ""  # what the adjustment is and why
+    timeout: int = 120
+    slow: bool = True
+    vllm: bool = False
+    check: str = ""  # the name of an extra check below, on the output
+
+
+@dataclass(frozen=True)
+class NotHere:
+    why: str  # why not, and what runs it instead
+
+
+# The bench's LLM shape at its smallest (asked for 64 MiB, it is 149 MiB: a 64 MiB embedding and
+# one layer), one timed sync per row: seconds, not minutes.
+SMALL = "--size-mb 64 --repeats 1"
+
+COMMANDS: dict[str, Run | NotHere] = {
+    # README: weightsync demo (the default model and its 64 MiB buckets, as written)
+    "weightsync demo": Run(timeout=150),
+    "weightsync demo --model DIR --bucket-mb 1 --receivers 3": Run(
+        ("demo --model {model} --bucket-mb 1 --receivers 3",),
+        "DIR: a tiny tied Llama made here (its 1.15 MB embedding is split across 1 MiB buckets)"),
+    "weightsync demo --backend naive": Run(timeout=150),
+    "weightsync demo --backend disk": Run(timeout=150),
+    "weightsync demo --backend paired --receivers 3": Run(timeout=150),
+    "weightsync demo --backend mooncake": Run(timeout=150),
+    "weightsync demo --backend shm --receivers 3": Run(timeout=150),
+    "weightsync demo --receivers 3 --set timeout_s=60 --set engine_kwargs.nccl.rebuild_group=true": Run(timeout=150),
+    # README: weightsync bench (1 GiB by default: run at SMALL)
+    "weightsync bench": Run((f"bench {SMALL}",), "--size-mb 64 --repeats 1", timeout=240),
+    "weightsync bench --shape small-tensors": Run(
+        (f"bench --shape small-tensors --no-alternatives {SMALL}",),
+        "--no-alternatives --size-mb 64 --repeats 1 (the alternatives run in `weightsync bench`)", timeout=240),
+    "weightsync bench --bucket-mb 16,64,256 --plot bench.png": Run(
+        (f"bench --bucket-mb 16,64,256 --plot {{tmp}}/bench.png --no-alternatives {SMALL}",),
+        "the plot into tmp_path; --no-alternatives --size-mb 64 --repeats 1 (the alternatives run in `weightsync bench`)",
+        timeout=240, check="plot"),
+    "weightsync bench --model DIR --receivers 2 --json": Run(
+        ("bench --model {model} --receivers 2 --json --no-alternatives --repeats 1",),
+        "DIR: the tiny tied Llama's model.safetensors; --no-alternatives --repeats 1", check="json"),
+    "weightsync bench --backend mooncake,paired,disk,nccl,shm": Run(
+        ("bench --backend mooncake,paired,disk,nccl,shm --receivers 3 --size-mb 256 --bucket-mb 64 --repeats 2 "
+         "--no-alternatives --json",),
+        "every transport on the LLM shape at 256 MiB (255 MiB: a 64 MiB embedding, 6 layers) in 64 MiB buckets, 3 receivers (the default "
+        "said out loud), 2 timed versions after the warm-up, bit-exact; no alternatives (`weightsync bench` runs them)",
+        timeout=300, check="five"),
+    "weightsync bench --backend paired --trainers 2": Run(
+        (f"bench --backend paired --trainers 2 {SMALL}",), "--size-mb 64 --repeats 1", timeout=240),
+    "weightsync bench --device cuda --size-mb 4096": NotHere(
+        "needs a CUDA GPU: `make gpu-check` runs the --device cuda bench rows (weightsync/gpucheck.py)"),
+    "weightsync bench --update adamw --lr 1e-6": Run(
+        ("bench --update adamw --lr 1e-6 --no-alternatives --size-mb 16 --receivers 1 --repeats 2 --json",),
+        "--no-alternatives --size-mb 16 (the smallest LLM shape, 149 MiB) --receivers 1 --repeats 2 --json: rows for "
+        "delta off, auto and on per backend, bit-exact, `on` sending a few percent", timeout=240, check="adamw"),
+    "weightsync bench --rollout vllm --backend nccl,shm": Run(
+        ("bench --rollout vllm --backend nccl,shm --size-mb 16 --repeats 1",),
+        "a 16 MB fp32 Qwen2 model instead of 392 MB, one timed update (about 70 s here)", timeout=240, vllm=True),
+    # README: weightsync config
+    "weightsync config backend=nccl update_weights_bucket_megabytes=512": Run(slow=False, timeout=60),
+    "weightsync config --check backend=ncl": Run(slow=False, timeout=60),
+    "weightsync config --yaml ppo.yaml --check": Run(
+        ("config --yaml {ppo} --check",), "ppo.yaml: a verl-style trainer config written here", slow=False, timeout=60),
+    "weightsync config --docs [--lang zh]": Run(
+        ("config --docs", "config --docs --lang zh"), "[--lang zh]: both forms; each prints its docs/configuration*.md",
+        slow=False, timeout=60, check="docs"),
+    # README: GPU check
+    "weightsync gpu-check --dry-run": Run(slow=False, timeout=60),
+    # docs/vllm.md
+    "weightsync demo --rollout vllm": Run(timeout=240, vllm=True),  # about 80 s here: 2 vLLM replicas start
+    "weightsync demo --rollout vllm --model DIR --receivers 3 --pause-mode abort": NotHere(
+        "about 115 s here (3 vLLM replicas start one after another), over this file's 90 s for a vLLM line; "
+        "`weightsync demo --rollout vllm` above runs the same demo, tests/test_vllm.py runs replicas from a model "
+        "directory and updates in abort mode (test_keep_mode_carries_an_in_flight_request_across_the_update)"),
+}
+
+
+# ------------------------------------------------------------------------------ fixtures
+PPO_YAML = """\
+actor_rollout_ref:
+  model: {path: /models/qwen}
+  rollout:
+    name: vllm
+    n: 8
+    checkpoint_engine:
+      _target_: verl.workers.config.CheckpointEngineConfig
+      backend: nccl
+      update_weights_bucket_megabytes: 512
+      engine_kwargs:
+        nccl: {rebuild_group: true}
+trainer:
+  total_epochs: 3
+  use_v1: true
+  v1: {trainer_mode: separate_async}
+"""
+
+
+def cli(*args: str, timeout: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "weightsync.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, check=False)
+
+
+def argv_of(command: str, entry: Run, tmp_path: Path, model: Path | None) -> list[list[str]]:
+    lines = entry.argv or (command.removeprefix("weightsync "),)
+    ppo = tmp_path / "ppo.yaml"
+    if "{ppo}" in "".join(lines):
+        ppo.write_text(PPO_YAML)
+    return [[a.format(model=model, tmp=tmp_path, ppo=ppo) for a in shlex.split(line)] for line in lines]
+
+
+def expected_exit(lines: list[DocLine]) -> tuple[int, str]:
+    """(status, message) the doc's comment states (``exit N: message``), else (0, "")."""
+    for line in lines:
+        m = re.match(r"exit (\d+)(?::\s*(.*))?", line.comment)
+        if m:
+            return int(m.group(1)), (m.group(2) or "").strip()
+    return 0, ""
+
+
+def _check_plot(outs, tmp_path):
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
+
+
+def _check_json(outs, tmp_path):
+    rows = json.loads(outs[0].stdout)
+    assert rows and all(r["receivers"] == 2 and r["gbps"] > 0 for r in rows)
+
+
+def _check_five(outs, tmp_path):
+    from weightsync.bench import models
+
+    rows = {r["backend"]: r for r in json.loads(outs[0].stdout)}
+    assert sorted(rows) == ["disk", "mooncake", "nccl", "paired", "shm"]
+    expected = sum(s.nbytes for s in models.synthetic_specs("llm", 256, "bfloat16"))
+    for backend, r in rows.items():
+        assert (r["bytes"], r["receivers"], r["bucket_mb"], len(r["repeats_s"])) == (expected, 3, 64, 2), backend
+        assert r["gbps"] > 0, backend
+
+
+def _check_adamw(outs, tmp_path):
+    """Per backend, rows with delta off, auto and on; AdamW at lr 1e-6 changes a few percent."""
+    rows = json.loads(outs[0].stdout)
+    assert [(r["backend"], r["delta"]) for r in rows] == [(b, d) for b in ("nccl", "shm") for d in ("off", "auto", "on")]
+    for off, auto, on in (rows[:3], rows[3:]):
+        assert off["wire_bytes"] == off["bytes"] and off["speedup_vs_dense"] == 1.0
+        assert auto["speedup_vs_dense"] > 0 and 0 < on["density"] < 0.2
+        assert on["wire_bytes"] < 0.2 * on["bytes"]
+
+
+def _check_docs(outs, tmp_path):
+    for out, name in zip(outs, ("configuration.md", "configuration.zh.md")):
+        assert out.stdout == (ROOT / "docs" / name).read_text(), f"docs/{name} drifted from `weightsync config --docs`"
+
+
+CHECKS = {"adamw": _check_adamw, "plot": _check_plot, "json": _check_json, "five": _check_five, "docs": _check_docs}
+
+FOUND = doc_commands()
+
+
+def _params():
+    for command, entry in COMMANDS.items():
+        if isinstance(entry, NotHere):
+            continue
+        marks = [pytest.mark.timeout(entry.timeout * len(entry.argv or (1,)) + 60)]
+        marks += [pytest.mark.slow] if entry.slow else []
+        marks += [pytest.mark.vllm] if entry.vllm else []
+        marks += [pytest.mark.mooncake] if "mooncake" in command else []  # conftest.py: skip or fail, saying how
+        yield pytest.param(command, marks=marks, id=command.removeprefix("weightsync "))
+
+
+# ------------------------------------------------------------------------------ the tests
+def test_every_doc_command_is_classified():
+    missing = {c: [l.where for l in lines] for c, lines in FOUND.items() if c not in COMMANDS}
+    assert not missing, ("commands in the docs that tests/test_doc_commands.py's COMMANDS does not classify (run, "
+                         f"run adjusted, or NotHere with the reason): {missing}")
+
+
+def test_every_entry_is_still_in_the_docs():
+    gone = sorted(set(COMMANDS) - set(FOUND))
+    assert not gone, f"COMMANDS names commands no longer in README.md or docs/*.md: {gone}"
+
+
+def test_collecting_joins_continuations_and_keeps_comments():
+    text = textwrap.dedent("""\
+        ```bash
+        weightsync demo   # a comment
+        weightsync config --check a=1 \\
+            b='x # y'       # exit 2: bad
+        make demo   # not ours: weightsync demo --rollout vllm
+                    # weightsync commented out
+        ```
+        ```
+        weightsync bench
+        ```
+        ```python
+        weightsync bench
+        ```
+    """)
+    assert commands_in(text, "t") == [DocLine("t:2", "weightsync demo", "a comment"),
+                                      DocLine("t:3", "weightsync config --check a=1 b='x # y'", "exit 2: bad")]
+    assert expected_exit(commands_in(text)[1:]) == (2, "bad")
+
+
+@pytest.mark.parametrize("command", list(_params()))
+def test_doc_command(command, tmp_path, request):
+    entry = COMMANDS[command]
+    lines = FOUND.get(command)
+    if lines is None:
+        pytest.fail(f"{command!r} is no longer in the docs (test_every_entry_is_still_in_the_docs)")
+    needs_model = "{model}" in "".join(entry.argv or ())
+    model = request.getfixturevalue("tied_llama_dir") if needs_model else None  # conftest.py
+    status, message = expected_exit(lines)
+    outs = []
+    for argv in argv_of(command, entry, tmp_path, model):
+        out = cli(*argv, timeout=entry.timeout)
+        shown = f"{' '.join(argv)} (docs: {lines[0].where}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+        assert out.returncode == status, f"exit {out.returncode}, the docs say {status}: {shown}"
+        assert message in out.stdout + out.stderr, f"the docs promise {message!r}: {shown}"
+        if argv[0] == "demo":  # as many rollouts as the command asks for, every sync checked
+            n = argv[argv.index("--receivers") + 1] if "--receivers" in argv else "2"
+            assert re.search(rf"demo OK: \d+ (syncs to {n} receivers, bit-exact|updates to {n} vLLM replicas)",
+                             out.stdout), shown
+        outs.append(out)
+    if entry.check:
+        CHECKS[entry.check](outs, tmp_path)
