@@ -147,6 +147,13 @@ COMMANDS: dict[str, Run | NotHere] = {
         timeout=300, check="five"),
     "weightsync bench --backend paired --trainers 2": Run(
         (f"bench --backend paired --trainers 2 {SMALL}",), "--size-mb 64 --repeats 1", timeout=240),
+    "weightsync bench --hosts 4 --link 1gbit --backend nccl,mooncake,paired --json": Run(
+        (f"bench --hosts 4 --link 1gbit --backend nccl,mooncake,paired --json {SMALL}",),
+        f"{SMALL} on the emulated cluster (root: CI runs as root); the rows' link ratios and NIC bytes are "
+        "asserted in tests/test_cluster.py", timeout=240),
+    "weightsync bench --hosts 5 --trainers 2 --trainer-link 1gbit --link 4gbit --backend nccl,paired": Run(
+        (f"bench --hosts 5 --trainers 2 --trainer-link 1gbit --link 4gbit --backend nccl,paired {SMALL}",),
+        SMALL, timeout=240),
     "weightsync bench --device cuda --size-mb 4096": NotHere(
         "needs a CUDA GPU: `make gpu-check` runs the --device cuda bench rows (weightsync/gpucheck.py)"),
     "weightsync bench --update adamw --lr 1e-6": Run(
