@@ -7,7 +7,6 @@ where the cluster cannot be made, these tests fail with the reason, they never s
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
