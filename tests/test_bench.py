@@ -4,10 +4,9 @@ The README's bench lines run in tests/test_doc_commands.py (`--update adamw` wit
 for delta off, auto and on is checked there)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
+from clirun import weightsync
 import torch
 
 from weightsync.bench import models
@@ -19,8 +18,7 @@ RATIO_KEYS = {"ratio_to_ceiling", "speedup_vs_per_tensor", "speedup_vs_disk"}
 
 
 def bench(*args):
-    return subprocess.run([sys.executable, "-m", "weightsync.cli", "bench", *args],
-                          capture_output=True, text=True, timeout=380, check=False)
+    return weightsync("bench", *args, timeout=380)
 
 
 def test_bench_json_has_every_row_with_ratios_and_a_plot(tmp_path):

@@ -1,11 +1,10 @@
 """Configuration: verl's keys and defaults, both key forms, YAML, messages that name the key."""
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from clirun import weightsync
 
 from weightsync.config import PREFIX, ConfigError, EngineConfig
 from weightsync.config_docs import docs_markdown
@@ -153,7 +152,7 @@ def test_generated_docs_match_the_code():
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "weightsync.cli", *args], capture_output=True, text=True, timeout=60)
+    return weightsync(*args, timeout=60)
 
 
 def test_cli_config_check():

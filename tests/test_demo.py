@@ -2,17 +2,15 @@
 tests/test_doc_commands.py runs): a bad backend, and many small buckets on the point-to-point
 and disk backends (conftest.py's tied_llama_dir)."""
 
-import subprocess
-import sys
 
 import pytest
+from clirun import weightsync
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def run_demo(*args):
-    return subprocess.run([sys.executable, "-m", "weightsync.cli", "demo", *args],
-                          capture_output=True, text=True, timeout=280)
+    return weightsync("demo", *args, timeout=280)
 
 
 def test_demo_fails_loudly():

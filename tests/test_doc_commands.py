@@ -22,12 +22,12 @@ import json
 import re
 import shlex
 import subprocess
-import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from clirun import weightsync
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if not p.name.startswith("configuration"))]
@@ -203,8 +203,7 @@ trainer:
 
 
 def cli(*args: str, timeout: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "weightsync.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, check=False)
+    return weightsync(*args, timeout=timeout, cwd=ROOT)
 
 
 def argv_of(command: str, entry: Run, tmp_path: Path, model: Path | None) -> list[list[str]]:

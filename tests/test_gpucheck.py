@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from clirun import weightsync
 
 from weightsync import gpucheck, platform
 from weightsync.bench import BenchOptions
@@ -19,9 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def cli(*args, env=None, timeout=120):
-    full = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "weightsync.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full, cwd=REPO)
+    return weightsync(*args, timeout=timeout, env={"PYTHONPATH": str(REPO), **(env or {})}, cwd=REPO)
 
 
 def test_no_cuda_device_exits_3_says_so_and_still_writes_the_report(tmp_path):
