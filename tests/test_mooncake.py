@@ -83,7 +83,19 @@ def run_recording_receiver(address, rank, overrides, versions, queue, frames):
             log.append(("in", seq, nbytes))
         return nbytes
 
+    from weightsync.engines.mooncake import MooncakeEngine
+
+    recv = MooncakeEngine.recv_buckets
+
+    def receiving(self, *args, **kwargs):  # a slow consumer, logging what it holds when
+        for bucket, view in recv(self, *args, **kwargs):
+            log.append(("held", bucket.index, 0))
+            time.sleep(0.2)
+            log.append(("released", bucket.index, 0))
+            yield bucket, view
+
     ring.Signals.send, ring.Signals.wait = sending, waiting
+    MooncakeEngine.recv_buckets = receiving
     workers.run_receiver(address, rank, overrides, versions, queue)
     frames.put((rank, log))
 
@@ -94,8 +106,9 @@ def run_recording_receiver(address, rank, overrides, versions, queue, frames):
 def test_a_bucket_travels_the_chain_in_pieces_each_forwarded_before_the_bucket_is_whole():
     """16 MiB buckets of a model with a 40 MiB tensor, to 3 receivers: every bucket is
     announced in pieces of ``CHUNK_BYTES`` (growing byte counts, the last the bucket's
-    size), and each forwarding receiver passes a piece on before the last piece of its
-    bucket arrived (store and forward would announce it once, whole), bit-exact."""
+    size), each forwarding receiver passes a piece on before the last piece of its
+    bucket arrived (store and forward would announce it once, whole), and goes on
+    forwarding the next bucket while its (slow) consumer holds one, bit-exact."""
     from weightsync.engines.ring import CHUNK_BYTES
 
     g = torch.Generator().manual_seed(77)
@@ -128,6 +141,11 @@ def test_a_bucket_travels_the_chain_in_pieces_each_forwarded_before_the_bucket_i
         assert whole, log
         for seq, at in whole.items():
             assert any(w == "out" and s == seq and nbytes < 16 << 20 for w, s, nbytes in log[:at]), (rank, seq, log)
+        held = {seq: i for i, (w, seq, _) in enumerate(log) if w == "held"}
+        released = {seq: i for i, (w, seq, _) in enumerate(log) if w == "released"}
+        for seq in sorted(held)[:-1]:  # the next bucket went on while the consumer held this one
+            during = log[held[seq]:released[seq]]
+            assert any(w == "out" and s == seq + 1 for w, s, _ in during), (rank, seq, during)
 
 
 # ---------------------------------------------------------------------------- failures
