@@ -293,26 +293,42 @@ def _quietly(fn):
 
 
 def test_malformed_and_silent_strangers_do_not_delay_or_break_the_sync(caplog):
+    """A silent stranger (whose hello would time out after ``HELLO_TIMEOUT_S``, 10 s), a
+    hello that claims 1 GiB and one that is not msgpack delay nobody: the receiver's sync,
+    timed from its connect (its start-up done), takes far less than that timeout while
+    the silent one is still waited for."""
+    from weightsync.session import HELLO_TIMEOUT_S
+
     overrides = config(timeout=20)
-    q = CTX.Queue()
+    q, go = CTX.Queue(), CTX.Event()
     caplog.set_level(logging.WARNING, logger="weightsync.session")
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 1) as sender:
         host, port = sender.address.rsplit(":", 1)
-        silent = socket.create_connection((host, int(port)))  # connects and says nothing
-        oversized = socket.create_connection((host, int(port)))
-        oversized.sendall((1 << 30).to_bytes(4, "big"))  # claims a 1 GiB hello
-        garbage = socket.create_connection((host, int(port)))
-        garbage.sendall(b"\x00\x00\x00\x05\xc1\xc1\xc1\xc1\xc1")  # 0xc1 is never valid msgpack
-        proc = start(workers.run_resilient_receiver, sender.address, 0, overrides, [1], q)
+        proc = start(workers.run_resilient_receiver, sender.address, 0, overrides, [1], q, None, None, go)
+        silent = oversized = garbage = None
         try:
+            assert q.get(timeout=60) == (0, "ready")
+            silent = socket.create_connection((host, int(port)))  # connects and says nothing
+            oversized = socket.create_connection((host, int(port)))
+            oversized.sendall((1 << 30).to_bytes(4, "big"))  # claims a 1 GiB hello
+            garbage = socket.create_connection((host, int(port)))
+            garbage.sendall(b"\x00\x00\x00\x05\xc1\xc1\xc1\xc1\xc1")  # 0xc1 is never valid msgpack
+            time.sleep(0.2)  # the strangers are in the sender's hands before the receiver
             t0 = time.monotonic()
+            go.set()
             sender.send(workers.make_weights(1), version=1)
-            assert time.monotonic() - t0 < 15  # not held up by the silent one's hello timeout
+            assert time.monotonic() - t0 < HELLO_TIMEOUT_S / 3  # a serial greeting would wait ~10 s
             rank, version, got, held = q.get(timeout=30)
             assert version == 1 and got == workers.expected_digests(1)
+            silent.settimeout(1.0)
+            assert silent.recv(4096)  # the sender's challenge, and then
+            silent.settimeout(0.05)  # still open: the sender did not get rid of it first
+            with pytest.raises(TimeoutError):
+                silent.recv(1)
             messages = " | ".join(r.message for r in caplog.records)
             assert "limit 4096" in messages and "malformed message" in messages
         finally:
             for s in (silent, oversized, garbage):
-                s.close()
+                if s is not None:
+                    s.close()
             stop([proc])

@@ -161,16 +161,21 @@ def resources() -> dict[str, float]:
     return {"fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")), "rss_mb": rss}
 
 
-def run_resilient_receiver(address, rank, overrides, versions, queue, kill_at=None, device=None):
+def run_resilient_receiver(address, rank, overrides, versions, queue, kill_at=None, device=None, go=None):
     """Like ``run_receiver``, but a failed sync is reported as ``(rank, "error", message,
     receiver.version, attempted, torn)`` and the next version is tried with the same
     ``Receiver``. ``kill_at=(version, n)``: SIGKILL itself after n tensors of that version.
-    ``device``: as for ``run_receiver``."""
+    ``device``: as for ``run_receiver``. ``go``: an event; once started up (imports done),
+    report ``(rank, "ready")`` and wait for it before connecting, so a caller can time
+    the sync without the process's start-up."""
     import faulthandler
     import signal
 
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
+    if go is not None:
+        queue.put((rank, "ready"))
+        go.wait(120)
     with Receiver(EngineConfig.from_overrides(overrides), address, rank, device=device) as receiver:
         for v in versions:
             got = {}
