@@ -6,6 +6,7 @@ import torch
 
 from weightsync import EngineConfig, HandshakeError, Publisher, Receiver, Sender, Transport
 from weightsync.engines import get_engine
+from weightsync.session import RemoteFailure
 
 import workers
 from procs import CTX, collect, start, stop
@@ -48,28 +49,28 @@ def test_publishers_follow_the_version_rules(backend, tmp_path):
     with Sender(config, address, 1) as sender, Receiver(config, address, 0) as receiver:
         def send(v, **kw):
             if backend == "disk":  # the disk sender waits for the receiver's acknowledgement
-                import threading
-                errors = []
-                t = threading.Thread(target=lambda: _catch(errors, sender.send, _weights(v), version=v, **kw))
-                t.start()
-                return t, errors
+                return workers.Background(sender, _weights(v), v, **kw)
             sender.send(_weights(v), version=v, **kw)
-            return None, []
+            return None
 
-        def join(t):
-            if t is not None:
-                t.join(10)
+        def join(t, fails=None):
+            if t is None:
+                return None
+            if fails is None:
+                return t.join()
+            with pytest.raises(fails):
+                t.join()
 
-        t, _ = send(2)
+        t = send(2)
         assert {n: x.clone() for n, x in receiver.receive()}["a"][0] == 2
         join(t)
         assert (receiver.version, receiver.failed_version, receiver.torn) == (2, None, False)
 
         # a consumer that stops after one tensor: failed and torn (something was delivered)
-        t, _ = send(3)
+        t = send(3)
         for _ in receiver.receive():
             break
-        join(t)
+        join(t, fails=RemoteFailure)  # the disk publisher hears the receiver did not complete it
         assert (receiver.version, receiver.failed_version, receiver.torn) == (2, 3, True)
 
         # stale: refused before anything is read, the state as it was
@@ -77,20 +78,13 @@ def test_publishers_follow_the_version_rules(backend, tmp_path):
             with pytest.raises(HandshakeError):  # the disk sender itself refuses an older version
                 sender.send(_weights(1), version=1)
         else:
-            t, _ = send(1)
+            t = send(1)
             with pytest.raises(HandshakeError, match="older than version 2"):
                 list(receiver.receive())
             assert (receiver.version, receiver.failed_version, receiver.torn) == (2, 3, True)
 
         # forced rollback: taken, and it makes the weights whole again
-        t, _ = send(1, force=True)
+        t = send(1, force=True)
         got = {n: x.clone() for n, x in receiver.receive()}
         join(t)
         assert got["a"][0] == 1 and (receiver.version, receiver.failed_version, receiver.torn) == (1, None, False)
-
-
-def _catch(errors, fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except Exception as e:  # reported through the list
-        errors.append(e)

@@ -6,7 +6,6 @@ cases kill real processes."""
 import json
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from weightsync.engines.disk import MANIFEST, published_versions, version_dir
 from weightsync.session import PeerLost, RemoteFailure
 
 import workers
+from workers import Background
 from procs import CTX, start, stop
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,28 +35,6 @@ def config(path, *extra, timeout=20):
 
 def digests(weights):
     return {n: workers.digest(t.contiguous()) for n, t in weights.items()}
-
-
-class Background:
-    """``sender.send`` in a thread: the result or the exception, once it returns."""
-
-    def __init__(self, sender, weights, version, **kwargs):
-        self.result = self.error = None
-        self.thread = threading.Thread(target=self._run, args=(sender, weights, version, kwargs), daemon=True)
-        self.thread.start()
-
-    def _run(self, sender, weights, version, kwargs):
-        try:
-            self.result = sender.send(weights, version=version, **kwargs)
-        except Exception as e:
-            self.error = e
-
-    def join(self):
-        self.thread.join(timeout=60)
-        assert not self.thread.is_alive()
-        if self.error is not None:
-            raise self.error
-        return self.result
 
 
 def sync(sender, receiver, weights, version, **kwargs):

@@ -15,7 +15,8 @@ from weightsync.engines.disk import MANIFEST, SIGNATURE, version_dir
 from weightsync.session import RemoteFailure
 
 import workers
-from test_disk import Background, digests, overrides, sync
+from test_disk import digests, overrides, sync
+from workers import Background
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 import traceback
 
@@ -330,3 +331,26 @@ def run_paced_sender(overrides, num_receivers, versions, queue, go, num_trainers
             except Exception as e:
                 queue.put(("sent", v, f"{type(e).__name__}: {e}"))
         go.get(timeout=300)
+
+
+class Background:
+    """``sender.send`` in a thread: ``join`` asserts it ended and returns its result or
+    raises its exception, so a publisher that raised or hung cannot pass unseen."""
+
+    def __init__(self, sender, weights, version, **kwargs):
+        self.result = self.error = None
+        self.thread = threading.Thread(target=self._run, args=(sender, weights, version, kwargs), daemon=True)
+        self.thread.start()
+
+    def _run(self, sender, weights, version, kwargs):
+        try:
+            self.result = sender.send(weights, version=version, **kwargs)
+        except Exception as e:
+            self.error = e
+
+    def join(self, timeout=60):
+        self.thread.join(timeout=timeout)
+        assert not self.thread.is_alive(), "sender.send did not return"
+        if self.error is not None:
+            raise self.error
+        return self.result
