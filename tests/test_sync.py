@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from weightsync import EngineConfig, HandshakeError, Receiver, Sender, SyncError, SyncTimeout
+from weightsync.plan import TensorSpec, make_plan
 from weightsync.session import RemoteFailure
 from weightsync.sources import IteratorSource
 
@@ -34,6 +35,9 @@ def base(backend):
 @pytest.mark.parametrize("num_receivers", [1, 3])
 def test_versions_arrive_bit_exact(num_receivers, backend):
     versions = [1, 2, 3]
+    specs = [TensorSpec.of(n, t) for n, t in workers.make_weights(1).items()]
+    planned = len(make_plan(specs, 1 << 20).buckets)  # 1 MiB buckets, as in BASE
+    assert planned >= 2
     q = CTX.Queue()
     overrides = base(backend)
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", num_receivers) as sender:
@@ -41,7 +45,7 @@ def test_versions_arrive_bit_exact(num_receivers, backend):
         try:
             for v in versions:
                 stats = sender.send(workers.make_weights(v), version=v)
-                assert stats.tensors == 9 and stats.buckets >= 2
+                assert (stats.tensors, stats.buckets) == (9, planned)
                 # The plan travels once; unchanged, only its hash goes with later versions.
                 assert stats.plan_sent_to == (num_receivers if v == 1 else 0)
                 reports = collect(q, num_receivers)
@@ -177,24 +181,10 @@ def test_receiver_killed_mid_sync_fails_the_sender_naming_it(backend):
             assert time.monotonic() - t0 < 15
             assert (rank, status, held) == (1, "error", None), message
             assert "transfer of version 1" in message
-            # Nothing of the failed sync's memory is left: no segment file, no mapping held.
-            assert [n for n in os.listdir("/dev/shm") if "weightsync" in n] == []
-            assert shared_memory_fds() == []
+            # Nothing of the failed sync's memory is left: no shared-memory descriptor held.
+            assert workers.shared_memory_fds() == []
         finally:
             stop([victim, survivor])
-
-
-def shared_memory_fds():
-    """This process's open descriptors of shared bucket memory (memfds of the shm backend)."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if "weightsync" in target:
-            out.append(target)
-    return out
 
 
 def test_version_and_bucket_mismatch_fail_on_both_sides():

@@ -155,11 +155,27 @@ def run_sharded_trainer(rank, store_port, address_queue, overrides, num_receiver
         traceback.print_exc()
 
 
+def shared_memory_fds() -> list[str]:
+    """This process's open descriptors of shared bucket memory (the shm backend's memfds;
+    it never creates named segments in /dev/shm)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if "weightsync" in target:
+            out.append(target)
+    return out
+
+
 def resources() -> dict[str, float]:
-    """This process's open descriptors, threads and resident memory (MB)."""
+    """This process's open descriptors, shared-memory descriptors among them, threads and
+    resident memory (MB)."""
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    return {"fds": len(os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")), "rss_mb": rss}
+    return {"fds": len(os.listdir("/proc/self/fd")), "shm_fds": len(shared_memory_fds()),
+            "threads": len(os.listdir("/proc/self/task")), "rss_mb": rss}
 
 
 def run_resilient_receiver(address, rank, overrides, versions, queue, kill_at=None, device=None, go=None):
