@@ -21,7 +21,7 @@ import torch
 
 from weightsync.config import EngineConfig
 from weightsync.endpoints import Receiver, Sender
-from weightsync.session import SyncStats
+from weightsync.stats import SyncStats
 
 # The embedded default: a Qwen2-shaped model of about 44M parameters (fp32: 178 MB), built
 # from this config with random weights; nothing is downloaded.

@@ -32,7 +32,6 @@ from weightsync.session import (
     PeerLost,
     ProtocolError,
     SyncError,
-    SyncStats,
     VerificationError,
     connect,
     engine_problem,
@@ -40,6 +39,7 @@ from weightsync.session import (
 )
 from weightsync.sinks import ModuleSink, SinkError
 from weightsync.state import VersionState
+from weightsync.stats import SyncStats
 from weightsync.verify import checksum_fn
 
 log = logging.getLogger("weightsync")

@@ -36,9 +36,9 @@ from weightsync.session import (
     PeerLost,
     RemoteFailure,
     SyncError,
-    SyncStats,
 )
 from weightsync.sources import WeightSource, as_source
+from weightsync.stats import SyncStats
 from weightsync.trainers import TrainerFollower, TrainerPeers
 
 log = logging.getLogger("weightsync")
