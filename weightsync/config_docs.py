@@ -3,6 +3,7 @@ own field documentation (``weightsync config --docs [--lang zh]``)."""
 
 from __future__ import annotations
 
+from weightsync.backends import builtin_backends
 from weightsync.config import PREFIX, all_keys
 from weightsync.config_verl import VERL_KEYS, VERL_MODULE
 
@@ -66,8 +67,6 @@ def docs_markdown(lang: str = "en") -> str:
         elif k.meta.get("allowed"):
             allowed = k.meta["allowed"]
         elif choices:
-            from weightsync.engines import builtin_backends
-
             allowed = ", ".join(f"`{c}`" for c in builtin_backends()) + " (+ plugins)"
         elif k.type_name in ("int", "float"):
             allowed = "> 0"
