@@ -149,7 +149,7 @@ def test_a_refused_probe_blocks_the_nccl_tests_and_fails_the_run(monkeypatch, tm
     """In this process, on the CPU: the probe answers as NCCL 2.29 does on one GPU; the
     nccl test then reports blocked (not failed, not silently skipped) and the run fails."""
     refusal = "rank 1: DistBackendError: ... Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000"
-    monkeypatch.setattr(gpucheck, "probe_nccl", lambda opts, timeout_s: ("failed", refusal))
+    monkeypatch.setattr(gpucheck, "probe_nccl", lambda receivers, device, timeout_s: ("failed", refusal))
     monkeypatch.delenv(gpucheck.NCCL_BLOCKED_ENV, raising=False)
     opts = Options(out=str(tmp_path), device="cpu", tests="three_versions and nccl", bench=False)
     assert [c.name for c in gpucheck.planned_checks(opts)] == ["nccl-multi-rank", "pytest-cuda"]

@@ -224,12 +224,12 @@ def test_strangers_on_the_signal_port_are_rejected_and_the_sync_completes(monkey
 
 
 def test_missing_wheel_is_reported_by_the_registry(monkeypatch):
-    from weightsync import engines
+    from weightsync import backends
 
     monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # as if it were not installed
     monkeypatch.delitem(sys.modules, "weightsync.engines.mooncake", raising=False)
-    monkeypatch.setitem(engines._registry, "mooncake", "weightsync.engines.mooncake:MooncakeEngine")
-    monkeypatch.setattr(engines, "_failed", {})
+    monkeypatch.setitem(backends._registry, "mooncake", "weightsync.engines.mooncake:MooncakeEngine")
+    monkeypatch.setattr(backends, "_failed", {})
     with pytest.raises(EngineUnavailable, match="backend 'mooncake' cannot be loaded: .*mooncake"):
         get_engine("mooncake")
 

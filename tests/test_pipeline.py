@@ -15,7 +15,7 @@ import pipeline_workers as pw
 from procs import CTX, start, stop
 from weightsync import EngineConfig, Sender, SyncError
 from weightsync.session import SyncTimeout
-from weightsync.pipeline import LANDED_AHEAD, LOOKAHEAD, LandingPool, following_landings
+from weightsync.landing import LANDED_AHEAD, LOOKAHEAD, LandingPool, following_landings
 from weightsync.plan import TensorSpec, make_plan
 from weightsync.sources import StateDictSource
 

@@ -15,7 +15,6 @@ from weightsync.session import (
     ProtocolError,
     RemoteFailure,
     SyncError,
-    SyncStats,
     SyncTimeout,
     VerificationError,
 )
@@ -23,6 +22,7 @@ from weightsync.receiver import Receiver
 from weightsync.sender import Sender
 from weightsync.sinks import ModuleSink, SinkError
 from weightsync.sources import WeightSource, as_source
+from weightsync.stats import SyncStats
 from weightsync.state import VersionState
 
 __version__ = "0.1.0"

@@ -3,36 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
-import shutil
 import sys
-import tempfile
-from collections.abc import Iterator
 
 from weightsync.config import ConfigError, EngineConfig
 from weightsync.config_docs import docs_markdown
-
-
-@contextlib.contextmanager
-def scratch_overrides(overrides: list[str], parent: str | None = None) -> Iterator[list[str]]:
-    """``overrides`` as they are, or, when they select ``backend=disk`` without a path,
-    with ``engine_kwargs.disk.path`` set to a new temporary directory (under ``parent``)
-    that is removed on exit. For the demo and the bench, which run on one machine."""
-    config = EngineConfig()
-    for override in overrides:
-        key, sep, value = override.partition("=")
-        if sep:  # malformed ones are reported where the overrides are validated
-            config.set(key.strip(), value.strip())
-    if config.backend != "disk" or config.engine_kwargs.disk.path:
-        yield list(overrides)
-        return
-    path = tempfile.mkdtemp(prefix="weightsync-disk-", dir=parent)
-    try:
-        yield [*overrides, f"engine_kwargs.disk.path={path}"]
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:

@@ -3,6 +3,7 @@ own field documentation (``weightsync config --docs [--lang zh]``)."""
 
 from __future__ import annotations
 
+from weightsync.backends import builtin_backends
 from weightsync.config import PREFIX, all_keys
 from weightsync.config_verl import VERL_KEYS, VERL_MODULE
 
@@ -10,7 +11,7 @@ _DOC_TEXT = {
     "en": {
         "title": "# Configuration reference",
         "intro": (
-            "Generated from `weightsync/config.py` by `weightsync config --docs`; do not edit by hand.\n\n"
+            "Generated from `weightsync/config_keys.py` by `weightsync config --docs`; do not edit by hand.\n\n"
             "Keys can be written in the short form (`backend=nccl`) or with verl's full prefix "
             f"(`{PREFIX}backend=nccl`); trainer keys keep their own full names. Set them as dotted "
             "overrides (`--set KEY=VALUE`, `EngineConfig.from_overrides([...])`) or in YAML "
@@ -33,7 +34,7 @@ _DOC_TEXT = {
     "zh": {
         "title": "# 配置参考",
         "intro": (
-            "由 `weightsync config --docs` 从 `weightsync/config.py` 生成，请勿手工编辑。\n\n"
+            "由 `weightsync config --docs` 从 `weightsync/config_keys.py` 生成，请勿手工编辑。\n\n"
             "键可写成短形式（`backend=nccl`）或带 verl 完整前缀的形式"
             f"（`{PREFIX}backend=nccl`）；训练器相关键使用其自身的完整名称。可通过点号覆盖"
             "（`--set KEY=VALUE`、`EngineConfig.from_overrides([...])`）或 YAML"
@@ -66,8 +67,6 @@ def docs_markdown(lang: str = "en") -> str:
         elif k.meta.get("allowed"):
             allowed = k.meta["allowed"]
         elif choices:
-            from weightsync.engines import builtin_backends
-
             allowed = ", ".join(f"`{c}`" for c in builtin_backends()) + " (+ plugins)"
         elif k.type_name in ("int", "float"):
             allowed = "> 0"

@@ -8,42 +8,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightsync.config import PREFIX, ConfigError, EngineKwargs, _flatten, _suggest, all_keys
+from weightsync.backends import VERL_BACKEND, VERL_MODULE, VERL_ONLY_BACKENDS  # noqa: F401 (re-exported)
+from weightsync.config_keys import PREFIX, ConfigError, EngineKwargs, _flatten, _suggest, all_keys
 
-#: the backend name weightsync's adapter registers in verl's ``CheckpointEngineRegistry``
-VERL_BACKEND = "weightsync"
-#: the module verl imports through ``custom_backend_module`` to register it
-VERL_MODULE = "weightsync.integrations.verl"
 #: values of ``engine_kwargs.weightsync.transport``: weightsync backends that carry weights
 #: between processes, or ``auto`` (``shm`` when every rollout worker is on the trainer's Ray
 #: node, else ``nccl``)
 VERL_TRANSPORTS = ("nccl", "shm", "paired", "mooncake", "disk", "auto")
-
-#: verl 0.9.1 backend names weightsync does not provide, and what to use instead
-VERL_ONLY_BACKENDS = {
-    "hccl": (
-        "weightsync has no backend of that name: use backend=nccl, which runs on HCCL on Ascend NPUs "
-        "(and on Gloo on CPU); verl registers its own HCCL engine under `nccl` too"
-    ),
-    "nixl": (
-        "verl's NIXL engine is not provided by weightsync; for point-to-point transfers use "
-        "backend=mooncake (RDMA, or TCP), for a broadcast backend=nccl"
-    ),
-    "kimi_ckpt_engine": (
-        "verl's engine over Moonshot's checkpoint-engine is not provided by weightsync; use "
-        "backend=nccl (broadcast), backend=shm (one host; CUDA IPC on GPUs) or backend=mooncake"
-    ),
-    "delta_sharded": (
-        "verl's delta engine (sparse byte differences, NCCL and CUDA only) is not provided by "
-        "weightsync; use backend=nccl with delta=auto, weightsync's own delta sync (every session "
-        "backend, exact, whole versions to receivers without the base)"
-    ),
-    VERL_BACKEND: (
-        "that is the name weightsync's adapter registers in verl (custom_backend_module: "
-        f"{VERL_MODULE}); in weightsync's own configuration name the transport instead: "
-        "backend=nccl, shm, paired, mooncake or disk"
-    ),
-}
 
 #: keys verl's own engines take that weightsync's backend of the same name does not read
 VERL_ONLY_KWARGS = {

@@ -26,6 +26,11 @@ all is ``delta_policy``'s call. Receivers that apply deltas stage the payloads (
 sync's wire bytes) and apply them once every byte arrived and, with ``verify``, the
 reconstructed tensors checked, so a delta sync that fails midway leaves their base intact
 (not torn) and the next sync can be a delta again.
+
+The stage has one entry point on each side: the sender's ``DeltaEncoder.encode`` (here),
+whose ``Outgoing`` the sender's later phases consult, and the receiver's
+``weightsync.delta_intake.DeltaDecoder.accept``, whose ``Incoming`` routes, stages and
+applies. ``Sender`` and ``Receiver`` hold no delta rules of their own.
 """
 
 from __future__ import annotations
@@ -44,8 +49,9 @@ import torch
 from weightsync import delta
 from weightsync.delta import Kind
 from weightsync.delta_policy import DeltaPolicy, Probe
-from weightsync.plan import TensorSpec, as_bytes
+from weightsync.plan import Plan, TensorSpec, as_bytes, make_plan
 from weightsync.sources import WeightSource
+from weightsync.stats import SyncStats
 from weightsync.verify import checksum_fn
 
 log = logging.getLogger("weightsync.delta")
@@ -112,88 +118,6 @@ class DeltaHeader:
         if [(s.name, s.shape, s.dtype) for s in expected] != [(w.name, w.shape, w.dtype) for w in wire]:
             raise ValueError("the plan's tensors do not match the delta header")
         return header
-
-
-@dataclass
-class Route:
-    """What a receiver does with each wire entry of a sync."""
-
-    #: per wire entry: model tensor index and what to do: "take" (hand over as it comes),
-    #: "stage" (a delta payload or DENSE entry kept until the end), "skip"
-    actions: list[tuple[int, str]]
-    #: the receiver applies deltas (it holds the base)
-    relative: bool
-
-
-def route(header: DeltaHeader | None, wire_count: int, holds_base: bool) -> Route:
-    """The receiver's plan for one sync's wire entries."""
-    if header is None:
-        return Route([(i, "take") for i in range(wire_count)], relative=False)
-    n = len(header.model)
-    if holds_base:
-        return Route([(i, "stage") for i in range(n)] + [(-1, "skip")] * (wire_count - n), relative=True)
-    actions = [(i, "take" if k == Kind.DENSE else "skip") for i, k in enumerate(header.kinds)]
-    actions += [(i, "take") for i, k in enumerate(header.kinds) if k != Kind.DENSE]
-    return Route(actions, relative=False)
-
-
-class Intake:
-    """A receiver's handling of one sync's wire entries (``route``): what its consumer gets
-    as it arrives, what is staged until the end, what is skipped. ``base``: a streaming
-    receiver's copy of the version (``delta`` on or auto, without a sink), kept up to date."""
-
-    def __init__(
-        self, header: DeltaHeader | None, specs: Sequence[TensorSpec], holds_base: bool,
-        base: dict[str, torch.Tensor] | None,
-    ) -> None:
-        self.header = header
-        self.specs = specs  # a streamed plan's list grows while it arrives: see ``grow``
-        self.route = route(header, len(specs), holds_base)
-        self.index = {spec.name: i for i, spec in enumerate(specs)}
-        self.base = base
-        self.staged: dict[int, torch.Tensor] = {}
-
-    def grow(self) -> None:
-        """A streamed sync announced more entries (never a delta sync: it has a plan)."""
-        self.index.update({s.name: i for i, s in enumerate(self.specs) if s.name not in self.index})
-
-    def destination(self, sink: Any) -> Callable[[TensorSpec], torch.Tensor | None]:
-        """Where a sink may receive an entry in place: its model tensor for entries taken
-        whole, nowhere for staged or skipped ones."""
-        header = self.header
-        if header is None:
-            return sink.destination
-
-        def destination(spec: TensorSpec) -> torch.Tensor | None:
-            i = self.index.get(spec.name)
-            if i is None:
-                return None
-            m, action = self.route.actions[i]
-            return sink.destination(header.model[m]) if action == "take" else None
-
-        return destination
-
-    def take(self, name: str, tensor: torch.Tensor, owned: bool) -> tuple[str, torch.Tensor] | None:
-        """What the consumer gets of one wire entry now (None: nothing, yet)."""
-        if self.header is None:
-            item = (name, tensor)
-        else:
-            m, action = self.route.actions[self.index[name]]
-            if action == "skip":
-                return None
-            if action == "stage":  # applied once everything arrived
-                self.staged[m] = tensor.clone()
-                return None
-            item = (self.header.model[m].name, tensor.clone() if owned else tensor)
-        if self.base is not None:
-            keep(self.base, *item)
-        return item
-
-    def apply(self, base: dict[str, torch.Tensor]) -> None:
-        """Apply the staged delta section to ``base`` in place."""
-        assert self.header is not None
-        apply_staged(self.header, self.staged, base)
-        self.staged.clear()
 
 
 def base_digest(specs: Sequence[TensorSpec], base: dict[str, torch.Tensor]) -> str | None:
@@ -419,34 +343,99 @@ class SenderBase:
         return held
 
 
-def apply_staged(
-    header: DeltaHeader, staged: dict[int, torch.Tensor], base: dict[str, torch.Tensor]
-) -> None:
-    """Apply a delta section to ``base`` in place (every model tensor once)."""
-    for i, (spec, kind) in enumerate(zip(header.model, header.kinds)):
-        target = base[spec.name]
-        payload = staged[i]
-        if kind == Kind.DENSE:
-            as_bytes(target).copy_(as_bytes(payload))
-        else:
-            delta.apply(target, kind, payload)
+# ------------------------------------------------------------------ the sender's delta stage
+@dataclass
+class Outgoing:
+    """One sync as the delta stage hands it to the plan layer: the wire entries to pack
+    (``source``) and their ``plan``; for a sync under ``delta`` auto or on, its ``encoding``
+    too. The later phases of ``Sender.send`` ask it what the delta stage adds to them."""
+
+    source: WeightSource
+    plan: Plan | None
+    version: int
+    encoding: Encoding | None = None
+    encoder: DeltaEncoder | None = None
+    encode_s: float = 0.0  # seconds spent encoding (reading the version, computing deltas)
+
+    @property
+    def header(self) -> DeltaHeader | None:
+        return self.encoding.header if self.encoding is not None else None
+
+    def handshake_fields(self) -> dict[str, Any]:
+        """What the sync message carries beside the plan: a delta sync's header."""
+        return {"delta": self.header.to_wire()} if self.header is not None else {}
+
+    def again(self, replies: Sequence[tuple[int | None, dict[str, Any]]]) -> Outgoing | None:
+        """After a round of the handshake (``(receiver rank, ready reply)``): the same sync
+        with a dense section when a receiver said it does not hold the base a delta sync
+        without one needs, offered again; None when every receiver can take this one."""
+        header = self.header
+        if header is None or header.dense:
+            return None
+        lacking = [rank for rank, reply in replies if reply.get("dense") is True and rank is not None]
+        if not lacking:
+            return None
+        assert self.encoder is not None and self.encoding is not None
+        log.info("receiver(s) %s do not hold base version %d: version %d goes with a dense section",
+                 lacking, header.base_version, self.version)
+        return self.encoder.with_dense(self, lacking)
+
+    def verify_fields(self, mode: str) -> dict[str, Any]:
+        """What the ``verify`` message carries beside the buckets' checksums: a delta sync's
+        checksums of the tensors receivers reconstruct."""
+        if self.header is None or self.encoder is None:
+            return {}
+        return {"tensors": self.encoder.base.checksums(mode)}
+
+    def account(self, stats: SyncStats) -> None:
+        """A delta sync's figures in the stats: the model's bytes and tensors (the wire's
+        are the transport's), the density and the base."""
+        if self.encoding is None or self.header is None:
+            return
+        stats.bytes, stats.tensors = self.encoding.model_bytes, len(self.header.model)
+        stats.density, stats.delta_base = self.encoding.density, self.header.base_version
+
+    def finished(self, seconds: float, ok_ranks: set[int]) -> None:
+        """The sync ended; ``seconds``: what it cost past the handshake (transfer, applying,
+        acknowledgements), ``ok_ranks``: the receivers that took it."""
+        if self.encoder is not None and self.encoding is not None:
+            # What the choice of delta or dense costs: encoding, transfer and applying
+            # (the handshake and a group's set-up cost the same either way).
+            self.encoder.base.finished(self.encoding, self.encode_s + seconds, ok_ranks)
 
 
-def keep(base: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:
-    """A streaming receiver's base: keep a copy of what arrived whole (allocated once)."""
-    held = base.get(name)
-    if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
-        held = base[name] = torch.empty(tensor.shape, dtype=tensor.dtype)
-    held.copy_(tensor)
+class DeltaEncoder:
+    """The sender's delta stage: ``encode`` is its one entry point. Under ``delta`` auto or
+    on it reads the version once and decides whether it goes whole or as deltas against the
+    base each receiver holds (``SenderBase``, ``delta_policy``); the result says what the
+    plan layer packs. Under ``delta=off``, or where it cannot apply (a streamed source, more
+    than one sending trainer rank), the source goes as it is."""
 
+    def __init__(self, mode: str, bucket_bytes: int) -> None:
+        self.mode = mode
+        self.bucket_bytes = bucket_bytes
+        #: the last version sent, and the receivers that hold it
+        self.base = SenderBase(policy=DeltaPolicy(always=mode == "on"))
 
-def verify_tensors(header: DeltaHeader, base: dict[str, torch.Tensor], sent: Any, checksum: Any) -> str | None:
-    """``verify`` after applying a delta sync: the reconstructed tensors against the
-    sender's checksums of them; what differs, or None."""
-    if not isinstance(sent, list) or len(sent) != len(header.model):
-        return "(the sender's checksums do not cover the version's tensors)"
-    bad = [s.name for s, theirs in zip(header.model, sent) if checksum(as_bytes(base[s.name])) != theirs]
-    if not bad:
-        return None
-    more = f" and {len(bad) - 16} more" if len(bad) > 16 else ""
-    return f"after applying deltas; tensors affected: {', '.join(bad[:16])}{more}"
+    def encode(
+        self, source: WeightSource, plan: Plan | None, version: int, receivers: Sequence[int], senders: int = 1
+    ) -> Outgoing:
+        """What sync ``version`` of ``source`` (planned as ``plan``) packs for ``receivers``.
+        Called before the handshake: the plan of a delta sync depends on what changed."""
+        if self.mode == "off" or plan is None or senders > 1:
+            return Outgoing(source, plan, version)
+        t0 = time.perf_counter()
+        encoding = self.base.encode(source, list(plan.tensors), version, receivers)
+        encode_s = time.perf_counter() - t0
+        if encoding.header is not None:  # the wire entries are the deltas: a plan of their own
+            plan = make_plan(encoding.source.specs() or [], self.bucket_bytes)
+        return Outgoing(encoding.source, plan, version, encoding, self, encode_s)
+
+    def with_dense(self, sent: Outgoing, lacking: Sequence[int]) -> Outgoing:
+        """``sent`` again with a dense section, for ``lacking`` (who turned out not to hold
+        the base: they are no longer counted as holders)."""
+        assert sent.encoding is not None
+        self.base.holders -= set(lacking)
+        encoding = self.base.with_dense(sent.encoding)
+        plan = make_plan(encoding.source.specs() or [], self.bucket_bytes)
+        return Outgoing(encoding.source, plan, sent.version, encoding, self, sent.encode_s)

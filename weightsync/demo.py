@@ -21,7 +21,8 @@ import torch
 
 from weightsync.config import EngineConfig
 from weightsync.endpoints import Receiver, Sender
-from weightsync.session import SyncStats
+from weightsync.scratch import scratch_overrides
+from weightsync.stats import SyncStats
 
 # The embedded default: a Qwen2-shaped model of about 44M parameters (fp32: 178 MB), built
 # from this config with random weights; nothing is downloaded.
@@ -131,8 +132,6 @@ def run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
     """Run the demo; raise ``DemoFailed`` (or a sync error) on any mismatch or failure.
     ``backend=disk`` without ``engine_kwargs.disk.path`` publishes into a temporary
     directory, removed at the end."""
-    from weightsync.cli import scratch_overrides
-
     with scratch_overrides([f"backend={opts.backend}", *opts.overrides]) as overrides:
         return _run_demo(dataclasses.replace(opts, overrides=overrides[1:]), console)
 

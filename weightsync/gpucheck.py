@@ -373,7 +373,7 @@ def run_checks(opts: Options, log) -> Result:
     # 1. NCCL with several ranks on one GPU
     probe = checks["nccl-multi-rank"]
     t0 = time.monotonic()
-    probe.status, probe.message = probe_nccl(opts, timeout_s=min(45.0, max(10.0, left())))
+    probe.status, probe.message = probe_nccl(opts.receivers, opts.test_device, timeout_s=min(45.0, max(10.0, left())))
     probe.seconds = round(time.monotonic() - t0, 1)
     log.write(f"\n===== nccl-multi-rank probe: {probe.status} {probe.message}\n")
     blocked = None if probe.passed else nccl_blocked_reason(probe.message, env.get("nccl"))

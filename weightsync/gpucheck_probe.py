@@ -8,10 +8,6 @@ import multiprocessing as mp
 import queue as queue_mod
 import socket
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from weightsync.gpucheck import Options
 
 PROBE_BYTES = 64 << 20  # more than NCCL's staging buffers: peers must progress together
 PROBE_ROUNDS = 4  # one warm-up, then timed
@@ -47,16 +43,16 @@ def _probe_rank(rank: int, world: int, port: int, device: str, queue, timeout_s:
         queue.put((rank, "error", f"{type(e).__name__}: {e}", None))
 
 
-def probe_nccl(opts: Options, timeout_s: float) -> tuple[str, str]:
+def probe_nccl(receivers: int, device: str, timeout_s: float) -> tuple[str, str]:
     """("passed" | "failed", message): 1 + receivers processes on one device build a group
     and broadcast ``PROBE_BYTES`` from rank 0, as the nccl checks will."""
-    world = 1 + opts.receivers
+    world = 1 + receivers
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_probe_rank, args=(r, world, port, opts.test_device, q, timeout_s), daemon=True)
+    procs = [ctx.Process(target=_probe_rank, args=(r, world, port, device, q, timeout_s), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -80,7 +76,7 @@ def probe_nccl(opts: Options, timeout_s: float) -> tuple[str, str]:
     if len(reports) == world and all(status == "ok" for status, _, _ in reports.values()):
         seconds = reports[0][2] or 0.0
         rate = f" ({PROBE_BYTES / seconds / 1e9:.1f} GB/s payload)" if seconds else ""
-        return "passed", (f"{world} ranks on {opts.test_device}: {PROBE_BYTES >> 20} MiB broadcast in "
+        return "passed", (f"{world} ranks on {device}: {PROBE_BYTES >> 20} MiB broadcast in "
                           f"{seconds * 1e3:.1f} ms{rate}, median of {PROBE_ROUNDS - 1}")
     timed_out = time.monotonic() >= deadline
     errors = [f"rank {r}: {m}" for r, (s, m, _) in sorted(reports.items()) if s != "ok"]

@@ -1,9 +1,13 @@
 """``Receiver``: the rollout side of a weight sync.
 
 One path per family, one version state for both (``weightsync.state``). With a transport
-backend the receiver joins the sender's session: handshake, transport -> plan (merge
-pieces) -> sink, acknowledgement. With a publisher backend it takes the version the
-publisher offers and acknowledges it through the publisher.
+backend the receiver joins the sender's session, in phases (``_sync_session``): the
+sender's offer (``_await_sync``), the handshake (``_accept``: ``weightsync.admit``'s checks,
+the delta stage's ``DeltaDecoder.accept``), the data plane joined, then ``_transfer``:
+transport -> plan (merge pieces) -> delta stage -> sink or consumer, verification
+(``weightsync.verify.Checks``), acknowledgement and version state (``_finish``). With a
+publisher backend it takes the version the publisher offers and acknowledges it through the
+publisher.
 """
 
 from __future__ import annotations
@@ -16,31 +20,28 @@ from typing import Any
 
 import torch
 
-from weightsync import platform
-from weightsync import delta_sync
+from weightsync import admit, platform
 from weightsync.config import EngineConfig
-from weightsync.delta_sync import DeltaHeader
+from weightsync.delta_intake import DeltaDecoder, Incoming
 from weightsync.engines import Publisher, Transport, get_engine
 from weightsync.engines.base import Join
 from weightsync.packer import capacity
-from weightsync.plan import Assembler, Bucket, Plan, StreamedPlan, TensorSpec, plan_hash, shortfall
+from weightsync.plan import Bucket, Plan, shortfall
 from weightsync.session import (
     PROTOCOL_VERSION,
     Channel,
     Deadline,
     HandshakeError,
     PeerLost,
-    ProtocolError,
     SyncError,
-    SyncStats,
     VerificationError,
     connect,
-    engine_problem,
     in_context,
 )
 from weightsync.sinks import ModuleSink, SinkError
 from weightsync.state import VersionState
-from weightsync.verify import checksum_fn
+from weightsync.stats import SyncStats
+from weightsync.verify import Checks
 
 log = logging.getLogger("weightsync")
 
@@ -99,8 +100,8 @@ class Receiver:
         self._session: str | None = None  # the sender's session last joined
         self._plan: Plan | None = None
         self._receiving: int | None = None  # the version in transfer, for messages
-        #: delta auto or on, with ``receive()``: a copy of the last version, the base deltas apply to
-        self._base: dict[str, torch.Tensor] = {}
+        #: the delta stage (``weightsync.delta_intake``): a streaming receiver's base, and each sync's routing
+        self._decoder = DeltaDecoder(config.delta, rank)
 
     @property
     def version(self) -> int | None:
@@ -158,16 +159,7 @@ class Receiver:
         if msg.get("engine") is None and msg.get("protocol") == PROTOCOL_VERSION:
             ch.send({"type": "joined"}, deadline)  # connections only: the data plane forms in the first sync
             return
-        problem = self._session_problem(msg)
-        size = msg.get("capacity")
-        plan: Plan | None = None
-        if problem is None and (not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= self.config.bucket_bytes):
-            problem = f"capacity {size!r:.40}: expected a byte count from 1 to the bucket size ({self.config.bucket_bytes})"
-        if problem is None and "plan" in msg:  # what the first sync will send (its hash, then)
-            try:
-                plan = self._wire_plan(msg)
-            except (ValueError, TypeError, KeyError) as e:
-                problem = str(e)
+        problem, plan = admit.warmup_problem(msg, self.config, self.max_tensor_bytes)
         if problem is not None:
             self._refuse(problem, deadline)
             raise HandshakeError(f"receiver rank {self.rank} refused the warm-up: {problem}")
@@ -176,7 +168,7 @@ class Receiver:
         info = msg["engine"]
         ok = False
         try:
-            transport.connect(self._join(ch, 0, info, size), info)  # its own deadline: timeout_s
+            transport.connect(self._join(ch, 0, info, msg["capacity"]), info)  # its own deadline: timeout_s
             ch.send({"type": "joined"}, Deadline(self.config.timeout_s, "confirming the warm-up"))
             ok = True
             if plan is not None:
@@ -337,48 +329,24 @@ class Receiver:
         self, version: int | None, sink: ModuleSink | None, owned: bool, landing: Any = None,
         settle: Callable[[], None] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """One sync over a session, in phases: the sender's offer, the handshake (plan and
+        delta stage agreed), the data plane joined, then the transfer and acknowledgement."""
+        ch, v, plan, incoming, start = self._open(version, sink)
+        yield from self._transfer(ch, v, plan, incoming, sink, owned, landing, settle, start)
+
+    def _open(self, version: int | None, sink: ModuleSink | None) -> tuple[Channel, int, Plan | None, Incoming, float]:
+        """Wait for the sender's sync, agree on it and join its data plane; returns the
+        channel, the version, its plan (None: streamed), the delta stage's ``Incoming`` and
+        when the sync started."""
         transport = self._transport
         assert transport is not None
         self.connect()
         assert self._channel is not None
         ch = self._channel
-        what = f" of version {version}" if version is not None else ""
         try:
-            waiting = Deadline(self.config.timeout_s, f"for the sender to start a sync{what}")
-            while True:
-                try:
-                    msg = ch.recv(waiting, expect=("sync", "closing", "warmup"))
-                except PeerLost:
-                    # The sender drops every connection after a sync that failed anywhere
-                    # (ours may have gone well): join again, within the same deadline.
-                    waiting.left()
-                    self._reset()
-                    self.connect()
-                    ch = self._channel
-                    assert ch is not None
-                    continue
-                if msg["type"] == "closing":
-                    ch = self._join_next_session(ch)
-                    continue
-                if msg["type"] == "warmup":  # the sender forms the data plane ahead of a sync
-                    try:
-                        self._warm(ch, msg)
-                    except SyncError as e:  # the sender failed it too; its sync may still come
-                        log.warning("receiver rank %d: %s; waiting for the sync", self.rank, e)
-                        waiting.left()
-                        self.connect()  # again, if the failure closed the connection
-                        ch = self._channel
-                        assert ch is not None
-                    continue
-                break
+            ch, msg = self._await_sync(ch, version)
             start = time.perf_counter()  # the sync starts when the sender starts it
-            while True:
-                v, plan, header, holds = self._accept(msg, version, sink)
-                go = ch.recv(Deadline(self.config.timeout_s, f"for the go of version {v}"), expect=("go", "again"))
-                if go["type"] == "go":
-                    break
-                # Offered again, with a dense section for receivers without the base.
-                msg = ch.recv(Deadline(self.config.timeout_s, f"for version {v} again"), expect="sync")
+            v, plan, incoming, msg = self._handshake(ch, msg, version, sink)
             info = msg["engine"]
             transport.connect(self._join(ch, v, info, capacity(plan, self.config.bucket_bytes)), info)
         except HandshakeError:
@@ -389,50 +357,92 @@ class Receiver:
         except Exception as e:  # a bad engine description, a data plane that cannot be joined
             self._reset()
             raise SyncError(f"receiver rank {self.rank}: joining the sync from {ch.peer} failed: {type(e).__name__}: {e}") from e
+        return ch, v, plan, incoming, start
+
+    def _await_sync(self, ch: Channel, version: int | None) -> tuple[Channel, dict[str, Any]]:
+        """The sender's next sync message, joining again where the sender dropped us, a new
+        sender where it said goodbye, and its data plane where it warms one up first."""
+        what = f" of version {version}" if version is not None else ""
+        waiting = Deadline(self.config.timeout_s, f"for the sender to start a sync{what}")
+        while True:
+            try:
+                msg = ch.recv(waiting, expect=("sync", "closing", "warmup"))
+            except PeerLost:
+                # The sender drops every connection after a sync that failed anywhere
+                # (ours may have gone well): join again, within the same deadline.
+                waiting.left()
+                self._reset()
+                self.connect()
+                ch = self._channel
+                assert ch is not None
+                continue
+            if msg["type"] == "closing":
+                ch = self._join_next_session(ch)
+                continue
+            if msg["type"] == "warmup":  # the sender forms the data plane ahead of a sync
+                try:
+                    self._warm(ch, msg)
+                except SyncError as e:  # the sender failed it too; its sync may still come
+                    log.warning("receiver rank %d: %s; waiting for the sync", self.rank, e)
+                    waiting.left()
+                    self.connect()  # again, if the failure closed the connection
+                    ch = self._channel
+                    assert ch is not None
+                continue
+            return ch, msg
+
+    def _handshake(
+        self, ch: Channel, msg: dict[str, Any], version: int | None, sink: ModuleSink | None
+    ) -> tuple[int, Plan | None, Incoming, dict[str, Any]]:
+        """Answer the sync (and, when the sender offers it again with a dense section, the
+        offer again) until the go; returns the version, plan, ``Incoming`` and the message
+        agreed on."""
+        while True:
+            v, plan, incoming = self._accept(msg, version, sink)
+            go = ch.recv(Deadline(self.config.timeout_s, f"for the go of version {v}"), expect=("go", "again"))
+            if go["type"] == "go":
+                return v, plan, incoming, msg
+            msg = ch.recv(Deadline(self.config.timeout_s, f"for version {v} again"), expect="sync")
+
+    def _transfer(
+        self, ch: Channel, v: int, plan: Plan | None, incoming: Incoming, sink: ModuleSink | None, owned: bool,
+        landing: Any, settle: Callable[[], None] | None, start: float,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The data plane: engine -> plan (merge pieces) -> delta stage -> consumer; then
+        verification, the consumer's last step (``settle``) and the acknowledgement."""
+        transport = self._transport
+        assert transport is not None
         stats = SyncStats(v, receivers=1, handshake_s=time.perf_counter() - start)
         self._receiving = v
         deadline = Deadline(self.config.timeout_s, f"in the transfer of version {v}")
-        specs: list[TensorSpec] = list(plan.tensors) if plan is not None else []
+        specs = incoming.specs
         refused: list[BaseException] = []  # a streamed tensor the sink cannot take (nothing allocated for it)
-        next_bucket = self._plan_reader(plan) if plan is not None else self._stream_reader(ch, specs, deadline, sink, refused)
-        # A delta sync's entries are taken, staged or skipped (weightsync.delta_sync).
-        intake = delta_sync.Intake(header, specs, holds, self._base if self.config.delta != "off" and sink is None else None)
-        route = intake.route
-        destination = intake.destination(sink) if sink is not None else None
-        if landing is not None and header is None:  # pooled landing memory (weightsync.pipeline)
-            assembler = landing.assembler(specs, self.device, plan.buckets if plan is not None else ())
-        else:
-            assembler = Assembler(specs, self.device, destination, owned=owned and header is None)
-        # Tensors handed out of a delta sync's buffers are copies when the consumer keeps them.
-        owned = owned or landing is not None
+        next_bucket = (
+            admit.plan_reader(plan) if plan is not None
+            else admit.stream_reader(ch, specs, deadline, sink, refused, self.config.bucket_bytes, self.max_tensor_bytes)
+        )
+        assembler = incoming.assembler(self.device, sink, owned, landing, plan.buckets if plan is not None else ())
+        keep = owned or landing is not None  # the consumer keeps what it gets: staged entries handed out are copies
         buckets = transport.recv_buckets(next_bucket, assembler.landing if assembler.destination is not None else None)
-
-        checksum = checksum_fn(self.config.verify)
-        received: list[tuple[Bucket, int | None]] = []  # each bucket with its checksum
+        checks = Checks(self.config.verify, f"receiver rank {self.rank}", v)
+        received: list[Bucket] = []
         consumer_error: BaseException | None = None
         problem: str | None = None
         entries = 0  # wire entries unpacked
-        applied = False  # a delta sync's staged entries were applied
-
-        def delivered() -> bool:
-            """Whether the model (or consumer) may hold some of version ``v`` now: a delta
-            sync only once it applied, any other once bytes arrived (they may have landed
-            in the model)."""
-            return applied or stats.tensors > 0 or (bool(received) and not route.relative)
-
         t0 = time.perf_counter()
         try:
             for bucket, buffer in buckets:
                 if refused:  # stop before unpacking anything of it, and drain
                     consumer_error = refused[0]
                     break
-                received.append((bucket, checksum(buffer) if checksum is not None else None))
+                received.append(bucket)
+                checks.add(bucket, buffer)
                 stats.wire_bytes += bucket.nbytes
                 if plan is None:  # streamed: the reader announced new specs
-                    intake.grow()
+                    incoming.grow()
                 for name, tensor in assembler.unpack(bucket, buffer):
                     entries += 1
-                    item = intake.take(name, tensor, owned)
+                    item = incoming.take(name, tensor, keep)
                     if item is None:
                         continue
                     stats.tensors += 1
@@ -444,52 +454,38 @@ class Receiver:
                         break
                 if consumer_error is not None:
                     break
-            if consumer_error is None and settle is not None and not route.relative:
-                consumer_error = _settle(settle)
             if consumer_error is not None:
                 for _ in buckets:  # keep the transfer going so the sender is not stranded
                     pass
-                problem = f"receiver rank {self.rank} did not complete version {v}: {consumer_error!r}"
             elif assembler.incomplete or entries != len(specs):
-                lacking = shortfall(specs, plan.buckets if plan is not None else [], (b.index for b, _ in received), assembler.incomplete)
+                lacking = shortfall(specs, plan.buckets if plan is not None else [], (b.index for b in received), assembler.incomplete)
                 raise SyncError(f"version {v} ended with {entries} of {len(specs)} tensors: {lacking}")
-            sent = ch.recv(deadline, expect="verify") if checksum is not None else {}
-            if problem is None and checksum is not None and not route.relative:
-                problem = self._verify(v, specs, received, sent.get("checksums"))
-            if route.relative and problem is None:
-                assert header is not None
-                base = self._base if sink is None else {s.name: sink.targets[s.name].data for s in header.model}
-                applied = True
-                intake.apply(base)  # the base is now version v
-                stats.delta_base = header.base_version
-                if checksum is not None:
-                    problem = delta_sync.verify_tensors(header, base, sent.get("tensors"), checksum)
-                    if problem is not None:
-                        problem = f"receiver rank {self.rank}: version {v} failed verification ({self.config.verify}) {problem}"
-                if problem is None:
-                    for spec in header.model:
-                        tensor = base[spec.name]
-                        stats.tensors += 1
-                        stats.bytes += spec.nbytes
-                        try:
-                            yield spec.name, tensor.clone() if owned else tensor
-                        except BaseException as e:
-                            consumer_error = e
-                            break
-                    if consumer_error is None and settle is not None:
-                        consumer_error = _settle(settle)
-                    if consumer_error is not None:
-                        problem = f"receiver rank {self.rank} did not complete version {v}: {consumer_error!r}"
+            sent = checks.sent(ch, deadline)
+            if consumer_error is None:
+                problem, items = incoming.finish(sent, checks, stats)  # a relative sync applies its deltas here
+                for name, tensor in items:
+                    stats.tensors += 1
+                    stats.bytes += tensor.numel() * tensor.element_size()
+                    try:
+                        yield name, tensor.clone() if keep else tensor
+                    except BaseException as e:
+                        consumer_error = e
+                        break
+            if consumer_error is None and settle is not None and incoming.consumer_has_all:
+                consumer_error = _settle(settle)
+            if consumer_error is not None:
+                problem = f"receiver rank {self.rank} did not complete version {v}: {consumer_error!r}"
         except Exception as e:
             buckets.close()  # let the transport drop its pending receives now
-            self._finish(v, ok=False, message=f"transfer failed: {e}", broken=True, delivered=delivered())
+            delivered = incoming.delivered(bool(received), stats.tensors > 0)
+            self._finish(v, ok=False, message=f"transfer failed: {e}", broken=True, delivered=delivered)
             error = in_context(e, f"receiver rank {self.rank}: transfer of version {v} from {ch.peer} failed")
             if error is e:
                 raise
             raise error from e
         stats.buckets = len(received)
         stats.transfer_s = time.perf_counter() - t0
-        self._finish(v, ok=problem is None, message=problem, delivered=delivered())
+        self._finish(v, ok=problem is None, message=problem, delivered=incoming.delivered(bool(received), stats.tensors > 0))
         stats.seconds = time.perf_counter() - start
         self.last_stats = stats
         if consumer_error is not None:
@@ -511,20 +507,6 @@ class Receiver:
         assert self._channel is not None
         return self._channel
 
-    def _verify(self, version: int, specs: list[TensorSpec], received: list, sent: Any) -> str | None:
-        """Compare our checksums with the sender's; describe the damage, or None."""
-        if not isinstance(sent, list) or len(sent) != len(received):
-            return f"receiver rank {self.rank}: the sender's checksums of version {version} do not cover its {len(received)} buckets"
-        bad = [bucket for (bucket, mine), theirs in zip(received, sent) if mine != theirs]
-        if not bad:
-            return None
-        names = sorted({specs[p.tensor].name for b in bad for p in b.pieces})
-        return (
-            f"receiver rank {self.rank}: version {version} failed verification ({self.config.verify}) in "
-            f"{len(bad)} bucket(s) {[b.index for b in bad][:8]}; tensors affected: {', '.join(names[:16])}"
-            + (f" and {len(names) - 16} more" if len(names) > 16 else "")
-        )
-
     def _finish(self, version: int, ok: bool, message: str | None, broken: bool = False, delivered: bool = False) -> None:
         assert self._transport is not None
         self._transport.finish(ok=not broken)  # mirrors the sender: only a broken transport rebuilds
@@ -544,76 +526,32 @@ class Receiver:
             if broken:  # the transport failed: reconnect at the next sync
                 self._reset()
 
-    def _accept(
-        self, msg: dict[str, Any], expected: int | None, sink: ModuleSink | None
-    ) -> tuple[int, Plan | None, DeltaHeader | None, bool]:
-        """Check the sender's sync message; reply ready, or error (and raise) naming both
-        values. Returns the version, the plan, a delta sync's header and whether this
-        receiver holds its base (then it applies the deltas)."""
+    def _accept(self, msg: dict[str, Any], expected: int | None, sink: ModuleSink | None) -> tuple[int, Plan | None, Incoming]:
+        """Check the sender's sync message (``weightsync.admit``, then the delta stage);
+        reply ready, or error (and raise) naming both values. Returns the version, the plan
+        and the delta stage's ``Incoming`` (whether this receiver applies deltas)."""
         assert self._channel is not None
         v = msg.get("version")
-        problem = None
         plan: Plan | None = None
-        header: DeltaHeader | None = None
-        holds = False
+        incoming: Incoming | None = None
         try:
-            if (common := self._session_problem(msg)) is not None:
-                problem = common
-            elif not isinstance(v, int) or isinstance(v, bool):
-                problem = f"version {v!r} is not an integer"
-            elif expected is not None and v != expected:
-                problem = f"version: sender sends {v}, receiver expects {expected}"
-            elif (stale := self.state.refusal(v, msg.get("force") is True)) is not None:
-                problem = stale
-            elif msg.get("verify", "off") != self.config.verify:
-                problem = f"verify: sender {msg.get('verify')!r}, receiver {self.config.verify!r} (set the same value on both sides)"
-            elif msg.get("plan_hash") is not None:
-                if "plan" in msg:
-                    plan = self._wire_plan(msg)
-                elif self._plan is not None and self._plan.hash == msg["plan_hash"]:
-                    plan = self._plan
-                else:
-                    have = self._plan.hash if self._plan is not None else None
-                    problem = f"plan hash: sender {msg['plan_hash']}, receiver holds {have}"
-                if problem is None and msg.get("delta") is not None and plan is not None:
-                    header = DeltaHeader.from_wire(msg["delta"], plan.tensors, self.max_tensor_bytes)
-                if problem is None and sink is not None and plan is not None:
-                    sink.check(header.model if header is not None else plan.tensors)
-                if header is not None and problem is None:
-                    holds = self._holds_base(header, sink)
+            problem = admit.sync_problem(msg, expected, self.state, self.config)
+            if problem is None:
+                plan, problem = admit.agreed_plan(msg, self._plan, self.config, self.max_tensor_bytes)
+            if problem is None:
+                incoming = self._decoder.accept(msg.get("delta"), plan, sink, self.state, self.max_tensor_bytes)
         except (ValueError, TypeError, KeyError) as e:
             problem = str(e)
         deadline = Deadline(self.config.timeout_s, f"answering the sync of version {v}")
         if problem is not None:
             self._refuse(problem, deadline)
             raise HandshakeError(f"receiver rank {self.rank} refused version {v}: {problem}")
+        assert isinstance(v, int) and incoming is not None
         if plan is not None:  # a streamed sync leaves the agreed plan as it was
             self._plan = plan
         # A delta sync without a dense section is offered again with one if we lack its base.
-        self._channel.send({"type": "ready", "dense": header is not None and not holds}, deadline)
-        return v, plan, header, holds
-
-    def _wire_plan(self, msg: dict[str, Any]) -> Plan:
-        """The plan a sync or warm-up message carries, checked (sizes, its hash); raises
-        ValueError saying what is wrong with it."""
-        plan = Plan.from_wire(msg["plan"], bucket_bytes=self.config.bucket_bytes, max_tensor_bytes=self.max_tensor_bytes)
-        if plan.hash != msg.get("plan_hash"):
-            raise ValueError(f"plan hash: sender {msg.get('plan_hash')}, receiver computed {plan.hash}")
-        return plan
-
-    def _session_problem(self, msg: dict[str, Any]) -> str | None:
-        """What a sync or warm-up message says that this receiver cannot take part in:
-        another protocol, another bucket size, a bad engine description; or None."""
-        if msg.get("protocol") != PROTOCOL_VERSION:
-            return f"protocol version: sender {msg.get('protocol')!r}, receiver {PROTOCOL_VERSION}"
-        if (bad := engine_problem(msg.get("engine"))) is not None:
-            return bad
-        if msg.get("bucket_bytes") != self.config.bucket_bytes:
-            return (
-                f"bucket size: sender {msg.get('bucket_bytes')} bytes, receiver {self.config.bucket_bytes} bytes "
-                "(update_weights_bucket_megabytes must match)"
-            )
-        return None
+        self._channel.send({"type": "ready", "dense": incoming.wants_dense}, deadline)
+        return v, plan, incoming
 
     def _refuse(self, problem: str, deadline: Deadline) -> None:
         """Tell the sender why not, and take its abort off the line."""
@@ -623,51 +561,6 @@ class Receiver:
             self._channel.recv(deadline, expect="abort")
         except SyncError:
             self._reset()
-
-    def _holds_base(self, header: DeltaHeader, sink: ModuleSink | None) -> bool:
-        """Whether the base of a delta sync is what this receiver holds: the same version,
-        complete, and the same bytes (a digest over them, computed now)."""
-        if self.state.version != header.base_version or self.state.torn:
-            return False
-        base = self._base if sink is None else {n: t.data for n, t in sink.targets.items()}
-        mine = delta_sync.base_digest(header.model, base)
-        if mine != header.base_digest:
-            log.info("receiver rank %d: its copy of version %d differs from the sender's (digest): taking it whole",
-                     self.rank, header.base_version)
-            return False
-        return True
-
-    @staticmethod
-    def _plan_reader(plan: Plan):
-        buckets = iter(plan.buckets)
-        return lambda: next(buckets, None)
-
-    def _stream_reader(self, ch: Channel, specs: list[TensorSpec], deadline: Deadline, sink: ModuleSink | None,
-                       refused: list[BaseException]):
-        """Announced buckets, each checked (``StreamedPlan``) before the transport receives
-        it; with a sink, each new spec is checked against the model before anything of it
-        is allocated (a misfit goes to ``refused``: the sync stops and drains)."""
-        stream = StreamedPlan(self.config.bucket_bytes, specs, max_tensor_bytes=self.max_tensor_bytes)
-
-        def next_bucket() -> Bucket | None:
-            msg = ch.recv(deadline, expect=("bucket", "end"))
-            if msg["type"] == "end":
-                mine = plan_hash(specs, self.config.bucket_bytes)
-                if msg.get("plan_hash") != mine:
-                    raise SyncError(f"streamed plan hash: sender {msg.get('plan_hash')}, receiver computed {mine}")
-                return None
-            try:
-                new, bucket = stream.announce(msg.get("tensors"), msg.get("bucket"))
-            except ValueError as e:
-                raise ProtocolError(f"{ch.peer} announced a bucket that is refused {deadline.what}: {e}") from None
-            if sink is not None and not refused:
-                try:
-                    sink.check(new)
-                except SinkError as e:
-                    refused.append(e)
-            return bucket
-
-        return next_bucket
 
 
 def _settle(settle: Callable[[], None]) -> BaseException | None:

@@ -21,8 +21,7 @@ import torch.distributed as dist
 
 from weightsync import platform
 from weightsync.config import SECRET_ENV, EngineConfig
-from weightsync.delta_policy import DeltaPolicy
-from weightsync.delta_sync import Encoding, SenderBase
+from weightsync.delta_sync import DeltaEncoder, Outgoing
 from weightsync.engines import Publisher, Transport, get_engine
 from weightsync.engines.base import Join
 from weightsync.packer import capacity, producer
@@ -36,9 +35,9 @@ from weightsync.session import (
     PeerLost,
     RemoteFailure,
     SyncError,
-    SyncStats,
 )
 from weightsync.sources import WeightSource, as_source
+from weightsync.stats import SyncStats
 from weightsync.trainers import TrainerFollower, TrainerPeers
 
 log = logging.getLogger("weightsync")
@@ -116,7 +115,7 @@ class Sender:
         self._trainers = TrainerPeers(self.num_trainers - 1 if self._all_send else 0)
         self._follower: TrainerFollower | None = None
         self._acked_plan: dict[int, str] = {}  # receiver rank -> plan hash it holds
-        self._base = SenderBase(policy=DeltaPolicy(always=config.delta == "on"))  # the last version sent, its holders
+        self._encoder = DeltaEncoder(config.delta, config.bucket_bytes)  # the delta stage (weightsync.delta_sync)
         self._confirmed: set[int] = set()  # receivers that confirmed the last sync
         self._doing = ""  # what the session is in, for messages ("the transfer of version 3")
         if issubclass(self.engine_cls, Publisher):
@@ -364,24 +363,16 @@ class Sender:
         return self._finish_stats(self._send_session(src, version, plan, force, start), start)
 
     def _send_session(self, src: WeightSource, version: int, plan: Plan | None, force: bool, start: float) -> SyncStats:
-        """Trainer rank 0 over a transport: handshake, transfer, acknowledgements."""
+        """Trainer rank 0 over a transport, in phases: the delta stage, the handshake, the
+        transfer, verification, acknowledgements."""
         transport = self._transport
         assert transport is not None and self._server is not None
         stats = SyncStats(version, receivers=self.num_receivers)
-        encoding: Encoding | None = None
-        encode_s = 0.0
         self._confirmed = set()
-        if self.config.delta != "off" and plan is not None and not self._trainers.count:
-            # Before the handshake: the plan of a delta sync depends on what changed.
-            t_encode = time.perf_counter()
-            encoding = self._base.encode(src, list(plan.tensors), version, self.receivers)
-            encode_s = time.perf_counter() - t_encode
-            src = encoding.source
-            if encoding.header is not None:
-                plan = make_plan(src.specs() or [], self.config.bucket_bytes)
-                stats.density, stats.delta_base = encoding.density, encoding.header.base_version
         senders = self._trainers.count + 1
-        join = self._join(version, senders, capacity(plan, self.config.bucket_bytes))
+        # Before the handshake: the plan of a delta sync depends on what changed.
+        out = self._encoder.encode(src, plan, version, self.receivers, senders)
+        join = self._join(version, senders, capacity(out.plan, self.config.bucket_bytes))
         # "broken": the transport or a peer failed mid-protocol, so connections and group
         # are in an unknown state and are rebuilt; "refused": a receiver refused or failed
         # cleanly, everyone is between syncs and the connections stay.
@@ -389,33 +380,13 @@ class Sender:
         went = False  # the go was given: other trainer ranks then wait for the outcome
         try:
             info = {**transport.prepare(join), "world_size": join.world_size, "senders": senders}
-            stats.plan_sent_to, plan, src = self._handshake(version, plan, info, force, encoding, src)
+            stats.plan_sent_to, out = self._handshake(version, out, info, force)
             went = True
             transport.connect(join, info)
             stats.handshake_s = time.perf_counter() - start  # handshake and group join
             deadline = Deadline(self.config.timeout_s, f"in the transfer of version {version}")
-            packer, produce, sums = producer(
-                src, self.config.bucket_bytes, plan, self.config.verify,
-                announce=lambda m: self._broadcast_msg(m, deadline),
-                sends=transport.sends if self._all_send else None,
-            )
-            t0 = time.perf_counter()
-            stats.wire_bytes = stats.bytes = transport.send_buckets(produce)
-            stats.transfer_s = time.perf_counter() - t0
-            stats.buckets, stats.tensors = packer.buckets, packer.pulled
-            if self._trainers.channels:
-                assert plan is not None
-                stats.bytes += self._trainers.gather_shares(version, sums, deadline)
-                stats.wire_bytes = stats.bytes
-                stats.buckets = len(plan.buckets)
-            if encoding is not None and encoding.header is not None:
-                stats.bytes, stats.tensors = encoding.model_bytes, len(encoding.header.model)
-            if self.config.verify != "off":
-                order = [sums[b.index] for b in plan.buckets] if plan is not None else list(sums.values())
-                check: dict[str, Any] = {"type": "verify", "mode": self.config.verify, "checksums": order}
-                if encoding is not None and encoding.header is not None:  # the reconstructed tensors
-                    check["tensors"] = self._base.checksums(self.config.verify)
-                self._broadcast_msg(check, deadline)
+            sums = self._transfer(out, stats, deadline)
+            self._verification(out, sums, deadline)
             self._gather_done(version)
             outcome = "ok"
             log.info("sent version %d: %d tensors, %.1f MB in %d buckets to %d receivers",
@@ -430,17 +401,45 @@ class Sender:
         finally:
             if outcome == "ok":
                 self._trainers.tell(version, None, self.config.timeout_s)
-            if encoding is not None:
-                # What the choice of delta or dense costs: encoding, transfer and applying
-                # (the handshake and a group's set-up cost the same either way).
-                cost = encode_s + time.perf_counter() - start - stats.handshake_s
-                self._base.finished(encoding, cost, self._confirmed if outcome != "ok" else set(self._channels))
+            out.finished(time.perf_counter() - start - stats.handshake_s,
+                         self._confirmed if outcome != "ok" else set(self._channels))
             transport.finish(ok=outcome != "broken")
-            if outcome == "ok" and plan is not None:
-                self._acked_plan = {r: plan.hash for r in self._channels}
+            if outcome == "ok" and out.plan is not None:
+                self._acked_plan = {r: out.plan.hash for r in self._channels}
             if outcome == "broken":
                 self._drop_receivers()  # receivers see the failure and reconnect
         return stats
+
+    def _transfer(self, out: Outgoing, stats: SyncStats, deadline: Deadline) -> dict[int, int]:
+        """Pack ``out`` by its plan and move it (other trainer ranks send their shares);
+        returns each sent bucket's checksum (bucket index -> checksum) when ``verify`` is on."""
+        transport = self._transport
+        assert transport is not None
+        packer, produce, sums = producer(
+            out.source, self.config.bucket_bytes, out.plan, self.config.verify,
+            announce=lambda m: self._broadcast_msg(m, deadline),
+            sends=transport.sends if self._all_send else None,
+        )
+        t0 = time.perf_counter()
+        stats.wire_bytes = stats.bytes = transport.send_buckets(produce)
+        stats.transfer_s = time.perf_counter() - t0
+        stats.buckets, stats.tensors = packer.buckets, packer.pulled
+        if self._trainers.channels:
+            assert out.plan is not None
+            stats.bytes += self._trainers.gather_shares(out.version, sums, deadline)
+            stats.wire_bytes = stats.bytes
+            stats.buckets = len(out.plan.buckets)
+        out.account(stats)  # a delta sync counts the model's bytes, not the wire's
+        return sums
+
+    def _verification(self, out: Outgoing, sums: dict[int, int], deadline: Deadline) -> None:
+        """``verify``: the sent buckets' checksums follow the transfer, in plan order (and a
+        delta sync's checksums of the tensors receivers reconstruct)."""
+        mode = self.config.verify
+        if mode == "off":
+            return
+        order = [sums[b.index] for b in out.plan.buckets] if out.plan is not None else list(sums.values())
+        self._broadcast_msg({"type": "verify", "mode": mode, "checksums": order, **out.verify_fields(mode)}, deadline)
 
     def _check_plan(self, plan: Plan | None) -> None:
         """Refuse what the backend cannot carry, before anything is sent."""
@@ -473,33 +472,28 @@ class Sender:
         for ch in self._channels.values():
             ch.send(msg, deadline)
 
-    def _handshake(
-        self, version: int, plan: Plan | None, info: dict[str, Any], force: bool,
-        encoding: Encoding | None, src: WeightSource,
-    ) -> tuple[int, Plan | None, WeightSource]:
+    def _handshake(self, version: int, out: Outgoing, info: dict[str, Any], force: bool) -> tuple[int, Outgoing]:
         """Agree on version, bucket size and plan with every receiver (and trainer rank);
-        return how many receivers got the full plan, and the plan and source agreed. A
-        delta sync without a dense section is offered again with one when a receiver
-        turns out not to hold the base."""
+        return how many receivers got the full plan, and what goes. Where the delta stage
+        has a receiver's answer call for another offer (a dense section for a receiver
+        without the base), it is made again."""
         while True:
-            header = encoding.header if encoding is not None else None
-            plans_sent, need_dense = self._offer(version, plan, info, force, header)
-            if not need_dense:
-                return plans_sent, plan, src
-            assert encoding is not None and header is not None
-            log.info("receiver(s) %s do not hold base version %d: version %d goes with a dense section",
-                     need_dense, header.base_version, version)
-            self._base.holders -= set(need_dense)
-            encoding = self._base.with_dense(encoding)
-            src = encoding.source
-            plan = make_plan(src.specs() or [], self.config.bucket_bytes)
+            plans_sent, peers, replies, deadline = self._offer(version, out, info, force)
+            again = out.again(replies)
+            for _, _, ch in peers:
+                ch.send({"type": "again" if again is not None else "go"}, deadline)
+            if again is None:
+                return plans_sent, out
+            out = again
 
     def _offer(
-        self, version: int, plan: Plan | None, info: dict[str, Any], force: bool, header: Any
-    ) -> tuple[int, list[int]]:
-        """One round of the handshake; returns how many receivers got the full plan and the
-        receivers that asked for a dense section the plan lacks (then it is offered again)."""
+        self, version: int, out: Outgoing, info: dict[str, Any], force: bool
+    ) -> tuple[int, list[tuple[str, int | None, Channel]], list[tuple[int | None, dict[str, Any]]], Deadline]:
+        """One round of the handshake: the sync message to every peer, and their answers.
+        Returns how many receivers got the full plan, the peers, their replies (rank and
+        reply) and the round's deadline."""
         deadline = Deadline(self.config.timeout_s, f"in the handshake of version {version}")
+        plan = out.plan
         plans_sent = 0
         msg: dict[str, Any] = {}
         for rank, ch in self._channels.items():
@@ -512,25 +506,17 @@ class Sender:
                 "force": force,
                 "verify": self.config.verify,
                 "engine": {**info, "rank": self._group_rank(rank)},
+                **out.handshake_fields(),
             }
             if plan is not None and self._acked_plan.get(rank) != plan.hash:
                 msg["plan"] = plan.to_wire()  # unchanged plans travel as their hash only
                 plans_sent += 1
-            if header is not None:
-                msg["delta"] = header.to_wire()
             ch.send(msg, deadline)
         for ch, trainer_msg in self._trainers.sync_messages(msg, info, first_rank=self.num_receivers + 1):
             ch.send(trainer_msg, deadline)
         peers = [(f"receiver rank {r}", r, ch) for r, ch in sorted(self._channels.items())]
         peers += self._trainers.peers()
-        replies = self._answers(peers, deadline, f"refused version {version}")
-        need_dense = [
-            rank for rank, reply in replies
-            if reply.get("dense") is True and header is not None and not header.dense and rank is not None
-        ]
-        for _, _, ch in peers:
-            ch.send({"type": "again" if need_dense else "go"}, deadline)
-        return plans_sent, need_dense
+        return plans_sent, peers, self._answers(peers, deadline, f"refused version {version}"), deadline
 
     @staticmethod
     def _answers(

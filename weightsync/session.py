@@ -43,13 +43,13 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from weightsync import auth
 from weightsync.config import SECRET_ENV
+from weightsync.stats import SyncStats  # re-exported: ``weightsync.session.SyncStats`` is public
 
 if TYPE_CHECKING:
     from weightsync.config import EngineConfig
@@ -467,40 +467,3 @@ def connect(
     channel.max_frame = MAX_FRAME_BYTES  # the authenticated sender may send whole plans
     channel.session = session
     return channel
-
-
-@dataclass
-class SyncStats:
-    """What one sync moved and how long it took."""
-
-    version: int
-    tensors: int = 0
-    #: the model's bytes in this version
-    bytes: int = 0
-    #: the bytes the transport carried for the payload: ``bytes`` for a dense sync, less for
-    #: a delta sync (``delta`` auto or on), 0 where nothing travels (``naive``)
-    wire_bytes: int = 0
-    buckets: int = 0
-    receivers: int = 0
-    #: handshake plus joining the data-plane group (seconds)
-    handshake_s: float = 0.0
-    #: moving the buckets (seconds)
-    transfer_s: float = 0.0
-    #: the whole sync, from the handshake to the last acknowledgement (seconds)
-    seconds: float = 0.0
-    #: receivers that got the full plan in this sync's handshake (others got only its hash)
-    plan_sent_to: int = 0
-    #: model names the sync did not carry (``Receiver.load_into`` only)
-    missing: list[str] = field(default_factory=list)
-    #: a delta sync: the version its deltas applied to (None: the version went whole)
-    delta_base: int | None = None
-    #: a delta sync, on the sender: the fraction of elements that changed since the base
-    density: float | None = None
-
-    @property
-    def gbps(self) -> float:
-        """Payload GB/s (10^9 bytes per second) over the whole sync."""
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "gbps": self.gbps}

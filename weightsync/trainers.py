@@ -24,8 +24,9 @@ from weightsync.config import EngineConfig
 from weightsync.engines.base import Join, Transport
 from weightsync.packer import capacity, producer
 from weightsync.plan import Plan
-from weightsync.session import Channel, Deadline, HandshakeError, PeerLost, SyncError, SyncStats, connect
+from weightsync.session import Channel, Deadline, HandshakeError, PeerLost, SyncError, connect
 from weightsync.sources import WeightSource
+from weightsync.stats import SyncStats
 
 
 class TrainerPeers:

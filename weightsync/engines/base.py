@@ -43,8 +43,8 @@ import torch
 
 from weightsync.config import EngineConfig
 from weightsync.plan import Bucket, TensorSpec
-from weightsync.session import SyncStats
 from weightsync.sources import WeightSource
+from weightsync.stats import SyncStats
 
 # Given a free bucket buffer, returns the next bucket and a uint8 tensor holding its bytes,
 # or None when there are no more buckets. The bytes are usually the buffer's prefix, filled

@@ -56,8 +56,9 @@ from weightsync.config import SECRET_ENV, EngineConfig
 from weightsync.engines.base import Offer, Publisher
 from weightsync.engines.disk_files import _alive, _fsync, _identity, _read_json, _remove_tree, _write_json
 from weightsync.plan import TensorSpec, as_bytes, plan_hash
-from weightsync.session import HandshakeError, PeerLost, RemoteFailure, SyncError, SyncStats, SyncTimeout, VerificationError
+from weightsync.session import HandshakeError, PeerLost, RemoteFailure, SyncError, SyncTimeout, VerificationError
 from weightsync.sources import WeightSource
+from weightsync.stats import SyncStats
 from weightsync.verify import checksum_fn
 
 log = logging.getLogger("weightsync")

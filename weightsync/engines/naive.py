@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.engines.base import Offer, Publisher
-from weightsync.session import SyncStats, SyncTimeout
+from weightsync.session import SyncTimeout
 from weightsync.sources import WeightSource, as_source
+from weightsync.stats import SyncStats
 
 
 @dataclass

@@ -49,7 +49,8 @@ from typing import Any
 import torch
 
 from weightsync.config import ConfigError, EngineConfig, _flatten, _parse_overrides, canonical_key
-from weightsync.pipeline import LandingPool, receive_into
+from weightsync.landing import LandingPool
+from weightsync.pipeline import receive_into
 from weightsync.receiver import Receiver
 from weightsync.session import HandshakeError
 from weightsync.state import VersionState

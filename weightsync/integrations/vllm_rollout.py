@@ -26,7 +26,8 @@ from typing import Any, Literal, Protocol
 
 from weightsync.config import EngineConfig
 from weightsync.endpoints import Sender
-from weightsync.session import SyncError, SyncStats
+from weightsync.session import SyncError
+from weightsync.stats import SyncStats
 
 log = logging.getLogger("weightsync.vllm")
 
