@@ -294,15 +294,26 @@ def test_failed_load_keeps_the_old_version_and_the_next_sync_succeeds(backend):
         try:
             sender.send(trainer, version=1)
             assert sorted(r[1] for r in collect(q, 2)) == [1, 1]
-            # A streamed source (no specs up front) with one tensor of the wrong shape: the
-            # receivers find out mid-sync, drain the rest and report; the sender names them.
-            bad = dict(trainer.state_dict())
+            v1 = workers.module_digests(trainer)
+            # A streamed source (no specs up front), every tensor different from version 1,
+            # one of the wrong shape: the receivers find out mid-sync, drain the rest and
+            # report; the sender names them.
+            bad = {n: t + 1 for n, t in trainer.state_dict().items()}
             bad["block.0.weight"] = torch.zeros(64, 511)
+            v2 = {n: workers.digest(t) for n, t in bad.items()}
+            assert all(v2[n] != v1[n] for n in v1)
             with pytest.raises(RemoteFailure, match=r"receiver rank 0 failed version 2: .*'block.0.weight': shape \(64, 511\) received, model has \(64, 512\)"):
                 sender.send(IteratorSource(iter(bad.items())), version=2)
-            for rank, status, message, held in collect(q, 2):
+            order = list(bad)  # the stream's order: what came before the bad tensor was loaded
+            before = set(order[: order.index("block.0.weight")]) | {"head.weight"}  # tied to embed.weight
+            for rank, status, message, held, failed, torn, got in collect(q, 2):
                 assert status == "error" and "block.0.weight" in message
-                assert held == 1  # still the last complete version
+                assert (held, failed) == (1, 2)  # still version 1; version 2 failed
+                loaded = {n for n in got if got[n] == v2[n]}
+                # What came before the bad tensor has version 2's bytes (landed or loaded),
+                # every other tensor still version 1's, and ``torn`` says the model is a mix.
+                assert loaded == before and torn, (torn, loaded)
+                assert all(got[n] == v1[n] for n in got if n not in loaded)
             # Same sender, same receivers, same connections: the next version goes through.
             with torch.no_grad():
                 trainer.block[0].weight.add_(1)

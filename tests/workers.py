@@ -117,7 +117,8 @@ def module_digests(module: torch.nn.Module) -> dict[str, str]:
 
 def run_module_receiver(address, rank, overrides, versions, queue):
     """Load each version into a ``Small`` model; report ``(rank, version, digests, missing)``,
-    or ``(rank, "error", message, receiver.version)`` and go on with the next version."""
+    or ``(rank, "error", message, receiver.version, receiver.failed_version,
+    receiver.torn, digests)`` and go on with the next version."""
     torch.set_num_threads(1)
     model = Small(seed=100 + rank)
     with Receiver(EngineConfig.from_overrides(overrides), address, rank) as receiver:
@@ -126,7 +127,8 @@ def run_module_receiver(address, rank, overrides, versions, queue):
                 stats = receiver.load_into(model, version=v)
                 queue.put((rank, v, module_digests(model), stats.missing))
             except Exception as e:
-                queue.put((rank, "error", f"{type(e).__name__}: {e}", receiver.version))
+                queue.put((rank, "error", f"{type(e).__name__}: {e}", receiver.version, receiver.failed_version,
+                           receiver.torn, module_digests(model)))
 
 
 def run_sharded_trainer(rank, store_port, address_queue, overrides, num_receivers, versions, result_queue):

@@ -426,12 +426,17 @@ class Receiver:
         buckets = transport.recv_buckets(next_bucket, assembler.landing if assembler.destination is not None else None)
         checks = Checks(self.config.verify, f"receiver rank {self.rank}", v)
         received: list[Bucket] = []
+        # Buckets may land straight in the model's tensors: then whatever came off the wire
+        # (a bucket not unpacked, drained ones, a receive cut short) is in the model.
+        direct = assembler.destination is not None
+        landed = False
         consumer_error: BaseException | None = None
         problem: str | None = None
         entries = 0  # wire entries unpacked
         t0 = time.perf_counter()
         try:
             for bucket, buffer in buckets:
+                landed = direct
                 if refused:  # stop before unpacking anything of it, and drain
                     consumer_error = refused[0]
                     break
@@ -456,7 +461,7 @@ class Receiver:
                     break
             if consumer_error is not None:
                 for _ in buckets:  # keep the transfer going so the sender is not stranded
-                    pass
+                    landed = direct
             elif assembler.incomplete or entries != len(specs):
                 lacking = shortfall(specs, plan.buckets if plan is not None else [], (b.index for b in received), assembler.incomplete)
                 raise SyncError(f"version {v} ended with {entries} of {len(specs)} tensors: {lacking}")
@@ -477,7 +482,7 @@ class Receiver:
                 problem = f"receiver rank {self.rank} did not complete version {v}: {consumer_error!r}"
         except Exception as e:
             buckets.close()  # let the transport drop its pending receives now
-            delivered = incoming.delivered(bool(received), stats.tensors > 0)
+            delivered = incoming.delivered(bool(received) or direct, stats.tensors > 0)
             self._finish(v, ok=False, message=f"transfer failed: {e}", broken=True, delivered=delivered)
             error = in_context(e, f"receiver rank {self.rank}: transfer of version {v} from {ch.peer} failed")
             if error is e:
@@ -485,7 +490,8 @@ class Receiver:
             raise error from e
         stats.buckets = len(received)
         stats.transfer_s = time.perf_counter() - t0
-        self._finish(v, ok=problem is None, message=problem, delivered=incoming.delivered(bool(received), stats.tensors > 0))
+        self._finish(v, ok=problem is None, message=problem,
+                     delivered=incoming.delivered(bool(received) or landed, stats.tensors > 0))
         stats.seconds = time.perf_counter() - start
         self.last_stats = stats
         if consumer_error is not None:
