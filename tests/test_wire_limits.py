@@ -4,7 +4,7 @@ hypothesis, directly and through a real receiver over real sockets: every refusa
 ValueError / ProtocolError / HandshakeError naming the field, and the memory the process
 took meanwhile stays under a small bound, as the kernel measures it (the high-water mark
 of resident memory, reset before each case through /proc/self/clear_refs) and as torch
-was asked for it (every ``torch.empty`` request)."""
+was asked for it (every ``torch.empty``, ``zeros``, ``new_empty``... request)."""
 
 from __future__ import annotations
 
@@ -69,18 +69,33 @@ class PeakMemory:
 
 
 class TorchAllocations:
-    """Records the bytes of every ``torch.empty`` call (before it runs, so a request too
-    large to be served is recorded too), per thread."""
+    """Records the bytes of every tensor factory call that takes a size (``torch.empty``,
+    ``zeros``, ``ones``, ``full`` and the ``Tensor.new_*`` methods the buffers use), before
+    it runs, so a request too large to be served is recorded too, per thread."""
+
+    FACTORIES = ("empty", "zeros", "ones", "full")
+    METHODS = ("new_empty", "new_zeros", "new_ones", "new_full")
 
     def __init__(self) -> None:
-        self.real = torch.empty
         self.sizes: list[tuple[str, int]] = []
 
-    def __call__(self, *shape, dtype=None, **kwargs):
-        dims = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple | list | torch.Size) else shape
+    def _record(self, args: tuple, dtype: torch.dtype | None) -> None:
+        first = args[0] if args else ()
+        dims = first if isinstance(first, tuple | list | torch.Size) else [a for a in args if isinstance(a, int)]
         itemsize = (dtype or torch.get_default_dtype()).itemsize
         self.sizes.append((threading.current_thread().name, math.prod(int(d) for d in dims) * itemsize))
-        return self.real(*shape, dtype=dtype, **kwargs)
+
+    def factory(self, real):
+        def spied(*args, dtype=None, **kwargs):
+            self._record(args[:1] if real.__name__ == "full" else args, dtype)
+            return real(*args, dtype=dtype, **kwargs)
+        return spied
+
+    def method(self, real):
+        def spied(tensor, *args, dtype=None, **kwargs):
+            self._record(args[:1] if real.__name__ == "new_full" else args, dtype or tensor.dtype)
+            return real(tensor, *args, dtype=dtype, **kwargs)
+        return spied
 
     def largest(self, thread: str | None = None) -> int:
         return max((n for t, n in self.sizes if thread is None or t == thread), default=0)
@@ -89,7 +104,10 @@ class TorchAllocations:
 @pytest.fixture
 def allocations(monkeypatch):
     spy = TorchAllocations()
-    monkeypatch.setattr(torch, "empty", spy)
+    for name in spy.FACTORIES:
+        monkeypatch.setattr(torch, name, spy.factory(getattr(torch, name)))
+    for name in spy.METHODS:
+        monkeypatch.setattr(torch.Tensor, name, spy.method(getattr(torch.Tensor, name)))
     return spy
 
 
