@@ -210,14 +210,14 @@ def run_resilient_receiver(address, rank, overrides, versions, queue, kill_at=No
 
 
 def run_soak_receiver(address, rank, overrides, versions, queue):
-    """Load every version into a ``Small`` model; report its digests each time, and this
-    process's resources after the first sync and after the last."""
+    """Load every version into a ``Small`` model; report its digests and this process's
+    resources after each sync."""
     torch.set_num_threads(1)
     model = Small(seed=100 + rank)
     with Receiver(EngineConfig.from_overrides(overrides), address, rank) as receiver:
-        for i, v in enumerate(versions):
+        for v in versions:
             receiver.load_into(model, version=v)
-            queue.put((rank, v, module_digests(model), resources() if i in (0, len(versions) - 1) else None))
+            queue.put((rank, v, module_digests(model), resources()))
 
 
 def big_weights(version):
