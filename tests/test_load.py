@@ -20,8 +20,9 @@ RECEIVERS = 16
 VERSIONS = list(range(1, 21))
 WARMUP = 3  # versions before the sender's resources are taken as the baseline
 # Growth allowed between the end of the warm-up and the last version: descriptors and
-# threads must not grow beyond noise; memory may wobble with the allocator.
-FD_SLACK, THREAD_SLACK, RSS_SLACK_MB = 2, 1, 32
+# threads must not grow beyond noise; memory may wobble with the allocator, so it is
+# bounded by its slope (workers.rss_slope) too, far below a 1 MiB bucket kept per sync.
+FD_SLACK, THREAD_SLACK, RSS_SLACK_MB, RSS_SLOPE_MB = 2, 1, 32, 0.1
 
 
 @pytest.mark.slow
@@ -54,6 +55,8 @@ def test_one_sender_to_sixteen_receivers_twenty_versions_bit_exact_and_flat(back
                 assert now["fds"] - first["fds"] <= FD_SLACK, (v, first, now)
                 assert now["threads"] - first["threads"] <= THREAD_SLACK, (v, first, now)
                 assert now["rss_mb"] - first["rss_mb"] <= RSS_SLACK_MB, (v, first, now)
+            slope = workers.rss_slope(list(usage.values()))
+            assert slope <= RSS_SLOPE_MB, (slope, [r["rss_mb"] for r in usage.values()])
         finally:
             stop(procs)
 

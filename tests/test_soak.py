@@ -21,13 +21,6 @@ FD_SLACK, THREAD_SLACK, RSS_SLACK_MB = 2, 1, 32
 WARM_UP, RSS_SLOPE_MB = 10, 0.1
 
 
-def rss_slope(samples: list[dict]) -> float:
-    """Theil-Sen slope of ``rss_mb`` over the syncs after ``WARM_UP``, in MB per sync."""
-    ys = [r["rss_mb"] for r in samples[WARM_UP:]]
-    slopes = sorted((ys[j] - ys[i]) / (j - i) for i in range(len(ys)) for j in range(i + 1, len(ys)))
-    return slopes[len(slopes) // 2]
-
-
 @pytest.mark.parametrize(
     "backend,verify", [("nccl", "xxh3"), ("shm", "off"), pytest.param("mooncake", "off", marks=workers.needs_mooncake)]
 )
@@ -54,7 +47,7 @@ def test_fifty_syncs_to_three_receivers_stay_exact_and_flat(backend, verify):
                 usage.setdefault("sender", []).append(workers.resources())
             for who, samples in usage.items():
                 first, last = samples[0], samples[-1]
-                assert rss_slope(samples) <= RSS_SLOPE_MB, (who, rss_slope(samples), [r["rss_mb"] for r in samples])
+                assert workers.rss_slope(samples[WARM_UP:]) <= RSS_SLOPE_MB, (who, workers.rss_slope(samples[WARM_UP:]), [r["rss_mb"] for r in samples])
                 assert last["fds"] - first["fds"] <= FD_SLACK, (who, first, last)
                 assert last["threads"] - first["threads"] <= THREAD_SLACK, (who, first, last)
                 assert last["rss_mb"] - first["rss_mb"] <= RSS_SLACK_MB, (who, first, last)

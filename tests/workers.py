@@ -180,6 +180,15 @@ def resources() -> dict[str, float]:
             "threads": len(os.listdir("/proc/self/task")), "rss_mb": rss}
 
 
+def rss_slope(samples: list[dict]) -> float:
+    """How ``resources()`` samples' resident memory grows, in MB per sample: the median of
+    the pairwise slopes (Theil-Sen), so one step of the allocator does not count as a leak
+    while memory kept every sync does."""
+    ys = [r["rss_mb"] for r in samples]
+    slopes = sorted((ys[j] - ys[i]) / (j - i) for i in range(len(ys)) for j in range(i + 1, len(ys)))
+    return slopes[len(slopes) // 2] if slopes else 0.0
+
+
 def run_resilient_receiver(address, rank, overrides, versions, queue, kill_at=None, device=None, go=None):
     """Like ``run_receiver``, but a failed sync is reported as ``(rank, "error", message,
     receiver.version, attempted, torn)`` and the next version is tried with the same
