@@ -9,8 +9,8 @@ addressed as ``host:rpc_port``.
 
 Fan-out is a chain: sender -> receiver 1 -> receiver 2 -> ... A bucket goes down each link
 in pieces of ``CHUNK_BYTES`` (``engines.ring``), a write or two in flight per link (see
-``_IN_FLIGHT_LOCAL``): once a piece landed, READY tells the
-downstream how many bytes of the bucket are in its slot so far, and a receiver forwards
+``_IN_FLIGHT_LOCAL``): once a piece landed, READY tells the downstream how many bytes of
+the bucket are in its slot so far, and a receiver forwards
 each newly announced range at once, in the same pieces; it hands the bucket to its
 consumer once all of it arrived, and says DONE upstream once the consumer and its
 forwards are through with the slot. While the consumer reads a bucket a thread goes on
@@ -30,11 +30,11 @@ Signals do not go through Mooncake: each link has a small TCP connection of our 
 bound to the control connection's interface, carrying the slot ring's versioned frames
 (``engines.ring``, shared with ``shm``): "n bytes of bucket k are in your slot"
 downstream, "I am done with bucket k" upstream, tagged with version and bucket, so nothing
-left over from an earlier version can satisfy a wait in a later one. Set-up messages (who is up- and downstream of whom) are msgpack; a
-connection must first prove it belongs to this sync with the 128-bit token from
-``prepare()`` (which travels over the authenticated control channel); others are logged
-and dropped without delaying anyone. A peer that dies closes its sockets, so its
-neighbours fail at once rather than at their deadline.
+left over from an earlier version can satisfy a wait in a later one. Set-up messages (who
+is up- and downstream of whom) are msgpack; a connection must first prove it belongs to
+this sync with the 128-bit token from ``prepare()`` (which travels over the authenticated
+control channel); others are logged and dropped without delaying anyone. A peer that dies
+closes its sockets, so its neighbours fail at once rather than at their deadline.
 """
 
 from __future__ import annotations
@@ -481,7 +481,7 @@ class MooncakeEngine(Transport):
         got = up.wait(READY, version, k)
         if got > limit:
             raise PeerError(f"{up.peer} wrote {got} bytes for bucket {k}, at most {limit} fit")
-        if got <= have or (got == 0 and have == 0):
+        if got <= have:  # counts only grow (READY 0 comes once, for an empty bucket)
             raise PeerError(f"{up.peer} announced {got} bytes of bucket {k} after {have}")
         if down is not None:
             if have < 0 and k >= SLOTS:  # the downstream's slot must be free of bucket k - SLOTS
