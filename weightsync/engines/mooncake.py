@@ -544,7 +544,7 @@ class MooncakeEngine(Transport):
                 finally:
                     if ahead is not None:
                         stop.set()
-                        ahead.join()
+                        ahead.join()  # bounded: the relay polls, and its waits have timeout_s
                 if ahead is not None:
                     have = box[0]
                     if isinstance(have, BaseException):
