@@ -32,6 +32,7 @@ from weightsync.session import (
     ControlServer,
     Deadline,
     HandshakeError,
+    PartlyConnected,
     PeerLost,
     RemoteFailure,
     SyncError,
@@ -207,12 +208,19 @@ class Sender:
             self._drop_receivers([rank])  # it went away since the last sync: accept it anew
         missing: set[Any] = (self._members - set(self._channels)) | self._trainers.missing()
         if missing:
-            for key, ch in self._server.accept(missing, self.config).items():
-                if isinstance(key, int):
-                    self._channels[key] = ch
-                else:
-                    self._trainers.channels[key[1]] = ch
-            self._transport.reset()  # new members: every rank joins a new data-plane group
+            accepted: dict[Any, Channel] = {}
+            try:
+                accepted = self._server.accept(missing, self.config)
+            except PartlyConnected as e:
+                accepted = e.connected  # those that came stay connected for the next try
+                raise
+            finally:
+                for key, ch in accepted.items():
+                    if isinstance(key, int):
+                        self._channels[key] = ch
+                    else:
+                        self._trainers.channels[key[1]] = ch
+                self._transport.reset()  # new members: every rank joins a new data-plane group
 
     def warm_up(self, source: Any = None) -> None:
         """Connect every receiver and form the data plane now, so the first ``send`` pays
@@ -421,14 +429,14 @@ class Sender:
             sends=transport.sends if self._all_send else None,
         )
         t0 = time.perf_counter()
-        stats.wire_bytes = stats.bytes = transport.send_buckets(produce)
+        stats.wire_bytes = transport.send_buckets(produce)  # buckets, alignment padding included
         stats.transfer_s = time.perf_counter() - t0
-        stats.buckets, stats.tensors = packer.buckets, packer.pulled
+        stats.buckets, stats.tensors, stats.bytes = packer.buckets, packer.pulled, packer.nbytes
         if self._trainers.channels:
             assert out.plan is not None
-            stats.bytes += self._trainers.gather_shares(out.version, sums, deadline)
-            stats.wire_bytes = stats.bytes
+            stats.wire_bytes += self._trainers.gather_shares(out.version, sums, deadline)
             stats.buckets = len(out.plan.buckets)
+            stats.bytes = sum(s.nbytes for s in out.plan.tensors)
         out.account(stats)  # a delta sync counts the model's bytes, not the wire's
         return sums
 

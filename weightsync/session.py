@@ -82,6 +82,16 @@ class SyncTimeout(SyncError, TimeoutError):
     """A peer did not answer within the deadline."""
 
 
+class PartlyConnected(SyncTimeout):
+    """Not every member connected within the deadline. ``connected``: the channels of those
+    that did, keyed as ``ControlServer.accept`` keys them; the caller keeps them, so a
+    receiver that connected stays connected when another never comes."""
+
+    def __init__(self, message: str, *, ranks: list[int], connected: dict[Any, Channel]) -> None:
+        super().__init__(message, ranks=ranks)
+        self.connected = connected
+
+
 class PeerLost(SyncError):
     """A peer closed its connection (or its process died)."""
 
@@ -291,10 +301,11 @@ class ControlServer:
                     break
                 if time.monotonic() >= deadline.end:
                     missing = sorted(ranks - set(joined))
-                    raise SyncTimeout(
+                    connected, joined = _keyed(joined), {}  # handed over, not closed
+                    raise PartlyConnected(
                         f"{_describe(missing)} never connected to {self.address} within "
                         f"{config.timeout_s:.1f} s ({len(ranks) - len(missing)} of {len(ranks)} connected)",
-                        ranks=[r for role, r in missing if role == "receiver"],
+                        ranks=[r for role, r in missing if role == "receiver"], connected=connected,
                     )
                 try:  # short waits: greetings finished meanwhile are welcomed promptly
                     self.sock.settimeout(min(0.05, max(0.001, deadline.end - time.monotonic())))
@@ -320,7 +331,7 @@ class ControlServer:
                 item = results.get()
                 if item is not None:
                     item[0].close()
-        return {(rank if role == "receiver" else (role, rank)): ch for (role, rank), ch in joined.items()}
+        return _keyed(joined)
 
     @staticmethod
     def _welcome(item: tuple, ranks: set[tuple[str, int]], joined: dict, secret: bytes | None, session: str) -> None:
@@ -401,6 +412,11 @@ def _greet(conn: socket.socket, peer: tuple, backend: str, secret: bytes | None,
 
 def _member(m: Any) -> tuple[str, int]:
     return ("receiver", m) if isinstance(m, int) else tuple(m)
+
+
+def _keyed(joined: dict[tuple[str, int], Channel]) -> dict[Any, Channel]:
+    """``accept``'s keys: a receiver's rank, or ``(role, rank)`` for a trainer rank."""
+    return {(rank if role == "receiver" else (role, rank)): ch for (role, rank), ch in joined.items()}
 
 
 def _describe(members: list[tuple[str, int]]) -> str:
