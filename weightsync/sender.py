@@ -36,6 +36,7 @@ from weightsync.session import (
     PeerLost,
     RemoteFailure,
     SyncError,
+    lost_receivers,
 )
 from weightsync.sources import WeightSource, as_source
 from weightsync.stats import SyncStats
@@ -188,8 +189,7 @@ class Sender:
         dead = [r for r, ch in self._channels.items() if ch.is_dead()]
         gone = self._trainers.dead()
         if dead or gone:
-            names = ", ".join([self._channels[r].peer for r in dead] + gone)
-            raise PeerLost(f"{names} disconnected during {self._doing}", ranks=dead)
+            raise PeerLost(lost_receivers(self._channels, dead, f"during {self._doing}", gone), ranks=dead)
 
     def _group_rank(self, rank: int) -> int:
         """A receiver's rank in the data-plane group: its place among the members, after 0."""
@@ -204,15 +204,24 @@ class Sender:
         if self._server is None:  # a publisher, or a trainer rank that does not run the session
             return
         assert self._transport is not None
+        # Gone since the last sync: accept them anew. One that went silent (its host cut off,
+        # say) gets the heartbeat grace to come back, not the whole deadline.
+        silent = {}
         for rank in [r for r, ch in self._channels.items() if ch.is_dead()]:
-            self._drop_receivers([rank])  # it went away since the last sync: accept it anew
+            if self._channels[rank].silent:
+                silent[rank] = self._channels[rank].gone("since the last sync")
+            self._drop_receivers([rank])
         missing: set[Any] = (self._members - set(self._channels)) | self._trainers.missing()
         if missing:
             accepted: dict[Any, Channel] = {}
+            grace = self.config.heartbeat_grace if silent and missing <= set(silent) else None
             try:
-                accepted = self._server.accept(missing, self.config)
+                accepted = self._server.accept(missing, self.config, seconds=grace)
             except PartlyConnected as e:
                 accepted = e.connected  # those that came stay connected for the next try
+                if grace is not None:
+                    raise PeerLost("; ".join(f"{silent[r]}, and it did not come back within {grace:.1f} s"
+                                             for r in e.ranks), ranks=e.ranks) from None
                 raise
             finally:
                 for key, ch in accepted.items():
@@ -534,7 +543,12 @@ class Sender:
         error, tell every peer to abort and raise ``HandshakeError`` naming the refusers."""
         replies, refusals = [], {}
         for name, rank, ch in peers:
-            reply = ch.recv(deadline, expect=("ready", "error"))
+            try:
+                reply = ch.recv(deadline, expect=("ready", "error"))
+            except SyncError as e:  # silent, gone or too slow: this peer is the one to blame
+                if rank is not None and not e.ranks:
+                    e.ranks = [rank]
+                raise
             if reply["type"] == "error":
                 refusals[name] = (rank, f"{name} {refused}: {reply.get('message')}")
             replies.append((rank, reply))
