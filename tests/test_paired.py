@@ -85,7 +85,8 @@ def test_every_replica_gets_every_tensor_bit_exact(trainers, receivers):
                 # Every trainer rank with a piece dealt to it sent a share of nearly equal
                 # bytes; rank 0 (the first piece is its) counts them all, the whole model.
                 plan = make_plan([TensorSpec.of(n, t) for n, t in workers.make_weights(v).items()], 2 << 20)
-                assert stats.bytes == sum(b.nbytes for b in plan.buckets)
+                assert stats.wire_bytes == sum(b.nbytes for b in plan.buckets)
+                assert stats.bytes == sum(s.nbytes for s in plan.tensors)  # the model's, no padding
                 others = [sent for _, _, sent, _ in shares]
                 assert sum(others) < stats.bytes
                 pieces = sum(-(-b.nbytes // CHUNK_BYTES) for b in plan.buckets)

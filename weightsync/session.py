@@ -498,13 +498,24 @@ def connect(
             ) from None
         try:
             sock = socket.create_connection((host, port), timeout=min(left, 5.0))
-            break
         except OSError as e:
             last = e
             time.sleep(min(0.05, max(0.0, reach.end - time.monotonic())))
-    channel = Channel(sock, f"sender at {address}", max_frame=HELLO_MAX_BYTES)
+            continue
+        channel = Channel(sock, f"sender at {address}", max_frame=HELLO_MAX_BYTES)
+        try:
+            challenge = channel.recv(deadline, expect="challenge")
+            break
+        except PeerLost as e:
+            # Hung up on before a challenge: the sender is greeting MAX_PENDING_HELLOS
+            # connections already (strangers, say). Try again while it may be reached.
+            channel.close()
+            last = e
+            time.sleep(min(0.1, max(0.0, reach.end - time.monotonic())))
+        except BaseException:
+            channel.close()
+            raise
     try:
-        challenge = channel.recv(deadline, expect="challenge")
         server_nonce = challenge.get("nonce")
         if challenge.get("protocol") != PROTOCOL_VERSION:
             raise HandshakeError(f"protocol version: sender {challenge.get('protocol')!r}, receiver {PROTOCOL_VERSION}")
