@@ -266,6 +266,9 @@ def test_ray_client_over_an_actor_holding_an_llm(tmp_path):
         actor = ray.remote(num_cpus=0)(LLM).remote(
             model=model_dir, dtype="float32", skip_tokenizer_init=True, enforce_eager=True, max_model_len=256,
             max_num_seqs=16, weight_transfer_config={"backend": "weightsync"})
+        # The LLM is built in the actor's constructor (about 30 s here); trainer_init's
+        # deadline (timeout_s) is for the rendezvous, so wait for the actor first.
+        assert ray.get(actor.get_weight_version.remote(), timeout=180) == "default"  # vLLM's before any update
         engine = _trainer_init(RayVLLMWeightSyncClient(actor), ModuleSource(model))
         try:
             for _ in range(2):
