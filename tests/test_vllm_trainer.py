@@ -201,6 +201,13 @@ def test_registration_is_idempotent_and_reaches_the_trainer_factory():
     assert ws_vllm.WeightsyncTrainerInitInfo.backend == "weightsync"
     with pytest.raises(Exception, match="update_weights_bucket_megabyte"):  # validated by weightsync's config
         _trainer_init(object(), {"w": torch.zeros(1)}, overrides=["update_weights_bucket_megabyte=1"])
+    # vLLM's plugin loader alone (the entry point) registers the trainer engine, by name:
+    # its module loads when the factory builds one
+    probe = ("import sys; from vllm.plugins import load_general_plugins; load_general_plugins(); "
+             "from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as F; "
+             "print('weightsync' in F._registry, 'weightsync.integrations.vllm_trainer' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "False"], out.stderr[-2000:]
     with pytest.raises(ValueError, match="world_size=1"):
         WeightTransferTrainerFactory.trainer_init(
             ws_vllm.WeightsyncTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=1, rank=0),

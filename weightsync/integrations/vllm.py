@@ -18,7 +18,9 @@ Two ways in, both from vLLM's own extension points:
   (``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
   ``finish_weight_update``, also as HTTP routes of the OpenAI-compatible server). The
   engine is registered by this module's import and by the ``vllm.general_plugins`` entry
-  point, so every vLLM process knows it.
+  point, so every vLLM process knows it. The trainer side of that API
+  (``WeightTransferTrainerFactory``) is registered too: ``WeightsyncTrainerInitInfo`` and
+  ``WeightsyncTrainerEngine``, re-exported here from ``weightsync.integrations.vllm_trainer``.
 
 Version semantics (reported by ``weightsync_status`` and after every receive) are the
 receiver's own (``weightsync.state``): ``version`` is the version whose weights the replica
