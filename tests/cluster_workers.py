@@ -32,3 +32,33 @@ def run_failing_then_recovering_sender(host, overrides, num_receivers, queue):
         sender.remove_receiver(0)
         sender.send(workers.big_weights(2), version=2)
         queue.put(("sent", 2))
+
+
+def partition_weights(version: int) -> dict[str, torch.Tensor]:
+    """64 MiB of bf16 in 32 tensors, different for every version: a sync of it takes about
+    a second through a 1 Gbit/s chain, long enough to be cut in the middle."""
+    g = torch.Generator().manual_seed(7000 + version)
+    return {f"layers.{i}.weight": torch.randn(1024, 1024, generator=g).to(torch.bfloat16) for i in range(32)}
+
+
+def run_commanded_sender(host, overrides, num_receivers, commands, queue, weights="big_weights"):
+    """A sender that sends each version the test asks for (``("send", v)`` on ``commands``;
+    ``("remove", rank)`` drops a receiver; None ends): reports ``("sending", v)`` as it
+    starts, then ``("sent", v, seconds)`` or ``("failed", v, seconds, message, ranks)``."""
+    torch.set_num_threads(1)
+    make = getattr(workers, weights, None) or globals()[weights]
+    with Sender(EngineConfig.from_overrides(overrides), f"{host}:0", num_receivers) as sender:
+        queue.put(("listening", sender.address))
+        while (command := commands.get(timeout=300)) is not None:
+            kind, arg = command
+            if kind == "remove":
+                sender.remove_receiver(arg)
+                continue
+            payload = make(arg)
+            queue.put(("sending", arg))
+            t0 = time.monotonic()
+            try:
+                sender.send(payload, version=arg)
+                queue.put(("sent", arg, time.monotonic() - t0))
+            except SyncError as e:
+                queue.put(("failed", arg, time.monotonic() - t0, str(e), e.ranks))

@@ -17,6 +17,7 @@ from weightsync.sources import IteratorSource
 
 import workers
 from procs import CTX, collect, free_port, start, stop
+from proxy import ControlProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -99,64 +100,12 @@ def test_sender_sigkilled_mid_sync_then_a_new_sender_completes_the_version():
 
 
 # ---------------------------------------------------------------------------- dropped connection
-class CuttingProxy:
-    """A TCP proxy for the control connection that cuts the first connection after forwarding
-    ``cut_after`` frames from the sender; later connections pass untouched."""
-
-    def __init__(self, target: str, cut_after: int) -> None:
-        self.target = target
-        self.cut_after = cut_after
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.connections = 0
-        self.cut = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self):
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            host, port = self.target.rsplit(":", 1)
-            upstream = socket.create_connection((host, int(port)))
-            first = self.connections == 1
-            threading.Thread(target=self._pump, args=(client, upstream, None), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, self.cut_after if first else None), daemon=True).start()
-
-    def _pump(self, src, dst, cut_after):
-        frames = 0
-        try:
-            while True:
-                header = src.recv(4, socket.MSG_WAITALL)
-                if len(header) < 4:
-                    break
-                body = src.recv(int.from_bytes(header, "big"), socket.MSG_WAITALL)
-                dst.sendall(header + body)
-                frames += 1
-                if cut_after is not None and frames >= cut_after:
-                    self.cut.set()
-                    break
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def close(self):
-        self.listener.close()
-
-
 def test_dropped_control_connection_fails_both_sides_then_the_next_sync_is_exact():
     overrides = config(timeout=20)
     q = CTX.Queue()
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 1) as sender:
         # challenge, welcome, sync, go, then 3 bucket announcements (streamed source): cut.
-        proxy = CuttingProxy(sender.address, cut_after=7)
+        proxy = ControlProxy(sender.address, cut_after=7)
         receiver = start(workers.run_resilient_receiver, proxy.address, 0, overrides, [1, 1], q)
         try:
             t0 = time.monotonic()
@@ -339,4 +288,44 @@ def test_malformed_and_silent_strangers_do_not_delay_or_break_the_sync(caplog):
             for s in (silent, oversized, garbage):
                 if s is not None:
                     s.close()
+            stop([proc])
+
+
+def test_greetings_in_progress_are_capped_and_the_sync_goes_on_once_they_end(caplog):
+    """At most ``MAX_PENDING_HELLOS`` connections are greeted at once (each greeting is a
+    thread and a socket): one more is closed unanswered, with a warning. When the strangers
+    hang up, the slots free and the receiver's sync completes within the same send."""
+    from weightsync.session import HELLO_TIMEOUT_S, MAX_PENDING_HELLOS
+
+    overrides = config(timeout=30)
+    q, go = CTX.Queue(), CTX.Event()
+    caplog.set_level(logging.WARNING, logger="weightsync.session")
+    strangers = []
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 1) as sender:
+        host, port = sender.address.rsplit(":", 1)
+        proc = start(workers.run_resilient_receiver, sender.address, 0, overrides, [1], q, None, None, go)
+        try:
+            assert q.get(timeout=60) == (0, "ready")
+            sent = workers.Background(sender, workers.make_weights(1), 1)  # accepting from now on
+            t0 = time.monotonic()
+            for _ in range(MAX_PENDING_HELLOS):
+                s = socket.create_connection((host, int(port)))
+                strangers.append(s)
+                s.settimeout(10)
+                assert s.recv(4096)  # its challenge: a greeting under way, waiting for a hello
+            one_more = socket.create_connection((host, int(port)))
+            strangers.append(one_more)
+            one_more.settimeout(5)
+            assert one_more.recv(4096) == b""  # closed without a challenge
+            assert any(f"{MAX_PENDING_HELLOS} connections are already saying hello" in r.message for r in caplog.records)
+            for s in strangers:
+                s.close()
+            go.set()
+            sent.join(timeout=60)
+            assert time.monotonic() - t0 < HELLO_TIMEOUT_S  # the strangers ended early; nobody waited out their hello
+            rank, version, got, held = q.get(timeout=30)
+            assert (version, held) == (1, 1) and got == workers.expected_digests(1)
+        finally:
+            for s in strangers:
+                s.close()
             stop([proc])

@@ -13,6 +13,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -33,6 +34,8 @@ from weightsync.plan import (
 )
 from weightsync.session import PROTOCOL_VERSION, Channel, Deadline, ProtocolError, RemoteFailure, SyncError
 from weightsync.sources import IteratorSource
+
+import workers
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -628,3 +631,77 @@ def test_shm_refuses_a_ring_whose_slots_differ_from_the_handshake():
         server.join(timeout=10)
         listener.close()
         os.close(fd)
+
+
+# ---------------------------------------------------------------------------- frame limits
+def _fake_sender_that_then_sends(frame_header: bytes, body: bytes = b""):
+    """A sender that completes the greeting (no secret), then sends ``frame_header`` and
+    ``body`` raw; returns its address and the thread (which waits for the receiver to hang up)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                ch = Channel(conn, "receiver")
+                d = Deadline(20, "fake sender")
+                ch.send({"type": "challenge", "protocol": PROTOCOL_VERSION, "nonce": b"n" * 32}, d)
+                ch.recv(d, expect="hello")
+                ch.send({"type": "welcome", "protocol": PROTOCOL_VERSION, "session": "fake" * 4}, d)
+                conn.sendall(frame_header + body)
+                conn.settimeout(20)
+                while conn.recv(4096):  # until the receiver hangs up
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"127.0.0.1:{listener.getsockname()[1]}", thread
+
+
+def test_after_the_greeting_a_receiver_takes_plan_sized_frames_and_refuses_larger_at_once():
+    """Before authentication a frame is at most ``HELLO_MAX_BYTES`` (4 KiB); after it the
+    sender may send up to ``MAX_FRAME_BYTES`` (a whole plan), and a header claiming more is
+    refused as read, without waiting for (or allocating) its body."""
+    from weightsync.session import HELLO_MAX_BYTES, MAX_FRAME_BYTES
+
+    fake = HostileSender()
+    try:
+        big = fake.sync(padding=b"p" * (64 * HELLO_MAX_BYTES))  # 256 KiB: no greeting could be this large
+        receive_from(fake, big)
+        assert fake.replies and fake.replies[0]["type"] == "ready", fake.replies
+    finally:
+        fake.close()
+
+    address, thread = _fake_sender_that_then_sends((MAX_FRAME_BYTES + 1).to_bytes(4, "big"))
+    t0 = time.monotonic()
+    with Receiver(EngineConfig.from_overrides(TCP), address, 0) as receiver:
+        with pytest.raises(ProtocolError, match=f"sender at {address} sent a {MAX_FRAME_BYTES + 1}-byte frame "
+                                                f"\\(limit {MAX_FRAME_BYTES}\\)"):
+            list(receiver.receive())
+        assert receiver.version is None
+    assert time.monotonic() - t0 < 5  # refused on the header: its 64 MiB never came
+    thread.join(timeout=10)
+
+
+def test_an_authenticated_receiver_may_only_send_small_replies():
+    """The sender reads at most ``RECEIVER_MAX_FRAME_BYTES`` (1 MiB) per frame from a
+    receiver, also from one that holds the shared secret: a larger header fails the sync
+    naming that receiver at once, without reading the body."""
+    from weightsync.session import RECEIVER_MAX_FRAME_BYTES, connect
+
+    overrides = ["backend=nccl", "timeout_s=30", "auth_secret=" + "s" * 32]
+    config = EngineConfig.from_overrides(overrides)
+    with Sender(config, "127.0.0.1:0", 1) as sender:
+        sent = workers.Background(sender, {"w": torch.ones(4)}, 1)
+        channel = connect(sender.address, 0, config)  # a genuine, authenticated greeting
+        try:
+            d = Deadline(20, "test receiver")
+            assert channel.recv(d, expect="sync")["version"] == 1
+            t0 = time.monotonic()
+            channel.sock.sendall((RECEIVER_MAX_FRAME_BYTES + 1).to_bytes(4, "big"))  # and no body
+            with pytest.raises(SyncError, match=rf"receiver rank 0 \(pid {os.getpid()}.*\) sent a "
+                                                rf"{RECEIVER_MAX_FRAME_BYTES + 1}-byte frame \(limit {RECEIVER_MAX_FRAME_BYTES}\)"):
+                sent.join(timeout=30)
+            assert time.monotonic() - t0 < 5
+        finally:
+            channel.close()

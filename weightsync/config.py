@@ -128,6 +128,14 @@ class EngineConfig(EngineKeys):
         return value.encode() if value else None
 
     @property
+    def heartbeat_grace(self) -> float:
+        """The silence on a control connection after which its peer counts as lost
+        (``heartbeat_grace_s``, or derived from ``timeout_s``)."""
+        if self.heartbeat_grace_s is not None:
+            return float(self.heartbeat_grace_s)
+        return min(self.timeout_s, max(2.0, min(10.0, self.timeout_s / 3)))
+
+    @property
     def bucket_bytes(self) -> int:
         return int(self.update_weights_bucket_megabytes) << 20
 
@@ -145,6 +153,11 @@ class EngineConfig(EngineKeys):
             )
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout_s={self.timeout_s}: must be a positive number of seconds")
+        if self.heartbeat_grace_s is not None and not 1.0 <= self.heartbeat_grace_s:
+            raise ConfigError(
+                f"heartbeat_grace_s={self.heartbeat_grace_s}: must be at least 1 second "
+                "(TCP keepalive probes a connection at most once a second)"
+            )
         if not self.engine_kwargs.nccl.group_name:
             raise ConfigError("engine_kwargs.nccl.group_name='': must not be empty")
         if self.engine_kwargs.disk.keep < DISK_MIN_KEEP:

@@ -214,6 +214,21 @@ class EngineKeys:
             "每次等待（连接、握手、传输、确认）的超时秒数。对端超时未响应则同步失败，错误信息会指明该对端。",
         ),
     )
+    heartbeat_grace_s: float | None = field(
+        default=None,
+        metadata=_doc(
+            "How long a peer may be silent on the control plane before it is named and the sync "
+            "fails: both sides probe each control connection (TCP keepalive, answered by the peer's "
+            "kernel, so a busy process is never mistaken for a lost one) during syncs and between them. "
+            "A host cut off, a dead link or a frozen machine is named within this grace instead of at "
+            "timeout_s; a link that drops for less heals without an error. Unset: timeout_s / 3, "
+            "at least 2 s and at most 10 s (never more than timeout_s).",
+            "控制面上对端可沉默多久后被指名并使同步失败：双方在同步期间及两次同步之间探测每条控制连接"
+            "（TCP keepalive，由对端内核应答，繁忙的进程不会被误判为失联）。被切断的主机、断开的链路或冻结的机器"
+            "会在此宽限内被指名，而不是等到 timeout_s；短于此时长的链路中断会自行恢复而不报错。"
+            "未设置时为 timeout_s / 3，至少 2 秒、至多 10 秒（不超过 timeout_s）。",
+        ),
+    )
     receive_buckets_in_flight: int = field(
         default=2,
         metadata=_doc(
@@ -355,6 +370,8 @@ def _suggest(word: str, options: Iterable[str]) -> str:
 
 
 def _type_name(kind: Any) -> str:
+    if kind == (float | None):
+        return "float or null"
     return {bool: "bool", int: "int", float: "float", str: "str"}.get(kind, "str or null")
 
 
@@ -382,6 +399,12 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
             return float(text)
         if kind == (str | None):
             return None if value is None or text.lower() in ("null", "none", "~", "") else text
+        if kind == (float | None):
+            if value is None or text.lower() in ("null", "none", "~", ""):
+                return None
+            if isinstance(value, bool):
+                raise ValueError
+            return float(text)
         return "" if value is None else text
     except ValueError:
         raise ConfigError(f"{key}={value!r}: expected {_type_name(kind)}") from None

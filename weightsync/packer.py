@@ -44,6 +44,7 @@ class Packer:
         self.ready: list[Bucket] = []
         self.held: dict[int, torch.Tensor] = {}
         self.pulled = 0
+        self.nbytes = 0  # the pulled tensors' bytes (the model's, without bucket padding)
         self.position = 0  # buckets of the plan walked past
         self.buckets = 0  # buckets produced
         self.announced_specs = 0
@@ -67,6 +68,7 @@ class Packer:
         else:
             self.ready += self.builder.add(spec)
         self.held[self.pulled] = as_bytes(tensor)
+        self.nbytes += spec.nbytes
         self.pulled += 1
         return True
 

@@ -201,7 +201,8 @@ class Receiver:
     def _watch_sender(self) -> None:
         ch = self._channel
         if ch is not None and ch.is_dead():
-            raise PeerLost(f"{ch.peer} closed the control connection during the transfer of version {self._receiving}")
+            what = f"during the transfer of version {self._receiving}"
+            raise PeerLost(ch.gone(what) if ch.silent else f"{ch.peer} closed the control connection {what}")
 
     def _reset(self) -> None:
         if self._channel is not None:

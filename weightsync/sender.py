@@ -32,9 +32,11 @@ from weightsync.session import (
     ControlServer,
     Deadline,
     HandshakeError,
+    PartlyConnected,
     PeerLost,
     RemoteFailure,
     SyncError,
+    lost_receivers,
 )
 from weightsync.sources import WeightSource, as_source
 from weightsync.stats import SyncStats
@@ -187,8 +189,7 @@ class Sender:
         dead = [r for r, ch in self._channels.items() if ch.is_dead()]
         gone = self._trainers.dead()
         if dead or gone:
-            names = ", ".join([self._channels[r].peer for r in dead] + gone)
-            raise PeerLost(f"{names} disconnected during {self._doing}", ranks=dead)
+            raise PeerLost(lost_receivers(self._channels, dead, f"during {self._doing}", gone), ranks=dead)
 
     def _group_rank(self, rank: int) -> int:
         """A receiver's rank in the data-plane group: its place among the members, after 0."""
@@ -203,16 +204,32 @@ class Sender:
         if self._server is None:  # a publisher, or a trainer rank that does not run the session
             return
         assert self._transport is not None
+        # Gone since the last sync: accept them anew. One that went silent (its host cut off,
+        # say) gets the heartbeat grace to come back, not the whole deadline.
+        silent = {}
         for rank in [r for r, ch in self._channels.items() if ch.is_dead()]:
-            self._drop_receivers([rank])  # it went away since the last sync: accept it anew
+            if self._channels[rank].silent:
+                silent[rank] = self._channels[rank].gone("since the last sync")
+            self._drop_receivers([rank])
         missing: set[Any] = (self._members - set(self._channels)) | self._trainers.missing()
         if missing:
-            for key, ch in self._server.accept(missing, self.config).items():
-                if isinstance(key, int):
-                    self._channels[key] = ch
-                else:
-                    self._trainers.channels[key[1]] = ch
-            self._transport.reset()  # new members: every rank joins a new data-plane group
+            accepted: dict[Any, Channel] = {}
+            grace = self.config.heartbeat_grace if silent and missing <= set(silent) else None
+            try:
+                accepted = self._server.accept(missing, self.config, seconds=grace)
+            except PartlyConnected as e:
+                accepted = e.connected  # those that came stay connected for the next try
+                if grace is not None:
+                    raise PeerLost("; ".join(f"{silent[r]}, and it did not come back within {grace:.1f} s"
+                                             for r in e.ranks), ranks=e.ranks) from None
+                raise
+            finally:
+                for key, ch in accepted.items():
+                    if isinstance(key, int):
+                        self._channels[key] = ch
+                    else:
+                        self._trainers.channels[key[1]] = ch
+                self._transport.reset()  # new members: every rank joins a new data-plane group
 
     def warm_up(self, source: Any = None) -> None:
         """Connect every receiver and form the data plane now, so the first ``send`` pays
@@ -421,14 +438,14 @@ class Sender:
             sends=transport.sends if self._all_send else None,
         )
         t0 = time.perf_counter()
-        stats.wire_bytes = stats.bytes = transport.send_buckets(produce)
+        stats.wire_bytes = transport.send_buckets(produce)  # buckets, alignment padding included
         stats.transfer_s = time.perf_counter() - t0
-        stats.buckets, stats.tensors = packer.buckets, packer.pulled
+        stats.buckets, stats.tensors, stats.bytes = packer.buckets, packer.pulled, packer.nbytes
         if self._trainers.channels:
             assert out.plan is not None
-            stats.bytes += self._trainers.gather_shares(out.version, sums, deadline)
-            stats.wire_bytes = stats.bytes
+            stats.wire_bytes += self._trainers.gather_shares(out.version, sums, deadline)
             stats.buckets = len(out.plan.buckets)
+            stats.bytes = sum(s.nbytes for s in out.plan.tensors)
         out.account(stats)  # a delta sync counts the model's bytes, not the wire's
         return sums
 
@@ -526,7 +543,12 @@ class Sender:
         error, tell every peer to abort and raise ``HandshakeError`` naming the refusers."""
         replies, refusals = [], {}
         for name, rank, ch in peers:
-            reply = ch.recv(deadline, expect=("ready", "error"))
+            try:
+                reply = ch.recv(deadline, expect=("ready", "error"))
+            except SyncError as e:  # silent, gone or too slow: this peer is the one to blame
+                if rank is not None and not e.ranks:
+                    e.ranks = [rank]
+                raise
             if reply["type"] == "error":
                 refusals[name] = (rank, f"{name} {refused}: {reply.get('message')}")
             replies.append((rank, reply))

@@ -35,6 +35,7 @@ receivers (role ``trainer``), get the same sync/go, send their share of the buck
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -80,6 +81,16 @@ class SyncError(RuntimeError):
 
 class SyncTimeout(SyncError, TimeoutError):
     """A peer did not answer within the deadline."""
+
+
+class PartlyConnected(SyncTimeout):
+    """Not every member connected within the deadline. ``connected``: the channels of those
+    that did, keyed as ``ControlServer.accept`` keys them; the caller keeps them, so a
+    receiver that connected stays connected when another never comes."""
+
+    def __init__(self, message: str, *, ranks: list[int], connected: dict[Any, Channel]) -> None:
+        super().__init__(message, ranks=ranks)
+        self.connected = connected
 
 
 class PeerLost(SyncError):
@@ -173,17 +184,46 @@ class Channel:
         self.max_frame = max_frame
         #: the sender's session this connection belongs to (receivers and trainer ranks)
         self.session: str | None = None
+        #: the heartbeat grace set by ``probe``; None: not probed
+        self.grace_s: float | None = None
+        #: the peer answered no heartbeat within the grace (the connection is then dead)
+        self.silent = False
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def probe(self, grace_s: float) -> None:
+        """Heartbeats on this connection, both ways while either side probes: TCP keepalive
+        every ``grace_s / 4`` s once it is idle, and the connection is dropped (the peer
+        counted as lost) when nothing it sent was acknowledged for ``grace_s``, idle or
+        not. The peer's kernel answers, so a process busy or holding the GIL is never taken
+        for a lost one; a cut link, a host cut off or a frozen machine is."""
+        interval = max(1, int(grace_s / 4))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", interval), ("TCP_KEEPINTVL", interval),
+                            ("TCP_KEEPCNT", max(1, round(grace_s / interval))), ("TCP_USER_TIMEOUT", int(grace_s * 1000))):
+            if hasattr(socket, name):  # Linux; elsewhere the OS's keepalive defaults stay
+                self.sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+        self.grace_s = grace_s
+
+    def _lost(self, e: OSError, what: str) -> PeerLost:
+        if e.errno == errno.ETIMEDOUT:  # the kernel gave up: no heartbeat or data was acknowledged
+            self.silent = True
+            return PeerLost(f"{self.peer} went silent {what}: {self.silence()}")
+        return PeerLost(f"connection to {self.peer} lost {what}: {e}")
+
+    def silence(self) -> str:
+        """How a silent peer was found out, for error messages."""
+        grace = f"{self.grace_s:.1f} s" if self.grace_s is not None else "the OS's keepalive time"
+        return f"no heartbeat answered for {grace} (heartbeat_grace_s; a host cut off, a dead link or a frozen machine)"
 
     def send(self, msg: dict[str, Any], deadline: Deadline) -> None:
         payload = msgpack.packb(msg, use_bin_type=True)
         try:
             self.sock.settimeout(deadline.left())
             self.sock.sendall(_HEADER.pack(len(payload)) + payload)
-        except socket.timeout:
-            raise SyncTimeout(f"timed out sending to {self.peer} {deadline.what}") from None
         except OSError as e:
-            raise PeerLost(f"connection to {self.peer} lost {deadline.what}: {e}") from None
+            if isinstance(e, TimeoutError) and e.errno is None:  # our own deadline
+                raise SyncTimeout(f"timed out sending to {self.peer} {deadline.what}") from None
+            raise self._lost(e, deadline.what) from None
 
     def _read(self, n: int, deadline: Deadline) -> bytes:
         chunks = bytearray()
@@ -191,12 +231,12 @@ class Channel:
             try:
                 self.sock.settimeout(deadline.left())
                 data = self.sock.recv(min(n - len(chunks), 1 << 20))
-            except socket.timeout:
-                raise SyncTimeout(
-                    f"timed out after {deadline.seconds:.1f} s waiting for {self.peer} {deadline.what}"
-                ) from None
             except OSError as e:
-                raise PeerLost(f"connection to {self.peer} lost {deadline.what}: {e}") from None
+                if isinstance(e, TimeoutError) and e.errno is None:  # our own deadline
+                    raise SyncTimeout(
+                        f"timed out after {deadline.seconds:.1f} s waiting for {self.peer} {deadline.what}"
+                    ) from None
+                raise self._lost(e, deadline.what) from None
             if not data:
                 raise PeerLost(f"{self.peer} closed the connection {deadline.what}")
             chunks += data
@@ -223,14 +263,22 @@ class Channel:
         raise ProtocolError(f"{self.peer} sent {msg['type']!r} where {' or '.join(wanted)} was expected {deadline.what}")
 
     def is_dead(self) -> bool:
-        """True if the peer has closed the connection (checked without blocking)."""
+        """True if the peer has closed the connection, or went silent (``silent`` is then
+        set); checked without blocking."""
         try:
             readable, _, _ = select.select([self.sock], [], [], 0)
             if not readable:
                 return False
             return self.sock.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
+        except OSError as e:
+            self.silent = self.silent or e.errno == errno.ETIMEDOUT
             return True
+
+    def gone(self, what: str) -> str:
+        """A dead peer, for an error message: closed, or silent and how that was found."""
+        if self.silent:
+            return f"{self.peer} went silent {what}: {self.silence()}"
+        return f"{self.peer} disconnected {what}"
 
     def close(self) -> None:
         try:
@@ -267,14 +315,15 @@ class ControlServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def accept(self, ranks: set[Any], config: EngineConfig) -> dict[Any, Channel]:
-        """Accept peers until every member of ``ranks`` said hello, or the deadline passes.
+    def accept(self, ranks: set[Any], config: EngineConfig, seconds: float | None = None) -> dict[Any, Channel]:
+        """Accept peers until every member of ``ranks`` said hello, or the deadline passes
+        (``seconds``, default ``timeout_s``).
 
         A member is a receiver's rank (an int) or ``("trainer", i)`` for trainer rank ``i``
         of a backend where every trainer rank sends (``paired``); the result is keyed alike.
         """
         ranks = {_member(m) for m in ranks}
-        deadline = Deadline(config.timeout_s, f"for receivers to connect to {self.address}")
+        deadline = Deadline(seconds or config.timeout_s, f"for receivers to connect to {self.address}")
         secret = config.secret()
         results: queue.Queue = queue.Queue()
         stop = threading.Event()
@@ -287,14 +336,18 @@ class ControlServer:
                     item = results.get()
                     if item is not None:
                         self._welcome(item, ranks, joined, secret, self.session)
+                        for ch in joined.values():
+                            if ch.grace_s is None:
+                                ch.probe(config.heartbeat_grace)
                 if len(joined) == len(ranks):
                     break
                 if time.monotonic() >= deadline.end:
                     missing = sorted(ranks - set(joined))
-                    raise SyncTimeout(
+                    connected, joined = _keyed(joined), {}  # handed over, not closed
+                    raise PartlyConnected(
                         f"{_describe(missing)} never connected to {self.address} within "
-                        f"{config.timeout_s:.1f} s ({len(ranks) - len(missing)} of {len(ranks)} connected)",
-                        ranks=[r for role, r in missing if role == "receiver"],
+                        f"{deadline.seconds:.1f} s ({len(ranks) - len(missing)} of {len(ranks)} connected)",
+                        ranks=[r for role, r in missing if role == "receiver"], connected=connected,
                     )
                 try:  # short waits: greetings finished meanwhile are welcomed promptly
                     self.sock.settimeout(min(0.05, max(0.001, deadline.end - time.monotonic())))
@@ -320,7 +373,7 @@ class ControlServer:
                 item = results.get()
                 if item is not None:
                     item[0].close()
-        return {(rank if role == "receiver" else (role, rank)): ch for (role, rank), ch in joined.items()}
+        return _keyed(joined)
 
     @staticmethod
     def _welcome(item: tuple, ranks: set[tuple[str, int]], joined: dict, secret: bytes | None, session: str) -> None:
@@ -403,6 +456,22 @@ def _member(m: Any) -> tuple[str, int]:
     return ("receiver", m) if isinstance(m, int) else tuple(m)
 
 
+def lost_receivers(channels: dict[int, Channel], dead: list[int], what: str, others: tuple[str, ...] | list[str] = ()) -> str:
+    """The receivers ``dead`` among ``channels`` (and the ``others``, other trainer ranks
+    gone), for an error: each closed, or silent and how that was found; where one went
+    silent, also which receivers are healthy, so an operator knows whom not to blame."""
+    lost = [channels[r].gone(what) for r in dead] + [f"{peer} disconnected {what}" for peer in others]
+    healthy = [f"receiver rank {r}" for r in sorted(channels) if r not in dead]
+    if healthy and any(channels[r].silent for r in dead):
+        lost.append(f"healthy: {', '.join(healthy)}")
+    return "; ".join(lost)
+
+
+def _keyed(joined: dict[tuple[str, int], Channel]) -> dict[Any, Channel]:
+    """``accept``'s keys: a receiver's rank, or ``(role, rank)`` for a trainer rank."""
+    return {(rank if role == "receiver" else (role, rank)): ch for (role, rank), ch in joined.items()}
+
+
 def _describe(members: list[tuple[str, int]]) -> str:
     return ", ".join(f"{role} rank {rank}" for role, rank in members)
 
@@ -466,4 +535,5 @@ def connect(
         raise
     channel.max_frame = MAX_FRAME_BYTES  # the authenticated sender may send whole plans
     channel.session = session
+    channel.probe(config.heartbeat_grace)
     return channel

@@ -18,8 +18,9 @@ class SyncStats:
     tensors: int = 0
     #: the model's bytes in this version
     bytes: int = 0
-    #: the bytes the transport carried for the payload: ``bytes`` for a dense sync, less for
-    #: a delta sync (``delta`` auto or on), 0 where nothing travels (``naive``)
+    #: the bytes the transport carried for the payload: for a dense sync ``bytes`` plus the
+    #: buckets' alignment padding, less for a delta sync (``delta`` auto or on), 0 where
+    #: nothing travels (``naive``)
     wire_bytes: int = 0
     buckets: int = 0
     receivers: int = 0

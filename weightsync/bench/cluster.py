@@ -185,7 +185,12 @@ class Cluster:
         self._ns(self.switch, "ip", "link", "set", f"p{host}", "down")
 
     def heal(self, host: int) -> None:
+        """Bring ``host`` back. Neighbour entries that failed while it was away are
+        forgotten everywhere, as a host announcing itself when its link comes back makes
+        happen (otherwise the kernels answer "no route to host" for a while)."""
         self._ns(self.switch, "ip", "link", "set", f"p{host}", "up")
+        for h in self.hosts:
+            self._ns(h.netns, "ip", "neigh", "flush", "dev", "eth0", check=False)
 
     def counters(self) -> list[dict[str, int]]:
         """Each host's NIC: ``{"tx_bytes", "rx_bytes"}`` since the cluster was made."""

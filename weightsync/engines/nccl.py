@@ -51,12 +51,16 @@ def _bury(holder: list) -> None:
     _burials[:] = [t for t in _burials if t.is_alive()] + [thread]
 
 
-@atexit.register
 def _await_burials(limit_s: float = 30.0) -> None:
-    # A group still being destroyed when the interpreter exits would abort the process.
+    """Wait (bounded) until the failed groups are destroyed: their operations, still pending,
+    have then ended, so none can write any more into memory they were given."""
     end = time.monotonic() + limit_s
     for thread in _burials:
         thread.join(max(0.0, end - time.monotonic()))
+
+
+# A group still being destroyed when the interpreter exits would abort the process.
+atexit.register(_await_burials)
 
 # Bytes per operation on a chain's link (one constant for every chain: engines.ring)
 CHUNK_BYTES = ring.CHUNK_BYTES
@@ -100,6 +104,7 @@ class CollectiveEngine(Transport):
         self._generation = 0
         self._token = ""  # rank 0: the current group's rendezvous token
         self._buffers: list[torch.Tensor] | None = None
+        self._landed_in_failure = False  # a failed sync left receives posted into the model
         self._join: Join | None = None  # the sync in progress
 
     # ------------------------------------------------------------------ group
@@ -356,6 +361,12 @@ class CollectiveEngine(Transport):
         """Post receives in bucket order (the order the senders send in) up to ``WINDOW``
         ahead; a bucket that needs a buffer waits for a free slot. A slot is free again
         once its bucket was consumed and, where it is forwarded, forwarded."""
+        if self._landed_in_failure:
+            # The failed sync's receives posted into the model's tensors are still pending,
+            # and a sender's operations of that sync may still complete them (Gloo cannot
+            # abort): nothing more lands in the model before that group is gone.
+            self._landed_in_failure = False
+            _await_burials(self.config.timeout_s)
         bufs = self._bufs()
         free = [0, 1]  # buffer slots not holding a posted, handed-out or forwarding bucket
         # Receives posted, in plan order: (bucket, slot, target, its pieces' receives, each
@@ -431,6 +442,7 @@ class CollectiveEngine(Transport):
         except BaseException:
             # The sync failed or was abandoned: let go of the group(s) and of our pending
             # operations at once, so the senders fail now, not at their timeout.
+            self._landed_in_failure = self.library == "gloo" and any(slot is None for _, slot, _, _ in posted)
             posted.clear()
             forwarding.clear()
             work = None
@@ -445,6 +457,10 @@ class CollectiveEngine(Transport):
         # A failed collective leaves the group in an unknown state: build a new one next time.
         if not ok or self._kwargs.rebuild_group:
             self._drop_group(failed=not ok)
+        if not ok:
+            # The failed group's pending operations still hold (and may still fill) these
+            # buffers: the next sync gets its own.
+            self._buffers = None
         if self._kwargs.rebuild_group:
             self._buffers = None
             platform.empty_cache()
