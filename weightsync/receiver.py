@@ -145,7 +145,13 @@ class Receiver:
         self.connect()
         assert self._channel is not None
         ch = self._channel
-        msg = ch.recv(Deadline(self.config.timeout_s, "for the sender's warm-up"), expect=("warmup", "closing"))
+        deadline = Deadline(self.config.timeout_s, "for the sender's warm-up")
+        msg = ch.recv(deadline, expect=("warmup", "closing"))
+        if msg["type"] == "closing":
+            # The goodbye of the sender we were connected to, read only now: the warm-up we
+            # were asked for is a new sender's at the same address (a restarted trainer).
+            ch = self._join_next_session(ch)
+            msg = ch.recv(deadline, expect=("warmup", "closing"))
         if msg["type"] == "closing":
             self._reset()
             raise PeerLost(f"{ch.peer} closed the session before its warm-up")

@@ -18,7 +18,9 @@ Two ways in, both from vLLM's own extension points:
   (``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
   ``finish_weight_update``, also as HTTP routes of the OpenAI-compatible server). The
   engine is registered by this module's import and by the ``vllm.general_plugins`` entry
-  point, so every vLLM process knows it.
+  point, so every vLLM process knows it. The trainer side of that API
+  (``WeightTransferTrainerFactory``) is registered too: ``WeightsyncTrainerInitInfo`` and
+  ``WeightsyncTrainerEngine``, re-exported here from ``weightsync.integrations.vllm_trainer``.
 
 Version semantics (reported by ``weightsync_status`` and after every receive) are the
 receiver's own (``weightsync.state``): ``version`` is the version whose weights the replica
@@ -383,7 +385,15 @@ def _engine_classes() -> tuple[type, type, type]:
     return WeightsyncInitInfo, WeightsyncUpdateInfo, WeightsyncTransferEngine
 
 
+#: vLLM's trainer side (``weightsync.integrations.vllm_trainer``), re-exported here
+_TRAINER_NAMES = ("WeightsyncTrainerInitInfo", "WeightsyncTrainerEngine", "TrainerRoundError")
+
+
 def __getattr__(name: str) -> Any:
+    if name in _TRAINER_NAMES:  # imported on first use: it imports vLLM
+        from weightsync.integrations import vllm_trainer
+
+        return getattr(vllm_trainer, name)
     classes = dict(zip(("WeightsyncInitInfo", "WeightsyncUpdateInfo", "WeightsyncTransferEngine"), _engine_classes()))
     if name in classes:
         return classes[name]
@@ -442,19 +452,27 @@ def _idle_waits_for_weightsync_calls() -> None:
 
 
 def register() -> None:
-    """Register ``weightsync`` in vLLM's weight-transfer engine registry, and let vLLM's
-    engine core wait idle for our calls (``_idle_waits_for_weightsync_calls``); idempotent.
+    """Register ``weightsync`` in vLLM's weight-transfer engine registries (the workers'
+    ``WeightTransferEngineFactory`` and the trainer's ``WeightTransferTrainerFactory``), and
+    let vLLM's engine core wait idle for our calls (``_idle_waits_for_weightsync_calls``);
+    idempotent.
 
     Run by this module's import and by vLLM's plugin loader (entry point
     ``vllm.general_plugins``) in each of vLLM's processes, so worker processes know the
-    backend before they build their engine, and the engine core waits idle.
+    backend before they build their engine, and the engine core waits idle. The trainer
+    engine is registered by module name: its module (which imports vLLM) loads when the
+    factory first builds one.
     """
     try:
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-    except ImportError:  # vLLM not installed: the trainer side does not need it
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    except ImportError:  # vLLM not installed: weightsync's own trainer side does not need it
         return
+    # vLLM's register_engine raises for a name it has: asking first keeps this idempotent
     if BACKEND_NAME not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, __name__, "WeightsyncTransferEngine")
+    if BACKEND_NAME not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(
+            BACKEND_NAME, "weightsync.integrations.vllm_trainer", "WeightsyncTrainerEngine")
     _idle_waits_for_weightsync_calls()
 
 

