@@ -21,7 +21,12 @@ from weightsync.sources import StateDictSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-TIMEOUT_S = 20
+# Well above DETECT_S: a failure detected only by waiting out the deadline fails the
+# bounds below, which assert detection (measured on 2 loaded cores: 2.1 s for a transfer
+# failing midway, most of it the sender's 2 s grace for a peer's EOF in Sender._explain;
+# 0.1 s for a loader error).
+TIMEOUT_S = 60
+DETECT_S = 10
 IN_FLIGHT = 2
 OVERRIDES = ["backend=nccl", "update_weights_bucket_megabytes=1", f"timeout_s={TIMEOUT_S}",
              f"receive_buckets_in_flight={IN_FLIGHT}"]
@@ -174,7 +179,7 @@ def test_transfer_failing_midway_ends_the_stream_cleanly_and_reports_a_mix(sessi
     t0 = time.monotonic()
     outcome, (status, loaded, extra) = _send_while(replica, sender, FailingSource(pw.weights(2), after=12), 2)
     assert isinstance(outcome, SyncError)
-    assert time.monotonic() - t0 < TIMEOUT_S + 10
+    assert time.monotonic() - t0 < DETECT_S  # the sender's abort reached the receiver, no deadline did
     assert extra["ended"]  # the loader's stream ended without an exception (the engine finalizes)
     assert not status["ok"] and status["applied"] > 0
     assert (status["version"], status["mixed"], status["failed_version"]) == (None, True, 2), status
@@ -189,7 +194,7 @@ def test_loader_error_mid_stream_fails_the_sync_on_the_sender_within_the_deadlin
     assert status["ok"]
     t0 = time.monotonic()
     outcome, (status, _, _) = _send_while(replica, sender, pw.weights(2), 2, fail_after=3)
-    assert time.monotonic() - t0 < TIMEOUT_S
+    assert time.monotonic() - t0 < DETECT_S
     assert isinstance(outcome, SyncError) and "the loader refused" in str(outcome), outcome
     assert not status["ok"] and "the loader refused" in status["error"]
     assert (status["version"], status["mixed"]) == (None, True), status
@@ -357,7 +362,7 @@ def test_update_whose_transfer_fails_midway_leaves_the_replicas_mixed_and_paused
             t0 = time.monotonic()
             with pytest.raises(ReplicaUpdateError, match="kept paused") as info:
                 rollout.update(FailingSource(pw.weights(2), after=12), 2)
-            assert time.monotonic() - t0 < TIMEOUT_S + 10
+            assert time.monotonic() - t0 < DETECT_S
             for rep in info.value.report.replicas:
                 assert (rep.ok, rep.version, rep.mixed, rep.resumed, rep.failed_version) == (False, None, True, False, 2)
             assert all(r.paused for r in replicas)  # a replica serving a mix does not serve

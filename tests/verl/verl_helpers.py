@@ -281,3 +281,68 @@ class Reaper:
                     ray.util.remove_placement_group(pg)
                 except Exception:  # noqa: BLE001
                     pass
+
+
+# ---------------------------------------------------------------------------- verl's own trainer
+def tiny_model_with_weights(root: Path) -> str:
+    """The tiny Qwen2 of ``tiny_model_dir`` with random fp32 weights (safetensors) that
+    verl's FSDP engine loads."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = root / "tiny-qwen2-weights"
+    if not (path / "model.safetensors").exists():
+        torch.manual_seed(5)
+        config = AutoConfig.from_pretrained(tiny_model_dir(root))
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return str(path)
+
+
+def cpu_process_setup() -> None:
+    """Ray's ``worker_process_setup_hook`` (every worker of the job): verl's engine on the
+    CPU (``cpu_platform``), and ``custom_backend_module`` imported as verl's actor worker
+    imports it (verl's ``TrainingWorkerTest`` does not)."""
+    import cpu_platform
+
+    cpu_platform.install()
+    import_external_libs(MODULE)
+
+
+def make_verl_trainer(config: CheckpointEngineConfig, model_path: str, pool: RayResourcePool) -> RayWorkerGroup:
+    """verl's own trainer worker, as verl's checkpoint-engine tests build it
+    (``create_trainer_worker_group``): ``TrainingWorkerTest``, a verl ``TrainingWorker``
+    whose ``update_weights`` sends ``self.engine.get_per_tensor_param()`` (verl's FSDP engine
+    all-gathering each DTensor shard into the HF-named tensor) through the checkpoint
+    engine. FSDP2 over Gloo, fp32, sharded over the pool's ranks; sdpa attention (verl's
+    default, flash-attention 2, needs CUDA). The workers' job needs ``cpu_process_setup``
+    as its ``worker_process_setup_hook``."""
+    from tests.checkpoint_engine.test_utils import TrainingWorkerTest
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig
+    from verl.workers.engine_workers import TrainingWorkerConfig
+
+    class GlooTrainingWorker(TrainingWorkerTest):
+        """verl's ``TrainingWorkerTest``, its process group joined over Gloo first: verl's
+        ``initialize_global_process_group_ray`` (``verl/utils/distributed.py:89``) would ask
+        for ``cpu:gloo,<device>:<backend>``, which torch refuses with device ``cpu`` (a
+        duplicate), and skips a group already initialized (``:90``)."""
+
+        def __init__(self, config, checkpoint_engine_config) -> None:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():  # MASTER_ADDR/PORT, RANK, WORLD_SIZE: verl's RayWorkerGroup sets them
+                dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+            super().__init__(config, checkpoint_engine_config)
+
+    model_config = HFModelConfig(path=model_path, load_tokenizer=False, override_config={"attn_implementation": "sdpa"})
+    # an actor, not forward_only: verl gives a forward-only FSDP2 engine a CPU offload policy
+    # whose pinned memory needs an accelerator
+    engine_config = FSDPEngineConfig(forward_only=False, fsdp_size=pool.world_size, strategy="fsdp2",
+                                     model_dtype="fp32", use_torch_compile=False)
+    trainer_config = TrainingWorkerConfig(model_type="language_model", model_config=model_config, engine_config=engine_config,
+                                          optimizer_config=FSDPOptimizerConfig(lr=1e-3))
+    cls = RayClassWithInitArgs(cls=ray.remote(GlooTrainingWorker), config=trainer_config, checkpoint_engine_config=config)
+    # verl's RayWorkerGroup sets each actor's runtime_env itself: the CPU platform comes from
+    # the job's (ray.init(runtime_env={"worker_process_setup_hook": ...}), test_verl_fsdp.py)
+    cls.update_options({"num_cpus": 0})
+    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name="cpu")
+    group.reset()  # verl's TrainingWorker builds, loads and shards the model here
+    return group
