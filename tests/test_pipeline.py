@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import pipeline_workers as pw
+import workers
 from procs import CTX, start, stop
 from weightsync import EngineConfig, Sender, SyncError
 from weightsync.session import SyncTimeout
 from weightsync.landing import LANDED_AHEAD, LOOKAHEAD, LandingPool, following_landings
 from weightsync.plan import TensorSpec, make_plan
-from weightsync.sources import StateDictSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -53,18 +53,6 @@ class Replica:
         stop([self.proc])
 
 
-class FailingSource(StateDictSource):
-    """The weights of a version; the iterator raises after ``after`` tensors (mid-transfer)."""
-
-    def __init__(self, state, after):
-        super().__init__(state)
-        self.after = after
-
-    def tensors(self):
-        for i, item in enumerate(super().tensors()):
-            if i == self.after:
-                raise RuntimeError("the trainer failed mid-transfer")
-            yield item
 
 
 def _send_while(replica, sender, source, version, **opts):
@@ -177,7 +165,7 @@ def test_transfer_failing_midway_ends_the_stream_cleanly_and_reports_a_mix(sessi
     outcome, (status, _, _) = _send_while(replica, sender, pw.weights(1), 1)
     assert status["ok"]
     t0 = time.monotonic()
-    outcome, (status, loaded, extra) = _send_while(replica, sender, FailingSource(pw.weights(2), after=12), 2)
+    outcome, (status, loaded, extra) = _send_while(replica, sender, workers.FailingSource(pw.weights(2), after=12), 2)
     assert isinstance(outcome, SyncError)
     assert time.monotonic() - t0 < DETECT_S  # the sender's abort reached the receiver, no deadline did
     assert extra["ended"]  # the loader's stream ended without an exception (the engine finalizes)
@@ -361,7 +349,7 @@ def test_update_whose_transfer_fails_midway_leaves_the_replicas_mixed_and_paused
             assert not any(r.paused for r in replicas)
             t0 = time.monotonic()
             with pytest.raises(ReplicaUpdateError, match="kept paused") as info:
-                rollout.update(FailingSource(pw.weights(2), after=12), 2)
+                rollout.update(workers.FailingSource(pw.weights(2), after=12), 2)
             assert time.monotonic() - t0 < DETECT_S
             for rep in info.value.report.replicas:
                 assert (rep.ok, rep.version, rep.mixed, rep.resumed, rep.failed_version) == (False, None, True, False, 2)

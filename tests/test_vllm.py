@@ -31,6 +31,8 @@ from weightsync.demo_vllm import (  # noqa: E402
 from weightsync.integrations.vllm_rollout import LLMReplica, ReplicaUpdateError, VLLMRollout  # noqa: E402
 from weightsync.sources import StateDictSource  # noqa: E402
 
+import workers  # noqa: E402
+
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(240)]
 
 NEW = 8
@@ -368,19 +370,6 @@ def test_replica_killed_during_a_sync_fails_fast_naming_it_and_the_other_keeps_s
     assert replica_greedy(a, PROMPTS, NEW) == old_outputs
 
 
-class FailingSource(StateDictSource):
-    """The trainer's weights; the iterator raises before yielding tensor ``after`` (the
-    trainer failed mid-transfer)."""
-
-    def __init__(self, state, after):
-        super().__init__(state)
-        self.after = after
-
-    def tensors(self):
-        for i, item in enumerate(super().tensors()):
-            if i == self.after:
-                raise RuntimeError("the trainer failed mid-transfer")
-            yield item
 
 
 def test_a_source_failing_mid_stream_leaves_both_replicas_mixed_and_paused_until_a_complete_update(setup):
@@ -401,7 +390,7 @@ def test_a_source_failing_mid_stream_leaves_both_replicas_mixed_and_paused_until
     assert after == len(state) - 1  # the last tensor, alone in the plan's last two buckets
     t0 = time.monotonic()
     with pytest.raises(ReplicaUpdateError, match="kept paused") as info:
-        setup.rollout.update(FailingSource(state, after), served + 1)
+        setup.rollout.update(workers.FailingSource(state, after), served + 1)
     assert time.monotonic() - t0 < DETECT_S  # the sender's abort reached the workers, no deadline did
     for rep in info.value.report.replicas:
         assert (rep.ok, rep.version, rep.mixed, rep.resumed, rep.failed_version) == (False, None, True, False, served + 1), rep

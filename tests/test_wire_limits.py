@@ -357,6 +357,13 @@ def test_streamed_plan_accepts_what_a_sender_announces_and_bounds_the_total():
 
 
 # ---------------------------------------------------------------------------- a real receiver
+def greet(ch: Channel, d: Deadline, session: str) -> None:
+    """A sender's side of the greeting, without a secret: challenge, the hello, welcome."""
+    ch.send({"type": "challenge", "protocol": PROTOCOL_VERSION, "nonce": b"n" * 32}, d)
+    ch.recv(d, expect="hello")
+    ch.send({"type": "welcome", "protocol": PROTOCOL_VERSION, "session": session}, d)
+
+
 class HostileSender:
     """Speaks the session protocol as a sender would (challenge, welcome, sync, go), over the
     ``tcp`` test transport's data port, then sends what the test says."""
@@ -386,9 +393,7 @@ class HostileSender:
             with conn:
                 ch = Channel(conn, "receiver")
                 d = Deadline(20, "hostile sender")
-                ch.send({"type": "challenge", "protocol": PROTOCOL_VERSION, "nonce": b"n" * 32}, d)
-                ch.recv(d, expect="hello")
-                ch.send({"type": "welcome", "protocol": PROTOCOL_VERSION, "session": "hostile" * 4}, d)
+                greet(ch, d, "hostile" * 4)
                 ch.send(sync, d)
                 reply = ch.recv(d)
                 self.replies.append(reply)
@@ -643,11 +648,7 @@ def _fake_sender_that_then_sends(frame_header: bytes, body: bytes = b""):
         with listener:
             conn, _ = listener.accept()
             with conn:
-                ch = Channel(conn, "receiver")
-                d = Deadline(20, "fake sender")
-                ch.send({"type": "challenge", "protocol": PROTOCOL_VERSION, "nonce": b"n" * 32}, d)
-                ch.recv(d, expect="hello")
-                ch.send({"type": "welcome", "protocol": PROTOCOL_VERSION, "session": "fake" * 4}, d)
+                greet(Channel(conn, "receiver"), Deadline(20, "fake sender"), "fake" * 4)
                 conn.sendall(frame_header + body)
                 conn.settimeout(20)
                 while conn.recv(4096):  # until the receiver hangs up

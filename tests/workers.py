@@ -13,6 +13,7 @@ import torch
 
 from weightsync import EngineConfig, Receiver, Sender, SyncError
 from weightsync.plan import as_bytes
+from weightsync.sources import StateDictSource
 
 
 # The mooncake-transfer-engine-non-cuda wheel (make install-mooncake) runs over TCP here.
@@ -381,3 +382,18 @@ class Background:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+class FailingSource(StateDictSource):
+    """The weights of a version; the iterator raises before yielding tensor ``after`` (the
+    trainer failed mid-transfer)."""
+
+    def __init__(self, state, after):
+        super().__init__(state)
+        self.after = after
+
+    def tensors(self):
+        for i, item in enumerate(super().tensors()):
+            if i == self.after:
+                raise RuntimeError("the trainer failed mid-transfer")
+            yield item
