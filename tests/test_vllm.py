@@ -349,14 +349,16 @@ def test_replica_killed_during_a_sync_fails_fast_naming_it_and_the_other_keeps_s
     victim = b.collective_rpc("weightsync_status")[0]["pid"]
 
     class KillingSource(StateDictSource):
-        """The trainer's weights; B's worker is killed once the sync has started (the
-        replicas were paused and joined, the sender is about to handshake)."""
+        """The trainer's weights; B's worker is killed mid-sync: after the handshake,
+        before the first tensor. (Killed before the handshake, its connection may already
+        show as closed when the sync starts, and the sender then waits, as it should, up
+        to the deadline for it to come back.)"""
 
-        def specs(self):
+        def tensors(self):
             os.kill(victim, signal.SIGKILL)
             while _alive(victim):
                 time.sleep(0.05)
-            return super().specs()
+            yield from super().tensors()
 
     t0 = time.monotonic()
     with pytest.raises(ReplicaUpdateError, match=r"replica 'B' \(receiver rank 1\)") as info:
@@ -365,9 +367,16 @@ def test_replica_killed_during_a_sync_fails_fast_naming_it_and_the_other_keeps_s
     report = info.value.report
     ra, rb = report.replicas
     assert (rb.name, rb.ok, rb.version) == ("B", False, None)
-    assert (ra.name, ra.version, ra.mixed, ra.resumed) == ("A", served, False, True)
-    assert ra.failed_version == served + 1
-    assert replica_greedy(a, PROMPTS, NEW) == old_outputs
+    # A: the kill came mid-transfer, so A holds its old version untouched, or the new one
+    # whole (the broadcast reached it first), and serves it; or a mix, reported and kept
+    # paused. Never a mix reported as a version, never resumed on one.
+    assert ra.name == "A"
+    if ra.mixed:
+        assert (ra.version, ra.resumed, ra.failed_version) == (None, False, served + 1)
+    else:
+        assert ra.version in (served, served + 1) and ra.resumed, ra
+        expected = old_outputs if ra.version == served else trainer_greedy(setup.model, PROMPTS, NEW)
+        assert replica_greedy(a, PROMPTS, NEW) == expected
 
 
 
