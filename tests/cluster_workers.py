@@ -1,13 +1,14 @@
 """Process bodies of the emulated-cluster tests (importable under ``spawn``): each moves
 itself onto its host (a network namespace) first, then runs the body it was given."""
 
+import socket
 import time
 
 import torch
 
 from weightsync import EngineConfig, Sender
 from weightsync.bench.cluster import enter
-from weightsync.session import SyncError
+from weightsync.session import Channel, SyncError
 
 import workers
 
@@ -62,3 +63,22 @@ def run_commanded_sender(host, overrides, num_receivers, commands, queue, weight
                 queue.put(("sent", arg, time.monotonic() - t0))
             except SyncError as e:
                 queue.put(("failed", arg, time.monotonic() - t0, str(e), e.ranks))
+
+
+def run_quiet_listener(host, queue, commands):
+    """Accept one connection on ``host`` and hold it open, saying nothing, until told to end."""
+    with socket.create_server((host, 0)) as server:
+        queue.put(("listening", server.getsockname()[1]))
+        conn, _ = server.accept()
+        with conn:
+            commands.get(timeout=120)
+
+
+def run_heartbeat_watcher(address, grace_s, queue, commands):
+    """Connect to ``address``, probe the connection with ``grace_s`` and report
+    ``(seems_silent, unheard_s)`` each time the test asks (any item on ``commands``; None ends)."""
+    ch = Channel(socket.create_connection(address, timeout=10), "listener")
+    ch.probe(grace_s)
+    while commands.get(timeout=120) is not None:
+        queue.put((ch.seems_silent(), ch.unheard_s()))
+    ch.close()

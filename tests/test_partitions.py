@@ -164,3 +164,30 @@ def test_a_receiver_host_cut_between_syncs_is_named_by_the_next_sync_within_the_
             if report[1] == 2:
                 seen[report[0]] = report
         assert all(r[2] == expected and r[3] == 2 for r in seen.values())
+
+
+def test_a_peer_that_stops_answering_heartbeats_seems_silent_before_its_grace_runs_out():
+    """The rule a receiver uses when its data plane breaks (another receiver gave up on the
+    same cut trainer a moment sooner): two heartbeats unanswered blame the peer; an idle,
+    answering peer is never blamed, however long the connection was quiet."""
+    with Cluster(2, [parse_rate("1gbit")] * 2) as cluster:
+        reports, listener_cmds, watcher_cmds = CTX.Queue(), CTX.Queue(), CTX.Queue()
+        a, b = cluster.hosts
+        procs = [start(cluster_workers.on_host, b.netns, cluster_workers.run_quiet_listener, b.address, reports, listener_cmds)]
+        try:
+            kind, port = reports.get(timeout=60)
+            procs.append(start(cluster_workers.on_host, a.netns, cluster_workers.run_heartbeat_watcher,
+                               (b.address, port), GRACE_S, reports, watcher_cmds))
+            time.sleep(3.5)  # idle for 3 heartbeat intervals, each answered
+            watcher_cmds.put("check")
+            silent, unheard = reports.get(timeout=30)
+            assert not silent and unheard < 1.5, unheard
+            cluster.cut(1)
+            time.sleep(3.5)  # 3 heartbeats unanswered, the 5 s grace not yet over
+            watcher_cmds.put("check")
+            silent, unheard = reports.get(timeout=30)
+            assert silent and 2.5 < unheard < GRACE_S, unheard
+        finally:
+            watcher_cmds.put(None)
+            listener_cmds.put(None)
+            stop(procs)

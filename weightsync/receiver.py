@@ -489,9 +489,13 @@ class Receiver:
                 problem = f"receiver rank {self.rank} did not complete version {v}: {consumer_error!r}"
         except Exception as e:
             buckets.close()  # let the transport drop its pending receives now
+            cause: Exception = e
+            if not isinstance(e, PeerLost) and ch.seems_silent():  # another receiver gave up on it first
+                cause = PeerLost(f"{ch.peer} went silent during the transfer of version {v}: nothing heard for "
+                                 f"{ch.unheard_s():.1f} s (heartbeat_grace_s={ch.grace_s:g}); the data plane then failed: {e}")
             delivered = incoming.delivered(bool(received) or direct, stats.tensors > 0)
-            self._finish(v, ok=False, message=f"transfer failed: {e}", broken=True, delivered=delivered)
-            error = in_context(e, f"receiver rank {self.rank}: transfer of version {v} from {ch.peer} failed")
+            self._finish(v, ok=False, message=f"transfer failed: {cause}", broken=True, delivered=delivered)
+            error = in_context(cause, f"receiver rank {self.rank}: transfer of version {v} from {ch.peer} failed")
             if error is e:
                 raise
             raise error from e

@@ -210,6 +210,26 @@ class Channel:
             return PeerLost(f"{self.peer} went silent {what}: {self.silence()}")
         return PeerLost(f"connection to {self.peer} lost {what}: {e}")
 
+    def unheard_s(self) -> float | None:
+        """Seconds since the peer's kernel last answered on this connection (data or a
+        heartbeat's acknowledgement), from Linux's ``TCP_INFO``; None where unknown."""
+        try:  # struct tcp_info: 8 bytes of u8 fields, 9 u32s, then last_data_sent,
+            # last_ack_sent, last_data_recv, last_ack_recv (ms ago) at offset 44
+            info = self.sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO"), 64)
+            _, _, data_ms, ack_ms = struct.unpack_from("4I", info, 44)
+        except (AttributeError, OSError, struct.error):
+            return None
+        return min(data_ms, ack_ms) / 1000
+
+    def seems_silent(self) -> bool:
+        """True if a probed peer has let heartbeats go unanswered (two of them), before the
+        kernel's full grace has run out: what another failure can be blamed on."""
+        unheard = self.unheard_s() if self.grace_s is not None else None
+        if unheard is None or unheard <= 2 * max(1, int(self.grace_s / 4)) + 0.5:
+            return False
+        self.silent = True
+        return True
+
     def silence(self) -> str:
         """How a silent peer was found out, for error messages."""
         grace = f"{self.grace_s:.1f} s" if self.grace_s is not None else "the OS's keepalive time"
