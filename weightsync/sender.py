@@ -36,6 +36,7 @@ from weightsync.session import (
     PeerLost,
     RemoteFailure,
     SyncError,
+    dead_ranks,
     lost_receivers,
 )
 from weightsync.sources import WeightSource, as_source
@@ -186,7 +187,7 @@ class Sender:
 
     def _watch_peers(self) -> None:
         """Raise if a peer's control connection closed (its process is likely gone)."""
-        dead = [r for r, ch in self._channels.items() if ch.is_dead()]
+        dead = dead_ranks(self._channels)
         gone = self._trainers.dead()
         if dead or gone:
             raise PeerLost(lost_receivers(self._channels, dead, f"during {self._doing}", gone), ranks=dead)
@@ -207,7 +208,7 @@ class Sender:
         # Gone since the last sync: accept them anew. One that went silent (its host cut off,
         # say) gets the heartbeat grace to come back, not the whole deadline.
         silent = {}
-        for rank in [r for r, ch in self._channels.items() if ch.is_dead()]:
+        for rank in dead_ranks(self._channels):
             if self._channels[rank].silent:
                 silent[rank] = self._channels[rank].gone("since the last sync")
             self._drop_receivers([rank])
@@ -588,7 +589,7 @@ class Sender:
         # A crashed peer's sockets all close at once, but the transport may notice first:
         # give its control connection a moment to show the EOF.
         grace = time.monotonic() + min(2.0, self.config.timeout_s)
-        while not (dead := [r for r, ch in self._channels.items() if ch.is_dead()]) and time.monotonic() < grace:
+        while not (dead := dead_ranks(self._channels)) and time.monotonic() < grace:
             time.sleep(0.02)
         if isinstance(error, SyncError):  # raised by the session: it names the peer already
             error.ranks = dead

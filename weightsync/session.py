@@ -476,6 +476,16 @@ def _member(m: Any) -> tuple[str, int]:
     return ("receiver", m) if isinstance(m, int) else tuple(m)
 
 
+def dead_ranks(channels: dict[int, Channel]) -> list[int]:
+    """The ranks whose connection is dead (checked without blocking). Once one went silent,
+    also those whose heartbeats go unanswered: with the trainer's own host cut off, every
+    receiver's grace runs out within a heartbeat, and none of them is healthy."""
+    dead = [r for r, ch in channels.items() if ch.is_dead()]
+    if any(channels[r].silent for r in dead):
+        dead += [r for r, ch in channels.items() if r not in dead and ch.seems_silent()]
+    return sorted(dead)
+
+
 def lost_receivers(channels: dict[int, Channel], dead: list[int], what: str, others: tuple[str, ...] | list[str] = ()) -> str:
     """The receivers ``dead`` among ``channels`` (and the ``others``, other trainer ranks
     gone), for an error: each closed, or silent and how that was found; where one went
