@@ -1,6 +1,7 @@
 """Process bodies of the emulated-cluster tests (importable under ``spawn``): each moves
 itself onto its host (a network namespace) first, then runs the body it was given."""
 
+import contextlib
 import socket
 import time
 
@@ -82,3 +83,72 @@ def run_heartbeat_watcher(address, grace_s, queue, commands):
     while commands.get(timeout=120) is not None:
         queue.put((ch.seems_silent(), ch.unheard_s()))
     ch.close()
+
+
+def run_rollout_across_hosts(hosts, model_dir, overrides, commands, queue):
+    """Real vLLM replicas A (host 1) and B (host 2) behind a ``VLLMRollout`` on host 0.
+
+    Each replica is started while this thread is in its host's namespace, so vLLM's engine
+    core and worker (the weightsync receiver) live there; this driver talks to them over
+    vLLM's IPC, which no cut reaches: what the cut takes is the replica's network, the path
+    of its weights. Each command on ``commands`` is answered on ``queue``:
+    ``"update"``: train, update, report ``("updated", report, greedy per replica, trainer's)``;
+    ``"cut-update"``: train, start the update and, half the tensors in, report
+    ``("streaming",)`` and wait for the test's ``"cut"``; then report ``("failed", seconds
+    since the cut, message, report, greedy of the resumed replicas, old greedy, new
+    greedy)``. None ends."""
+    from transformers import AutoModelForCausalLM
+
+    from weightsync.demo_vllm import PROMPTS, replica_greedy, start_replica, train_until_changed, trainer_greedy, vllm_environment
+    from weightsync.integrations.vllm_rollout import LLMReplica, ReplicaUpdateError, VLLMRollout
+    from weightsync.sources import StateDictSource
+
+    vllm_environment()
+    torch.set_num_threads(1)
+    llms = {}
+    for name, host in (("A", hosts[1]), ("B", hosts[2])):
+        enter(host.netns)
+        llms[name] = start_replica(model_dir, max_model_len=256)
+    enter(hosts[0].netns)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(11)
+    pids = {n: llm.collective_rpc("weightsync_status")[0]["pid"] for n, llm in llms.items()}
+    replicas = [LLMReplica(llm, n) for n, llm in llms.items()]
+
+    def train():
+        before = trainer_greedy(model, PROMPTS, 8)
+        target = torch.randint(0, model.config.vocab_size, (8,), generator=gen).tolist()
+        train_until_changed(model, optimizer, target, before, 8)
+        return before, trainer_greedy(model, PROMPTS, 8)
+
+    class CutMidStream(StateDictSource):
+        def tensors(self):
+            items = list(super().tensors())
+            yield from items[: len(items) // 2]
+            queue.put(("streaming",))
+            assert commands.get(timeout=60) == "cut"
+            self.cut_at = time.monotonic()
+            yield from items[len(items) // 2:]
+
+    version = 0
+    with contextlib.ExitStack() as stack:
+        for llm in llms.values():  # vLLM leaves its engine processes running unless told
+            stack.callback(llm.llm_engine.engine_core.shutdown)
+        rollout = stack.enter_context(VLLMRollout(replicas, overrides, address=f"{hosts[0].address}:0"))
+        while (command := commands.get(timeout=300)) is not None:
+            version += 1
+            old, new = train()
+            if command == "update":
+                report = rollout.update(model, version)
+                greedy = {n: replica_greedy(llm, PROMPTS, 8) for n, llm in llms.items()}
+                queue.put(("updated", report, greedy, new, pids))
+                continue
+            source = CutMidStream(dict(model.state_dict()))
+            try:
+                rollout.update(source, version)
+                queue.put(("sent", version))
+            except ReplicaUpdateError as e:
+                seconds = time.monotonic() - source.cut_at
+                greedy = {r.name: replica_greedy(llms[r.name], PROMPTS, 8) for r in e.report.replicas if r.resumed}
+                queue.put(("failed", seconds, str(e), e.report, greedy, old, new))

@@ -202,7 +202,7 @@ class Receiver:
         ch = self._channel
         if ch is not None and ch.is_dead():
             what = f"during the transfer of version {self._receiving}"
-            raise PeerLost(ch.gone(what) if ch.silent else f"{ch.peer} closed the control connection {what}")
+            raise PeerLost(ch.gone(what))
 
     def _reset(self) -> None:
         if self._channel is not None:

@@ -188,6 +188,8 @@ class Channel:
         self.grace_s: float | None = None
         #: the peer answered no heartbeat within the grace (the connection is then dead)
         self.silent = False
+        #: the socket error that ended the connection, if one did (``is_dead``)
+        self.error: OSError | None = None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def probe(self, grace_s: float) -> None:
@@ -292,12 +294,16 @@ class Channel:
             return self.sock.recv(1, socket.MSG_PEEK) == b""
         except OSError as e:
             self.silent = self.silent or e.errno == errno.ETIMEDOUT
+            self.error = e
             return True
 
     def gone(self, what: str) -> str:
-        """A dead peer, for an error message: closed, or silent and how that was found."""
+        """A dead peer, for an error message: silent and how that was found, unreachable
+        (the kernel's error, such as this host's link down), or closed by the peer."""
         if self.silent:
             return f"{self.peer} went silent {what}: {self.silence()}"
+        if self.error is not None and self.error.errno not in (errno.ECONNRESET, errno.EPIPE):  # not a plain close
+            return f"connection to {self.peer} lost {what}: {self.error.strerror or self.error}"
         return f"{self.peer} disconnected {what}"
 
     def close(self) -> None:
