@@ -79,8 +79,8 @@ install-cluster:
 
 test: install-vllm install-mooncake install-verl install-cluster
 	@$(CUDA_NOTE)
-	WEIGHTSYNC_REQUIRE_ALL=1 $(BIN)/python -m pytest -q -rs -m "not cuda"
-	WEIGHTSYNC_REQUIRE_ALL=1 $(VERL_BIN)/python -m pytest -q -rs tests/verl
+	WEIGHTSYNC_REQUIRE_ALL=1 $(BIN)/python -m pytest -q -rs --durations=25 -m "not cuda"
+	WEIGHTSYNC_REQUIRE_ALL=1 $(VERL_BIN)/python -m pytest -q -rs --durations=10 tests/verl
 
 test-fast: install
 	@$(CUDA_NOTE)
