@@ -151,6 +151,8 @@ def test_two_versions_reach_both_replicas_with_greedy_parity(setup):
         setup.version += 1
         report = setup.rollout.update(setup.model, setup.version, mode="abort")
         assert report.ok and report.stats.buckets >= 3
+        phases = report.pause_s + report.sync_s + report.resume_s  # generation is paused across all three
+        assert phases <= report.paused_s < phases + 0.1, report.summary()
         assert [(r.name, r.version, r.resumed) for r in report.replicas] == [("A", setup.version, True), ("B", setup.version, True)]
         for llm, before in zip(setup.llms, old):
             got = replica_greedy(llm, PROMPTS, NEW)

@@ -224,7 +224,7 @@ def _vllm_bench_command(args: argparse.Namespace) -> int:
               f"disk reload (all replicas at once) {result['disk_reload_s']:.3f} s, trainer save {result['save_s']:.3f} s")
         for r in result["rows"]:
             print(f"  {r['backend']:>8} {r['bucket_mb']} MiB: update {r['seconds']:.3f} s (first {r['first_s']:.3f} s; "
-                  f"pause {r['pause_s']:.3f}, sync {r['sync_s']:.3f}, resume {r['resume_s']:.3f}; worker load "
+                  f"paused {r['paused_s']:.3f}: pause {r['pause_s']:.3f}, sync {r['sync_s']:.3f}, resume {r['resume_s']:.3f}; worker load "
                   f"{r['worker_load_s']:.3f}); disk reload {r['disk_reload_s']:.3f} s, save {r['save_s']:.3f} s; "
                   f"x disk reload {r['ratio_to_disk_reload']:.2f}, x save+reload "
                   f"{r['ratio_to_save_reload']:.2f}; landing {r['landing_mb']:.0f} MiB, RSS growth {r['rss_growth_mb']:.0f} MB")

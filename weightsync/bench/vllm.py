@@ -204,7 +204,7 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
                     workers = [r.call("weightsync_status")[0] for r in replicas]
                     peaks = [_rss(p)["VmHWM"] for p in pids]
                     updates.append({
-                        "seconds": total, "pause_s": report.pause_s, "sync_s": report.sync_s,
+                        "seconds": total, "paused_s": report.paused_s, "pause_s": report.pause_s, "sync_s": report.sync_s,
                         "resume_s": report.resume_s,
                         "handshake_s": report.stats.handshake_s if report.stats else None,
                         "transfer_s": report.stats.transfer_s if report.stats else None,
@@ -242,7 +242,7 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
                     "seconds": round(seconds, 4),
                     "repeats_s": [round(u["seconds"], 4) for u in steady],
                     **{k: round(statistics.median(u[k] for u in steady), 4)
-                       for k in ("pause_s", "sync_s", "resume_s", "handshake_s", "transfer_s", "worker_load_s",
+                       for k in ("paused_s", "pause_s", "sync_s", "resume_s", "handshake_s", "transfer_s", "worker_load_s",
                                  "worker_first_s", "worker_wait_s", "landing_mb", "landing_allocated_mb",
                                  "landing_peak_mb", "landing_wait_s", "landing_copied_mb",
                                  "rss_before_mb", *(f"cpu_{g}_s" for g in cpu.groups)) if steady[0][k] is not None},

@@ -115,6 +115,9 @@ class UpdateReport:
     pause_s: float = 0.0
     sync_s: float = 0.0
     resume_s: float = 0.0
+    #: how long generation was paused: from the first pause call until the last resume
+    #: returned (until the update returned, where a replica stays paused)
+    paused_s: float = 0.0
     stats: SyncStats | None = None
     replicas: list[ReplicaReport] = field(default_factory=list)
 
@@ -128,8 +131,8 @@ class UpdateReport:
         return self.stats.bytes / self.sync_s / 1e9 if self.stats is not None and self.sync_s > 0 else 0.0
 
     def summary(self) -> str:
-        parts = [f"version {self.version}: pause {self.pause_s:.3f} s, sync {self.sync_s:.3f} s, "
-                 f"resume {self.resume_s:.3f} s, {self.gbps:.2f} GB/s"]
+        parts = [f"version {self.version}: paused {self.paused_s:.3f} s (pause {self.pause_s:.3f} s, "
+                 f"sync {self.sync_s:.3f} s, resume {self.resume_s:.3f} s), {self.gbps:.2f} GB/s"]
         for r in self.replicas:
             parts.append(f"{r.name}: " + (f"serves version {r.version}" if r.ok else f"FAILED ({r.error}); serves {r.version}"))
         return "; ".join(parts)
@@ -258,7 +261,7 @@ class VLLMRollout:
             raise ValueError(f"mode={mode!r}: expected one of {', '.join(PAUSE_MODES)}")
         report = UpdateReport(version)
         failures: dict[str, str] = {}
-        t0 = time.perf_counter()
+        t0 = paused_at = time.perf_counter()
         for r in self.replicas:
             step = "pause"
             try:
@@ -313,6 +316,7 @@ class VLLMRollout:
                     rep.ok, rep.error = False, rep.error or f"resume failed: {type(e).__name__}: {e}"
             report.replicas.append(rep)
         report.resume_s = time.perf_counter() - t0
+        report.paused_s = time.perf_counter() - paused_at
 
         if not report.ok:
             bad = [r for r in report.replicas if not (r.ok and r.version == version)]
