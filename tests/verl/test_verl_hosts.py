@@ -112,13 +112,13 @@ def test_the_model_crosses_the_links_to_rollout_workers_on_other_hosts_bit_exact
             assert {s["address"].rsplit(":", 1)[0] for s in states} == {trainer_ip}  # the trainer's host address
             sent = [a["tx_bytes"] - b["tx_bytes"] for a, b in zip(after, before)]
             got = [a["rx_bytes"] - b["rx_bytes"] for a, b in zip(after, before)]
-            # The model crossed the links: each rollout host's NIC took it in whole, and the
-            # trainer's NIC sent it (at least once: nccl chains across hosts, the first
-            # worker forwards it to the second).
+            # The model crossed the links: each rollout host's NIC took it in whole. Across
+            # hosts nccl chains: the trainer's NIC sends it once and one rollout worker
+            # forwards it to the other (a broadcast would send it once per worker).
             model = H.TOTAL_BYTES
             assert got[1] >= model and got[2] >= model, (global_steps, got)
-            assert sent[0] >= model, (global_steps, sent)
-            assert sent[0] + sent[1] + sent[2] >= 2 * model, (global_steps, sent)
+            assert model <= sent[0] < 1.5 * model, (global_steps, sent)
+            assert max(sent[1], sent[2]) >= model, (global_steps, sent)
     finally:
         hosts.call(stop)
 
@@ -149,10 +149,13 @@ def test_a_rollout_host_cut_mid_update_fails_it_within_the_grace_naming_that_hos
             for part in ("weightsync (nccl", "version 2", "receiver rank 1 = rollout worker 1", rollout_ips[1], "went silent"):
                 assert part in outcome["error"], (part, outcome["error"])
 
-            # host 2 still cut off: without it, the next update reaches the survivor bit-exact
+            # Host 2 still cut off: without it, the next update reaches the survivor bit-exact.
+            # The survivor gets the model from host 2 on nccl's chain: its receive of version 2
+            # ends at its Gloo deadline (timeout_s), not before; that update waits for it.
             hosts.call(remove, 1)
             metrics, states = hosts.call(step, 3, [0])
             assert metrics["weightsync/receivers"] == 1 and states[0]["rank"] == 0
+            assert time.monotonic() - cut < TIMEOUT_S + 15  # nothing waited past the deadline for long
         finally:
             cluster.heal(2)
     finally:
