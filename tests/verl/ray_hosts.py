@@ -133,11 +133,23 @@ class RayHosts:
 
     def _reply(self, timeout: float):
         if not self.conn.poll(timeout):
-            raise TimeoutError(f"the Ray driver did not answer in {timeout:.0f} s (node logs: {self.logs})")
+            raise TimeoutError(f"the Ray driver did not answer in {timeout:.0f} s{self._tails()}")
         kind, value = self.conn.recv()
         if kind == "error":
-            raise DriverError(value)
+            raise DriverError(value + self._tails())
         return value
+
+    def _tails(self, lines: int = 8) -> str:
+        """The end of each node's ``ray start`` output (close deletes the logs)."""
+        out = []
+        for i in range(len(self.nodes)):
+            try:
+                text = (self.logs / f"node{i}.log").read_text(errors="replace").splitlines()[-lines:]
+            except (OSError, TypeError):
+                continue
+            alive = "running" if self.nodes[i].poll() is None else f"exited {self.nodes[i].returncode}"
+            out.append(f"\n--- ray start on host {i} ({alive}):\n" + "\n".join(text))
+        return "".join(out)
 
     def submit(self, fn, *args, **kwargs) -> None:
         """Start ``fn(state, *args, **kwargs)`` in the driver; ``result`` waits for it."""

@@ -85,6 +85,10 @@ def remove(state, index):
     state["manager"].remove_replicas([state["replicas"][index]])
 
 
+def add(state, index):
+    state["manager"].add_replicas([state["replicas"][index]])
+
+
 def stop(state):
     if "reaper" in state:
         state.pop("reaper").close()
@@ -124,7 +128,7 @@ def test_the_model_crosses_the_links_to_rollout_workers_on_other_hosts_bit_exact
 
 
 @pytest.mark.timeout(200)
-def test_a_rollout_host_cut_mid_update_fails_it_within_the_grace_naming_that_host_and_the_survivor_goes_on(hosts, model_path):
+def test_a_rollout_host_cut_mid_update_is_named_within_the_grace_the_survivor_goes_on_and_it_rejoins(hosts, model_path):
     cluster = hosts.cluster
     try:
         _trainer_ip, rollout_ips = hosts.call(start, "nccl", model_path, timeout_s=TIMEOUT_S, shapes=BIG)
@@ -158,5 +162,9 @@ def test_a_rollout_host_cut_mid_update_fails_it_within_the_grace_naming_that_hos
             assert time.monotonic() - cut < TIMEOUT_S + 15  # nothing waited past the deadline for long
         finally:
             cluster.heal(2)
+        # healed: the same worker process comes back at the next update, both bit-exact
+        hosts.call(add, 1)
+        metrics, states = hosts.call(step, 4)
+        assert metrics["weightsync/receivers"] == 2 and [s["rank"] for s in states] == [0, 1], states
     finally:
         hosts.call(stop)
