@@ -74,7 +74,7 @@ def _serve(netns: str, env: dict[str, str], address: str, node_ip: str, nodes: i
             if time.monotonic() > end:
                 raise TimeoutError(f"{nodes} Ray nodes expected, alive: {[n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]}")
             time.sleep(0.5)
-        conn.send(("ok", [(n["NodeID"], n["NodeManagerAddress"]) for n in ray.nodes() if n["Alive"]]))
+        conn.send(("ok", None))
     except BaseException:  # noqa: BLE001 - reported to the test
         conn.send(("error", traceback.format_exc()))
         return
@@ -94,17 +94,18 @@ class RayHosts:
     def __init__(self, cluster: Cluster, cpus: list[int]) -> None:
         self.cluster = cluster
         self.cpus = cpus
-        self.env = {**os.environ, **ray_env(secrets.token_hex(16))}
+        # an address left by an earlier in-process Ray (another test module) is not this cluster's
+        inherited = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        self.env = {**inherited, **ray_env(secrets.token_hex(16))}
         self.head = f"{cluster.hosts[0].address}:{RAY_PORT}"
         self.nodes: list[subprocess.Popen] = []
         self.driver = None
         self.conn = None
-        self.node_ids: dict[str, str] = {}  # Ray node id -> host address
-        self.logs: Path | None = None
+        self.tmp: Path | None = None
 
     def __enter__(self) -> RayHosts:
         # short: Ray's AF_UNIX socket paths live under it (108 bytes at most)
-        self.logs = Path(tempfile.mkdtemp(prefix="wsray"))
+        self.tmp = Path(tempfile.mkdtemp(prefix="wsray"))
         try:
             self._start()
         except BaseException:
@@ -120,8 +121,8 @@ class RayHosts:
         for i, host in enumerate(self.cluster.hosts):
             where = ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"] if i == 0 else [f"--address={self.head}"]
             argv = [ray, "start", "--block", *where, f"--node-ip-address={host.address}", f"--num-cpus={self.cpus[i]}",
-                    f"--temp-dir={self.logs}/n{i}", "--disable-usage-stats"]
-            with open(self.logs / f"node{i}.log", "wb") as log:
+                    f"--temp-dir={self.tmp}/n{i}", "--disable-usage-stats"]
+            with open(self.tmp / f"node{i}.log", "wb") as log:
                 # a worker node retries reaching the head's GCS while that starts
                 self.nodes.append(self.cluster.popen(i, argv, env=self.env, stdout=log, stderr=subprocess.STDOUT))
         self.conn, child = CTX.Pipe()
@@ -129,7 +130,7 @@ class RayHosts:
         self.driver = CTX.Process(target=_serve, args=(host.netns, self.env, self.head, host.address,
                                                        len(self.cluster.hosts), child), daemon=True)
         self.driver.start()
-        self.node_ids = dict(self._reply(180))
+        self._reply(180)  # every node alive
 
     def _reply(self, timeout: float):
         if not self.conn.poll(timeout):
@@ -144,7 +145,7 @@ class RayHosts:
         out = []
         for i in range(len(self.nodes)):
             try:
-                text = (self.logs / f"node{i}.log").read_text(errors="replace").splitlines()[-lines:]
+                text = (self.tmp / f"node{i}.log").read_text(errors="replace").splitlines()[-lines:]
             except (OSError, TypeError):
                 continue
             alive = "running" if self.nodes[i].poll() is None else f"exited {self.nodes[i].returncode}"
@@ -187,9 +188,9 @@ class RayHosts:
         for node in self.nodes:
             node.wait(timeout=10)
         self.nodes.clear()
-        if self.logs is not None:
-            shutil.rmtree(self.logs, ignore_errors=True)
-            self.logs = None
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
 
     def _kill_leftovers(self) -> int:
         killed = 0

@@ -100,40 +100,48 @@ def host_of(hosts, address):
     return [h.address for h in hosts.cluster.hosts].index(address)
 
 
+def crossing(hosts, global_steps, trainer_ip, model):
+    """Update ``global_steps`` to both workers (bit-exact, or it raises) and check, on the
+    NICs' counters, that the model crossed the links."""
+    before = hosts.cluster.counters()
+    metrics, states = hosts.call(step, global_steps)
+    after = hosts.cluster.counters()
+    # auto too: the workers are on other Ray nodes, so a transport between hosts
+    assert [s["transport"] for s in states] == ["nccl", "nccl"], states
+    assert {s["address"].rsplit(":", 1)[0] for s in states} == {trainer_ip}  # the trainer's host address
+    sent = [a["tx_bytes"] - b["tx_bytes"] for a, b in zip(after, before)]
+    got = [a["rx_bytes"] - b["rx_bytes"] for a, b in zip(after, before)]
+    # Each rollout host's NIC took the model in whole. Across hosts nccl chains: the
+    # trainer's NIC sends it once, one rollout worker forwards it to the other (a
+    # broadcast would send it from the trainer once per worker).
+    assert got[1] >= model and got[2] >= model, (global_steps, got)
+    assert model <= sent[0] < 1.5 * model, (global_steps, sent)
+    assert max(sent[1], sent[2]) >= model, (global_steps, sent)
+    return metrics
+
+
 @pytest.mark.timeout(200)  # the module's Ray cluster starts in the first test's time
-@pytest.mark.parametrize("transport", ["auto", "nccl"])
-def test_the_model_crosses_the_links_to_rollout_workers_on_other_hosts_bit_exact(transport, hosts, model_path):
-    cluster = hosts.cluster
+def test_auto_picks_a_transport_between_hosts_and_the_model_crosses_the_links_bit_exact(hosts, model_path):
     try:
-        trainer_ip, rollout_ips = hosts.call(start, transport, model_path)
+        trainer_ip, rollout_ips = hosts.call(start, "auto", model_path)
         assert [host_of(hosts, trainer_ip), *[host_of(hosts, ip) for ip in rollout_ips]] == [0, 1, 2]
         for global_steps in (1, 2, 3):
-            before = cluster.counters()
-            metrics, states = hosts.call(step, global_steps)  # bit-exact on both workers, or it raises
-            after = cluster.counters()
-            # auto: the workers are on other Ray nodes, so a transport between hosts
-            assert [s["transport"] for s in states] == ["nccl", "nccl"], states
-            assert {s["address"].rsplit(":", 1)[0] for s in states} == {trainer_ip}  # the trainer's host address
-            sent = [a["tx_bytes"] - b["tx_bytes"] for a, b in zip(after, before)]
-            got = [a["rx_bytes"] - b["rx_bytes"] for a, b in zip(after, before)]
-            # The model crossed the links: each rollout host's NIC took it in whole. Across
-            # hosts nccl chains: the trainer's NIC sends it once and one rollout worker
-            # forwards it to the other (a broadcast would send it once per worker).
-            model = H.TOTAL_BYTES
-            assert got[1] >= model and got[2] >= model, (global_steps, got)
-            assert model <= sent[0] < 1.5 * model, (global_steps, sent)
-            assert max(sent[1], sent[2]) >= model, (global_steps, sent)
+            crossing(hosts, global_steps, trainer_ip, H.TOTAL_BYTES)
     finally:
         hosts.call(stop)
 
 
 @pytest.mark.timeout(200)
-def test_a_rollout_host_cut_mid_update_is_named_within_the_grace_the_survivor_goes_on_and_it_rejoins(hosts, model_path):
+def test_nccl_across_hosts_and_a_rollout_host_cut_mid_update_named_within_the_grace(hosts, model_path):
+    """nccl bit-exact across the links; host 2 cut mid-update: the trainer's error names it
+    within the heartbeat grace, the survivor takes the next update with host 2 still cut,
+    and after the heal the same worker rejoins."""
     cluster = hosts.cluster
+    model = H.total_bytes(BIG)
     try:
-        _trainer_ip, rollout_ips = hosts.call(start, "nccl", model_path, timeout_s=TIMEOUT_S, shapes=BIG)
-        assert [host_of(hosts, ip) for ip in rollout_ips] == [1, 2]
-        hosts.call(step, 1)
+        trainer_ip, rollout_ips = hosts.call(start, "nccl", model_path, timeout_s=TIMEOUT_S, shapes=BIG)
+        assert [host_of(hosts, trainer_ip), *[host_of(hosts, ip) for ip in rollout_ips]] == [0, 1, 2]
+        crossing(hosts, 1, trainer_ip, model)
 
         before = cluster.counters()[2]["rx_bytes"]
         hosts.submit(failing_step, 2)
@@ -164,7 +172,6 @@ def test_a_rollout_host_cut_mid_update_is_named_within_the_grace_the_survivor_go
             cluster.heal(2)
         # healed: the same worker process comes back at the next update, both bit-exact
         hosts.call(add, 1)
-        metrics, states = hosts.call(step, 4)
-        assert metrics["weightsync/receivers"] == 2 and [s["rank"] for s in states] == [0, 1], states
+        assert crossing(hosts, 4, trainer_ip, model)["weightsync/receivers"] == 2
     finally:
         hosts.call(stop)
