@@ -43,12 +43,15 @@ SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
 }
 
 
-def weights_at(step: int, seed: int = 0) -> dict[str, torch.Tensor]:
+Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def weights_at(step: int, seed: int = 0, shapes: Shapes | None = None) -> dict[str, torch.Tensor]:
     """The trainer's weights after ``step`` training steps: different every step, the same
-    on every trainer rank."""
+    on every trainer rank. ``shapes``: another model than ``SHAPES``."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     out = {}
-    for name, (shape, dtype) in SHAPES.items():
+    for name, (shape, dtype) in (shapes or SHAPES).items():
         if dtype.is_floating_point:
             out[name] = torch.randn(shape, generator=gen).to(dtype)
         else:
@@ -86,7 +89,7 @@ class TrainerWorker(Worker):
     imported first), ``update_weights`` sends ``(name, tensor)`` pairs from a generator and
     returns the engine's metrics, ``execute_checkpoint_engine`` is dispatched DP_COMPUTE."""
 
-    def __init__(self, checkpoint_engine_config: CheckpointEngineConfig, seed: int = 0) -> None:
+    def __init__(self, checkpoint_engine_config: CheckpointEngineConfig, seed: int = 0, shapes: Shapes | None = None) -> None:
         super().__init__()
         config = checkpoint_engine_config
         backend = config.backend
@@ -97,15 +100,16 @@ class TrainerWorker(Worker):
             backend, is_master=(self.rank == 0), bucket_size=bucket_size, **engine_kwargs
         )
         self.seed = seed
+        self.shapes = shapes
         self.step = 0
-        self.weights = weights_at(0, seed)
+        self.weights = weights_at(0, seed, shapes)
         self.last_update: dict[str, Any] | None = None  # outcome of the last update_weights
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def train_to(self, step: int) -> dict[str, str]:
         """'Train' to ``step``: new weights; returns their digest."""
         self.step = step
-        self.weights = weights_at(step, self.seed)
+        self.weights = weights_at(step, self.seed, self.shapes)
         return digest(self.weights)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
@@ -115,8 +119,9 @@ class TrainerWorker(Worker):
         try:
             metrics = await self.checkpoint_engine.send_weights(per_tensor_param, global_steps=global_steps)
         except BaseException as e:
+            # "at": CLOCK_MONOTONIC is the machine's, so the test can compare it with its own
             self.last_update = {"ok": False, "error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start,
-                                "type": type(e).__name__, "ranks": list(getattr(e, "ranks", []))}
+                                "type": type(e).__name__, "ranks": list(getattr(e, "ranks", [])), "at": time.monotonic()}
             raise
         self.last_update = {"ok": True, "seconds": time.monotonic() - start}
         return metrics or {}
@@ -136,9 +141,10 @@ def checkpoint_engine_config(transport: str, **kwargs: Any) -> CheckpointEngineC
     )
 
 
-def make_trainer(config: CheckpointEngineConfig, pool: RayResourcePool, seed: int = 0) -> RayWorkerGroup:
+def make_trainer(config: CheckpointEngineConfig, pool: RayResourcePool, seed: int = 0,
+                 shapes: Shapes | None = None) -> RayWorkerGroup:
     """One TrainerWorker per bundle of ``pool`` (rank 0 sends, the others drain)."""
-    cls = RayClassWithInitArgs(cls=ray.remote(TrainerWorker), checkpoint_engine_config=config, seed=seed)
+    cls = RayClassWithInitArgs(cls=ray.remote(TrainerWorker), checkpoint_engine_config=config, seed=seed, shapes=shapes)
     cls.update_options({"num_cpus": 0})
     return RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name="cpu")
 
@@ -157,18 +163,25 @@ def cpu_pool(counts: list[int], max_colocate_count: int = 1) -> RayResourcePool:
     return RayResourcePool(process_on_nodes=counts, use_gpu=False, max_colocate_count=max_colocate_count)
 
 
-TOTAL_BYTES = sum(t.nbytes for t in weights_at(0).values())
+def total_bytes(shapes: Shapes | None = None) -> int:
+    return sum(t.nbytes for t in weights_at(0, 0, shapes).values())
 
 
-def update(manager, trainer: RayWorkerGroup, step: int | None, workers, version: int | None = None, train_to=None):
+TOTAL_BYTES = total_bytes()
+
+
+def update(manager, trainer: RayWorkerGroup, step: int | None, workers, version: int | None = None, train_to=None,
+           shapes: Shapes | None = None):
     """Train to ``train_to`` (default ``step``), update through verl's manager with
-    ``global_steps=step``, and check every worker holds the trainer's bytes."""
+    ``global_steps=step``, and check every worker holds the trainer's bytes (``shapes``:
+    the trainer's, when not ``SHAPES``)."""
     want = trainer.train_to(train_to if train_to is not None else step)[0]
     metrics = manager.update_weights(global_steps=step)
     got = received(workers)
     for i, held in enumerate(got):
         assert held == want, f"rollout worker {i} does not hold the trainer's weights after step {step}"
-    assert TOTAL_BYTES <= metrics["weightsync/bytes"] <= TOTAL_BYTES + 64 * len(SHAPES)  # bucket alignment
+    size, count = total_bytes(shapes), len(shapes or SHAPES)
+    assert size <= metrics["weightsync/bytes"] <= size + 64 * count  # bucket alignment
     assert metrics["weightsync/receivers"] == len(workers)
     assert metrics["weightsync/seconds"] > 0 and metrics["weightsync/gbps"] > 0
     if version is not None or step is not None:
