@@ -16,6 +16,7 @@ import threading
 import time
 
 import pytest
+import msgpack
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -706,3 +707,23 @@ def test_an_authenticated_receiver_may_only_send_small_replies():
             assert time.monotonic() - t0 < 5
         finally:
             channel.close()
+
+
+def test_a_close_behind_messages_not_read_yet_is_seen_without_reading_them():
+    """The watch during a transfer peeks at the control connection: a streamed sync's
+    announcements may wait unread there, and the peer's close behind them must still show
+    (it did not: a receiver then waited out Gloo's deadline on a sender that had given up)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        ours = socket.create_connection(server.getsockname())
+        theirs, _ = server.accept()
+        ch = Channel(ours, "sender at test")
+        try:
+            theirs.sendall(msgpack.packb({"type": "specs"}))
+            time.sleep(0.1)
+            assert not ch.is_dead(behind=True)  # alive, a message waiting
+            theirs.close()
+            time.sleep(0.1)
+            assert not ch.is_dead()  # between syncs the message is read first (a goodbye, say)
+            assert ch.is_dead(behind=True) and ch.gone("during the test") == "sender at test disconnected during the test"
+        finally:
+            ch.close()

@@ -200,7 +200,7 @@ class Receiver:
 
     def _watch_sender(self) -> None:
         ch = self._channel
-        if ch is not None and ch.is_dead():
+        if ch is not None and ch.is_dead(behind=True):  # a streamed sync's announcements may wait unread
             what = f"during the transfer of version {self._receiving}"
             raise PeerLost(ch.gone(what))
 

@@ -174,6 +174,9 @@ class Deadline:
         return remaining
 
 
+_TCP_ESTABLISHED = 1  # tcp_info.tcpi_state (Linux's include/net/tcp_states.h)
+
+
 class Channel:
     """One framed msgpack connection to a named peer."""
 
@@ -215,22 +218,24 @@ class Channel:
     def unheard_s(self) -> float | None:
         """Seconds since the peer's kernel last answered on this connection (data or a
         heartbeat's acknowledgement), from Linux's ``TCP_INFO``; None where unknown."""
-        try:  # struct tcp_info: 8 bytes of u8 fields, 9 u32s, then last_data_sent,
-            # last_ack_sent, last_data_recv, last_ack_recv (ms ago) at offset 44
-            info = self.sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO"), 64)
-            _, _, data_ms, ack_ms = struct.unpack_from("4I", info, 44)
-        except (AttributeError, OSError, struct.error):
+        info = self._tcp_info()  # struct tcp_info: 8 bytes of u8 fields, 9 u32s, then last_data_sent,
+        if info is None or len(info) < 60:  # last_ack_sent, last_data_recv, last_ack_recv (ms ago)
             return None
+        _, _, data_ms, ack_ms = struct.unpack_from("4I", info, 44)
         return min(data_ms, ack_ms) / 1000
+
+    def _tcp_info(self) -> bytes | None:  # Linux's struct tcp_info; its state is the first byte
+        try:
+            return self.sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO"), 64)
+        except (AttributeError, OSError):
+            return None
 
     def seems_silent(self) -> bool:
         """True if a probed peer has let heartbeats go unanswered (two of them), before the
         kernel's full grace has run out: what another failure can be blamed on."""
         unheard = self.unheard_s() if self.grace_s is not None else None
-        if unheard is None or unheard <= 2 * max(1, int(self.grace_s / 4)) + 0.5:
-            return False
-        self.silent = True
-        return True
+        self.silent = self.silent or (unheard is not None and unheard > 2 * max(1, int(self.grace_s / 4)) + 0.5)
+        return self.silent
 
     def silence(self) -> str:
         """How a silent peer was found out, for error messages."""
@@ -284,22 +289,31 @@ class Channel:
             raise HandshakeError(f"{self.peer} reported: {msg.get('message', '(no message)')}")
         raise ProtocolError(f"{self.peer} sent {msg['type']!r} where {' or '.join(wanted)} was expected {deadline.what}")
 
-    def is_dead(self) -> bool:
+    def is_dead(self, behind: bool = False) -> bool:
         """True if the peer has closed the connection, or went silent (``silent`` is then
-        set); checked without blocking."""
+        set); checked without blocking. ``behind``: also behind messages not read yet (a
+        watch during a transfer; between syncs they are read first, a goodbye say)."""
         try:
             readable, _, _ = select.select([self.sock], [], [], 0)
             if not readable:
                 return False
-            return self.sock.recv(1, socket.MSG_PEEK) == b""
+            if self.sock.recv(1, socket.MSG_PEEK) == b"":
+                return True
+            # Data waits unread (a streamed sync's announcements, say): a close or an error
+            # behind it shows only in the connection's state, not in a read.
+            if not behind or not (info := self._tcp_info()) or info[0] == _TCP_ESTABLISHED:
+                return False
+            err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                raise OSError(err, os.strerror(err))
+            return True
         except OSError as e:
             self.silent = self.silent or e.errno == errno.ETIMEDOUT
             self.error = e
             return True
 
     def gone(self, what: str) -> str:
-        """A dead peer, for an error message: silent and how that was found, unreachable
-        (the kernel's error, such as this host's link down), or closed by the peer."""
+        """A dead peer, for an error: silent (and how found), unreachable (link down), closed."""
         if self.silent:
             return f"{self.peer} went silent {what}: {self.silence()}"
         if self.error is not None and self.error.errno not in (errno.ECONNRESET, errno.EPIPE):  # not a plain close

@@ -154,6 +154,10 @@ def test_nccl_across_hosts_and_a_rollout_host_cut_mid_update_named_within_the_gr
         try:
             raised, outcome = hosts.result(timeout=TIMEOUT_S + 60)
             assert raised is not None, "verl's manager reported a successful update"
+            # Every worker's failure came from weightsync's watch (the survivor: the sender
+            # dropped the sync; the cut one: its sender went silent), none from Gloo's own
+            # deadline, although both had messages of the streamed sync not read yet.
+            assert "Timed out waiting" not in raised, raised
             assert outcome is not None and outcome["ok"] is False, outcome
             # the heartbeats named it within their grace, far before the deadline
             assert outcome["at"] - cut < GRACE_S + 3 < TIMEOUT_S, (outcome["at"] - cut, outcome["error"])
@@ -161,13 +165,13 @@ def test_nccl_across_hosts_and_a_rollout_host_cut_mid_update_named_within_the_gr
             for part in ("weightsync (nccl", "version 2", "receiver rank 1 = rollout worker 1", rollout_ips[1], "went silent"):
                 assert part in outcome["error"], (part, outcome["error"])
 
-            # Host 2 still cut off: without it, the next update reaches the survivor bit-exact.
-            # The survivor gets the model from host 2 on nccl's chain: its receive of version 2
-            # ends at its Gloo deadline (timeout_s), not before; that update waits for it.
+            # Host 2 still cut off: without it, the next update reaches the survivor bit-exact,
+            # at once: the survivor (downstream of host 2 on nccl's chain) gave version 2 up
+            # when the trainer dropped it, not at its Gloo deadline (measured 6.7 s after the cut).
             hosts.call(remove, 1)
             metrics, states = hosts.call(step, 3, [0])
             assert metrics["weightsync/receivers"] == 1 and states[0]["rank"] == 0
-            assert time.monotonic() - cut < TIMEOUT_S + 15  # nothing waited past the deadline for long
+            assert time.monotonic() - cut < GRACE_S + 6 < TIMEOUT_S  # no one waited for a deadline
         finally:
             cluster.heal(2)
         # healed: the same worker process comes back at the next update, both bit-exact
