@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from weightsync import delta
+from weightsync import delta, delta_format
 from weightsync.bench.updates import AdamWUpdates, changed_elements, changed_fraction, clone_state
 from weightsync.delta import HEADER_BYTES, Kind, apply, digest, encode
 from weightsync.plan import TensorSpec, as_bytes
@@ -31,7 +31,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bytes of a tensor, for exact comparison (copied as integers, never as floats)."""
     if not t.numel():
         return torch.zeros(0, dtype=torch.uint8)
-    ints = delta._int_view(t).reshape(-1)
+    ints = delta_format.int_view(t).reshape(-1)
     return torch.empty(ints.shape, dtype=ints.dtype).copy_(ints).view(torch.uint8)
 
 
@@ -104,7 +104,7 @@ def placed(t: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor | N
         view, outside = big[..., ::2], big[..., 1::2]
     else:
         view, outside = torch.empty_like(t), None
-    delta._int_view(view).copy_(delta._int_view(t))
+    delta_format.int_view(view).copy_(delta_format.int_view(t))
     return view, outside
 
 
@@ -355,8 +355,8 @@ def test_bad_exceptions_are_refused():
     enc = encode(base, new)
     h = header_fields(enc.payload)
     assert h["low"] >= 1 and h["nexc"] > 0
-    at = HEADER_BYTES + delta._pad8({Kind.INDEX: h["count"] * 4, Kind.BITMASK: 500}.get(enc.kind, (h["ncodes"] * h["width"] + 7) // 8))
-    at += delta._pad8(h["count"] * h["low"])
+    at = HEADER_BYTES + delta_format.pad8({Kind.INDEX: h["count"] * 4, Kind.BITMASK: 500}.get(enc.kind, (h["ncodes"] * h["width"] + 7) // 8))
+    at += delta_format.pad8(h["count"] * h["low"])
     for bad in (h["count"], -1):
         p = enc.payload.clone()
         p[at : at + 4 * h["nexc"]].view(torch.int32)[-1] = bad

@@ -93,6 +93,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trainer-link", default=None, metavar="RATE", help="--hosts: the trainer hosts' NIC rate (default: --link)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="configuration key for weightsync's rows (repeatable)")
+    p.add_argument("--codec", action="store_true",
+                   help="measure the delta codec instead of syncs: encode and apply of an AdamW step (--lr, --size-mb, "
+                        "default 512, --repeats, --device) against the memory-speed floor, in one run")
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="draw GB/s against bucket size per backend")
 
@@ -232,7 +235,22 @@ def _vllm_bench_command(args: argparse.Namespace) -> int:
     return 0 if all(result["greedy_matches_trainer"].values()) else 1
 
 
+def _codec_bench_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from weightsync.bench.codec import codec_table, run_codec_bench
+
+    err = Console(stderr=True)
+    with err.status("codec bench") as status:
+        row = run_codec_bench(size_mb=args.size_mb or 512, lr=args.lr, repeats=args.repeats, device=args.device,
+                              progress=lambda msg: status.update(f"codec bench: {msg}"))
+    print(json.dumps([row.to_dict()], indent=1) if args.json else codec_table(row))
+    return 0
+
+
 def _bench_command(args: argparse.Namespace) -> int:
+    if args.codec:
+        return _codec_bench_command(args)
     if args.rollout == "vllm":
         return _vllm_bench_command(args)
     from rich.console import Console

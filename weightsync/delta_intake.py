@@ -199,13 +199,14 @@ def apply_staged(
     header: DeltaHeader, staged: dict[int, torch.Tensor], base: dict[str, torch.Tensor]
 ) -> None:
     """Apply a delta section to ``base`` in place (every model tensor once)."""
+    work = []
     for i, (spec, kind) in enumerate(zip(header.model, header.kinds)):
-        target = base[spec.name]
-        payload = staged[i]
+        target, payload = base[spec.name], staged[i]
         if kind == Kind.DENSE:
             as_bytes(target).copy_(as_bytes(payload))
         else:
-            delta.apply(target, kind, payload)
+            work.append((target, kind, payload))
+    delta.apply_many(work)
 
 
 def keep(base: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:
