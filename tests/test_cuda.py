@@ -117,6 +117,41 @@ def test_platform_resolves_the_gpu():
     assert handle["kind"] == "cuda_ipc" and handle["nbytes"] == t.numel() * t.element_size()
 
 
+def test_delta_codec_on_the_device_writes_the_hosts_bytes_and_applies_them_exactly():
+    """The torch codec where the tensors live: on the device, every kind's payload is byte
+    for byte the host's, applying it there reproduces the version, and a corrupt payload is
+    refused with the target untouched."""
+    import torch
+
+    from weightsync import delta
+
+    gen = torch.Generator().manual_seed(0)
+    dtypes = [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int64, torch.complex128, torch.uint8]
+    for dtype in dtypes:
+        for density in (0.0, 0.001, 0.03, 0.4, 1.0):
+            raw = torch.randint(0, 256, (70001 * dtype.itemsize,), dtype=torch.uint8, generator=gen)
+            new = raw.clone()
+            pick = (torch.rand(70001, generator=gen) < density).repeat_interleave(dtype.itemsize)
+            new[pick & (torch.rand(new.shape, generator=gen) < 0.6)] ^= 1
+            base_h, new_h = raw.view(dtype), new.view(dtype)
+            base_d, new_d = base_h.to(DEVICE), new_h.to(DEVICE)
+            for kinds in (None, [delta.Kind.INDEX], [delta.Kind.BITMASK], [delta.Kind.GAPS]):
+                on_host, on_dev = delta.encode(base_h, new_h, kinds=kinds), delta.encode(base_d, new_d, kinds=kinds)
+                assert (on_dev.kind, on_dev.sizes) == (on_host.kind, on_host.sizes), (dtype, density, kinds)
+                if on_dev.payload is None:
+                    continue
+                assert on_dev.payload.device == base_d.device
+                assert torch.equal(on_dev.payload.cpu(), on_host.payload), (dtype, density, kinds)
+                target = base_d.clone()
+                delta.apply(target, on_dev.kind, on_dev.payload)
+                assert torch.equal(target.cpu().view(torch.uint8), new), (dtype, density, kinds)
+                if on_dev.kind != delta.Kind.EMPTY:
+                    target = base_d.clone()
+                    with pytest.raises(ValueError, match="delta payload"):
+                        delta.apply(target, on_dev.kind, on_dev.payload[:-8])
+                    assert torch.equal(target.cpu().view(torch.uint8), raw)
+
+
 # ---------------------------------------------------------------------------- bit-exact
 @pytest.mark.parametrize("backend", ["nccl", "shm"])
 def test_three_versions_reach_three_receivers_on_one_gpu_bit_exact(backend):

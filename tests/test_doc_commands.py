@@ -160,6 +160,10 @@ COMMANDS: dict[str, Run | NotHere] = {
         ("bench --update adamw --lr 1e-6 --no-alternatives --size-mb 16 --receivers 1 --repeats 2 --json",),
         "--no-alternatives --size-mb 16 (the smallest LLM shape, 149 MiB) --receivers 1 --repeats 2 --json: rows for "
         "delta off, auto and on per backend, bit-exact, `on` sending a few percent", timeout=240, check="adamw"),
+    "weightsync bench --codec": Run(
+        ("bench --codec --size-mb 16 --repeats 1 --json",),
+        "--size-mb 16 (the smallest LLM shape, 149 MiB) --repeats 1 --json: encode and apply against the floor, "
+        "every apply checked bit for bit by the bench", timeout=120, check="codec"),
     "weightsync bench --rollout vllm --backend nccl,shm": Run(
         ("bench --rollout vllm --backend nccl,shm --size-mb 16 --repeats 1",),
         "a 16 MB fp32 Qwen2 model instead of 392 MB, one timed update (about 70 s here)", timeout=240, vllm=True),
@@ -253,12 +257,20 @@ def _check_adamw(outs, tmp_path):
         assert on["wire_bytes"] < 0.2 * on["bytes"]
 
 
+def _check_codec(outs, tmp_path):
+    """One row: the floor, encode and apply timed on the same AdamW step; a few percent changed."""
+    (row,) = json.loads(outs[0].stdout)
+    assert row["device"] == "cpu" and row["tensors"] > 10 and 0 < row["density"] < 0.2
+    assert 0 < row["wire_fraction"] < 0.2 and row["encode_vs_floor"] > 0 and row["apply_vs_floor"] > 0
+    assert row["kinds"].get("GAPS", 0) > 0
+
+
 def _check_docs(outs, tmp_path):
     for out, name in zip(outs, ("configuration.md", "configuration.zh.md")):
         assert out.stdout == (ROOT / "docs" / name).read_text(), f"docs/{name} drifted from `weightsync config --docs`"
 
 
-CHECKS = {"adamw": _check_adamw, "plot": _check_plot, "json": _check_json, "five": _check_five, "docs": _check_docs}
+CHECKS = {"adamw": _check_adamw, "codec": _check_codec, "plot": _check_plot, "json": _check_json, "five": _check_five, "docs": _check_docs}
 
 FOUND = doc_commands()
 

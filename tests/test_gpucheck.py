@@ -48,11 +48,12 @@ def test_dry_run_lists_the_checks_and_writes_nothing(tmp_path):
     out = tmp_path / "never"
     done = cli("gpu-check", "--out", str(out), "--dry-run", env={"WEIGHTSYNC_PLATFORM": "cpu"})
     assert done.returncode == 0, done.stderr
-    for name in ("environment", "nccl-multi-rank", "pytest-cuda", "bench-shm", "bench-nccl"):
+    for name in ("environment", "nccl-multi-rank", "pytest-cuda", "bench-shm", "bench-nccl", "bench-codec"):
         assert f"  {name}" in done.stdout
     assert "$ python -m pytest -m cuda tests/test_cuda.py" in done.stdout
     assert "$ weightsync bench --device cuda:0 --backend shm --receivers 3 --size-mb 4096 --repeats 3" in done.stdout
     assert "--backend nccl" in done.stdout and "d2d-ceiling" in done.stdout
+    assert "$ weightsync bench --codec --device cuda:0 --size-mb 512 --repeats 3 --json" in done.stdout
     assert "3 no CUDA device" in done.stdout
     assert not out.exists()
 
@@ -218,7 +219,10 @@ def test_a_rehearsal_on_the_cpu_runs_every_step_and_passes(tmp_path):
     assert report["status"] == "passed" and report["exit_code"] == 0
     statuses = {c["name"]: c["status"] for c in report["checks"]}
     assert statuses == {"nccl-multi-rank": "passed", "pytest-cuda": "passed",
-                        "test_cuda::test_platform_resolves_the_gpu": "passed", "bench-shm": "passed", "bench-nccl": "passed"}
+                        "test_cuda::test_platform_resolves_the_gpu": "passed", "bench-shm": "passed", "bench-nccl": "passed",
+                        "bench-codec": "passed"}
+    codec = report["codec"]
+    assert codec["device"] == "cpu" and codec["encode_gbps"] > 0 and codec["apply_gbps"] > 0 and 0 < codec["density"] < 0.2
     assert [r["backend"] for r in report["bench"]["rows"]] == ["shm", "nccl"]
     assert all(r["device"] == "cpu" and r["gbps"] > 0 for r in report["bench"]["rows"])
     log = (out / "gpu-check.log").read_text()

@@ -6,17 +6,15 @@ in a single call and brings the results back as files in one directory:
 1. ``environment``: torch and the CUDA and NCCL it uses, the GPU (``platform.device_report``),
    ``nvidia-smi`` where present.
 2. ``nccl-multi-rank``: 1 + receivers processes on one GPU build an NCCL group and broadcast
-   64 MiB. Every check below puts several processes on ``cuda:0``: NCCL before 2.30 refuses
-   that ("Duplicate GPU detected"); 2.30 and later allow it with ``NCCL_MULTI_RANK_GPU_ENABLE=1``,
-   which this run sets (with ``NCCL_NVLS_ENABLE=0``) for every process it starts, unless
-   already set. Where the probe fails (or hangs: ranks time-sliced on one GPU must still make
-   progress together), the ``nccl`` and ``paired`` checks are reported *blocked*, with the
-   probe's error, instead of failing one by one.
+   64 MiB. The checks below put several processes on ``cuda:0``: NCCL before 2.30 refuses that
+   ("Duplicate GPU detected"); 2.30 and later allow it with ``NCCL_MULTI_RANK_GPU_ENABLE=1``,
+   set here (with ``NCCL_NVLS_ENABLE=0``) for every process started, unless already set. Where
+   the probe fails or hangs, ``nccl`` and ``paired`` checks are *blocked*, with its error.
 3. ``pytest -m cuda`` (``tests/test_cuda.py``): ``nccl``, ``shm`` (CUDA IPC) and ``paired``
    between processes on ``cuda:0``; each test is a check of its own.
 4. ``weightsync bench --device cuda``: the ``d2d-ceiling`` row (device-to-device copy of the
    bytes every receiver needs) and ``shm``, then ``nccl``, 1 sender -> 3 receivers, a
-   ~4 GiB bf16 LLM-shaped model.
+   ~4 GiB bf16 LLM-shaped model. ``bench-codec``: the delta codec on the device (GB/s).
 
 It writes ``OUT/gpu-check.json`` (everything), ``OUT/gpu-check.txt`` (a short report) and
 ``OUT/gpu-check.log`` (the output of every step). Exit status: 0 when every check passed, 1
@@ -116,6 +114,7 @@ class Result:
     checks: list[Check] = field(default_factory=list)
     bench_rows: list[dict[str, Any]] = field(default_factory=list)
     bench_title: str = ""
+    codec: dict[str, Any] = field(default_factory=dict)  # the bench-codec row
     status: str = "failed"  # passed | failed | no-cuda
     started_at: str = ""
     seconds: float = 0.0
@@ -146,6 +145,7 @@ class Result:
             "environment": self.environment,
             "checks": [asdict(c) for c in self.checks],
             "bench": {"title": self.bench_title, "rows": self.bench_rows},
+            "codec": self.codec,
         }, indent=2)
 
 
@@ -168,6 +168,9 @@ def planned_checks(opts: Options) -> list[Check]:
               f"{opts.bench_size_mb:g} MiB bf16 LLM-shaped)", command=" ".join(bench_command(opts, "shm"))),
         Check("bench-nccl", "bench", "the nccl row, the same model" + (", against the same ceiling" if ceiling else ""),
               command=" ".join(bench_command(opts, "nccl"))),
+        Check("bench-codec", "bench", f"the delta codec on {dev}: encode and apply of an AdamW step of a "
+              f"{codec_size_mb(opts):g} MiB bf16 model against the element-compare floor",
+              command=" ".join(codec_command(opts))),
     ]
     return checks if opts.bench else [c for c in checks if c.kind != "bench"]
 
@@ -182,6 +185,15 @@ def bench_command(opts: Options, backend: str) -> list[str]:
     if backend != "shm" or opts.device == "cpu":
         cmd.append("--no-alternatives")
     return cmd
+
+
+def codec_size_mb(opts: Options) -> float:
+    return min(512.0, opts.bench_size_mb)  # its AdamW steps run on the host (16 bytes per parameter)
+
+
+def codec_command(opts: Options) -> list[str]:
+    return ["weightsync", "bench", "--codec", "--device", opts.test_device, "--size-mb", f"{codec_size_mb(opts):g}",
+            "--repeats", str(max(3, opts.bench_repeats)), "--json"]
 
 
 def _library(opts: Options) -> str:
@@ -441,6 +453,8 @@ def run_checks(opts: Options, log) -> Result:
             check.status = "failed"
             why = "killed: past its time" if code is None else f"exit code {code}"
             check.message = f"bench {why}\n{_tail(err, 15)}"
+    if "bench-codec" in checks:
+        _codec_check(opts, checks["bench-codec"], result, left(), log)
     if result.bench_rows:
         first = result.bench_rows[0]
         result.bench_title = (f"synthetic llm {opts.bench_size_mb:g} MiB bfloat16, {first['bytes'] / 1e9:.2f} GB in "
@@ -452,6 +466,28 @@ def run_checks(opts: Options, log) -> Result:
     bad = [c for c in result.checks if not c.passed]
     result.message = "every check passed" if not bad else f"{len(bad)} of {len(result.checks)} checks did not pass"
     return result
+
+
+def _codec_check(opts: Options, check: Check, result: Result, left_s: float, log) -> None:
+    result.checks.append(check)
+    if left_s < 20:
+        check.message = "not run: the time budget (--budget-s) was spent"
+        return
+    code, out, err, seconds = _run([sys.executable, "-m", "weightsync.cli", *codec_command(opts)[1:]],
+                                   _child_env(opts, None), min(150.0, left_s), log)
+    check.seconds = round(seconds, 1)
+    try:
+        rows = json.loads(out) if code == 0 else []
+    except json.JSONDecodeError as e:
+        rows, err = [], f"{err}\nbench output is not JSON: {e}"
+    if not rows:
+        check.status = "failed"
+        check.message = f"bench {'killed: past its time' if code is None else f'exit code {code}'}\n{_tail(err, 15)}"
+        return
+    result.codec, check.status, row = rows[0], "passed", rows[0]
+    check.message = (f"encode {row['encode_gbps']:.1f} GB/s ({row['encode_vs_floor']:.2f}x the floor), apply "
+                     f"{row['apply_gbps']:.1f} GB/s ({row['apply_vs_floor']:.2f}x), floor {row['floor_gbps']:.1f} GB/s, "
+                     f"{100 * row['density']:.2f}% changed, wire {100 * row['wire_fraction']:.2f}%")
 
 
 # ---------------------------------------------------------------------------- the report

@@ -7,9 +7,10 @@ learning rate, and encodes the last step's change tensor by tensor: every encodi
 wire bytes as a percentage of the dense bytes, which one each tensor chose, and the encode
 and apply throughput (model bytes per second). Synthetic rows change a uniform random
 fraction of the elements by one unit in the last place. Every apply is checked bit for bit
-against the new version. One thread (numpy is single-threaded; torch is pinned to one
-thread too), times are CPU seconds of this process, so a shared machine skews them less;
-wall seconds are in ``--json``. AdamW steps use every thread torch has (wall seconds).
+against the new version. One thread (torch is pinned to one: per-thread rates; ``weightsync
+bench --codec`` measures the codec on every core against the memory-speed floor), times
+are CPU seconds of this process, so a shared machine skews them less; wall seconds are in
+``--json``. AdamW steps use every thread torch has (wall seconds).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def measure(name: str, base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], density: float | None = None) -> Row:
     """Encode ``new`` against ``base`` tensor by tensor with every encoding of the table
-    (torch on one thread, like numpy)."""
+    (torch on one thread)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
