@@ -78,3 +78,19 @@ def test_after_a_loss_deltas_are_probed_again_and_the_sync_before_keeps_a_base()
         with mock.patch.object(delta_policy.DeltaPolicy, "go", lambda self, p, probe: probes.append(p) or True):
             assert sync(base, state, v, seconds=1e-4)  # probed again (and told to go: deltas)
         assert len(probes) == 1
+
+
+def test_the_receivers_base_digest_counts_in_the_cost_of_a_delta_sync():
+    """A receiver hashes its base in the handshake, outside a sync's measured seconds: the
+    cost model adds it (as long as the sender's own digest of the base took), so a delta
+    sync that is faster than dense on the wire but not once the digest is paid counts as lost."""
+    base = SenderBase(policy=delta_policy.DeltaPolicy())
+    state = model(0)
+    assert not sync(base, state, 1, seconds=1.0)  # the first: whole, its base hashed in the background
+    assert base.base_digest() and base._digest_s() > 0  # the sender timed its digest
+    policy = delta_policy.DeltaPolicy(dense_s=1.0)
+    policy.delta_done(0.95, encode_s=0.5, wire_fraction=0.03, changed=1000, digest_s=0.0)
+    assert not policy._lost()
+    policy.delta_done(0.95, encode_s=0.5, wire_fraction=0.03, changed=1000, digest_s=0.3)
+    assert policy._lost() and policy.delta_s == 0.95 + 0.3
+    assert abs(policy.apply_s_per_change - (0.95 - 0.5 - 0.03) / 1000) < 1e-12  # the digest is not an apply cost

@@ -101,8 +101,10 @@ def _diff(cb: torch.Tensor, cn: torch.Tensor, e: int, want_low: bool) -> tuple[t
     if lanes > 1 and n >= 16 and not cb.storage_offset() % lanes and not cn.storage_offset() % lanes:
         words = n // lanes
         wb, wn = cb[: words * lanes].view(torch.int64), cn[: words * lanes].view(torch.int64)
-        cw = _nonzero(wb != wn)
-        if 4 * cw.numel() <= words:  # else a dense change: one pass over the elements is cheaper
+        changed = wb != wn
+        # Counting is cheap, listing is not: a dense change goes element by element at once.
+        if 4 * int(torch.count_nonzero(changed)) <= words:
+            cw = _nonzero(changed)
             gw = _take(wn, cw)
             gn, xor = gw.view(cb.dtype), (_take(wb, cw) ^ gw).view(cb.dtype)
             lane = _nonzero(xor)
@@ -133,7 +135,7 @@ class _Changes:
     def stats(self, e: int) -> tuple[int, dict[int, int], list[int]]:
         """The last position, the escape codes each gap width needs ((g - 1) // m for a gap
         g, m = 2**width - 1: 0 where none is needed) and, if ``xor`` is kept, how many
-        elements changed at byte L or above, for each L in [1, e). One host sync."""
+        elements changed at byte L or above, for each L in [1, e). Two host syncs."""
         quotients, q = [], self.gaps - 1
         widest = int(q.max())
         for w, prev in zip(GAP_WIDTHS, (1, *GAP_WIDTHS)):

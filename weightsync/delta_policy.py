@@ -14,6 +14,9 @@ The prediction for the whole version, from the probe:
 - applying: the last delta sync's cost per changed element once one was measured, else as
   much as encoding (on the safe side: measured here, receivers applied in about half the
   encoding's time).
+- the receivers' base digest (each hashes its base in the handshake of a delta sync, which
+  the sync's measured cost leaves out): as long as the sender's own digest of the base took,
+  added by the caller to the prediction and to each measured delta sync.
 
 A delta sync goes on while it is predicted (and, once done, measured) to cost no more than
 ``SLOWER`` times the last dense sync plus ``NOTICE_S``. Otherwise the next ``RETRY_AFTER``
@@ -109,13 +112,15 @@ class DeltaPolicy:
         self.dense_s = seconds
         self.dense_runs += 1
 
-    def delta_done(self, seconds: float, encode_s: float, wire_fraction: float, changed: int) -> None:
-        """A delta sync (no dense section) took ``seconds``, ``encode_s`` of them encoding."""
-        self.delta_s = seconds
+    def delta_done(self, seconds: float, encode_s: float, wire_fraction: float, changed: int, digest_s: float = 0.0) -> None:
+        """A delta sync (no dense section) took ``seconds``, ``encode_s`` of them encoding,
+        and its receivers' base digests about ``digest_s`` more (in the handshake)."""
+        self.delta_s = seconds + digest_s
         wire_s = (self.dense_s or 0.0) * wire_fraction
         self.apply_s_per_change = max(seconds - encode_s - wire_s, 0.0) / max(changed, 1)
-        if self._slower(seconds):
-            log.info("a delta sync took %.3f s, a dense one %.3f s: sending whole for a while", seconds, self.dense_s)
+        if self._slower(self.delta_s):
+            log.info("a delta sync took %.3f s (%.3f s of it the receivers' digest), a dense one %.3f s: sending "
+                     "whole for a while", self.delta_s, digest_s, self.dense_s)
             self.dense_runs = 0
 
     def _slower(self, seconds: float) -> bool:

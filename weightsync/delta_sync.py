@@ -137,12 +137,15 @@ class _Background:
     def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
         self._value: Any = None
         self._error: BaseException | None = None
+        self.seconds: float | None = None  # how long ``fn`` took, once it returned
         self._thread = threading.Thread(target=self._run, args=(fn, args), name="weightsync-digest", daemon=True)
         self._thread.start()
 
     def _run(self, fn: Callable[..., Any], args: tuple) -> None:
+        t0 = time.perf_counter()
         try:
             self._value = fn(*args)
+            self.seconds = time.perf_counter() - t0
         except BaseException as e:  # re-raised by result()
             self._error = e
 
@@ -225,7 +228,7 @@ class SenderBase:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightsync-delta") as pool:
             if self.policy.probes():  # would deltas pay? ask a sample
                 probe = self._probe(dict(items), pool, workers)
-                if not self.policy.go(self.policy.predict(probe, model_bytes, elements), probe):
+                if not self.policy.go(self.policy.predict(probe, model_bytes, elements) + self._digest_s(), probe):
                     self._encode_s = time.perf_counter() - t0
                     return self._whole(version, specs, items, model_bytes)
             # The codec runs on host tensors (a dense fallback above sends the source's own).
@@ -335,7 +338,12 @@ class SenderBase:
             self.policy.dense_done(seconds)
         elif not encoding.header.dense:  # one with a dense section says nothing of deltas
             wire_fraction = encoding.wire_bytes / max(encoding.model_bytes, 1)
-            self.policy.delta_done(seconds, self._encode_s, wire_fraction, encoding.changed)
+            self.policy.delta_done(seconds, self._encode_s, wire_fraction, encoding.changed, self._digest_s())
+
+    def _digest_s(self) -> float:
+        """What a receiver's base digest costs a delta sync (it hashes its base before taking
+        one), as the sender's own digest of the same base took."""
+        return (self._digest.seconds or 0.0) if self._digest is not None else 0.0
 
     def _store(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         t = tensor.detach()
