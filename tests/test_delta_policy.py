@@ -88,6 +88,11 @@ def test_the_receivers_base_digest_counts_in_the_cost_of_a_delta_sync():
     state = model(0)
     assert not sync(base, state, 1, seconds=1.0)  # the first: whole, its base hashed in the background
     assert base.base_digest() and base._digest_s() > 0  # the sender timed its digest
+    base.policy.always = True  # deltas whatever they cost: the measured cost is what is checked
+    step(state, 1)
+    digest_s = base._digest_s()
+    assert sync(base, state, 2, seconds=0.5)
+    assert base.policy.delta_s == 0.5 + digest_s
     policy = delta_policy.DeltaPolicy(dense_s=1.0)
     policy.delta_done(0.95, encode_s=0.5, wire_fraction=0.03, changed=1000, digest_s=0.0)
     assert not policy._lost()

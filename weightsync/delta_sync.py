@@ -315,6 +315,7 @@ class SenderBase:
         those receivers); else the base stays, and so do its holders (a failed delta sync
         leaves them their base). Also tells the policy what the sync cost."""
         pending, self._pending = self._pending, None
+        digest_s = self._digest_s()  # this base's digest, before a new base replaces it
         if ok_ranks and pending is not None:
             version, specs, entries, new = pending
             header = encoding.header
@@ -338,7 +339,7 @@ class SenderBase:
             self.policy.dense_done(seconds)
         elif not encoding.header.dense:  # one with a dense section says nothing of deltas
             wire_fraction = encoding.wire_bytes / max(encoding.model_bytes, 1)
-            self.policy.delta_done(seconds, self._encode_s, wire_fraction, encoding.changed, self._digest_s())
+            self.policy.delta_done(seconds, self._encode_s, wire_fraction, encoding.changed, digest_s)
 
     def _digest_s(self) -> float:
         """What a receiver's base digest costs a delta sync (it hashes its base before taking
