@@ -39,6 +39,7 @@ from weightsync.delta_format import (
     gap_section_bytes,
     index_dtype,
     index_width,
+    indices,
     pad8,
     upper_changed,
 )
@@ -79,10 +80,6 @@ class Encoded:
         return self.changed / self.numel if self.numel else 0.0
 
 
-def _nonzero(mask: torch.Tensor) -> torch.Tensor:
-    return torch.nonzero(mask).squeeze(1)
-
-
 def _take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``values[index]`` along the first dimension (index_select: about twice the speed of
     indexing on CPU)."""
@@ -104,10 +101,10 @@ def _diff(cb: torch.Tensor, cn: torch.Tensor, e: int, want_low: bool) -> tuple[t
         changed = wb != wn
         # Counting is cheap, listing is not: a dense change goes element by element at once.
         if 4 * int(torch.count_nonzero(changed)) <= words:
-            cw = _nonzero(changed)
+            cw = indices(changed)
             gw = _take(wn, cw)
             gn, xor = gw.view(cb.dtype), (_take(wb, cw) ^ gw).view(cb.dtype)
-            lane = _nonzero(xor)
+            lane = indices(xor)
             shift = lanes.bit_length() - 1
             pos = (_take(cw, lane >> shift) << shift) | (lane & (lanes - 1))
             new, xor = _take(gn, lane), _take(xor, lane) if want_low else None
@@ -118,7 +115,7 @@ def _diff(cb: torch.Tensor, cn: torch.Tensor, e: int, want_low: bool) -> tuple[t
                 xor = torch.cat([xor, tail[2]]) if want_low else None
             return pos, new, xor
     diff = cb != cn
-    pos = _nonzero(diff if diff.dim() == 1 else diff.any(dim=1))
+    pos = indices(diff if diff.dim() == 1 else diff.any(dim=1))
     new = _take(cn, pos)
     return pos, new, _take(cb, pos) ^ new if want_low else None
 
@@ -361,7 +358,7 @@ def _write(out: torch.Tensor, scan: _Scan, kind: Kind, width: int, low: int, nex
         if low:
             rows = ch.new.view(torch.uint8).view(n, e)
             lows[k : k + n] = rows[:, :low]
-            exc = _nonzero(upper_changed(ch.xor, low))
+            exc = indices(upper_changed(ch.xor, low))
             exc_index[j : j + exc.numel()] = (exc + k).to(itype)
             highs[j : j + exc.numel()] = _take(rows, exc)[:, low:]
             j += exc.numel()

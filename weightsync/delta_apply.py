@@ -22,6 +22,7 @@ from weightsync.delta_format import (
     gap_section_bytes,
     index_dtype,
     index_width,
+    indices,
     int_view,
     pad8,
 )
@@ -202,7 +203,7 @@ def _bitmask_positions(where: torch.Tensor, numel: int, count: int) -> torch.Ten
     marked = _popcount(where)
     if marked != count:
         raise _fail(f"BITMASK marks {marked} elements, the header says {count}")
-    nonzero = torch.nonzero(where).squeeze(1)  # only bytes with a bit set are unpacked
+    nonzero = indices(where)  # only bytes with a bit set are unpacked
     bits = (where[nonzero].unsqueeze(1) & _BIT.to(where.device)) != 0
     rows, lanes = torch.nonzero(bits, as_tuple=True)
     return (nonzero[rows] << 3) | lanes
@@ -232,7 +233,7 @@ def _gap_positions(where: torch.Tensor, width: int, ncodes: int, numel: int, cou
         reach = torch.where(emits, codes, (1 << width) - 1).cumsum(0) - 1
         # The i-th marking code is code i + (escapes before it): escapes are few, so this
         # beats selecting by the mask.
-        escapes = torch.nonzero(~emits).squeeze(1)
+        escapes = indices(~emits)
         before = torch.zeros(count, dtype=torch.int64, device=codes.device)
         before.index_add_(0, escapes - torch.arange(escapes.numel(), device=codes.device), torch.ones_like(escapes))
         pos = reach.index_select(0, torch.arange(count, device=codes.device) + before.cumsum(0))

@@ -74,6 +74,11 @@ def flat_ints(tensor: torch.Tensor) -> torch.Tensor:
     return ints.reshape((tensor.numel(), *extra))
 
 
+def indices(mask: torch.Tensor) -> torch.Tensor:
+    """The int64 indices where a 1-D ``mask`` is nonzero, in order."""
+    return torch.nonzero(mask).squeeze(1)
+
+
 def upper_changed(xor: torch.Tensor, low: int) -> torch.Tensor:
     """Which elements of ``xor`` (base ^ new, as ``flat_ints`` gives them) changed in a byte
     at index ``low`` or above (a bool per element)."""
