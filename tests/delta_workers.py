@@ -7,6 +7,7 @@ import torch
 
 from weightsync import EngineConfig, Receiver
 from weightsync.bench.updates import AdamWUpdates
+from weightsync.integrations.vllm_staging import Stager
 from weightsync.plan import TensorSpec
 
 import workers
@@ -54,6 +55,7 @@ def receiver(address, rank, overrides, todo, queue, mode="load", corrupt_after=N
     # load_into takes the model's names: SPECS' names map to buffer names by a dict view.
     state = model.state()
     sink_model = _Named(state)
+    stager = Stager()
     with Receiver(EngineConfig.from_overrides(overrides), address, rank) as rec:
         if kill_in is not None:
             _kill_when_receiving(rec, kill_in)
@@ -62,6 +64,10 @@ def receiver(address, rank, overrides, todo, queue, mode="load", corrupt_after=N
                 if mode == "load":
                     stats = rec.load_into(sink_model, version=v)
                     got = digests(state)
+                elif mode == "stage":  # a vLLM worker's staging copy (in the background)
+                    got, stats = _stage(rec, stager, v)
+                    queue.put((rank, v, got, stager.store.state.version, (stats.delta_base, stager.store.allocated_bytes)))
+                    continue
                 else:
                     got = {n: workers.digest(t) for n, t in rec.receive(version=v)}
                     stats = rec.last_stats
@@ -96,3 +102,15 @@ def _kill_when_receiving(rec, version):
             yield item
 
     transport.recv_buckets = recv_buckets
+
+
+def _stage(rec, stager, version):
+    """Stage ``version`` as a vLLM worker does; the served state must stay untouched."""
+    served = rec.state
+    stager.begin(rec, version, served)
+    assert stager.wait(120)
+    assert rec.state is served and served.version is None, "staging touched the served state"
+    status = stager.status()
+    if not status["stage_ok"]:
+        raise RuntimeError(status["stage_error"])
+    return digests(dict(stager.store.items())), rec.last_stats

@@ -139,3 +139,37 @@ def test_a_receiver_killed_mid_delta_gets_the_next_version_whole_and_the_others_
             assert expect(collect(q, 3), 4, payloads[3], [0, 1, 2]) == {0: 3, 1: 3, 2: 3}
         finally:
             stop(procs)
+
+
+def test_staging_copies_receive_deltas_in_place_and_a_failed_stage_leaves_them_as_they_were():
+    """A vLLM worker's staging copy (``weightsync.integrations.vllm_staging``) as a delta
+    base: versions after the first go relative and are applied into the copy itself
+    (allocated once). A source failing while the sender encodes (before any receiver was
+    asked) cancels the sync: the receivers' wait ends at once, their copies stay on the
+    last version, and the next version goes as deltas from it. The served state is never
+    touched (the worker checks it)."""
+    ov = overrides("nccl", "verify=crc32")
+    payloads = delta_workers.versions(4)
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(ov), "127.0.0.1:0", 2) as sender:
+        procs = [start(delta_workers.receiver, sender.address, r, ov, range(1, 5), q, "stage") for r in range(2)]
+        try:
+            sizes = set()
+            for v in (1, 2):
+                sender.send(payloads[v - 1], version=v)
+                got = expect(collect(q, 2), v, payloads[v - 1], [0, 1])
+                assert {base for base, _ in got.values()} == {None if v == 1 else 1}
+                sizes |= {size for _, size in got.values()}
+            assert sizes == {sum(t.nbytes for t in payloads[0].values())}  # allocated at the first stage only
+            t0 = time.monotonic()
+            with pytest.raises(Exception, match="mid-transfer"):
+                sender.send(workers.FailingSource(payloads[2], 3), version=3)
+            for item in collect(q, 2, timeout=10):  # at once, not at the 60 s deadline
+                assert item[1] == "error" and "cancelled the sync of version 3" in item[2], item
+                assert (item[3], item[4]) == (None, False), item  # the served state: untouched
+            assert time.monotonic() - t0 < 10
+            sender.send(payloads[3], version=4)
+            got = expect(collect(q, 2), 4, payloads[3], [0, 1])
+            assert {base for base, _ in got.values()} == {2}
+        finally:
+            stop(procs)

@@ -20,7 +20,7 @@ from weightsync.engines import ring
 from weightsync.engines.base import Join
 from weightsync.engines.shm import PeerError, ShmEngine, host_id
 from weightsync.integrations.vllm import REMOTE_CONFIG_ENV, ReplicaReceiver, check_remote_overrides
-from weightsync.sender import reachable_from_other_hosts
+from weightsync.auth import reachable_from_other_hosts
 
 pytestmark = pytest.mark.timeout(120)
 

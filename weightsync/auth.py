@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import secrets
 
 NONCE_BYTES = 32
@@ -31,3 +32,15 @@ def mac(secret: bytes, label: str, *parts: bytes | str | int) -> bytes:
 def verify(secret: bytes, tag: object, label: str, *parts: bytes | str | int) -> bool:
     """Constant-time check of a received ``tag`` (any type: it came off the wire)."""
     return isinstance(tag, bytes) and hmac.compare_digest(tag, mac(secret, label, *parts))
+
+
+def reachable_from_other_hosts(host: str) -> bool:
+    """Whether a socket bound to ``host`` (an address, as the socket reports it) accepts
+    connections from other hosts: anything but a loopback address (a wildcard does)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return host != "localhost"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return not ip.is_loopback

@@ -135,6 +135,13 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized host tensor for memory kept across versions (a vLLM worker's
+    staging copy): pinned where an accelerator copies from it, so its loads into the
+    device are DMA transfers, not staged through pageable memory."""
+    return torch.empty(shape, dtype=dtype, pin_memory=current_platform().is_accelerator)
+
+
 def device_memory_bytes(device: torch.device) -> int:
     """Total memory of ``device`` (host RAM for CPU): a tensor larger than this can never
     be held there, so a receiver refuses one announced from the wire."""

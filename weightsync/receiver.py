@@ -252,15 +252,16 @@ class Receiver:
             return self._take(self._publisher, version, None, owned)
         return self._sync_session(version, None, owned, landing=landing, settle=settle)
 
-    def load_into(self, module: torch.nn.Module, version: int | None = None) -> SyncStats:
-        """Receive one version and copy it in place into ``module`` by name.
+    def load_into(self, module: torch.nn.Module | ModuleSink, version: int | None = None) -> SyncStats:
+        """Receive one version and copy it in place into ``module`` by name (or into a sink's
+        tensors: with ``delta`` on, deltas apply to them in place).
 
         Checks names, shapes and dtypes against the module before writing anything (when
         the sender's source announced its specs); in a streamed sync, each tensor as it is
         announced, before anything of it is allocated. Names the module has but the sync did
         not carry are logged and listed in ``stats.missing``.
         """
-        sink = ModuleSink(module)
+        sink = module if isinstance(module, ModuleSink) else ModuleSink(module)
         items = self._sync(version, sink=sink)
         for name, tensor in items:
             try:
@@ -373,7 +374,7 @@ class Receiver:
         waiting = Deadline(self.config.timeout_s, f"for the sender to start a sync{what}")
         while True:
             try:
-                msg = ch.recv(waiting, expect=("sync", "closing", "warmup"))
+                msg = ch.recv(waiting, expect=("sync", "closing", "warmup", "cancel"))
             except PeerLost:
                 # The sender drops every connection after a sync that failed anywhere
                 # (ours may have gone well): join again, within the same deadline.
@@ -383,6 +384,9 @@ class Receiver:
                 ch = self._channel
                 assert ch is not None
                 continue
+            if msg["type"] == "cancel":  # nothing was read: a clean end, the state stays
+                raise HandshakeError(f"receiver rank {self.rank}: the sender cancelled the sync of version "
+                                     f"{msg.get('version')}: {msg.get('message')}")
             if msg["type"] == "closing":
                 ch = self._join_next_session(ch)
                 continue

@@ -10,7 +10,6 @@ plan -> handshake -> transport -> acknowledgements. Other trainer ranks drain th
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import math
 import time
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync import platform
+from weightsync.auth import reachable_from_other_hosts
 from weightsync.config import SECRET_ENV, EngineConfig
 from weightsync.delta_sync import DeltaEncoder, Outgoing
 from weightsync.engines import Publisher, Transport, get_engine
@@ -44,18 +44,6 @@ from weightsync.stats import SyncStats
 from weightsync.trainers import TrainerFollower, TrainerPeers
 
 log = logging.getLogger("weightsync")
-
-
-def reachable_from_other_hosts(host: str) -> bool:
-    """Whether a socket bound to ``host`` (an address, as the socket reports it) accepts
-    connections from other hosts: anything but a loopback address (a wildcard does)."""
-    try:
-        ip = ipaddress.ip_address(host.split("%")[0])
-    except ValueError:
-        return host != "localhost"
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return not ip.is_loopback
 
 
 def _bound_host(server: ControlServer) -> str:
@@ -389,7 +377,11 @@ class Sender:
         self._confirmed = set()
         senders = self._trainers.count + 1
         # Before the handshake: the plan of a delta sync depends on what changed.
-        out = self._encoder.encode(src, plan, version, self.receivers, senders)
+        try:
+            out = self._encoder.encode(src, plan, version, self.receivers, senders)
+        except Exception as e:  # the source failed before the handshake: end the receivers' wait
+            self._cancel(version, f"{type(e).__name__}: {e}")
+            raise
         join = self._join(version, senders, capacity(out.plan, self.config.bucket_bytes))
         # "broken": the transport or a peer failed mid-protocol, so connections and group
         # are in an unknown state and are rebuilt; "refused": a receiver refused or failed
@@ -581,6 +573,15 @@ class Sender:
             raise PeerLost("; ".join([*lost.values(), *failures.values()]), ranks=list(lost))
         if failures:
             raise RemoteFailure("; ".join(failures.values()), ranks=list(failures))
+
+    def _cancel(self, version: int, reason: str) -> None:
+        """Tell the receivers waiting for ``version`` that it will not come (best effort)."""
+        deadline = Deadline(min(2.0, self.config.timeout_s), f"cancelling version {version}")
+        for ch in self._channels.values():
+            try:
+                ch.send({"type": "cancel", "version": version, "message": reason}, deadline)
+            except SyncError:
+                pass
 
     def _explain(self, error: Exception, what: str) -> Exception:
         """Turn a transport error into one that names the peer(s) that went away."""

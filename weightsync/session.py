@@ -12,7 +12,7 @@ Joining::
 
 Per sync::
 
-    sender -> receiver   sync   {version, protocol, bucket_bytes, plan_hash, [plan], engine}
+    sender -> receiver   sync   {version, protocol, bucket_bytes, plan_hash, [plan], engine} | cancel {version, message}
     receiver -> sender   ready | error {message}
     sender -> receiver   go | abort {message}
     (bucket bytes move through the engine; in streaming mode each bucket is announced first)
@@ -207,7 +207,7 @@ class Channel:
                             ("TCP_KEEPCNT", max(1, round(grace_s / interval))), ("TCP_USER_TIMEOUT", int(grace_s * 1000))):
             if hasattr(socket, name):  # Linux; elsewhere the OS's keepalive defaults stay
                 self.sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-        self.grace_s = grace_s
+        self.grace_s, self._interval_s = grace_s, interval
 
     def _lost(self, e: OSError, what: str) -> PeerLost:
         if e.errno == errno.ETIMEDOUT:  # the kernel gave up: no heartbeat or data was acknowledged
@@ -234,7 +234,7 @@ class Channel:
         """True if a probed peer has let heartbeats go unanswered (two of them), before the
         kernel's full grace has run out: what another failure can be blamed on."""
         unheard = self.unheard_s() if self.grace_s is not None else None
-        self.silent = self.silent or (unheard is not None and unheard > 2 * max(1, int(self.grace_s / 4)) + 0.5)
+        self.silent = self.silent or (unheard is not None and unheard > 2 * self._interval_s + 0.5)
         return self.silent
 
     def silence(self) -> str:

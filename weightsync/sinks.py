@@ -1,6 +1,7 @@
 """Rollout-side consumers of received tensors.
 
-``ModuleSink`` loads tensors in place into an ``nn.Module`` by name, strictly: a name the
+``ModuleSink`` loads tensors in place into an ``nn.Module`` (or a mapping of named tensors)
+by name, strictly: a name the
 model lacks, a shape or dtype mismatch is an error naming the tensor. With a plan agreed up
 front the whole sync is checked before the first byte is written, so a metadata mismatch
 never leaves the model half-updated.
@@ -9,7 +10,7 @@ never leaves the model half-updated.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -21,11 +22,13 @@ class SinkError(ValueError):
 
 
 class ModuleSink:
-    """Copies received tensors into a module's parameters and persistent buffers."""
+    """Copies received tensors into a module's parameters and persistent buffers (or into
+    the tensors of a mapping, by name)."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
         self.module = module
-        self.targets: dict[str, torch.Tensor] = dict(module.state_dict(keep_vars=True))
+        self.targets: dict[str, torch.Tensor] = (
+            dict(module.state_dict(keep_vars=True)) if isinstance(module, torch.nn.Module) else dict(module))
         self._loaded: set[int] = set()  # ids of target tensors written (tied names share one)
 
     def _problem(self, name: str, shape: tuple[int, ...], dtype: str) -> str | None:

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from weightsync.config import ConfigError, EngineConfig, _flatten, _parse_overrides, canonical_key
+from weightsync.integrations.vllm_staging import Stager
 from weightsync.landing import LandingPool
 from weightsync.pipeline import receive_into
 from weightsync.receiver import Receiver
@@ -116,6 +117,8 @@ class ReplicaReceiver:
         self.last: dict[str, Any] = {}
         #: landing memory of received tensors, kept across versions (and receivers)
         self.pool = LandingPool()
+        #: the staging copy of staged updates (``weightsync.integrations.vllm_staging``)
+        self.stager = Stager()
 
     def open(self, address: str, rank: int, overrides: list[str] | dict[str, Any], warm_up: bool = False) -> dict[str, Any]:
         """Create the receiver. Idempotent for one address/rank. ``overrides`` come from the
@@ -159,7 +162,32 @@ class ReplicaReceiver:
             "failed_version": self.state.failed_version,
             "mixed": self.state.torn,
             **self.last,
+            **self.stager.status(),
         }
+
+    def _open_receiver(self) -> Receiver:
+        if self.receiver is None:
+            raise RuntimeError("weightsync receiver not initialized: call weightsync_init first")
+        if self.stager.busy:
+            raise RuntimeError("weightsync: a version is being staged; wait for it (weightsync_staged) first")
+        return self.receiver
+
+    def stage(self, version: int) -> dict[str, Any]:
+        """Start receiving ``version`` into the staging copy in the background (the engine
+        keeps serving its weights); return the status at once."""
+        self.stager.begin(self._open_receiver(), version, self.state)
+        return self.status()
+
+    def staged(self, wait_s: float) -> dict[str, Any]:
+        """Wait up to ``wait_s`` for the stage in progress; the status (``staging`` while it runs)."""
+        self.stager.wait(wait_s)
+        return self.status()
+
+    def commit(self, version: int, reload: Reload) -> dict[str, Any]:
+        """Load the staged ``version`` into the running model; the status (``ok``, ``error``)."""
+        self._open_receiver()
+        self.last = self.stager.commit(version, reload, self.state)
+        return self.status()
 
     def receive(self, version: int, reload: Reload) -> dict[str, Any]:
         """Receive ``version`` and load it through ``reload``; return the status.
@@ -170,8 +198,8 @@ class ReplicaReceiver:
         failed sync: the status says what happened (``ok``, ``error``), so the trainer gets
         every replica's account, not just the first exception.
         """
-        if self.receiver is None:
-            raise RuntimeError("weightsync receiver not initialized: call weightsync_init first")
+        self._open_receiver()
+        assert self.receiver is not None
         start = time.perf_counter()
         config = self.receiver.config
         allocated = self.pool.allocated_bytes
@@ -289,6 +317,18 @@ class WeightsyncWorkerExtension:
     def weightsync_receive(self, version: int) -> dict[str, Any]:
         """Receive ``version`` into the running model; return this worker's status."""
         return self._weightsync().receive(version, _worker_reload(self))
+
+    def weightsync_stage(self, version: int) -> dict[str, Any]:
+        """Start staging ``version`` in host memory while the engine serves; returns at once."""
+        return self._weightsync().stage(version)
+
+    def weightsync_staged(self, wait_s: float = 1.0) -> dict[str, Any]:
+        """Wait up to ``wait_s`` for the stage in progress; this worker's status."""
+        return self._weightsync().staged(wait_s)
+
+    def weightsync_commit(self, version: int) -> dict[str, Any]:
+        """Load the staged ``version`` into the running model (between a pause and a resume)."""
+        return self._weightsync().commit(version, _worker_reload(self))
 
     def weightsync_status(self) -> dict[str, Any]:
         """The version this worker serves, the last failed one, and the last sync's figures."""
