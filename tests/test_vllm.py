@@ -433,6 +433,127 @@ def test_a_source_failing_mid_stream_leaves_both_replicas_mixed_and_paused_until
         assert replica_greedy(llm, PROMPTS, NEW) == expected
 
 
+class SlowSource(StateDictSource):
+    """The trainer's weights, ``delay_s`` per tensor (a stage that lasts); ``started`` is
+    set at the first tensor, ``finished`` after the last."""
+
+    def __init__(self, state, delay_s):
+        super().__init__(state)
+        self.delay_s, self.started, self.finished = delay_s, threading.Event(), threading.Event()
+
+    def tensors(self):
+        for item in super().tensors():
+            self.started.set()
+            yield item
+            time.sleep(self.delay_s)
+        self.finished.set()
+
+
+def _in_thread(fn, *args, **kwargs):
+    """Run ``fn`` in a thread; returns the thread and a dict that gets "value" or "error"."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as e:
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_staged_updates_load_while_replicas_generate_and_commit_matches_the_trainer(setup):
+    """stage: the version moves into every worker's staging copy while the replicas keep
+    serving the old one (requests sent while the stage's transfer runs complete with the old
+    weights' outputs before it ends); commit pauses only for the local load. Two versions:
+    greedy parity with the trainer after each commit, and the second stage allocates nothing
+    (the staging copy is reused)."""
+    from vllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    for step in range(2):
+        old = trainer_greedy(setup.model, PROMPTS, NEW)
+        expected = setup.train()
+        setup.version += 1
+        source = SlowSource(dict(setup.model.state_dict()), delay_s=0.05)
+        stage, out = _in_thread(setup.rollout.stage, source, setup.version)
+        assert source.started.wait(30)
+        # The stage's transfer is under way (the rollout thread is inside the sender's send,
+        # not using the engines' clients): requests sent now run on the old weights.
+        for llm in setup.llms:
+            llm.enqueue([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
+        served = [[list(o.outputs[0].token_ids) for o in llm.wait_for_completion(use_tqdm=False)] for llm in setup.llms]
+        assert not source.finished.is_set(), "the requests waited for the stage: the replicas did not generate"
+        assert served == [old, old]
+        stage.join(timeout=60)
+        report = out["value"]
+        assert report.ok and report.phase == "stage" and report.paused_s == 0, report.summary()
+        assert [(r.version, r.staged, r.resumed) for r in report.replicas] == [(setup.version - 1, setup.version, False)] * 2
+        size = sum(t.nbytes for t in setup.model.state_dict().values())
+        assert all(r.staging_bytes >= size for r in report.replicas)  # one copy per worker
+        if step == 1:
+            assert [r.staging_allocated_bytes for r in report.replicas] == [0, 0]  # reused
+        commit = setup.rollout.commit(setup.version, mode="abort")
+        assert commit.ok and commit.phase == "commit" and commit.paused_s > 0, commit.summary()
+        assert [(r.version, r.resumed) for r in commit.replicas] == [(setup.version, True)] * 2
+        for llm in setup.llms:
+            assert replica_greedy(llm, PROMPTS, NEW) == expected
+    with pytest.raises(ValueError, match=f"cannot commit version {setup.version + 1}: replica 'A' has version {setup.version} staged"):
+        setup.rollout.commit(setup.version + 1)
+
+
+def test_a_stage_whose_source_fails_leaves_every_replica_serving_and_unpaused(setup):
+    """The trainer's source raises mid-stage (after the embedding and both layers went out):
+    the stage raises naming both replicas, each still serves its version untouched and
+    generates at once (nothing was paused), the torn staging copy cannot be committed, and
+    the next staged update goes through."""
+    served = setup.version
+    old = replica_greedy(setup.llms[0], PROMPTS, NEW)
+    expected = setup.train()
+    state = dict(setup.model.state_dict())
+    t0 = time.monotonic()
+    with pytest.raises(ReplicaUpdateError, match=r"stage of version \d+ failed: replica 'A'.*untouched, generating") as info:
+        setup.rollout.stage(workers.FailingSource(state, list(state).index("lm_head.weight")), served + 1)
+    assert time.monotonic() - t0 < DETECT_S
+    for rep in info.value.report.replicas:
+        assert (rep.ok, rep.version, rep.mixed, rep.staged) == (False, served, False, None), rep
+    for llm in setup.llms:
+        assert replica_greedy(llm, PROMPTS, NEW) == old
+    with pytest.raises(ValueError, match="replica 'A' has no complete version staged"):
+        setup.rollout.commit(served + 1)
+    setup.version = served + 2
+    report = setup.rollout.update(setup.model, setup.version, staged=True)
+    assert report.ok and report.phase == "staged" and report.stage_s > 0, report.summary()
+    for llm in setup.llms:
+        assert replica_greedy(llm, PROMPTS, NEW) == expected
+
+
+def test_staged_delta_updates_apply_into_the_staging_copy_bit_exact(setup, tmp_path):
+    """update_mode=staged with delta=on: the staging copies are the delta base (versions
+    after the first go relative, applied into them); after three versions the replica's
+    weights equal vLLM's own reload of the trainer's checkpoint from disk, bit for bit."""
+    setup.rollout.close()
+    setup.rollout = VLLMRollout(setup.replicas, OVERRIDES + ["delta=on", "verify=crc32", "update_mode=staged"])
+    try:
+        bases = []
+        for _ in range(3):
+            expected = setup.train()
+            setup.version += 1
+            report = setup.rollout.update(setup.model, setup.version, mode="abort")
+            assert report.ok and report.phase == "staged", report.summary()
+            bases.append(report.stats.delta_base)
+        assert bases == [None, setup.version - 2, setup.version - 1], bases
+        a, b = setup.llms
+        assert replica_greedy(a, PROMPTS, NEW) == expected
+        setup.model.save_pretrained(str(tmp_path))
+        b.collective_rpc("weightsync_reload_from_path", args=(str(tmp_path),))
+        assert a.collective_rpc("weightsync_digests")[0] == b.collective_rpc("weightsync_digests")[0]
+    finally:
+        setup._connect()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

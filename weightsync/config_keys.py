@@ -23,6 +23,7 @@ _TRAINER_MODE_ALIASES = {"colocate": "sync"}
 MOONCAKE_DEVICES = ("auto", "cuda", "npu", "cpu")
 DELTA_MODES = ("off", "auto", "on")
 VERIFY_MODES = ("off", "crc32", "xxh3")
+UPDATE_MODES = ("stream", "staged")
 #: environment variable read for the shared secret when ``auth_secret`` is unset
 SECRET_ENV = "WEIGHTSYNC_SECRET"
 
@@ -244,6 +245,22 @@ class EngineKeys:
             "该大小（至多为模型字节数）的一块内存只分配一次，跨版本复用；大于整块内存的张量在其之外使用单独的缓冲区；"
             "仅当引擎为凑齐一层需要持有更多时才会超出。至少为 1。",
             allowed=">= 1",
+        ),
+    )
+    update_mode: str = field(
+        default="stream",
+        metadata=_doc(
+            "How `VLLMRollout.update` updates vLLM replicas: `stream` (pause generation, stream the "
+            "version into the running model, resume: no extra memory, generation stops for the whole "
+            "transfer) or `staged` (stream it into a host copy of the model per worker while the "
+            "replicas keep generating, then pause only for the local load: one more copy of the "
+            "model in host memory per worker, pinned on GPUs; a transfer that fails never touches "
+            "what the replicas serve). `update(..., staged=True/False)` overrides it per call.",
+            "`VLLMRollout.update` 更新 vLLM 副本的方式：`stream`（暂停生成，把版本流式载入运行中的模型，再恢复："
+            "不占额外内存，整个传输期间生成停止）或 `staged`（副本继续生成时，先把版本流式写入每个 worker 的一份"
+            "主机内存模型副本，之后只为本地加载暂停：每个 worker 多占一份模型大小的主机内存，GPU 上为锁页内存；"
+            "传输失败绝不会触及副本正在服务的权重）。`update(..., staged=True/False)` 可逐次覆盖。",
+            choices=UPDATE_MODES,
         ),
     )
     verify: str = field(

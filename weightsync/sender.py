@@ -10,6 +10,7 @@ plan -> handshake -> transport -> acknowledgements. Other trainer ranks drain th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -380,7 +381,7 @@ class Sender:
         try:
             out = self._encoder.encode(src, plan, version, self.receivers, senders)
         except Exception as e:  # the source failed before the handshake: end the receivers' wait
-            self._cancel(version, f"{type(e).__name__}: {e}")
+            self.cancel(version, f"{type(e).__name__}: {e}")
             raise
         join = self._join(version, senders, capacity(out.plan, self.config.bucket_bytes))
         # "broken": the transport or a peer failed mid-protocol, so connections and group
@@ -574,14 +575,12 @@ class Sender:
         if failures:
             raise RemoteFailure("; ".join(failures.values()), ranks=list(failures))
 
-    def _cancel(self, version: int, reason: str) -> None:
-        """Tell the receivers waiting for ``version`` that it will not come (best effort)."""
+    def cancel(self, version: int, reason: str) -> None:
+        """Tell the receivers waiting for the sync of ``version`` that it will not come."""
         deadline = Deadline(min(2.0, self.config.timeout_s), f"cancelling version {version}")
         for ch in self._channels.values():
-            try:
+            with contextlib.suppress(SyncError):  # best effort: one gone does not stop the others
                 ch.send({"type": "cancel", "version": version, "message": reason}, deadline)
-            except SyncError:
-                pass
 
     def _explain(self, error: Exception, what: str) -> Exception:
         """Turn a transport error into one that names the peer(s) that went away."""

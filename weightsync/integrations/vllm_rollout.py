@@ -4,6 +4,9 @@
     report = rollout.update(model, version=step, mode="keep")   # pause, sync, resume
     print(report.summary())
 
+    rollout.stage(model, version=step + 1)   # into host memory while the replicas generate
+    rollout.commit(step + 1)                 # pause, load locally, resume
+
 Each replica is a vLLM engine started with
 ``worker_extension_cls="weightsync.integrations.vllm.WeightsyncWorkerExtension"``; each of its
 workers is one weightsync receiver. ``update`` pauses generation on every replica (``abort``
@@ -13,6 +16,11 @@ every replica receives it, and resumes. Every replica reports the version it ser
 failed update raises ``ReplicaUpdateError`` naming each failed replica and carrying the
 full report; replicas whose weights are intact (their old version) are resumed, replicas
 left with a mix of two versions stay paused until a later update succeeds.
+
+Staged updates (``stage`` + ``commit``, or ``update(..., staged=True)``, or the
+``update_mode=staged`` key) move the version into a host copy per worker while the replicas
+keep generating (``weightsync.integrations.vllm_staging``), then pause only for the local
+load: a transfer that fails never touches what the replicas serve.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -105,24 +114,36 @@ class ReplicaReport:
     #: seconds the replica spent receiving and reloading
     seconds: float = 0.0
     bytes: int = 0
+    #: the version complete in its workers' staging copies (staged updates), if any
+    staged: int | None = None
+    #: host bytes of its workers' staging copies, and how much of it the last stage allocated
+    staging_bytes: int = 0
+    staging_allocated_bytes: int = 0
 
 
 @dataclass
 class UpdateReport:
-    """Timing and outcome of one ``VLLMRollout.update``."""
+    """Timing and outcome of one ``VLLMRollout.update``, ``stage`` or ``commit``."""
 
     version: int
+    #: "update" (streamed), "stage", "commit", or "staged" (an update as stage + commit)
+    phase: str = "update"
     pause_s: float = 0.0
+    #: the transfer (streamed update, stage) or the local load (commit)
     sync_s: float = 0.0
     resume_s: float = 0.0
     #: how long generation was paused: from the first pause call until the last resume
-    #: returned (until the update returned, where a replica stays paused)
+    #: returned (until the update returned, where a replica stays paused); 0 for a stage
     paused_s: float = 0.0
+    #: a staged update's stage (generation running), before its commit
+    stage_s: float = 0.0
     stats: SyncStats | None = None
     replicas: list[ReplicaReport] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
+        if self.phase == "stage":
+            return bool(self.replicas) and all(r.ok and r.staged == self.version for r in self.replicas)
         return bool(self.replicas) and all(r.ok and r.version == self.version for r in self.replicas)
 
     @property
@@ -131,11 +152,22 @@ class UpdateReport:
         return self.stats.bytes / self.sync_s / 1e9 if self.stats is not None and self.sync_s > 0 else 0.0
 
     def summary(self) -> str:
-        parts = [f"version {self.version}: paused {self.paused_s:.3f} s (pause {self.pause_s:.3f} s, "
-                 f"sync {self.sync_s:.3f} s, resume {self.resume_s:.3f} s), {self.gbps:.2f} GB/s"]
+        if self.phase == "stage":
+            parts = [f"version {self.version} staged in {self.sync_s:.3f} s while generating, {self.gbps:.2f} GB/s"]
+        else:
+            staged = f"staged {self.stage_s:.3f} s, then " if self.phase == "staged" else ""
+            load = "load" if self.phase in ("commit", "staged") else "sync"
+            parts = [f"version {self.version}: {staged}paused {self.paused_s:.3f} s (pause {self.pause_s:.3f} s, "
+                     f"{load} {self.sync_s:.3f} s, resume {self.resume_s:.3f} s)"
+                     + (f", {self.gbps:.2f} GB/s" if self.phase == "update" else "")]
         for r in self.replicas:
             parts.append(f"{r.name}: " + (f"serves version {r.version}" if r.ok else f"FAILED ({r.error}); serves {r.version}"))
         return "; ".join(parts)
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"mode={mode!r}: expected one of {', '.join(PAUSE_MODES)}")
 
 
 def _within(fn: Any, timeout_s: float, what: str) -> Any:
@@ -248,8 +280,13 @@ class VLLMRollout:
 
     # ------------------------------------------------------------------ the update
     def update(self, source: Any, version: int, *, mode: PauseMode = "keep",
-               release_kv_cache: bool = False) -> UpdateReport:
-        """Pause every replica, sync ``version`` from ``source``, resume; return the report.
+               release_kv_cache: bool = False, staged: bool | None = None) -> UpdateReport:
+        """Bring every replica to ``version`` from ``source``; return the report.
+
+        Streamed (``update_mode=stream``, the default): pause every replica, stream the
+        version into the running models, resume. Staged (``update_mode=staged`` or
+        ``staged=True``): ``stage`` while the replicas generate, then ``commit`` (generation
+        pauses only for the local load); a failed stage raises before anything is paused.
 
         ``source``: an ``nn.Module``, a state dict or ``(name, tensor)`` iterable in
         checkpoint (Hugging Face) names. ``mode``: ``keep`` freezes in-flight requests and
@@ -257,10 +294,124 @@ class VLLMRollout:
         first. Raises ``ReplicaUpdateError`` (naming every failed replica) if any replica
         does not end on ``version``.
         """
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode={mode!r}: expected one of {', '.join(PAUSE_MODES)}")
-        report = UpdateReport(version)
+        _check_mode(mode)
+        if self.config.update_mode == "staged" if staged is None else staged:
+            staging = self.stage(source, version)
+            report = self.commit(version, mode=mode, release_kv_cache=release_kv_cache)
+            report.phase, report.stage_s, report.stats = "staged", staging.sync_s, staging.stats
+            return report
+        return self._pause_around(version, mode, release_kv_cache, "update", lambda failures: self._stream(source, version, failures))
+
+    def stage(self, source: Any, version: int) -> UpdateReport:
+        """Move ``version`` from ``source`` into every worker's staging copy (host memory,
+        allocated at the first stage and reused) while the replicas keep generating; return
+        once it is complete and checked (``verify``) on every worker.
+
+        Nothing the replicas serve changes, and nothing is paused: a stage that fails (the
+        source raising, a lost or silent peer, a refused version) raises
+        ``ReplicaUpdateError`` with every replica still serving its current version.
+        ``commit`` then loads the staged version. With ``delta`` on, the staging copies are
+        the delta base: later stages apply deltas into them.
+        """
+        report = UpdateReport(version, phase="stage")
         failures: dict[str, str] = {}
+        t0 = time.perf_counter()
+        for r in self.replicas:
+            try:
+                r.call("weightsync_stage", version, timeout=self.config.timeout_s)
+            except Exception as e:
+                failures[r.name] = f"staging did not start: {type(e).__name__}: {e}"
+        sync_error: Exception | None = None
+        if failures:  # the others wait for a sync that will not come: end their wait
+            self.sender.cancel(version, "; ".join(failures.values()))
+        else:
+            try:
+                report.stats = self.sender.send(source, version)
+            except Exception as e:
+                sync_error = e
+        statuses = {r.name: self._staged(r, failures) for r in self.replicas}
+        report.sync_s = time.perf_counter() - t0
+        for r in self.replicas:
+            rep = self._report(r, statuses[r.name], failures.get(r.name))
+            rep.ok = rep.ok and rep.staged == version
+            if not rep.ok and rep.error is None:
+                rep.error = next((s.get("stage_error") for s in statuses[r.name] or () if s.get("stage_error")), None)
+            report.replicas.append(rep)
+        if not report.ok:
+            self._raise(report, sync_error, "stage of", "untouched, generating")
+        log.info("%s", report.summary())
+        return report
+
+    def _staged(self, replica: Replica, failures: dict[str, str]) -> list[dict[str, Any]] | None:
+        """The replica's status once its workers' stage ended (polled: a call that waited in
+        the workers would hold the engine's step loop)."""
+        deadline = time.monotonic() + self.config.timeout_s * 2 + 30  # the receivers' own deadlines end first
+        while True:
+            try:
+                status = replica.call("weightsync_staged", 0.0, timeout=self.config.timeout_s)
+            except Exception as e:
+                failures.setdefault(replica.name, f"{type(e).__name__}: {e}".strip())
+                return None
+            if not any(s.get("staging") for s in status):
+                return status
+            if time.monotonic() > deadline:
+                failures.setdefault(replica.name, "its workers were still staging at the deadline")
+                return status
+            time.sleep(0.05)
+
+    def commit(self, version: int, *, mode: PauseMode = "keep", release_kv_cache: bool = False) -> UpdateReport:
+        """Pause every replica, load the staged ``version`` from host memory through vLLM's
+        ``reload_weights``, resume. Refused before pausing anything unless every replica
+        holds ``version`` staged and complete. A replica whose load fails is left a mix of
+        two versions and paused (as a failed streamed update leaves it); the others serve
+        ``version``."""
+        _check_mode(mode)
+        missing = [f"replica {rep.name!r} has {'no complete version' if rep.staged is None else f'version {rep.staged}'} staged"
+                   for rep in self.status() if rep.staged != version]
+        if missing:
+            raise ValueError(f"cannot commit version {version}: " + "; ".join(missing) + " (stage it first)")
+
+        def load(failures: dict[str, str]) -> tuple[dict[str, Any], Exception | None]:
+            rpc_timeout = self.config.timeout_s * 2 + 30
+            futures = {r.name: self._pool.submit(r.call, "weightsync_commit", version, timeout=rpc_timeout)
+                       for r in self.replicas}
+            statuses = {}
+            for r in self.replicas:
+                try:
+                    statuses[r.name] = futures[r.name].result(timeout=rpc_timeout + 10)
+                except Exception as e:
+                    failures[r.name] = f"{type(e).__name__}: {e}".strip()
+                    statuses[r.name] = self._ask_status(r)
+            return statuses, None
+
+        return self._pause_around(version, mode, release_kv_cache, "commit", load)
+
+    def _stream(self, source: Any, version: int, failures: dict[str, str]) -> tuple[dict[str, Any], Exception | None]:
+        """Stream ``version`` into the paused replicas' running models."""
+        rpc_timeout = self.config.timeout_s * 2 + 30  # the receiver's own deadlines end first
+        futures: dict[str, Future] = {
+            r.name: self._pool.submit(r.call, "weightsync_receive", version, timeout=rpc_timeout) for r in self.replicas
+        }
+        sync_error: Exception | None = None
+        try:
+            self._last_stats = self.sender.send(source, version)
+        except Exception as e:
+            sync_error = e
+        statuses = {}
+        for name, fut in futures.items():
+            try:
+                statuses[name] = fut.result(timeout=rpc_timeout + 10)
+            except Exception as e:  # the replica itself went away or the call timed out
+                failures[name] = f"{type(e).__name__}: {e}".strip()
+        return statuses, sync_error
+
+    def _pause_around(self, version: int, mode: PauseMode, release_kv_cache: bool, phase: str,
+                middle: Callable[[dict[str, str]], tuple[dict[str, Any], Exception | None]]) -> UpdateReport:
+        """Pause every replica, run ``middle`` (it fills ``failures``; returns each
+        replica's status and the sender's error), resume the replicas left whole."""
+        report = UpdateReport(version, phase=phase)
+        failures: dict[str, str] = {}
+        self._last_stats = None
         t0 = paused_at = time.perf_counter()
         for r in self.replicas:
             step = "pause"
@@ -277,29 +428,17 @@ class VLLMRollout:
         t0 = time.perf_counter()
         sync_error: Exception | None = None
         statuses: dict[str, Any] = {}
-        futures_started = not failures
-        if futures_started:
-            rpc_timeout = self.config.timeout_s * 2 + 30  # the receiver's own deadlines end first
-            futures: dict[str, Future] = {
-                r.name: self._pool.submit(r.call, "weightsync_receive", version, timeout=rpc_timeout)
-                for r in self.replicas
-            }
-            try:
-                report.stats = self.sender.send(source, version)
-            except Exception as e:
-                sync_error = e
-            for name, fut in futures.items():
-                try:
-                    statuses[name] = fut.result(timeout=rpc_timeout + 10)
-                except Exception as e:  # the replica itself went away or the call timed out
-                    failures[name] = f"{type(e).__name__}: {e}".strip()
+        started = not failures
+        if started:
+            statuses, sync_error = middle(failures)
+            report.stats = self._last_stats
         report.sync_s = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         for r in self.replicas:
             status = statuses.get(r.name)
-            if status is None and r.name in failures and not futures_started:
-                status = self._ask_status(r)  # the update stopped before the sync: weights untouched
+            if status is None and r.name in failures and not started:
+                status = self._ask_status(r)  # stopped before the sync: weights untouched
             rep = self._report(r, status, failures.get(r.name))
             if rep.ok and sync_error is not None and rep.version != version:
                 rep.ok = False
@@ -317,16 +456,20 @@ class VLLMRollout:
             report.replicas.append(rep)
         report.resume_s = time.perf_counter() - t0
         report.paused_s = time.perf_counter() - paused_at
-
         if not report.ok:
-            bad = [r for r in report.replicas if not (r.ok and r.version == version)]
-            lines = [f"replica {r.name!r} (receiver rank {self._first_rank[r.name]}): {r.error or 'not updated'}; "
-                     f"serves {'a mix of versions (kept paused)' if r.mixed else f'version {r.version}'}" for r in bad]
-            if sync_error is not None:
-                lines.append(f"sender: {self._name_ranks(str(sync_error))}")
-            raise ReplicaUpdateError(f"update to version {version} failed: " + "; ".join(lines), report)
+            self._raise(report, sync_error, "update to" if phase == "update" else "commit of", "")
         log.info("%s", report.summary())
         return report
+
+    def _raise(self, report: UpdateReport, sync_error: Exception | None, what: str, intact: str) -> None:
+        """Raise ``ReplicaUpdateError`` naming every replica that did not end where asked."""
+        bad = [r for r in report.replicas if not r.ok or (r.version != report.version and report.phase != "stage")]
+        lines = [f"replica {r.name!r} (receiver rank {self._first_rank[r.name]}): {r.error or 'not updated'}; "
+                 f"serves {'a mix of versions (kept paused)' if r.mixed else f'version {r.version}'}"
+                 + (f" ({intact})" if intact and not r.mixed else "") for r in bad]
+        if sync_error is not None:
+            lines.append(f"sender: {self._name_ranks(str(sync_error))}")
+        raise ReplicaUpdateError(f"{what} version {report.version} failed: " + "; ".join(lines), report)
 
     def _ask_status(self, replica: Replica) -> list[dict[str, Any]] | None:
         try:
@@ -350,6 +493,9 @@ class VLLMRollout:
             mixed=mixed,
             seconds=max(s.get("seconds", 0.0) for s in status),
             bytes=sum(s.get("bytes", 0) for s in status),
+            staged=staged.pop() if len(staged := {s.get("staged") for s in status}) == 1 else None,
+            staging_bytes=sum(s.get("staging_bytes", 0) for s in status),
+            staging_allocated_bytes=sum(s.get("staging_allocated_bytes", 0) for s in status),
         )
 
     def _name_ranks(self, message: str) -> str:
