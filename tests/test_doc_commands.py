@@ -167,6 +167,10 @@ COMMANDS: dict[str, Run | NotHere] = {
     "weightsync bench --rollout vllm --backend nccl,shm": Run(
         ("bench --rollout vllm --backend nccl,shm --size-mb 16 --repeats 1",),
         "a 16 MB fp32 Qwen2 model instead of 392 MB, one timed update (about 70 s here)", timeout=240, vllm=True),
+    "weightsync bench --rollout vllm --backend nccl --update-mode stream,staged": Run(
+        ("bench --rollout vllm --backend nccl --update-mode stream,staged --size-mb 16 --repeats 1 --json",),
+        "a 16 MB fp32 Qwen2 model, one timed update per mode, --json: a row per mode, the staged one pausing "
+        "only for the local load, its staging copy reused", timeout=240, vllm=True, check="modes"),
     # README: weightsync config
     "weightsync config backend=nccl update_weights_bucket_megabytes=512": Run(slow=False, timeout=60),
     "weightsync config --check backend=ncl": Run(slow=False, timeout=60),
@@ -265,12 +269,25 @@ def _check_codec(outs, tmp_path):
     assert row["kinds"].get("GAPS", 0) > 0
 
 
+def _check_modes(outs, tmp_path):
+    """A row per update mode; staged: paused only for the commit (no transfer inside the
+    pause), the staging copy one model's bytes per worker and not allocated again, and the
+    replicas generating during a stage."""
+    result = json.loads(outs[0].stdout)
+    stream, staged = result["rows"]
+    assert (stream["update_mode"], staged["update_mode"]) == ("stream", "staged")
+    assert staged["stage_s"] > 0 and staged["transfer_s"] > 0 and staged["paused_s"] > 0
+    assert staged["staging_mb"] * 2**20 >= result["model_bytes"] and staged["staging_allocated_mb"] == 0
+    assert staged["gen_during_stage_tokens_per_s"] > 0 and staged["gen_idle_tokens_per_s"] > 0
+    assert "staging_mb" not in stream and all(result["greedy_matches_trainer"].values())
+
+
 def _check_docs(outs, tmp_path):
     for out, name in zip(outs, ("configuration.md", "configuration.zh.md")):
         assert out.stdout == (ROOT / "docs" / name).read_text(), f"docs/{name} drifted from `weightsync config --docs`"
 
 
-CHECKS = {"adamw": _check_adamw, "codec": _check_codec, "plot": _check_plot, "json": _check_json, "five": _check_five, "docs": _check_docs}
+CHECKS = {"adamw": _check_adamw, "codec": _check_codec, "modes": _check_modes, "plot": _check_plot, "json": _check_json, "five": _check_five, "docs": _check_docs}
 
 FOUND = doc_commands()
 

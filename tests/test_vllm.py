@@ -433,22 +433,6 @@ def test_a_source_failing_mid_stream_leaves_both_replicas_mixed_and_paused_until
         assert replica_greedy(llm, PROMPTS, NEW) == expected
 
 
-class SlowSource(StateDictSource):
-    """The trainer's weights, ``delay_s`` per tensor (a stage that lasts); ``started`` is
-    set at the first tensor, ``finished`` after the last."""
-
-    def __init__(self, state, delay_s):
-        super().__init__(state)
-        self.delay_s, self.started, self.finished = delay_s, threading.Event(), threading.Event()
-
-    def tensors(self):
-        for item in super().tensors():
-            self.started.set()
-            yield item
-            time.sleep(self.delay_s)
-        self.finished.set()
-
-
 def _in_thread(fn, *args, **kwargs):
     """Run ``fn`` in a thread; returns the thread and a dict that gets "value" or "error"."""
     out: dict = {}
@@ -477,7 +461,7 @@ def test_staged_updates_load_while_replicas_generate_and_commit_matches_the_trai
         old = trainer_greedy(setup.model, PROMPTS, NEW)
         expected = setup.train()
         setup.version += 1
-        source = SlowSource(dict(setup.model.state_dict()), delay_s=0.05)
+        source = workers.SlowSource(dict(setup.model.state_dict()), delay_s=0.05)
         stage, out = _in_thread(setup.rollout.stage, source, setup.version)
         assert source.started.wait(30)
         # The stage's transfer is under way (the rollout thread is inside the sender's send,

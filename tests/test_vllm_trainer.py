@@ -24,6 +24,8 @@ import pytest
 import requests
 import torch
 from procs import CTX, free_port
+
+import workers
 from vllm_trainer_proc import send_one_version_and_hold
 
 from weightsync.demo_vllm import (
@@ -236,6 +238,97 @@ def test_server_driven_through_vllms_factory_and_http_client_serves_each_version
             got = server.greedy()
             assert got == expected and got != before
             assert server.weight_version() == str(server.version)
+    finally:
+        engine.shutdown()
+
+
+def test_staged_rounds_over_http_keep_the_server_generating_until_the_commit_between_pause_and_resume(server):
+    """The OpenAI-server path of staged updates, vLLM's HTTP client and routes only:
+    ``stage_weights`` while the server generates (a completion sent while the stage's
+    transfer runs returns the old weights' tokens), then ``/pause``, ``commit_weights``,
+    ``/resume``: the new weights and weight_version. A stage whose source fails raises,
+    and the server goes on serving the committed weights, unpaused; the next round works."""
+    import threading
+
+    from weightsync.integrations.vllm import TrainerRoundError
+
+    def post(path):
+        requests.post(f"{server.url}{path}", timeout=60).raise_for_status()
+
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    engine = _trainer_init(HTTPVLLMWeightSyncClient(server.url), dict(server.model.state_dict()))
+    try:
+        before, served = server.greedy(), server.weight_version()
+        expected = server.train()
+        engine.source = workers.SlowSource(dict(server.model.state_dict()), delay_s=0.05)
+        stage = threading.Thread(target=engine.stage_weights, args=(server.version + 1,))
+        stage.start()
+        assert engine.source.started.wait(30)
+        assert server.greedy() == before  # served while the stage runs, from the old weights
+        assert not engine.source.finished.is_set(), "the completion waited for the stage"
+        stage.join(timeout=60)
+        assert server.weight_version() == served and server.greedy() == before  # staged only
+        t0 = time.perf_counter()
+        post("/pause?mode=keep")
+        engine.commit_weights()
+        post("/resume")
+        paused_s = time.perf_counter() - t0
+        server.version += 1
+        assert server.greedy() == expected and server.weight_version() == str(server.version)
+        print(f"\nstaged round over HTTP: paused {paused_s:.3f} s (pause, commit, resume)")
+
+        state = dict(server.model.state_dict())
+        engine.source = workers.FailingSource(state, list(state).index("lm_head.weight"))
+        with pytest.raises(TrainerRoundError, match=f"staging version {server.version + 1}"):
+            engine.stage_weights()
+        assert requests.get(f"{server.url}/is_paused", timeout=10).json()["is_paused"] is False
+        assert server.greedy() == expected and server.weight_version() == str(server.version)
+        expected = server.train()
+        engine.source = dict(server.model.state_dict())
+        engine.stage_weights(server.version + 1)
+        post("/pause?mode=keep")
+        engine.commit_weights()
+        post("/resume")
+        server.version += 1
+        assert server.greedy() == expected and server.weight_version() == str(server.version)
+    finally:
+        engine.shutdown()
+
+
+def test_a_trainer_killed_mid_stage_leaves_the_server_serving_and_free_for_the_next_trainer(server):
+    """A trainer process staging a version is SIGKILLed while its transfer runs: the server
+    never paused, serves the committed weights and version throughout, and a new trainer at
+    the same address stages and commits the next version (no vLLM round was left open, the
+    worker's stage ended)."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from vllm_trainer_proc import stage_slowly
+
+    before, served = server.greedy(), server.weight_version()
+    port = free_port()
+    q = CTX.Queue()
+    proc = CTX.Process(target=stage_slowly, args=(server.url, port, server.dir, server.version + 1, OVERRIDES, q))
+    proc.start()
+    try:
+        assert q.get(timeout=120) == ("staging", server.version + 1)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(timeout=30)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    assert requests.get(f"{server.url}/is_paused", timeout=10).json()["is_paused"] is False
+    assert server.greedy() == before and server.weight_version() == served
+    expected = server.train()
+    engine = _trainer_init(HTTPVLLMWeightSyncClient(server.url), dict(server.model.state_dict()), port)
+    try:
+        engine.stage_weights(server.version + 2)  # after the killed trainer's version
+        assert server.greedy() == before
+        requests.post(f"{server.url}/pause?mode=keep", timeout=60).raise_for_status()
+        engine.commit_weights()
+        requests.post(f"{server.url}/resume", timeout=60).raise_for_status()
+        server.version += 2
+        assert server.greedy() == expected and server.weight_version() == str(server.version)
     finally:
         engine.shutdown()
 

@@ -28,3 +28,29 @@ def send_one_version_and_hold(url: str, port: int, model_dir: str, version: int,
         raise
     while True:  # the test kills this process here, its sender still open
         time.sleep(1)
+
+
+def stage_slowly(url: str, port: int, model_dir: str, version: int, overrides: list[str], q) -> None:
+    """Stage ``version`` to the server, 0.5 s per tensor; says ("staging", version) once the
+    transfer is under way (the test kills this process then)."""
+    import threading
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    import workers
+    from weightsync.integrations.vllm import WeightsyncTrainerInitInfo
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-2)
+    info = WeightsyncTrainerInitInfo(master_address="127.0.0.1", master_port=port, world_size=2, rank=0,
+                                     overrides=overrides)
+    source = workers.SlowSource(dict(model.state_dict()), delay_s=0.5)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(url), source=source)
+    threading.Thread(target=lambda: (source.started.wait(), q.put(("staging", version))), daemon=True).start()
+    engine.stage_weights(version)
+    q.put(("staged", version))  # not reached: the test kills this process first

@@ -397,3 +397,19 @@ class FailingSource(StateDictSource):
             if i == self.after:
                 raise RuntimeError("the trainer failed mid-transfer")
             yield item
+
+
+class SlowSource(StateDictSource):
+    """The trainer's weights, ``delay_s`` per tensor (a stage that lasts); ``started`` is
+    set at the first tensor, ``finished`` after the last."""
+
+    def __init__(self, state, delay_s):
+        super().__init__(state)
+        self.delay_s, self.started, self.finished = delay_s, threading.Event(), threading.Event()
+
+    def tensors(self):
+        for item in super().tensors():
+            self.started.set()
+            yield item
+            time.sleep(self.delay_s)
+        self.finished.set()

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from weightsync.config import ConfigError, EngineConfig
+from weightsync.config_keys import UPDATE_MODES
 from weightsync.config_docs import docs_markdown
 
 
@@ -79,6 +80,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-initial-sync", dest="initial_sync", action="store_false",
                    help="--rollout vllm: no sync at each rollout's construction (VLLMRollout initial_version), so "
                         "the first update pays vLLM's first reload on fresh replicas")
+    p.add_argument("--update-mode", type=_csv(str), default=["stream"], metavar="MODES",
+                   help="--rollout vllm: comma-separated update_mode values, a row per backend and mode: stream "
+                        "(default), staged (stage while generating, pause only for the commit; adds generation "
+                        "tokens/s during a stage against idle)")
     p.add_argument("--no-alternatives", dest="alternatives", action="store_false",
                    help="measure only weightsync's backends (no per-tensor, disk or ceiling rows)")
     p.add_argument("--work-dir", metavar="DIR", help="where the disk path writes (default: the temp dir)")
@@ -213,8 +218,11 @@ def _vllm_bench_command(args: argparse.Namespace) -> int:
     opts = VLLMBenchOptions(
         backends=args.backend, model=args.model, size_mb=args.size_mb or 392, replicas=args.receivers or 2,
         bucket_mb=args.bucket_mb[0], repeats=args.repeats, overrides=args.overrides, work_dir=args.work_dir,
-        initial_sync=args.initial_sync,
+        initial_sync=args.initial_sync, modes=args.update_mode, hosts=args.hosts, link=args.link,
     )
+    if bad := [m for m in args.update_mode if m not in UPDATE_MODES]:
+        print(f"--update-mode {','.join(bad)}: expected {', '.join(UPDATE_MODES)}", file=sys.stderr)
+        return 2
     try:
         result = run_vllm_bench(opts, lambda text: print(text, file=sys.stderr, flush=True))
     except Exception as e:
@@ -226,11 +234,14 @@ def _vllm_bench_command(args: argparse.Namespace) -> int:
         print(f"model {result['model_bytes'] / 1e6:.0f} MB, {result['replicas']} vLLM replicas; "
               f"disk reload (all replicas at once) {result['disk_reload_s']:.3f} s, trainer save {result['save_s']:.3f} s")
         for r in result["rows"]:
-            print(f"  {r['backend']:>8} {r['bucket_mb']} MiB: update {r['seconds']:.3f} s (first {r['first_s']:.3f} s; "
+            print(f"  {r['backend']:>8} {r['update_mode']:>6} {r['bucket_mb']} MiB: update {r['seconds']:.3f} s (first {r['first_s']:.3f} s; "
                   f"paused {r['paused_s']:.3f}: pause {r['pause_s']:.3f}, sync {r['sync_s']:.3f}, resume {r['resume_s']:.3f}; worker load "
                   f"{r['worker_load_s']:.3f}); disk reload {r['disk_reload_s']:.3f} s, save {r['save_s']:.3f} s; "
                   f"x disk reload {r['ratio_to_disk_reload']:.2f}, x save+reload "
-                  f"{r['ratio_to_save_reload']:.2f}; landing {r['landing_mb']:.0f} MiB, RSS growth {r['rss_growth_mb']:.0f} MB")
+                  f"{r['ratio_to_save_reload']:.2f}; landing {r.get('landing_mb', 0):.0f} MiB, staging "
+                  f"{r.get('staging_mb', 0):.0f} MiB, RSS growth {r['rss_growth_mb']:.0f} MB"
+                  + (f"; generation {r['gen_during_stage_tokens_per_s']:.0f} tokens/s during a stage, "
+                     f"{r['gen_idle_tokens_per_s']:.0f} idle" if "gen_idle_tokens_per_s" in r else ""))
         print(f"greedy output matches the trainer: {result['greedy_matches_trainer']}")
     return 0 if all(result["greedy_matches_trainer"].values()) else 1
 

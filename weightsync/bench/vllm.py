@@ -9,6 +9,11 @@ figure being their median. After each update the trainer saves the same weights
 (``reload_weights(weights_path=...)``): the row's ratios compare medians taken in the
 same stretch of the run, as the machine's load drifts. After the last update every
 replica's greedy output is checked against the trainer's.
+
+With several ``modes`` (``update_mode`` stream and staged) each backend gets a row per
+mode; ``paused_s`` is what the modes differ in (a staged update pauses only for the local
+load), and a staged row also measures one replica's generation (tokens/s) while a stage
+runs against the same requests idle.
 """
 
 from __future__ import annotations
@@ -60,6 +65,13 @@ class VLLMBenchOptions:
     #: each rollout syncs the model at construction (``initial_version``); off: the first
     #: ``update`` is the first sync of the rollout (on fresh replicas, vLLM's first reload)
     initial_sync: bool = True
+    #: ``update_mode`` values to measure per backend: ``stream`` and/or ``staged`` (rows
+    #: per backend and mode; staged rows add the replicas' generation during a stage)
+    modes: list[str] = field(default_factory=lambda: ["stream"])
+    #: an emulated cluster (``weightsync.bench.cluster``, needs root): the trainer on host 0,
+    #: the replicas on the others; 0: one host, loopback
+    hosts: int = 0
+    link: str = "1gbit"
 
 
 def _rss(pid: int) -> dict[str, float]:
@@ -124,7 +136,66 @@ def _bump(model: torch.nn.Module, step: int) -> None:
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 1e-3)
 
 
+#: the generation measured during a stage against idle: requests of this many tokens
+_GEN_TOKENS = 48
+
+
+def _generation(llm: Any, prompts: list[list[int]], during: Any = None) -> dict[str, float]:
+    """Tokens per second of greedy requests on ``llm``, idle or while ``during()`` (started
+    right after the requests were queued, in a thread) runs; its seconds as ``during_s``."""
+    import threading
+
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=_GEN_TOKENS, ignore_eos=True)
+    llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    spent: dict[str, float] = {}
+
+    def run() -> None:
+        t = time.perf_counter()
+        during()
+        spent["during_s"] = time.perf_counter() - t
+
+    thread = threading.Thread(target=run, daemon=True) if during is not None else None
+    t0 = time.perf_counter()
+    if thread is not None:
+        thread.start()
+    outs = llm.wait_for_completion(use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    if thread is not None:
+        thread.join()
+    return {"tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / seconds, "seconds": seconds, **spent}
+
+
 def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, Any]:
+    """Run the bench (see the module docstring); with ``opts.hosts``, on an emulated cluster,
+    from a thread that enters each host's namespace (the process's own thread stays where
+    it is)."""
+    if not opts.hosts:
+        return _run(opts, progress, None)
+    import threading
+
+    from weightsync.bench.cluster import Cluster, parse_rate
+
+    if opts.hosts < 2:
+        raise ValueError(f"--hosts {opts.hosts}: the trainer's host and at least one for the replicas")
+    out: dict[str, Any] = {}
+    with Cluster(opts.hosts, parse_rate(opts.link)) as cluster:
+        def run() -> None:
+            try:
+                out["result"] = _run(opts, progress, cluster)
+            except BaseException as e:
+                out["error"] = e
+
+        thread = threading.Thread(target=run, name="weightsync-vllm-bench")
+        thread.start()
+        thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
+def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -148,7 +219,16 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         nbytes = sum(t.nbytes for t in model.state_dict().values())
         say(f"model: {nbytes / 1e6:.0f} MB; starting {opts.replicas} replicas")
-        llms = [start_replica(model_dir, max_model_len=128) for _ in range(opts.replicas)]
+        address = "127.0.0.1:0"
+        for i in range(opts.replicas):
+            if cluster is not None:  # vLLM's processes start in the replica's host
+                from weightsync.bench.cluster import enter
+
+                enter(cluster.hosts[1 + i % (len(cluster.hosts) - 1)].netns)
+            llms.append(start_replica(model_dir, max_model_len=128))
+        if cluster is not None:
+            enter(cluster.hosts[0].netns)
+            address = f"{cluster.hosts[0].address}:0"
         replicas = [LLMReplica(llm, f"replica{i}") for i, llm in enumerate(llms)]
         disk = os.path.join(tmp.name, "disk")
         os.makedirs(disk, exist_ok=True)
@@ -175,12 +255,14 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
         step = 0
         rows: list[dict[str, Any]] = []
         saves, reloads = [], []
-        for backend in opts.backends:
-            overrides = [f"backend={backend}", f"update_weights_bucket_megabytes={opts.bucket_mb}", *opts.overrides]
+        for backend, mode in [(b, m) for b in opts.backends for m in opts.modes]:
+            overrides = [f"backend={backend}", f"update_weights_bucket_megabytes={opts.bucket_mb}",
+                         f"update_mode={mode}", *opts.overrides]
             step += 1
             _bump(model, step)
             t0 = time.perf_counter()
-            rollout = VLLMRollout(replicas, overrides, model=model, initial_version=step if opts.initial_sync else None)
+            rollout = VLLMRollout(replicas, overrides, address=address, model=model,
+                                  initial_version=step if opts.initial_sync else None)
             init_s = time.perf_counter() - t0
             initial = rollout.initial_report
             say(f"{backend}: rollout created in {init_s:.3f} s"
@@ -203,19 +285,26 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
                     update_cpu = cpu.end()
                     workers = [r.call("weightsync_status")[0] for r in replicas]
                     peaks = [_rss(p)["VmHWM"] for p in pids]
+
+                    def most(key: str, scale: float = 1.0) -> float | None:  # a staged update has no landing figures
+                        values = [w[key] for w in workers if w.get(key) is not None]
+                        return max(values) / scale if values else None
+
                     updates.append({
                         "seconds": total, "paused_s": report.paused_s, "pause_s": report.pause_s, "sync_s": report.sync_s,
-                        "resume_s": report.resume_s,
+                        "resume_s": report.resume_s, "stage_s": report.stage_s if mode == "staged" else None,
                         "handshake_s": report.stats.handshake_s if report.stats else None,
                         "transfer_s": report.stats.transfer_s if report.stats else None,
-                        "worker_load_s": max(w["load_s"] for w in workers),
-                        "worker_first_s": max(w["first_s"] for w in workers),
-                        "worker_wait_s": max(w["wait_s"] for w in workers),
-                        "landing_mb": max(w["landing_bytes"] for w in workers) / 2**20,
-                        "landing_allocated_mb": max(w["landing_allocated_bytes"] for w in workers) / 2**20,
-                        "landing_peak_mb": max(w["landing_peak_bytes"] for w in workers) / 2**20,
-                        "landing_wait_s": max(w["landing_wait_s"] for w in workers),
-                        "landing_copied_mb": max(w["landing_copied_bytes"] for w in workers) / 2**20,
+                        "worker_load_s": most("commit_s" if mode == "staged" else "load_s"),
+                        "worker_first_s": most("first_s"),
+                        "worker_wait_s": most("wait_s"),
+                        "landing_mb": most("landing_bytes", 2**20),
+                        "landing_allocated_mb": most("landing_allocated_bytes", 2**20),
+                        "landing_peak_mb": most("landing_peak_bytes", 2**20),
+                        "landing_wait_s": most("landing_wait_s"),
+                        "landing_copied_mb": most("landing_copied_bytes", 2**20),
+                        "staging_mb": most("staging_bytes", 2**20) if mode == "staged" else None,
+                        "staging_allocated_mb": most("staging_allocated_bytes", 2**20) if mode == "staged" else None,
                         "rss_before_mb": max(rss), "rss_growth_mb": max(pk - r0 for pk, r0 in zip(peaks, rss)),
                         **{f"cpu_{k}_s": v for k, v in update_cpu.items()},
                     })
@@ -225,26 +314,39 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
                         row_saves.append(save_s)
                         row_reloads.append(reload_s)
                         row_disk_cpu.append(disk_cpu)
-                    say(f"{backend} update {i}{' (first)' if i == 0 else ''}: {total:.3f} s "
-                        f"(sync {report.sync_s:.3f}, load {updates[-1]['worker_load_s']:.3f}; "
+                    say(f"{backend} {mode} update {i}{' (first)' if i == 0 else ''}: {total:.3f} s "
+                        f"(paused {report.paused_s:.3f}, load {updates[-1]['worker_load_s']:.3f}; "
                         f"CPU s {_show(update_cpu)}); disk: save {save_s:.3f} s, reload {reload_s:.3f} s "
                         f"(CPU s {_show(disk_cpu)})")
+                generation = {}
+                if mode == "staged":  # the replicas' generation during a stage, against idle
+                    idle = _generation(llms[0], PROMPTS)
+                    step += 1
+                    _bump(model, step)
+                    busy = _generation(llms[0], PROMPTS, lambda: rollout.stage(model, step))
+                    rollout.commit(step)
+                    generation = {"gen_idle_tokens_per_s": round(idle["tokens_per_s"], 1),
+                                  "gen_during_stage_tokens_per_s": round(busy["tokens_per_s"], 1),
+                                  "gen_during_stage_s": round(busy["seconds"], 4), "gen_stage_s": round(busy["during_s"], 4)}
+                    say(f"{backend} staged: generation {idle['tokens_per_s']:.0f} tokens/s idle, "
+                        f"{busy['tokens_per_s']:.0f} during a stage of {busy['during_s']:.3f} s")
                 steady = updates[1:]
                 seconds = statistics.median(u["seconds"] for u in steady)
                 save_s, reload_s = statistics.median(row_saves), statistics.median(row_reloads)
                 saves += row_saves
                 reloads += row_reloads
                 rows.append({
-                    "backend": backend, "bucket_mb": opts.bucket_mb, "bytes": nbytes,
+                    "backend": backend, "update_mode": mode, "bucket_mb": opts.bucket_mb, "bytes": nbytes,
                     "init_s": round(init_s, 4),
                     "initial_sync_s": round(initial.sync_s, 4) if initial is not None else None,
                     "first_s": round(updates[0]["seconds"], 4),
                     "seconds": round(seconds, 4),
                     "repeats_s": [round(u["seconds"], 4) for u in steady],
                     **{k: round(statistics.median(u[k] for u in steady), 4)
-                       for k in ("paused_s", "pause_s", "sync_s", "resume_s", "handshake_s", "transfer_s", "worker_load_s",
-                                 "worker_first_s", "worker_wait_s", "landing_mb", "landing_allocated_mb",
-                                 "landing_peak_mb", "landing_wait_s", "landing_copied_mb",
+                       for k in ("paused_s", "pause_s", "sync_s", "resume_s", "stage_s", "handshake_s", "transfer_s",
+                                 "worker_load_s", "worker_first_s", "worker_wait_s", "landing_mb", "landing_allocated_mb",
+                                 "landing_peak_mb", "landing_wait_s", "landing_copied_mb", "staging_mb",
+                                 "staging_allocated_mb",
                                  "rss_before_mb", *(f"cpu_{g}_s" for g in cpu.groups)) if steady[0][k] is not None},
                     "rss_growth_mb": round(max(u["rss_growth_mb"] for u in steady), 1),
                     # where the first update's time went
@@ -254,6 +356,7 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
                     **{f"disk_cpu_{g}_s": round(statistics.median(c[g] for c in row_disk_cpu), 3) for g in cpu.groups},
                     "ratio_to_disk_reload": round(seconds / reload_s, 3),
                     "ratio_to_save_reload": round(seconds / (save_s + reload_s), 3),
+                    **generation,
                 })
             finally:
                 rollout.close()
@@ -264,12 +367,13 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
         _bump(model, step)
         last = opts.backends[-1]
         with VLLMRollout(replicas, [f"backend={last}", f"update_weights_bucket_megabytes={opts.bucket_mb}",
-                                    *opts.overrides]) as rollout:
+                                    *opts.overrides], address=address) as rollout:
             rollout.update(model, step, mode="keep")
         expected = trainer_greedy(model, PROMPTS, 8)
         greedy = {r.name: replica_greedy(llm, PROMPTS, 8) == expected for r, llm in zip(replicas, llms)}
         return {
             "model_bytes": nbytes, "replicas": opts.replicas, "rows": rows,
+            "hosts": opts.hosts, "link": opts.link if opts.hosts else None,
             "disk_reload_s": round(reload_s, 4), "disk_reload_repeats_s": [round(s, 4) for s in reloads],
             "save_s": round(save_s, 4), "save_repeats_s": [round(s, 4) for s in saves],
             "greedy_matches_trainer": greedy,

@@ -62,6 +62,8 @@ log = logging.getLogger("weightsync.vllm")
 
 #: The name of weightsync in vLLM's weight-transfer engine registry.
 BACKEND_NAME = "weightsync"
+#: ``update_weights(update_info={"phase": ...})`` of the weight-transfer engine
+UPDATE_PHASES = ("stream", "stage", "staged", "commit")
 
 Reload = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 
@@ -374,9 +376,20 @@ def _engine_classes() -> tuple[type, type, type]:
 
     @dataclass
     class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
-        """``update_weights(update_info={"version": N})``: the version to receive."""
+        """``update_weights(update_info={"version": N, "phase": ...})``: the version, and
+        what to do with it (``UPDATE_PHASES``): ``stream`` it into the running model (the
+        default), ``stage`` it into host memory (returns at once; the engine keeps
+        serving), wait until it is ``staged`` (fails if the stage did), or ``commit`` the
+        staged version into the model."""
 
         version: int
+        phase: str = "stream"
+        #: ``staged``: how long to wait for the stage (the call holds the engine's loop)
+        wait_s: float = 60.0
+
+        def __post_init__(self) -> None:
+            if self.phase not in UPDATE_PHASES:
+                raise ValueError(f"weightsync: phase={self.phase!r}: expected one of {', '.join(UPDATE_PHASES)}")
 
     class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
         """vLLM weight-transfer engine ``weightsync``: one ``update_weights`` call receives a
@@ -415,9 +428,19 @@ def _engine_classes() -> tuple[type, type, type]:
                     raise
                 _reprocess_tied(self.model, self.vllm_config)
 
-            status = self.state.receive(update_info.version, reload)
+            version, phase = update_info.version, update_info.phase
+            if phase == "stage":
+                self.state.stage(version)
+                return
+            if phase == "staged":
+                status = self.state.staged(update_info.wait_s)
+                if status["staging"] or status["staged"] != version:
+                    why = "still staging" if status["staging"] else status.get("stage_error") or "not staged"
+                    raise RuntimeError(f"weightsync: version {version} is not staged: {why}")
+                return
+            status = self.state.commit(version, reload) if phase == "commit" else self.state.receive(version, reload)
             if not status["ok"]:
-                raise RuntimeError(f"weightsync: version {update_info.version} failed: {status['error']}")
+                raise RuntimeError(f"weightsync: version {version} failed: {status['error']}")
 
         def shutdown(self) -> None:
             self.state.close()

@@ -25,6 +25,7 @@ so it does not import this module itself: the two stay one-way.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -248,6 +249,50 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         self.last_stats = stats
         log.info("weightsync: version %d reached %s in %.3f s", version, self.where, time.perf_counter() - t0)
         return stats
+
+    def stage_weights(self, version: int | None = None, *, force: bool = False) -> SyncStats:
+        """The first half of a staged round, while the server keeps generating (place no
+        pause around it): ``update_weights`` with phase ``stage`` (returns at once: each
+        worker receives into its staging copy in the background), the transfer, then
+        ``update_weights`` with phase ``staged`` (fails unless every worker holds the
+        version complete), each call in its own ``start_weight_update`` /
+        ``finish_weight_update`` (without a version), so no vLLM round stays open across the
+        transfer (a trainer killed meanwhile leaves the server free for the next). A
+        failure raises ``TrainerRoundError``; the server serves its weights untouched.
+        Then pause, ``commit_weights``, resume."""
+        version = (self.version or 0) + 1 if version is None else int(version)
+        self.version = version
+        src = _as_weightsync_source(self.source)
+        if not self.is_sender:
+            return self.sender.send(src, version, force=force)
+        self._round(version, {"version": version, "phase": "stage"})
+        try:
+            stats = self.sender.send(src, version, force=force)
+        except SyncError as e:
+            # Wait for the workers' stage to end (it failed too), so the next round finds them free.
+            with contextlib.suppress(Exception):
+                self._round(version, {"version": version, "phase": "staged", "wait_s": self.config.timeout_s})
+            self._fail(f"staging version {version} on {self.where} failed: {self._name(str(e))}", version, e)
+        self._round(version, {"version": version, "phase": "staged", "wait_s": self.config.timeout_s})
+        self.last_stats = stats
+        return stats
+
+    def _round(self, version: int, update_info: dict[str, Any], weight_version: str | None = None) -> None:
+        """One vLLM weight-update round of a single ``update_weights`` call."""
+        self._call("start_weight_update", version, lambda: self.client.start_weight_update())
+        self._call(f"update_weights ({update_info['phase']})", version, lambda: self.client.update_weights(update_info))
+        self._call("finish_weight_update", version, lambda: self.client.finish_weight_update(weight_version=weight_version))
+
+    def commit_weights(self, version: int | None = None) -> None:
+        """The second half, between the caller's ``/pause`` and ``/resume``: load the staged
+        ``version`` (default: the last staged) into the server's model from host memory,
+        and make it the server's ``weight_version``."""
+        version = self.version if version is None else int(version)
+        if version is None:
+            raise ValueError("commit_weights: nothing was staged (call stage_weights first)")
+        if not self.is_sender:
+            return
+        self._round(version, {"version": version, "phase": "commit"}, weight_version=str(version))
 
     def _call(self, method: str, version: int, fn: Any) -> None:
         try:
