@@ -230,24 +230,32 @@ def test_a_rollout_with_an_initial_version_serves_the_model_when_constructed(set
         VLLMRollout(setup.replicas, OVERRIDES, initial_version=setup.version + 1)
 
 
-def test_delta_sync_reaches_both_replicas_with_greedy_parity(setup):
-    """delta=on through real vLLM workers (each keeps a base copy and streams full tensors
-    into vLLM's reload): versions after the first go relative, outputs match the trainer.
-    (``on``: in this loaded test process ``auto`` may rightly find deltas slower.)"""
+@pytest.mark.parametrize("update_mode", ["stream", "staged"])
+def test_delta_sync_reaches_both_replicas_bit_exact(setup, tmp_path, update_mode):
+    """delta=on through real vLLM workers. Streamed, each worker keeps a base copy and
+    streams full tensors into vLLM's reload; staged, the staging copies are the delta base
+    (deltas applied into them in place, no third copy). Versions after the first go
+    relative, outputs match the trainer, and after three versions A's weights equal vLLM's
+    own reload of the trainer's checkpoint from disk, bit for bit. (``on``: in this loaded
+    test process ``auto`` may rightly find deltas slower.)"""
     setup.rollout.close()
-    setup.rollout = VLLMRollout(setup.replicas, OVERRIDES + ["delta=on", "verify=crc32"])
+    setup.rollout = VLLMRollout(setup.replicas, OVERRIDES + ["delta=on", "verify=crc32", f"update_mode={update_mode}"])
     try:
         bases = []
         for step in range(3):
             expected = setup.train()
             setup.version += 1
             report = setup.rollout.update(setup.model, setup.version, mode="abort")
-            assert report.ok, report.summary()
+            assert report.ok and report.phase == ("staged" if update_mode == "staged" else "update"), report.summary()
             bases.append(report.stats.delta_base)
             for llm in setup.llms:
                 assert replica_greedy(llm, PROMPTS, NEW) == expected
         # the first update gives both workers their base; the later ones go as deltas
         assert bases == [None, setup.version - 2, setup.version - 1], bases
+        a, b = setup.llms
+        setup.model.save_pretrained(str(tmp_path))
+        b.collective_rpc("weightsync_reload_from_path", args=(str(tmp_path),))
+        assert a.collective_rpc("weightsync_digests")[0] == b.collective_rpc("weightsync_digests")[0]
     finally:
         setup._connect()  # the module's usual rollout (no delta) for the next tests
 
@@ -512,30 +520,6 @@ def test_a_stage_whose_source_fails_leaves_every_replica_serving_and_unpaused(se
     assert report.ok and report.phase == "staged" and report.stage_s > 0, report.summary()
     for llm in setup.llms:
         assert replica_greedy(llm, PROMPTS, NEW) == expected
-
-
-def test_staged_delta_updates_apply_into_the_staging_copy_bit_exact(setup, tmp_path):
-    """update_mode=staged with delta=on: the staging copies are the delta base (versions
-    after the first go relative, applied into them); after three versions the replica's
-    weights equal vLLM's own reload of the trainer's checkpoint from disk, bit for bit."""
-    setup.rollout.close()
-    setup.rollout = VLLMRollout(setup.replicas, OVERRIDES + ["delta=on", "verify=crc32", "update_mode=staged"])
-    try:
-        bases = []
-        for _ in range(3):
-            expected = setup.train()
-            setup.version += 1
-            report = setup.rollout.update(setup.model, setup.version, mode="abort")
-            assert report.ok and report.phase == "staged", report.summary()
-            bases.append(report.stats.delta_base)
-        assert bases == [None, setup.version - 2, setup.version - 1], bases
-        a, b = setup.llms
-        assert replica_greedy(a, PROMPTS, NEW) == expected
-        setup.model.save_pretrained(str(tmp_path))
-        b.collective_rpc("weightsync_reload_from_path", args=(str(tmp_path),))
-        assert a.collective_rpc("weightsync_digests")[0] == b.collective_rpc("weightsync_digests")[0]
-    finally:
-        setup._connect()
 
 
 def _alive(pid: int) -> bool:

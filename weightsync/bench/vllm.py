@@ -320,6 +320,7 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
                         f"(CPU s {_show(disk_cpu)})")
                 generation = {}
                 if mode == "staged":  # the replicas' generation during a stage, against idle
+                    _generation(llms[0], PROMPTS)  # warm-up: the timed runs below see the same engine state
                     idle = _generation(llms[0], PROMPTS)
                     step += 1
                     _bump(model, step)
@@ -327,7 +328,9 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
                     rollout.commit(step)
                     generation = {"gen_idle_tokens_per_s": round(idle["tokens_per_s"], 1),
                                   "gen_during_stage_tokens_per_s": round(busy["tokens_per_s"], 1),
-                                  "gen_during_stage_s": round(busy["seconds"], 4), "gen_stage_s": round(busy["during_s"], 4)}
+                                  "gen_during_stage_s": round(busy["seconds"], 4), "gen_stage_s": round(busy["during_s"], 4),
+                                  # the share of that generation the stage ran beside
+                                  "gen_overlap": round(min(1.0, busy["during_s"] / busy["seconds"]), 3)}
                     say(f"{backend} staged: generation {idle['tokens_per_s']:.0f} tokens/s idle, "
                         f"{busy['tokens_per_s']:.0f} during a stage of {busy['during_s']:.3f} s")
                 steady = updates[1:]
