@@ -13,7 +13,8 @@ replica's greedy output is checked against the trainer's.
 With several ``modes`` (``update_mode`` stream and staged) each backend gets a row per
 mode; ``paused_s`` is what the modes differ in (a staged update pauses only for the local
 load), and a staged row also measures one replica's generation (tokens/s) while a stage
-runs against the same requests idle.
+runs against the same requests idle. With ``hosts`` (``--hosts N --link RATE``, root) the
+trainer runs on emulated host 0 and the replicas' processes on the others, every NIC shaped.
 """
 
 from __future__ import annotations
