@@ -160,12 +160,16 @@ def test_two_versions_reach_both_replicas_with_greedy_parity(setup):
     assert [(r.name, r.version, r.mixed) for r in setup.rollout.status()] == [("A", setup.version, False), ("B", setup.version, False)]
 
 
-def test_replicas_run_with_tcmalloc_preloaded_as_vllm_recommends_on_cpu(setup):
+def test_replicas_run_with_tcmalloc_preloaded_and_sleeping_openmp_threads_on_shared_cores(setup):
     """start_replica preloads TCMalloc (make install-vllm installs it) into the engine's
-    processes only: every worker has it mapped, this process does not."""
+    processes only: every worker has it mapped, this process does not. The workers' OpenMP
+    threads sleep at barriers (OMP_WAIT_POLICY=PASSIVE from vllm_environment): replicas
+    sharing cores would otherwise spin on the cores each other's loads need."""
     for pid in setup.pids:
         with open(f"/proc/{pid}/maps") as f:
             assert "libtcmalloc" in f.read(), pid
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            assert b"OMP_WAIT_POLICY=PASSIVE" in f.read().split(b"\0"), pid
     with open("/proc/self/maps") as f:
         assert "libtcmalloc" not in f.read()
     assert "tcmalloc" not in os.environ.get("LD_PRELOAD", "")
