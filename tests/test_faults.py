@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from weightsync import EngineConfig, HandshakeError, Receiver, Sender, SyncError
+from weightsync.packer import SourceFailed
 from weightsync.session import RemoteFailure
 from weightsync.sources import IteratorSource
 
@@ -97,6 +98,50 @@ def test_sender_sigkilled_mid_sync_then_a_new_sender_completes_the_version():
             assert (receiver.version, receiver.failed_version, receiver.torn) == (2, None, False)
     finally:
         stop([p for p in (sender, replacement) if p is not None])
+
+
+class _TimedFailingSource(workers.FailingSource):
+    """FailingSource that records when it raised."""
+
+    raised_at = None
+
+    def tensors(self):
+        try:
+            yield from super().tensors()
+        except RuntimeError:
+            self.raised_at = time.monotonic()
+            raise
+
+
+@pytest.mark.parametrize("backend", ["nccl", "shm"])
+def test_the_trainers_source_raising_mid_transfer_fails_at_once_blaming_no_peer(backend):
+    """The trainer's source raises after 20 tensors went out: the sender raises
+    ``SourceFailed`` (the source's exception as its cause) at once, blaming no receiver,
+    where it used to wait 2 s for a peer's EOF first; both receivers fail that version
+    within seconds, keep version 1, know version 2 is torn; version 3 is exact."""
+    q = CTX.Queue()
+    overrides = config(backend=backend, timeout=60)
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
+        receivers = [start(workers.run_resilient_receiver, sender.address, r, overrides, [1, 2, 3], q) for r in (0, 1)]
+        try:
+            sender.send(big_weights(1), version=1)
+            assert sorted(r[1] for r in collect(q, 2)) == [1, 1]
+            source = _TimedFailingSource(big_weights(2), after=20)
+            with pytest.raises(SourceFailed, match=r"sync of version 2 failed: the source raised after 20 tensor\(s\): "
+                                                   r"RuntimeError: the trainer failed mid-transfer") as failure:
+                sender.send(source, version=2)
+            assert time.monotonic() - source.raised_at < 1.0  # the EOF grace was 2 s
+            assert failure.value.ranks == []
+            assert isinstance(failure.value.__cause__.__cause__, RuntimeError)
+            for _ in receivers:
+                rank, status, message, held, attempted, torn = q.get(timeout=30)
+                assert (status, held, attempted, torn) == ("error", 1, 2, True), message
+            sender.send(big_weights(3), version=3)
+            for _ in receivers:
+                rank, version, got, held = q.get(timeout=60)
+                assert (version, held) == (3, 3) and got == digests(big_weights(3))
+        finally:
+            stop(receivers)
 
 
 # ---------------------------------------------------------------------------- dropped connection

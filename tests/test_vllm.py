@@ -40,8 +40,8 @@ NEW = 8
 VOCAB = 5000
 # Well above DETECT_S: a failure found only by waiting out a deadline fails the bounds of
 # the failure tests, which assert detection (measured on 2 loaded cores: a refused
-# configuration 0.04 s, a killed replica 0.2 s, a source failing mid-stream 2.0 s, most of
-# it the sender's 2 s grace for a peer's EOF in Sender._explain).
+# configuration 0.04 s, a killed replica 0.2 s, a source failing mid-stream 2.0 s while the
+# sender waited 2 s for a peer's EOF before reporting it; it no longer waits).
 TIMEOUT_S = 60
 DETECT_S = 10
 OVERRIDES = ["backend=nccl", "update_weights_bucket_megabytes=1", f"timeout_s={TIMEOUT_S}"]

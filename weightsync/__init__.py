@@ -8,6 +8,7 @@ Bit-exact, versioned, through pluggable backends (``naive``, ``nccl``/HCCL/Gloo,
 from weightsync.config import ConfigError, EngineConfig
 from weightsync.engines import EngineUnavailable, register_engine
 from weightsync.engines.base import Engine, Join, Offer, Publisher, Transport
+from weightsync.packer import SourceFailed
 from weightsync.plan import Plan, TensorSpec, make_plan
 from weightsync.session import (
     HandshakeError,
@@ -46,6 +47,7 @@ __all__ = [
     "RemoteFailure",
     "Sender",
     "SinkError",
+    "SourceFailed",
     "SyncError",
     "SyncStats",
     "SyncTimeout",

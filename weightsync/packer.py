@@ -18,6 +18,11 @@ from weightsync.sources import WeightSource
 from weightsync.verify import checksum_fn
 
 
+class SourceFailed(SyncError):
+    """The trainer's own source raised mid-sync (its exception is the cause): no peer is
+    to blame, so the sender reports it at once instead of looking for one that went away."""
+
+
 def capacity(plan: Plan | None, bucket_bytes: int) -> int:
     """Buffer size a sync needs: its largest bucket (a streamed sync may fill a whole one)."""
     if plan is None:
@@ -55,6 +60,8 @@ class Packer:
             name, tensor = next(self.items)
         except StopIteration:
             return False
+        except Exception as e:
+            raise SourceFailed(f"the source raised after {self.pulled} tensor(s): {type(e).__name__}: {e}") from e
         spec = TensorSpec.of(name, tensor)
         if self.plan is not None:
             if self.pulled >= len(self.plan.tensors):

@@ -25,21 +25,10 @@ from weightsync.config import SECRET_ENV, EngineConfig
 from weightsync.delta_sync import DeltaEncoder, Outgoing
 from weightsync.engines import Publisher, Transport, get_engine
 from weightsync.engines.base import Join
-from weightsync.packer import capacity, producer
+from weightsync.packer import SourceFailed, capacity, producer
 from weightsync.plan import Plan, make_plan
-from weightsync.session import (
-    PROTOCOL_VERSION,
-    Channel,
-    ControlServer,
-    Deadline,
-    HandshakeError,
-    PartlyConnected,
-    PeerLost,
-    RemoteFailure,
-    SyncError,
-    dead_ranks,
-    lost_receivers,
-)
+from weightsync.session import (PROTOCOL_VERSION, Channel, ControlServer, Deadline, HandshakeError, PartlyConnected,
+                                PeerLost, RemoteFailure, SyncError, dead_ranks, lost_receivers)
 from weightsync.sources import WeightSource, as_source
 from weightsync.stats import SyncStats
 from weightsync.trainers import TrainerFollower, TrainerPeers
@@ -586,6 +575,8 @@ class Sender:
         """Turn a transport error into one that names the peer(s) that went away."""
         if isinstance(error, SyncError) and error.ranks:
             return error
+        if isinstance(error, SourceFailed):  # the trainer's own failure: no peer to wait for
+            return SourceFailed(f"{what} failed: {error}")
         # A crashed peer's sockets all close at once, but the transport may notice first:
         # give its control connection a moment to show the EOF.
         grace = time.monotonic() + min(2.0, self.config.timeout_s)
