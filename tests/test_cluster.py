@@ -1,7 +1,7 @@
 """The emulated cluster (weightsync.bench.cluster) and every cross-host transport on it:
 shaping within 15% of the set rate, cut and heal, nothing left behind, a clear refusal
 without iproute2; nccl (its chain), paired and mooncake bit-exact over 3 versions on 4
-hosts; the nccl chain with 1, 2 and 7 receivers sending the model once out of the
+hosts, and their deltas once per link; the nccl chain with 1, 2 and 7 receivers sending the model once out of the
 trainer's NIC; a receiver killed mid-sync on the chain. Needs root (CI runs as root):
 where the cluster cannot be made, these tests fail with the reason, they never skip."""
 
@@ -103,6 +103,23 @@ def test_every_cross_host_transport_is_bit_exact_over_3_versions_on_4_hosts():
         assert row.ratios["ratio_to_link_ceiling"] > 0 and len(row.nic_bytes) == 4
         # every route sends the model once out of the trainer's NIC, not once per receiver
         assert row.bytes <= row.nic_bytes[0]["tx_bytes"] < 1.3 * row.bytes, (row.backend, row.nic_bytes)
+
+
+@pytest.mark.mooncake
+def test_deltas_cross_each_link_once_over_every_cross_host_transport_and_arrive_bit_exact():
+    """AdamW versions of a bf16 model (256 KiB tensors) with delta=on to 3 receiver hosts: after
+    the dense warm-up only deltas travel, each receiver ends with the sender's bytes (the
+    bench checks), and the encoded bytes leave the trainer's NIC once per sync, not once
+    per receiver (the NIC counters cover the timed delta syncs only)."""
+    rows = run_bench(BenchOptions(backends=["nccl", "paired", "mooncake"], bucket_mb=[4], receivers=3, size_mb=24,
+                                  shape="small-tensors", update="adamw", deltas=["on"], repeats=2, hosts=4, link="1gbit", timeout_s=60))
+    assert [(r.backend, r.delta) for r in rows] == [("nccl", "on"), ("paired", "on"), ("mooncake", "on")]
+    for row in rows:
+        assert 0 < row.density < 0.1 and row.wire_bytes < 0.1 * row.bytes, (row.backend, row.density, row.wire_bytes)
+        sent = row.nic_bytes[0]["tx_bytes"]
+        # packet headers and control messages on top; one copy per receiver would be 3x
+        assert row.wire_bytes <= sent < 1.3 * row.wire_bytes + 256 * 1024, (row.backend, row.wire_bytes, row.nic_bytes)
+        assert all(n["rx_bytes"] >= row.wire_bytes for n in row.nic_bytes[1:]), (row.backend, row.nic_bytes)
 
 
 @pytest.mark.parametrize("receivers", [1, 2, 7])

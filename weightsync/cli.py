@@ -8,7 +8,7 @@ import logging
 import sys
 
 from weightsync.config import ConfigError, EngineConfig
-from weightsync.config_keys import UPDATE_MODES
+from weightsync.config_keys import DELTA_MODES, UPDATE_MODES
 from weightsync.config_docs import docs_markdown
 
 
@@ -77,6 +77,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="how versions differ: every tensor a little (bump, default), or an AdamW step of fp32 "
                         "masters sent in the model dtype, with rows for delta off, auto and on per backend (adamw)")
     p.add_argument("--lr", type=float, default=1e-6, help="learning rate of --update adamw (default: 1e-6)")
+    p.add_argument("--delta", type=_csv(str), default=list(DELTA_MODES), metavar="MODES",
+                   help="--update adamw: comma-separated delta settings, a row per backend and setting (default: "
+                        "off,auto,on)")
     p.add_argument("--no-initial-sync", dest="initial_sync", action="store_false",
                    help="--rollout vllm: no sync at each rollout's construction (VLLMRollout initial_version), so "
                         "the first update pays vLLM's first reload on fresh replicas")
@@ -93,7 +96,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "copy of the bytes every receiver needs)")
     p.add_argument("--hosts", type=int, default=0, metavar="N",
                    help="an emulated cluster of N hosts (network namespaces, needs root): trainer rank(s) on their own "
-                        "host(s), receivers on the others; rows report ratio_to_link_ceiling and each NIC's bytes per sync")
+                        "host(s), receivers on the others; rows report ratio_to_link_ceiling and each NIC's bytes per timed sync")
     p.add_argument("--link", default="1gbit", metavar="RATE", help="--hosts: every NIC's rate, egress and ingress (default: 1gbit)")
     p.add_argument("--trainer-link", default=None, metavar="RATE", help="--hosts: the trainer hosts' NIC rate (default: --link)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -267,6 +270,9 @@ def _bench_command(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    if bad := [m for m in args.delta if m not in DELTA_MODES]:
+        print(f"--delta {','.join(bad)}: expected {', '.join(DELTA_MODES)}", file=sys.stderr)
+        return 2
     from weightsync.bench import BenchError, BenchOptions, run_bench
     from weightsync.bench.report import plot, table, to_json
 
@@ -275,7 +281,8 @@ def _bench_command(args: argparse.Namespace) -> int:
         size_mb=args.size_mb or 1024,
         shape=args.shape, dtype=args.dtype, model=args.model, repeats=args.repeats,
         alternatives=args.alternatives, overrides=args.overrides, work_dir=args.work_dir, device=args.device,
-        update=args.update, lr=args.lr, hosts=args.hosts, link=args.link, trainer_link=args.trainer_link,
+        update=args.update, lr=args.lr, deltas=args.delta, hosts=args.hosts, link=args.link,
+        trainer_link=args.trainer_link,
     )
     err = Console(stderr=True)  # progress on stderr keeps --json output clean
     try:

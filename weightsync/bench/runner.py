@@ -74,6 +74,8 @@ class BenchOptions:
     #: of fp32 masters sent in the model's dtype; rows with delta off, auto and on per backend)
     update: str = "bump"
     lr: float = 1e-6
+    #: the ``delta`` settings of ``update="adamw"``: a row per backend and setting
+    deltas: list[str] = field(default_factory=lambda: ["off", "auto", "on"])
     #: where every process holds the model and transfer buffers: "cpu", or "cuda" / "cuda:N"
     device: str = "cpu"
     #: an emulated cluster of this many hosts (0: every process on this machine): trainer
@@ -106,7 +108,8 @@ class Row:
     wire_bytes: int | None = None
     density: float | None = None
     device: str = "cpu"
-    #: on an emulated cluster: each host's NIC bytes per sync (``tx``, ``rx``), host 0 first
+    #: on an emulated cluster: each host's NIC bytes per timed sync (``tx``, ``rx``; the
+    #: warm-up not counted), host 0 first
     nic_bytes: list[dict[str, int]] | None = None
 
     @property
@@ -150,7 +153,7 @@ def plan_rows(opts: BenchOptions) -> list[tuple[str, int | None, str | None]]:
         if opts.device == "cpu":  # per-tensor broadcast and the disk reload are CPU paths
             rows += [(alt, None, None) for alt in ALTERNATIVES]
         rows += [(c, None, None) for c in dict.fromkeys(ceiling_of(b, opts.device) for b in opts.backends) if c]
-    deltas: list[str | None] = ["off", "auto", "on"] if opts.update == "adamw" else [None]
+    deltas: list[str | None] = list(opts.deltas) if opts.update == "adamw" else [None]
     rows += [(b, mb, d) for b in opts.backends for mb in opts.bucket_mb for d in (deltas if b != "disk" else deltas[:1])]
     return rows
 
@@ -221,11 +224,7 @@ def _run_rows(opts: BenchOptions, progress: Callable[[str, int, int], None] | No
             job = Job(kind, specs, opts.receivers, opts.repeats, row_overrides[1:], opts.model, opts.work_dir, opts.timeout_s,
                       trainers=opts.trainers if kind in _ALL_RANKS_SEND else 1, update=opts.update, lr=opts.lr,
                       device=device, netns=netns or {}, host=host)
-            before = counters() if counters is not None else None
-            row = _run_row(job, mb, tick)
-            if counters is not None:
-                syncs = len(job.versions)  # the warm-up included: the NICs count it too
-                row.nic_bytes = [{k: (a[k] - b[k]) // syncs for k in a} for a, b in zip(counters(), before)]
+            row = _run_row(job, mb, tick, counters)
             row.delta = delta
             rows.append(row)
     if netns is None:
@@ -252,9 +251,16 @@ def _device(device: str) -> str:
     return f"{parsed.type}:{parsed.index or 0}"
 
 
-def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None]) -> Row:
+def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None],
+             counters: Callable[[], list[dict[str, int]]] | None = None) -> Row:
+    """One row's processes, run to the end. ``counters``: the NICs' byte counters (an
+    emulated cluster), read after the warm-up and after the last sync: ``Row.nic_bytes``
+    covers the timed syncs only."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
+    before: list[dict[str, int]] | None = None
+    if counters is not None:
+        job = dataclasses.replace(job, counted=ctx.Event())
     procs: list[mp.process.BaseProcess] = []
     results: dict[int, dict[str, Any]] = {}
     expected = 1 if job.kind in _SINGLE_PROCESS else job.receivers + job.trainers
@@ -291,6 +297,9 @@ def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None]) -> Ro
                         spawn(sync_receiver, job, payload, r, q)
                 for t in range(1, job.trainers):  # the other trainer ranks (paired)
                     spawn(sync_sender, job, q, t, payload)
+            elif kind == "warm" and job.counted is not None:
+                before = counters()
+                job.counted.set()
             elif kind == "tick":
                 tick(payload)
             elif kind == "result":
@@ -325,6 +334,8 @@ def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None]) -> Ro
         wire_bytes=int(statistics.median(sender["wire_bytes"])) if sender.get("wire_bytes") else None,
         density=_median_or_none(sender.get("density")),
         device=job.device,
+        nic_bytes=None if before is None else [{k: (a[k] - b[k]) // job.repeats for k in a}
+                                               for a, b in zip(counters(), before)],
     )
 
 

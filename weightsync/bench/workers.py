@@ -47,6 +47,10 @@ class Job:
     #: result key, and trainer rank 0's address there
     netns: dict[int, str] = field(default_factory=dict)
     host: str = "127.0.0.1"
+    #: an event the driver sets once it has read the NICs' counters after the warm-up, for
+    #: which trainer rank 0 waits (it says ``("warm", 0, 1)``): the counts cover the timed
+    #: syncs only (a delta row's warm-up is a dense sync). None: nothing is counted.
+    counted: Any = None
 
     def enter_host(self, key: int) -> None:
         """Move this process onto its emulated host, first thing (threads follow)."""
@@ -122,6 +126,10 @@ def sync_sender(job: Job, queue, rank: int = 0, address: str | None = None) -> N
                 else:
                     models.bump(state, v)
                 stats = sender.send(state, version=v)
+                if v == 1 and rank == 0 and job.counted is not None:
+                    queue.put(("warm", 0, v))
+                    if not job.counted.wait(job.timeout_s):
+                        raise RuntimeError("the bench driver did not read the NIC counters after the warm-up")
                 if v > 1 and rank == 0:  # the first sync also sets up groups and touches buffers
                     seconds.append(stats.seconds)
                     wire.append(stats.wire_bytes)
