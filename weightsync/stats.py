@@ -24,8 +24,12 @@ class SyncStats:
     wire_bytes: int = 0
     buckets: int = 0
     receivers: int = 0
-    #: handshake plus joining the data-plane group (seconds)
+    #: from the start to the end of the handshake and of joining the data-plane group
+    #: (seconds; a delta sync's encoding and the receivers' base digests included)
     handshake_s: float = 0.0
+    #: a delta sync, on the sender: encoding the version against the base, before the
+    #: handshake (seconds, part of ``handshake_s``)
+    encode_s: float = 0.0
     #: moving the buckets (seconds)
     transfer_s: float = 0.0
     #: the whole sync, from the handshake to the last acknowledgement (seconds)

@@ -108,6 +108,11 @@ class Row:
     wire_bytes: int | None = None
     density: float | None = None
     device: str = "cpu"
+    #: where a sync's seconds go on the sender (medians): ``encode_s`` (a delta sync's
+    #: encoding), ``handshake_s`` (the rest of the handshake: a delta sync's receivers hash
+    #: their base there), ``transfer_s``, ``rest_s`` (verification, receivers applying
+    #: and acknowledging)
+    phases: dict[str, float] | None = None
     #: on an emulated cluster: each host's NIC bytes per timed sync (``tx``, ``rx``; the
     #: warm-up not counted), host 0 first
     nic_bytes: list[dict[str, int]] | None = None
@@ -134,6 +139,7 @@ class Row:
             "wire_bytes": self.wire_bytes,
             "density": None if self.density is None else round(self.density, 5),
             "device": self.device,
+            **({"phases_s": {k: round(v, 4) for k, v in self.phases.items()}} if self.phases else {}),
             **({"nic_bytes_per_sync": self.nic_bytes} if self.nic_bytes is not None else {}),
             **self.ratios,
         }
@@ -334,6 +340,8 @@ def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None],
         wire_bytes=int(statistics.median(sender["wire_bytes"])) if sender.get("wire_bytes") else None,
         density=_median_or_none(sender.get("density")),
         device=job.device,
+        phases={k: statistics.median(p[k] for p in sender["phases"]) for k in sender["phases"][0]}
+        if sender.get("phases") else None,
         nic_bytes=None if before is None else [{k: (a[k] - b[k]) // job.repeats for k in a}
                                                for a, b in zip(counters(), before)],
     )

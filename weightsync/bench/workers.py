@@ -116,7 +116,7 @@ def sync_sender(job: Job, queue, rank: int = 0, address: str | None = None) -> N
             state = job.sender_state()
         baseline = _rss_mb()
         config = EngineConfig.from_overrides([f"backend={job.kind}", *job.overrides])
-        seconds, wire, density = [], [], []
+        seconds, wire, density, phases = [], [], [], []
         with Sender(config, address, job.receivers, rank=rank, num_trainers=job.trainers, **job.endpoint_kwargs()) as sender:
             if rank == 0:
                 queue.put(("ready", 0, sender.address))
@@ -134,8 +134,11 @@ def sync_sender(job: Job, queue, rank: int = 0, address: str | None = None) -> N
                     seconds.append(stats.seconds)
                     wire.append(stats.wire_bytes)
                     density.append(stats.density)
+                    phases.append({"encode_s": stats.encode_s, "handshake_s": stats.handshake_s - stats.encode_s,
+                                   "transfer_s": stats.transfer_s,
+                                   "rest_s": stats.seconds - stats.handshake_s - stats.transfer_s})
                     queue.put(("tick", 0, v))
-            return {"seconds": seconds, "wire_bytes": wire, "density": density,
+            return {"seconds": seconds, "wire_bytes": wire, "density": density, "phases": phases,
                     "digest": models.digest(state), "buckets": stats.buckets, **_memory(baseline)}
 
     _guard(queue, 0 if rank == 0 else job.receivers + rank, body)
