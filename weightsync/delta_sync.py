@@ -402,7 +402,7 @@ class Outgoing:
     def account(self, stats: SyncStats) -> None:
         """A delta sync's figures in the stats: the encoding's seconds, the model's bytes
         and tensors (the wire's are the transport's), the density and the base."""
-        stats.encode_s = self.encode_s  # also where auto's probe chose to send it whole
+        stats.encode_s = self.encode_s  # a version auto sent whole counts its probe here
         if self.encoding is None or self.header is None:
             return
         stats.bytes, stats.tensors = self.encoding.model_bytes, len(self.header.model)
