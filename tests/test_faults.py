@@ -100,19 +100,6 @@ def test_sender_sigkilled_mid_sync_then_a_new_sender_completes_the_version():
         stop([p for p in (sender, replacement) if p is not None])
 
 
-class _TimedFailingSource(workers.FailingSource):
-    """FailingSource that records when it raised."""
-
-    raised_at = None
-
-    def tensors(self):
-        try:
-            yield from super().tensors()
-        except RuntimeError:
-            self.raised_at = time.monotonic()
-            raise
-
-
 @pytest.mark.parametrize("backend", ["nccl", "shm"])
 def test_the_trainers_source_raising_mid_transfer_fails_at_once_blaming_no_peer(backend):
     """The trainer's source raises after 20 tensors went out: the sender raises
@@ -126,7 +113,7 @@ def test_the_trainers_source_raising_mid_transfer_fails_at_once_blaming_no_peer(
         try:
             sender.send(big_weights(1), version=1)
             assert sorted(r[1] for r in collect(q, 2)) == [1, 1]
-            source = _TimedFailingSource(big_weights(2), after=20)
+            source = workers.FailingSource(big_weights(2), after=20)
             with pytest.raises(SourceFailed, match=r"sync of version 2 failed: the source raised after 20 tensor\(s\): "
                                                    r"RuntimeError: the trainer failed mid-transfer") as failure:
                 sender.send(source, version=2)

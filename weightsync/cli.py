@@ -37,6 +37,13 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
                    help="--rollout vllm: what pausing does to in-flight requests (default: keep)")
 
 
+def _allowed(flag: str, values: list[str], allowed: tuple[str, ...]) -> bool:
+    """Whether every value of a comma-separated option is allowed; if not, say which on stderr."""
+    if bad := [v for v in values if v not in allowed]:
+        print(f"{flag} {','.join(bad)}: expected {', '.join(allowed)}", file=sys.stderr)
+    return not bad
+
+
 def _csv(kind):
     def parse(text: str) -> list:
         try:
@@ -223,8 +230,7 @@ def _vllm_bench_command(args: argparse.Namespace) -> int:
         bucket_mb=args.bucket_mb[0], repeats=args.repeats, overrides=args.overrides, work_dir=args.work_dir,
         initial_sync=args.initial_sync, modes=args.update_mode, hosts=args.hosts, link=args.link,
     )
-    if bad := [m for m in args.update_mode if m not in UPDATE_MODES]:
-        print(f"--update-mode {','.join(bad)}: expected {', '.join(UPDATE_MODES)}", file=sys.stderr)
+    if not _allowed("--update-mode", args.update_mode, UPDATE_MODES):
         return 2
     try:
         result = run_vllm_bench(opts, lambda text: print(text, file=sys.stderr, flush=True))
@@ -270,8 +276,7 @@ def _bench_command(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    if bad := [m for m in args.delta if m not in DELTA_MODES]:
-        print(f"--delta {','.join(bad)}: expected {', '.join(DELTA_MODES)}", file=sys.stderr)
+    if not _allowed("--delta", args.delta, DELTA_MODES):
         return 2
     from weightsync.bench import BenchError, BenchOptions, run_bench
     from weightsync.bench.report import plot, table, to_json

@@ -61,7 +61,9 @@ class Packer:
         except StopIteration:
             return False
         except Exception as e:
-            raise SourceFailed(f"the source raised after {self.pulled} tensor(s): {type(e).__name__}: {e}") from e
+            planned = self.plan.tensors if self.plan is not None else ()
+            due = f" (tensor {planned[self.pulled].name!r} was due)" if self.pulled < len(planned) else ""
+            raise SourceFailed(f"the source raised after {self.pulled} tensor(s): {type(e).__name__}: {e}{due}") from e
         spec = TensorSpec.of(name, tensor)
         if self.plan is not None:
             if self.pulled >= len(self.plan.tensors):
