@@ -1,8 +1,8 @@
 """The emulated cluster (weightsync.bench.cluster) and every cross-host transport on it:
 shaping within 15% of the set rate, cut and heal, nothing left behind, a clear refusal
 without iproute2; nccl (its chain), paired and mooncake bit-exact over 3 versions on 4
-hosts, and their deltas once per link; the nccl chain with 1, 2 and 7 receivers sending the model once out of the
-trainer's NIC; a receiver killed mid-sync on the chain. Needs root (CI runs as root):
+hosts, and their deltas once per link; the nccl chain with 1, 2 and 7 receivers sending
+the model once out of the trainer's NIC; a receiver killed mid-sync on the chain. Needs root (CI runs as root):
 where the cluster cannot be made, these tests fail with the reason, they never skip."""
 
 import os
