@@ -33,12 +33,14 @@ from weightsync.session import (
     Deadline,
     HandshakeError,
     PeerLost,
+    Rerouted,
     SyncError,
     VerificationError,
     connect,
     in_context,
 )
-from weightsync.sinks import ModuleSink, SinkError
+from weightsync.published import take
+from weightsync.sinks import ModuleSink
 from weightsync.state import VersionState
 from weightsync.stats import SyncStats
 from weightsync.verify import Checks
@@ -100,6 +102,7 @@ class Receiver:
         self._session: str | None = None  # the sender's session last joined
         self._plan: Plan | None = None
         self._receiving: int | None = None  # the version in transfer, for messages
+        self._reroutable = False  # the sync in transfer: the sender may route around a lost receiver
         #: the delta stage (``weightsync.delta_intake``): a streaming receiver's base, and each sync's routing
         self._decoder = DeltaDecoder(config.delta, rank)
 
@@ -203,6 +206,8 @@ class Receiver:
         if ch is not None and ch.is_dead(behind=True):  # a streamed sync's announcements may wait unread
             what = f"during the transfer of version {self._receiving}"
             raise PeerLost(ch.gone(what))
+        if ch is not None and self._reroutable and (msg := ch.void_until("reroute")) is not None:
+            raise Rerouted.said(ch.peer, msg)  # lost downstream of us, or upstream with our data
 
     def _reset(self) -> None:
         if self._channel is not None:
@@ -298,39 +303,7 @@ class Receiver:
     def _take(
         self, publisher: Publisher, version: int | None, sink: ModuleSink | None, owned: bool
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Take one published version and acknowledge it; the version rules are the same
-        as over a session."""
-        start = time.perf_counter()
-        offer = publisher.offer(self.rank, version)
-        v = offer.version
-        problem = self.state.refusal(v, offer.force) or offer.refusal(self.config)
-        if problem is None and sink is not None and offer.specs is not None:
-            try:
-                sink.check(offer.specs)  # before anything is written, as over a session
-            except SinkError as e:
-                problem = str(e)
-        if problem is not None:  # a clean refusal: nothing read, the state stays
-            offer.ack("refused", problem)
-            raise HandshakeError(f"receiver rank {self.rank} refused version {v}: {problem}")
-        offer.ack("reading")
-        self._receiving = v
-        stats = SyncStats(v, receivers=1, buckets=offer.parts, handshake_s=time.perf_counter() - start)
-        t0 = time.perf_counter()
-        try:
-            for name, tensor in offer.tensors(self.device, owned):
-                stats.tensors += 1
-                stats.bytes += tensor.nbytes
-                yield name, tensor
-        except BaseException as e:  # a damaged shard, a failed or stopped consumer
-            self.state.failed(v, delivered=stats.tensors > 0)
-            what = "stopped early" if isinstance(e, GeneratorExit) else repr(e)
-            offer.ack("failed", f"receiver rank {self.rank} did not complete version {v}: {what}")
-            raise
-        offer.ack("ok")
-        stats.transfer_s = time.perf_counter() - t0
-        stats.seconds = time.perf_counter() - start
-        self.state.completed(v)
-        self.last_stats = stats
+        self.last_stats = yield from take(publisher, self.rank, version, sink, owned, self.state, self.config, self.device)
 
     # ------------------------------------------------------------------ transport family
     def _sync_session(
@@ -340,7 +313,14 @@ class Receiver:
         """One sync over a session, in phases: the sender's offer, the handshake (plan and
         delta stage agreed), the data plane joined, then the transfer and acknowledgement."""
         ch, v, plan, incoming, start = self._open(version, sink)
-        yield from self._transfer(ch, v, plan, incoming, sink, owned, landing, settle, start)
+        handed: set[str] = set()  # names handed out in attempts the sender re-routed
+        while True:
+            try:
+                yield from self._transfer(ch, v, plan, incoming, sink, owned, landing, settle, start, handed)
+                return
+            except Rerouted as e:  # the same version again, without a lost receiver
+                log.warning("receiver rank %d: %s; taking it again", self.rank, e)
+                ch, v, plan, incoming, start = self._open(v, sink)
 
     def _open(self, version: int | None, sink: ModuleSink | None) -> tuple[Channel, int, Plan | None, Incoming, float]:
         """Wait for the sender's sync, agree on it and join its data plane; returns the
@@ -355,7 +335,7 @@ class Receiver:
             ch, msg = self._await_sync(ch, version)
             start = time.perf_counter()  # the sync starts when the sender starts it
             v, plan, incoming, msg = self._handshake(ch, msg, version, sink)
-            info = msg["engine"]
+            info, self._reroutable = msg["engine"], msg.get("reroute") is True
             transport.connect(self._join(ch, v, info, capacity(plan, self.config.bucket_bytes)), info)
         except HandshakeError:
             raise  # a clean refusal: both sides are between syncs, the connection stays
@@ -374,7 +354,7 @@ class Receiver:
         waiting = Deadline(self.config.timeout_s, f"for the sender to start a sync{what}")
         while True:
             try:
-                msg = ch.recv(waiting, expect=("sync", "closing", "warmup", "cancel"))
+                msg = ch.recv(waiting, expect=("sync", "closing", "warmup", "cancel", "reroute"))
             except PeerLost:
                 # The sender drops every connection after a sync that failed anywhere
                 # (ours may have gone well): join again, within the same deadline.
@@ -383,6 +363,8 @@ class Receiver:
                 self.connect()
                 ch = self._channel
                 assert ch is not None
+                continue
+            if msg["type"] == "reroute":  # of a version this receiver completed before the loss
                 continue
             if msg["type"] == "cancel":  # nothing was read: a clean end, the state stays
                 raise HandshakeError(f"receiver rank {self.rank}: the sender cancelled the sync of version "
@@ -417,7 +399,7 @@ class Receiver:
 
     def _transfer(
         self, ch: Channel, v: int, plan: Plan | None, incoming: Incoming, sink: ModuleSink | None, owned: bool,
-        landing: Any, settle: Callable[[], None] | None, start: float,
+        landing: Any, settle: Callable[[], None] | None, start: float, handed: set[str],
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The data plane: engine -> plan (merge pieces) -> delta stage -> consumer; then
         verification, the consumer's last step (``settle``) and the acknowledgement."""
@@ -459,12 +441,13 @@ class Receiver:
                 for name, tensor in assembler.unpack(bucket, buffer):
                     entries += 1
                     item = incoming.take(name, tensor, keep)
-                    if item is None:
+                    if item is None or item[0] in handed:
                         continue
                     stats.tensors += 1
                     stats.bytes += item[1].numel() * item[1].element_size()
                     try:
                         yield item
+                        handed.add(item[0])
                     except BaseException as e:  # the consumer failed or stopped early
                         consumer_error = e
                         break
@@ -497,7 +480,9 @@ class Receiver:
             if not isinstance(e, PeerLost) and ch.seems_silent():  # another receiver gave up on it first
                 cause = PeerLost(f"{ch.peer} went silent during the transfer of version {v}: nothing heard for "
                                  f"{ch.unheard_s():.1f} s (heartbeat_grace_s={ch.grace_s:g}); the data plane then failed: {e}")
-            delivered = incoming.delivered(bool(received) or direct, stats.tensors > 0)
+            delivered = incoming.delivered(bool(received) or direct, stats.tensors > 0 or bool(handed))
+            if self._reroutable and (rerouted := self._rerouted(ch, v, cause, delivered)) is not None:
+                raise rerouted from e
             self._finish(v, ok=False, message=f"transfer failed: {cause}", broken=True, delivered=delivered)
             error = in_context(cause, f"receiver rank {self.rank}: transfer of version {v} from {ch.peer} failed")
             if error is e:
@@ -513,6 +498,22 @@ class Receiver:
             raise consumer_error
         if problem is not None:
             raise VerificationError(problem)
+
+    def _rerouted(self, ch: Channel, v: int, cause: Exception, delivered: bool) -> Rerouted | None:
+        """This attempt at a sync the sender may route around a lost receiver failed: say so
+        and wait for the sender's word. Its ``reroute`` (the version comes again), or None
+        (the sender failed the sync, or is gone itself)."""
+        if not isinstance(cause, Rerouted) and (ch.is_dead() or ch.seems_silent()):
+            return None  # the sender is the one lost
+        assert self._transport is not None
+        self._transport.finish(ok=False)
+        self.state.failed(v, delivered)
+        try:
+            deadline = Deadline(self.config.timeout_s, f"for the sender's word after version {v} failed here")
+            ch.send({"type": "done", "version": v, "ok": False, "message": f"transfer failed: {cause}"}, deadline)
+            return cause if isinstance(cause, Rerouted) else Rerouted.said(ch.peer, ch.recv(deadline, expect="reroute"))
+        except SyncError:
+            return None
 
     def _join_next_session(self, old: Channel) -> Channel:
         """The sender said goodbye: join the sender now listening on the same address (a

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,19 +26,16 @@ from weightsync.config import SECRET_ENV, EngineConfig
 from weightsync.delta_sync import DeltaEncoder, Outgoing
 from weightsync.engines import Publisher, Transport, get_engine
 from weightsync.engines.base import Join
-from weightsync.packer import SourceFailed, capacity, producer
+from weightsync.packer import capacity, producer
 from weightsync.plan import Plan, make_plan
+from weightsync.replies import answers, dead_ranks, explain, gather_done, lost_receivers
 from weightsync.session import (PROTOCOL_VERSION, Channel, ControlServer, Deadline, HandshakeError, PartlyConnected,
-                                PeerLost, RemoteFailure, SyncError, dead_ranks, lost_receivers)
+                                PeerLost, RemoteFailure, SyncError)
 from weightsync.sources import WeightSource, as_source
 from weightsync.stats import SyncStats
 from weightsync.trainers import TrainerFollower, TrainerPeers
 
 log = logging.getLogger("weightsync")
-
-
-def _bound_host(server: ControlServer) -> str:
-    return server.sock.getsockname()[0]
 
 
 class Sender:
@@ -98,6 +96,7 @@ class Sender:
         self._acked_plan: dict[int, str] = {}  # receiver rank -> plan hash it holds
         self._encoder = DeltaEncoder(config.delta, config.bucket_bytes)  # the delta stage (weightsync.delta_sync)
         self._confirmed: set[int] = set()  # receivers that confirmed the last sync
+        self._rerouting = False  # the failed sync's others wait to take its version again
         self._doing = ""  # what the session is in, for messages ("the transfer of version 3")
         if issubclass(self.engine_cls, Publisher):
             self._publisher = self.engine_cls(config, self.device, address)
@@ -105,7 +104,7 @@ class Sender:
             self._transport = self.engine_cls(config, self.device)
             self._server = ControlServer(address)
             self.address = self._server.address
-            if config.secret() is None and reachable_from_other_hosts(_bound_host(self._server)):
+            if config.secret() is None and reachable_from_other_hosts(self._server.sock.getsockname()[0]):
                 log.warning(
                     "the sender's control socket listens on %s, which other hosts can reach, and no shared "
                     "secret is set: anyone who reaches it can join as a receiver (and be handed the weights "
@@ -248,7 +247,7 @@ class Sender:
             for rank, ch in self._channels.items():
                 ch.send({**msg, "engine": {**info, "rank": self._group_rank(rank)}}, deadline)
             peers = [(f"receiver rank {r}", r, ch) for r, ch in sorted(self._channels.items())]
-            self._answers(peers, deadline, "refused the warm-up")
+            answers(peers, deadline, "refused the warm-up")
             for _, _, ch in peers:
                 ch.send({"type": "go"}, deadline)
             transport.connect(join, info)  # its own deadline: timeout_s
@@ -359,6 +358,60 @@ class Sender:
         return self._finish_stats(self._send_session(src, version, plan, force, start), start)
 
     def _send_session(self, src: WeightSource, version: int, plan: Plan | None, force: bool, start: float) -> SyncStats:
+        """One sync; with ``drop_lost_receivers``, receivers lost in it leave the members,
+        and where the transport routes around them the others take the version again now."""
+        dropped: list[int] = []
+        again: list[int] | None = None  # the receivers that take the version again
+        while True:
+            try:
+                with self._only(again):
+                    stats = self._sync_once(src, version, plan, force, start)
+                stats.dropped = dropped
+                return stats
+            except PeerLost as e:
+                if not self.config.drop_lost_receivers or not set(self._members) - set(e.ranks):
+                    raise
+                dropped += e.ranks
+                self._members -= set(e.ranks)
+                if not self._rerouting:
+                    e.args = (f"{e}; dropped from the receivers (drop_lost_receivers): the next sync goes to "
+                              f"receiver rank(s) {self.receivers}",)
+                    raise
+            self._rerouting = False
+            log.warning("version %d: receiver rank(s) %s lost and dropped (drop_lost_receivers); the others take "
+                        "it again through a new data plane", version, dropped)
+            try:
+                again = self._reroute(version, dropped)
+            except Exception as e:
+                self._drop_receivers()
+                raise self._explain(e, f"re-routing version {version}") from e
+            if not again:  # every receiver left had completed it before the loss
+                return SyncStats(version, receivers=self.num_receivers, dropped=dropped)
+
+    @contextlib.contextmanager
+    def _only(self, ranks: list[int] | None) -> Iterator[None]:
+        """The sync in this block goes to these receivers only (None: every member)."""
+        if ranks is None:
+            yield
+            return
+        members, channels = self._members, self._channels
+        self._members, self._channels = set(ranks), {r: channels[r] for r in ranks}
+        try:
+            yield
+        finally:  # channels the block dropped stay dropped
+            self._members = members
+            self._channels = {r: ch for r, ch in channels.items() if r not in ranks} | self._channels
+
+    def _reroute(self, version: int, lost: list[int]) -> list[int]:
+        """Tell the receivers left that ``version`` comes again without the ``lost`` ones,
+        and read how their attempt ended: those that completed it before the loss keep it.
+        Returns the ranks that take it again."""
+        deadline = Deadline(self.config.timeout_s, f"re-routing version {version}")
+        for ch in self._channels.values():
+            ch.send({"type": "reroute", "version": version, "lost": lost}, deadline)
+        return sorted(gather_done(self._channels, version, self.config.timeout_s, set()))
+
+    def _sync_once(self, src: WeightSource, version: int, plan: Plan | None, force: bool, start: float) -> SyncStats:
         """Trainer rank 0 over a transport, in phases: the delta stage, the handshake, the
         transfer, verification, acknowledgements."""
         transport = self._transport
@@ -376,7 +429,7 @@ class Sender:
         # "broken": the transport or a peer failed mid-protocol, so connections and group
         # are in an unknown state and are rebuilt; "refused": a receiver refused or failed
         # cleanly, everyone is between syncs and the connections stay.
-        outcome = "broken"
+        outcome, lost = "broken", []
         went = False  # the go was given: other trainer ranks then wait for the outcome
         try:
             info = {**transport.prepare(join), "world_size": join.world_size, "senders": senders}
@@ -397,18 +450,27 @@ class Sender:
                 self._trainers.tell(version, str(e), self.config.timeout_s)
             raise
         except Exception as e:
-            raise self._explain(e, f"sync of version {version}") from e
+            error = self._explain(e, f"sync of version {version}")
+            if self._may_reroute(out.plan) and isinstance(error, PeerLost) and set(self._channels) - set(error.ranks):
+                outcome, self._rerouting, lost = "rerouted", True, error.ranks  # the others stay connected for it
+            raise error from e
         finally:
             if outcome == "ok":
                 self._trainers.tell(version, None, self.config.timeout_s)
             out.finished(time.perf_counter() - start - stats.handshake_s,
                          self._confirmed if outcome != "ok" else set(self._channels))
-            transport.finish(ok=outcome != "broken")
+            transport.finish(ok=outcome not in ("broken", "rerouted"))
             if outcome == "ok" and out.plan is not None:
                 self._acked_plan = {r: out.plan.hash for r in self._channels}
-            if outcome == "broken":
-                self._drop_receivers()  # receivers see the failure and reconnect
+            if outcome in ("broken", "rerouted"):  # receivers see the failure and reconnect
+                self._drop_receivers(lost if outcome == "rerouted" else None)
         return stats
+
+    def _may_reroute(self, plan: Plan | None) -> bool:
+        """Receivers lost in this sync may be routed around in it (the source is then read
+        again: it must announce its tensors, a bare iterator could not be)."""
+        return (self.config.drop_lost_receivers and self.engine_cls.reroutes and plan is not None
+                and not self._trainers.count)
 
     def _transfer(self, out: Outgoing, stats: SyncStats, deadline: Deadline) -> dict[int, int]:
         """Pack ``out`` by its plan and move it (other trainer ranks send their shares);
@@ -506,6 +568,7 @@ class Sender:
                 "force": force,
                 "verify": self.config.verify,
                 "engine": {**info, "rank": self._group_rank(rank)},
+                "reroute": self._may_reroute(plan),  # after a loss, wait for the sender's word
                 **out.handshake_fields(),
             }
             if plan is not None and self._acked_plan.get(rank) != plan.hash:
@@ -516,51 +579,11 @@ class Sender:
             ch.send(trainer_msg, deadline)
         peers = [(f"receiver rank {r}", r, ch) for r, ch in sorted(self._channels.items())]
         peers += self._trainers.peers()
-        return plans_sent, peers, self._answers(peers, deadline, f"refused version {version}"), deadline
-
-    @staticmethod
-    def _answers(
-        peers: list[tuple[str, int | None, Channel]], deadline: Deadline, refused: str
-    ) -> list[tuple[int | None, dict[str, Any]]]:
-        """Read every peer's ``ready`` (rank and reply, in order). If any answered with an
-        error, tell every peer to abort and raise ``HandshakeError`` naming the refusers."""
-        replies, refusals = [], {}
-        for name, rank, ch in peers:
-            try:
-                reply = ch.recv(deadline, expect=("ready", "error"))
-            except SyncError as e:  # silent, gone or too slow: this peer is the one to blame
-                if rank is not None and not e.ranks:
-                    e.ranks = [rank]
-                raise
-            if reply["type"] == "error":
-                refusals[name] = (rank, f"{name} {refused}: {reply.get('message')}")
-            replies.append((rank, reply))
-        if refusals:
-            reason = "; ".join(text for _, text in refusals.values())
-            for _, _, ch in peers:
-                try:  # best effort: a refusing peer may already have hung up
-                    ch.send({"type": "abort", "message": reason}, deadline)
-                except SyncError:
-                    pass
-            raise HandshakeError(reason, ranks=[r for r, _ in refusals.values() if r is not None])
-        return replies
+        return plans_sent, peers, answers(peers, deadline, f"refused version {version}"), deadline
 
     def _gather_done(self, version: int) -> None:
-        deadline = Deadline(self.config.timeout_s, f"waiting for receivers to confirm version {version}")
-        failures, lost = {}, {}
         self._confirmed = set()
-        for rank, ch in sorted(self._channels.items()):
-            try:
-                reply = ch.recv(deadline, expect="done")
-            except PeerLost as e:  # read the others: they tell whether this one was alone
-                lost[rank] = str(e)
-                continue
-            if reply.get("ok") is not True:
-                failures[rank] = f"receiver rank {rank} failed version {version}: {reply.get('message')}"
-            else:
-                self._confirmed.add(rank)
-        if lost:  # a receiver gone without a word is to blame; the others' failures follow from it
-            raise PeerLost("; ".join([*lost.values(), *failures.values()]), ranks=list(lost))
+        failures = gather_done(self._channels, version, self.config.timeout_s, self._confirmed)
         if failures:
             raise RemoteFailure("; ".join(failures.values()), ranks=list(failures))
 
@@ -572,20 +595,4 @@ class Sender:
                 ch.send({"type": "cancel", "version": version, "message": reason}, deadline)
 
     def _explain(self, error: Exception, what: str) -> Exception:
-        """Turn a transport error into one that names the peer(s) that went away."""
-        if isinstance(error, SyncError) and error.ranks:
-            return error
-        if isinstance(error, SourceFailed):  # the trainer's own failure: no peer to wait for
-            return SourceFailed(f"{what} failed: {error}")
-        # A crashed peer's sockets all close at once, but the transport may notice first:
-        # give its control connection a moment to show the EOF.
-        grace = time.monotonic() + min(2.0, self.config.timeout_s)
-        while not (dead := dead_ranks(self._channels)) and time.monotonic() < grace:
-            time.sleep(0.02)
-        if isinstance(error, SyncError):  # raised by the session: it names the peer already
-            error.ranks = dead
-            return error
-        if dead:  # a peer gone without a word: PeerLost, whichever side noticed first
-            names = ", ".join(self._channels[r].peer for r in dead)
-            return PeerLost(f"{what} failed: {names} disconnected ({error})", ranks=dead)
-        return SyncError(f"{what} to {self.num_receivers} receiver(s) failed: {error}")
+        return explain(error, what, self._channels, min(2.0, self.config.timeout_s))

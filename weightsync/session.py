@@ -50,6 +50,8 @@ import msgpack
 
 from weightsync import auth
 from weightsync.config import SECRET_ENV
+from weightsync.errors import (HandshakeError, PartlyConnected, PeerLost, ProtocolError, RemoteFailure, SyncError,  # noqa: F401
+                               Rerouted, SyncTimeout, VerificationError, in_context)  # re-exported: the session raises them
 from weightsync.stats import SyncStats  # re-exported: ``weightsync.session.SyncStats`` is public
 
 if TYPE_CHECKING:
@@ -65,59 +67,6 @@ HELLO_TIMEOUT_S = 10.0
 ROLES = ("receiver", "trainer")  # who may say hello: rollout receivers, other trainer ranks
 MAX_PENDING_HELLOS = 64
 _HEADER = struct.Struct("!I")
-
-
-class SyncError(RuntimeError):
-    """A sync failed; the message names the peer, the version and, where known, the tensor.
-
-    ``ranks``: the receivers known to have caused it (died, refused, failed to load), so a
-    controller can ``Sender.remove_receiver`` them; empty when no receiver is to blame.
-    """
-
-    def __init__(self, message: str, *, ranks: list[int] | None = None) -> None:
-        super().__init__(message)
-        self.ranks: list[int] = list(ranks or [])
-
-
-class SyncTimeout(SyncError, TimeoutError):
-    """A peer did not answer within the deadline."""
-
-
-class PartlyConnected(SyncTimeout):
-    """Not every member connected within the deadline. ``connected``: the channels of those
-    that did, keyed as ``ControlServer.accept`` keys them; the caller keeps them, so a
-    receiver that connected stays connected when another never comes."""
-
-    def __init__(self, message: str, *, ranks: list[int], connected: dict[Any, Channel]) -> None:
-        super().__init__(message, ranks=ranks)
-        self.connected = connected
-
-
-class PeerLost(SyncError):
-    """A peer closed its connection (or its process died)."""
-
-
-class HandshakeError(SyncError):
-    """The two sides disagree on protocol, version, plan or bucket size."""
-
-
-class ProtocolError(SyncError):
-    """A peer sent something that is not a valid message here (malformed, oversized,
-    wrongly typed, out of order). Nothing it sent was acted on."""
-
-
-def in_context(error: Exception, context: str) -> SyncError:
-    """The error as a SyncError of its own kind whose message starts with ``context`` (which
-    receiver, which version, which sender), however deep in the transfer it arose: the same
-    failure reads the same whichever path noticed it first."""
-    if str(error).startswith(context):
-        return error if isinstance(error, SyncError) else SyncError(str(error))
-    kind = type(error) if isinstance(error, SyncError) else SyncError
-    ranks = error.ranks if isinstance(error, SyncError) else None
-    try:
-        return kind(f"{context}: {error}", ranks=ranks)
-    except TypeError:  # a subclass with its own constructor: keep its kind, say where
-        return SyncError(f"{context}: {error}", ranks=ranks)
 
 
 MAX_GROUP_SIZE = 1 << 16  # ranks in one data-plane group (a transport may allocate per rank)
@@ -139,16 +88,6 @@ def engine_problem(info: Any) -> str | None:
 
 def _no_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack extension type {code} is not accepted")
-
-
-class VerificationError(SyncError):
-    """Bytes arrived that differ from what the sender sent (``verify`` is on); the message
-    names the tensors affected. The receiver's version did not advance."""
-
-
-class RemoteFailure(SyncError):
-    """A receiver took part in the whole sync but reported that it failed (a sink error,
-    say). The connections stay usable: the next sync can go ahead on them."""
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -193,6 +132,7 @@ class Channel:
         self.silent = False
         #: the socket error that ended the connection, if one did (``is_dead``)
         self.error: OSError | None = None
+        self._inbox = bytearray()  # bytes read ahead by ``void_until``, before the socket's
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def probe(self, grace_s: float) -> None:
@@ -253,7 +193,8 @@ class Channel:
             raise self._lost(e, deadline.what) from None
 
     def _read(self, n: int, deadline: Deadline) -> bytes:
-        chunks = bytearray()
+        chunks = self._inbox[:n]
+        del self._inbox[:n]
         while len(chunks) < n:
             try:
                 self.sock.settimeout(deadline.left())
@@ -285,9 +226,39 @@ class Channel:
         wanted = (expect,) if isinstance(expect, str) else expect
         if wanted is None or msg["type"] in wanted:
             return msg
+        if msg["type"] == "reroute":
+            raise Rerouted.said(self.peer, msg)
         if msg["type"] in ("error", "abort"):
             raise HandshakeError(f"{self.peer} reported: {msg.get('message', '(no message)')}")
         raise ProtocolError(f"{self.peer} sent {msg['type']!r} where {' or '.join(wanted)} was expected {deadline.what}")
+
+    def void_until(self, kind: str) -> dict[str, Any] | None:
+        """Without blocking: if a message of type ``kind`` has arrived, drop it and every
+        message before it unread (it voids them: a ``reroute`` ends the attempt they belong
+        to) and return it; else None, keeping what was read ahead for ``recv``."""
+        try:
+            while select.select([self.sock], [], [], 0)[0] and len(self._inbox) < self.max_frame:
+                data = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+                if not data:
+                    break
+                self._inbox += data
+        except OSError:  # ``is_dead`` reports it
+            pass
+        at = 0
+        while at + _HEADER.size <= len(self._inbox):
+            (size,) = _HEADER.unpack_from(self._inbox, at)
+            end = at + _HEADER.size + size
+            if size > self.max_frame or end > len(self._inbox):
+                return None  # not all here yet (an oversized one: ``recv`` refuses it)
+            try:
+                msg = msgpack.unpackb(bytes(self._inbox[at + _HEADER.size:end]), raw=False, ext_hook=_no_ext)
+            except Exception:
+                return None  # malformed: ``recv`` says so
+            if isinstance(msg, dict) and msg.get("type") == kind:
+                del self._inbox[:end]
+                return msg
+            at = end
+        return None
 
     def is_dead(self, behind: bool = False) -> bool:
         """True if the peer has closed the connection, or went silent (``silent`` is then
@@ -494,27 +465,6 @@ def _greet(conn: socket.socket, peer: tuple, backend: str, secret: bytes | None,
 
 def _member(m: Any) -> tuple[str, int]:
     return ("receiver", m) if isinstance(m, int) else tuple(m)
-
-
-def dead_ranks(channels: dict[int, Channel]) -> list[int]:
-    """The ranks whose connection is dead (checked without blocking). Once one went silent,
-    also those whose heartbeats go unanswered: with the trainer's own host cut off, every
-    receiver's grace runs out within a heartbeat, and none of them is healthy."""
-    dead = [r for r, ch in channels.items() if ch.is_dead()]
-    if any(channels[r].silent for r in dead):
-        dead += [r for r, ch in channels.items() if r not in dead and ch.seems_silent()]
-    return sorted(dead)
-
-
-def lost_receivers(channels: dict[int, Channel], dead: list[int], what: str, others: tuple[str, ...] | list[str] = ()) -> str:
-    """The receivers ``dead`` among ``channels`` (and the ``others``, other trainer ranks
-    gone), for an error: each closed, or silent and how that was found; where one went
-    silent, also which receivers are healthy, so an operator knows whom not to blame."""
-    lost = [channels[r].gone(what) for r in dead] + [f"{peer} disconnected {what}" for peer in others]
-    healthy = [f"receiver rank {r}" for r in sorted(channels) if r not in dead]
-    if healthy and any(channels[r].silent for r in dead):
-        lost.append(f"healthy: {', '.join(healthy)}")
-    return "; ".join(lost)
 
 
 def _keyed(joined: dict[tuple[str, int], Channel]) -> dict[Any, Channel]:

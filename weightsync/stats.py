@@ -42,6 +42,8 @@ class SyncStats:
     delta_base: int | None = None
     #: a delta sync, on the sender: the fraction of elements that changed since the base
     density: float | None = None
+    #: receivers lost in this sync and dropped (``drop_lost_receivers``), on the sender
+    dropped: list[int] = field(default_factory=list)
 
     @property
     def gbps(self) -> float:

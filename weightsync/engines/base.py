@@ -112,6 +112,10 @@ class Transport(ABC):
     #: A tensor larger than a bucket may travel in pieces over several buckets; if False,
     #: such a tensor is an error at plan time.
     splits_tensors: ClassVar[bool] = True
+    #: After a receiver is lost mid-sync, a new data plane of the others can take the same
+    #: version again at once (``drop_lost_receivers``): nothing of the failed one can still
+    #: write into a receiver's memory.
+    reroutes: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config

@@ -23,8 +23,8 @@ each copy while earlier pieces are on the wire (registering every source tensor 
 would cost a registration per sync, and memory a failed write may still read). A tree
 would make each inner node upload everything two or more times, halving the rate on the
 bottleneck links: the chain is faster, and simpler. Its cost: one receiver lost in the
-middle fails the sync for those behind it; the sync fails at once either way and the
-next one is built for the survivors.
+middle fails the sync for those behind it; a new chain of the others then takes the
+version again (``drop_lost_receivers``) or the next one.
 
 Signals do not go through Mooncake: each link has a small TCP connection of our own,
 bound to the control connection's interface, carrying the slot ring's versioned frames
@@ -61,8 +61,7 @@ try:
 except ImportError as e:  # the registry reports this as "backend 'mooncake' cannot be loaded"
     raise ImportError(
         f"backend 'mooncake' needs Mooncake Transfer Engine: pip install 'weightsync[mooncake]' "
-        f"(CUDA: mooncake-transfer-engine, Ascend: mooncake-transfer-engine-npu) ({e})",
-        name=e.name or "mooncake",
+        f"(CUDA: mooncake-transfer-engine, Ascend: mooncake-transfer-engine-npu) ({e})", name=e.name or "mooncake",
     ) from e
 
 log = logging.getLogger("weightsync.engines.mooncake")
@@ -120,6 +119,7 @@ class _Local:
 
 class MooncakeEngine(Transport):
     name = "mooncake"
+    reroutes = True  # failed writes land in orphaned ring memory only (``_Local.release``)
 
     def __init__(self, config, device) -> None:
         super().__init__(config, device)
