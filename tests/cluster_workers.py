@@ -45,23 +45,24 @@ def partition_weights(version: int) -> dict[str, torch.Tensor]:
 
 def run_commanded_sender(host, overrides, num_receivers, commands, queue, weights="big_weights"):
     """A sender that sends each version the test asks for (``("send", v)`` on ``commands``;
-    ``("remove", rank)`` drops a receiver; None ends): reports ``("sending", v)`` as it
-    starts, then ``("sent", v, seconds)`` or ``("failed", v, seconds, message, ranks)``."""
+    ``("remove", rank)`` drops a receiver, ``("add", rank)`` takes one back; None ends):
+    reports ``("sending", v)`` as it starts, then ``("sent", v, seconds, dropped)`` or
+    ``("failed", v, seconds, message, ranks)``."""
     torch.set_num_threads(1)
     make = getattr(workers, weights, None) or globals()[weights]
     with Sender(EngineConfig.from_overrides(overrides), f"{host}:0", num_receivers) as sender:
         queue.put(("listening", sender.address))
         while (command := commands.get(timeout=300)) is not None:
             kind, arg = command
-            if kind == "remove":
-                sender.remove_receiver(arg)
+            if kind in ("remove", "add"):
+                getattr(sender, f"{kind}_receiver")(arg)
                 continue
             payload = make(arg)
             queue.put(("sending", arg))
             t0 = time.monotonic()
             try:
-                sender.send(payload, version=arg)
-                queue.put(("sent", arg, time.monotonic() - t0))
+                stats = sender.send(payload, version=arg)
+                queue.put(("sent", arg, time.monotonic() - t0, stats.dropped))
             except SyncError as e:
                 queue.put(("failed", arg, time.monotonic() - t0, str(e), e.ranks))
 

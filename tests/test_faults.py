@@ -41,8 +41,20 @@ def test_receiver_sigkilled_mid_sync_then_survivors_sync_bit_exact(backend):
     sender and both survivors fail far below the 60 s deadline (detected, not waited
     out), the survivors keep version 1 and know version 2 is torn; version 3 to the
     survivors is exact."""
+    kill_mid_sync_then_sync_the_survivors(backend, drop=False)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "shm"])
+def test_with_drop_lost_receivers_a_collective_fails_the_sync_and_the_next_goes_to_the_survivors(backend):
+    """As above with ``drop_lost_receivers`` on a transport that cannot route around the
+    lost receiver: the sync fails the same way, the sender drops it by itself, and the next
+    sync reaches the survivors without ``remove_receiver``."""
+    kill_mid_sync_then_sync_the_survivors(backend, drop=True)
+
+
+def kill_mid_sync_then_sync_the_survivors(backend, drop):
     q = CTX.Queue()
-    overrides = config(backend=backend, timeout=60)
+    overrides = [*config(backend=backend, timeout=60), f"drop_lost_receivers={str(drop).lower()}"]
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 3) as sender:
         victim = start(workers.run_resilient_receiver, sender.address, 0, overrides, [1, 2], q, (2, 3))
         survivors = [start(workers.run_resilient_receiver, sender.address, r, overrides, [1, 2, 3], q) for r in (1, 2)]
@@ -64,7 +76,9 @@ def test_receiver_sigkilled_mid_sync_then_survivors_sync_bit_exact(backend):
                 assert "version 2" in message
             assert time.monotonic() - t0 < 10
             # Same sender, same surviving processes: drop the dead one, the next sync is exact.
-            sender.remove_receiver(0)
+            assert ("dropped from the receivers (drop_lost_receivers)" in str(failure.value)) == drop
+            if not drop:
+                sender.remove_receiver(0)
             assert sender.receivers == [1, 2]
             sender.send(big_weights(3), version=3)
             for _ in survivors:

@@ -52,7 +52,7 @@ def test_a_sender_reachable_from_other_hosts_without_a_secret_warns_naming_the_r
     # Bound where other hosts reach it (what the socket reports for a wildcard or a NIC;
     # the test itself stays on loopback).
     for bound in ("0.0.0.0", "10.1.2.3"):
-        monkeypatch.setattr(sender_module, "_bound_host", lambda server, bound=bound: bound)
+        monkeypatch.setattr(sender_module, "reachable_from_other_hosts", lambda host, bound=bound: reachable_from_other_hosts(bound))
         with Sender(config, "127.0.0.1:0", 1) as sender:
             pass
         [message] = warnings()

@@ -25,15 +25,16 @@ def digests(version):
 
 
 class Partition:
-    """A trainer on host 0 and 2 resilient receivers (ranks 0, 1) on hosts 1 and 2; the
-    trainer sends what ``send`` asks for and reports on ``reports``. Host 2's NIC is slow
-    (250 Mbit/s, 1 Gbit/s the others), so a version takes about 2 s: a cut 0.25 s in is
-    mid-transfer even when this machine's cores are busy."""
+    """A trainer on host 0 and ``receivers`` resilient receivers (ranks 0, 1, ...) on hosts
+    1, 2, ...; the trainer sends what ``send`` asks for and reports on ``reports``. The last
+    host's NIC is slow (250 Mbit/s, 1 Gbit/s the others), so a version takes about 2 s: a
+    cut 0.25 s in is mid-transfer even when this machine's cores are busy."""
 
-    def __init__(self, backend, timeout_s=TIMEOUT_S, versions=(1, 2, 3)):
-        self.overrides = [f"backend={backend}", "update_weights_bucket_megabytes=8", f"timeout_s={timeout_s}"]
+    def __init__(self, backend, timeout_s=TIMEOUT_S, versions=(1, 2, 3), receivers=2, overrides=()):
+        self.overrides = [f"backend={backend}", "update_weights_bucket_megabytes=8", f"timeout_s={timeout_s}", *overrides]
         self.versions = list(versions)
-        self.cluster = Cluster(3, [parse_rate("1gbit"), parse_rate("1gbit"), parse_rate("250mbit")])
+        self.n = receivers
+        self.cluster = Cluster(receivers + 1, [parse_rate("1gbit")] * receivers + [parse_rate("250mbit")])
         self.reports, self.received, self.commands = CTX.Queue(), CTX.Queue(), CTX.Queue()
         self.procs = []
 
@@ -41,11 +42,11 @@ class Partition:
         self.cluster.__enter__()
         host = self.cluster.hosts[0]
         self.procs.append(start(cluster_workers.on_host, host.netns, cluster_workers.run_commanded_sender, host.address,
-                                self.overrides, 2, self.commands, self.reports, "partition_weights"))
+                                self.overrides, self.n, self.commands, self.reports, "partition_weights"))
         kind, address = self.reports.get(timeout=60)
         assert kind == "listening"
         self.procs += [start(cluster_workers.on_host, self.cluster.hosts[r + 1].netns, workers.run_resilient_receiver,
-                             address, r, self.overrides, self.versions, self.received) for r in (0, 1)]
+                             address, r, self.overrides, self.versions, self.received) for r in range(self.n)]
         return self
 
     def __exit__(self, *exc):
@@ -56,6 +57,9 @@ class Partition:
     def send(self, version):
         self.commands.put(("send", version))
         assert self.reports.get(timeout=60) == ("sending", version)
+
+    def add(self, rank):
+        self.commands.put(("add", rank))
 
     def outcome(self, timeout=90):
         return self.reports.get(timeout=timeout)
@@ -68,8 +72,8 @@ class Partition:
             got[report[0]] = (report, time.monotonic())
         return got
 
-    def exact(self, version):
-        got = self.receipts()
+    def exact(self, version, n=2):
+        got = self.receipts(n)
         expected = digests(version)
         for rank, (report, _) in sorted(got.items()):
             assert report[1:2] == (version,) and report[3] == version, report[:2]
@@ -125,6 +129,38 @@ def test_the_trainer_host_cut_mid_sync_fails_every_receiver_in_the_grace_and_the
         p.send(3)  # the same receiver processes reconnect by themselves
         assert p.outcome()[:2] == ("sent", 3)
         p.exact(3)
+
+
+@workers.needs_mooncake
+def test_with_drop_lost_receivers_the_chain_routes_around_a_receiver_host_cut_mid_sync_in_the_same_sync():
+    """``mooncake``, 3 receivers, ``drop_lost_receivers``: the middle one's host cut 0.25 s
+    into version 2. The send succeeds, dropping it (named within the grace); the two others
+    take version 2 bit-exact in the same sync; the cut one fails it and keeps version 1.
+    After the heal, ``add_receiver`` takes it back and version 3 reaches all three."""
+    with Partition("mooncake", receivers=3, overrides=["drop_lost_receivers=true"]) as p:
+        p.send(1)
+        assert p.outcome()[:2] == ("sent", 1)
+        p.exact(1, n=3)
+        p.send(2)
+        time.sleep(0.25)  # into the transfer
+        cut = time.monotonic()
+        p.cluster.cut(2)  # receiver rank 1's host, the middle of the chain
+        kind, version, seconds, dropped = p.outcome()
+        assert (kind, version, dropped) == ("sent", 2, [1]), (kind, version, dropped)
+        done = time.monotonic() - cut
+        got = p.receipts(3)
+        expected = digests(2)
+        for rank in (0, 2):
+            report, at = got[rank]
+            assert report[1:2] == (2,) and report[3] == 2 and report[2] == expected, (rank, report[:2])
+        _, status, error, held, attempted, torn = got[1][0]
+        assert (status, held, attempted) == ("error", 1, 2), got[1][0]
+        assert done < GRACE_S + 8 < TIMEOUT_S, done  # the grace, the retry through 250 Mbit/s, not the deadline
+        p.cluster.heal(2)
+        p.add(1)
+        p.send(3)
+        assert p.outcome()[:2] == ("sent", 3)
+        p.exact(3, n=3)
 
 
 def test_a_link_that_flaps_for_2_s_inside_a_30_s_deadline_completes_the_version_bit_exact():

@@ -211,6 +211,7 @@ def run_resilient_receiver(address, rank, overrides, versions, queue, kill_at=No
             try:
                 for name, t in receiver.receive(version=v):
                     _check_device(name, t, device)
+                    assert name not in got, f"{name} handed out twice in version {v}"
                     got[name] = digest(t)
                     if kill_at == (v, len(got)):
                         os.kill(os.getpid(), signal.SIGKILL)

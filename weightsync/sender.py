@@ -369,15 +369,15 @@ class Sender:
                 stats.dropped = dropped
                 return stats
             except PeerLost as e:
+                rerouting, self._rerouting = self._rerouting, False
                 if not self.config.drop_lost_receivers or not set(self._members) - set(e.ranks):
                     raise
                 dropped += e.ranks
                 self._members -= set(e.ranks)
-                if not self._rerouting:
+                if not rerouting:
                     e.args = (f"{e}; dropped from the receivers (drop_lost_receivers): the next sync goes to "
                               f"receiver rank(s) {self.receivers}",)
                     raise
-            self._rerouting = False
             log.warning("version %d: receiver rank(s) %s lost and dropped (drop_lost_receivers); the others take "
                         "it again through a new data plane", version, dropped)
             try:

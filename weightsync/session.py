@@ -17,6 +17,8 @@ Per sync::
     sender -> receiver   go | abort {message}
     (bucket bytes move through the engine; in streaming mode each bucket is announced first)
     receiver -> sender   done   {ok, message, tensors, bytes}
+    sender -> receiver   reroute {version, lost}   (``drop_lost_receivers``, a receiver lost:
+                         each other one answers done, and those that failed get the sync again)
     sender -> receiver   closing          (between syncs: this session ends)
 
 A sender drops every connection after a sync that failed anywhere; a receiver waiting for
