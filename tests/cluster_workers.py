@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from weightsync import EngineConfig, Sender
+from weightsync import EngineConfig, Receiver, Sender
 from weightsync.bench.cluster import enter
 from weightsync.session import Channel, SyncError
 
@@ -153,3 +153,28 @@ def run_rollout_across_hosts(hosts, model_dir, overrides, commands, queue):
                 seconds = time.monotonic() - source.cut_at
                 greedy = {r.name: replica_greedy(llms[r.name], PROMPTS, 8) for r in e.report.replicas if r.resumed}
                 queue.put(("failed", seconds, str(e), e.report, greedy, old, new))
+
+
+class PartitionModel(torch.nn.Module):
+    """A model whose parameters are ``partition_weights``' tensors, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(32))
+        for layer in self.layers:
+            layer.weight = torch.nn.Parameter(torch.zeros(1024, 1024, dtype=torch.bfloat16), requires_grad=False)
+
+
+def run_resilient_loader(address, rank, overrides, versions, queue):
+    """``workers.run_resilient_receiver`` with ``load_into`` a ``PartitionModel``: a tensor
+    that fills a bucket's range lands in its parameter straight from the wire. Reports the
+    model's digests after each version, or the error."""
+    torch.set_num_threads(1)
+    model = PartitionModel()
+    with Receiver(EngineConfig.from_overrides(overrides), address, rank) as receiver:
+        for v in versions:
+            try:
+                receiver.load_into(model, version=v)
+                queue.put((rank, v, {n: workers.digest(t) for n, t in model.state_dict().items()}, receiver.version))
+            except Exception as e:
+                queue.put((rank, "error", f"{type(e).__name__}: {e}", receiver.version, v, receiver.torn))

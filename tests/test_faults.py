@@ -44,12 +44,11 @@ def test_receiver_sigkilled_mid_sync_then_survivors_sync_bit_exact(backend):
     kill_mid_sync_then_sync_the_survivors(backend, drop=False)
 
 
-@pytest.mark.parametrize("backend", ["nccl", "shm"])
-def test_with_drop_lost_receivers_a_collective_fails_the_sync_and_the_next_goes_to_the_survivors(backend):
-    """As above with ``drop_lost_receivers`` on a transport that cannot route around the
+def test_with_drop_lost_receivers_shm_fails_the_sync_and_the_next_goes_to_the_survivors():
+    """As above with ``drop_lost_receivers`` on a transport that does not route around the
     lost receiver: the sync fails the same way, the sender drops it by itself, and the next
     sync reaches the survivors without ``remove_receiver``."""
-    kill_mid_sync_then_sync_the_survivors(backend, drop=True)
+    kill_mid_sync_then_sync_the_survivors("shm", drop=True)
 
 
 def kill_mid_sync_then_sync_the_survivors(backend, drop):
@@ -86,6 +85,39 @@ def kill_mid_sync_then_sync_the_survivors(backend, drop):
                 assert (version, held) == (3, 3) and got == digests(big_weights(3))
         finally:
             stop([victim, *survivors])
+
+
+@pytest.mark.parametrize("backend", [
+    "nccl", pytest.param("nccl-chain", id="nccl-chain"), pytest.param("mooncake", marks=workers.needs_mooncake),
+])
+def test_with_drop_lost_receivers_the_others_take_the_version_again_in_the_same_sync(backend):
+    """``drop_lost_receivers``: the middle receiver of 3 SIGKILLed in version 2. The send
+    succeeds, naming it in ``stats.dropped``; both others take version 2 bit-exact in the
+    same ``receive`` call, each tensor handed out once (the worker asserts it); version 3
+    goes to them without a word. Gloo's broadcast, the chain over Gloo, Mooncake's chain."""
+    q = CTX.Queue()
+    topology = ["engine_kwargs.nccl.topology=chain"] if backend == "nccl-chain" else []
+    overrides = config("drop_lost_receivers=true", *topology, backend=backend.split("-")[0], timeout=60)
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 3) as sender:
+        first = start(workers.run_resilient_receiver, sender.address, 0, overrides, [1, 2, 3], q)
+        victim = start(workers.run_resilient_receiver, sender.address, 1, overrides, [1, 2], q, (2, 3))
+        last = start(workers.run_resilient_receiver, sender.address, 2, overrides, [1, 2, 3], q)
+        try:
+            sender.send(big_weights(1), version=1)
+            assert sorted(r[1] for r in collect(q, 3)) == [1, 1, 1]
+            t0 = time.monotonic()
+            stats = sender.send(big_weights(2), version=2)
+            assert time.monotonic() - t0 < 15
+            assert stats.dropped == [1] and sender.receivers == [0, 2]
+            for rank, version, got, held in collect(q, 2):
+                assert (version, held) == (2, 2) and got == digests(big_weights(2)), rank
+            victim.join(timeout=10)
+            assert victim.exitcode == -signal.SIGKILL
+            assert sender.send(big_weights(3), version=3).dropped == []
+            for rank, version, got, held in collect(q, 2):
+                assert (version, held) == (3, 3) and got == digests(big_weights(3))
+        finally:
+            stop([first, victim, last])
 
 
 def test_sender_sigkilled_mid_sync_then_a_new_sender_completes_the_version():

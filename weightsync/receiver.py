@@ -320,9 +320,9 @@ class Receiver:
                 return
             except Rerouted as e:  # the same version again, without a lost receiver
                 log.warning("receiver rank %d: %s; taking it again", self.rank, e)
-                ch, v, plan, incoming, start = self._open(v, sink)
+                ch, v, plan, incoming, start = self._open(v, sink, retake=True)
 
-    def _open(self, version: int | None, sink: ModuleSink | None) -> tuple[Channel, int, Plan | None, Incoming, float]:
+    def _open(self, version: int | None, sink: ModuleSink | None, retake: bool = False) -> tuple[Channel, int, Plan | None, Incoming, float]:
         """Wait for the sender's sync, agree on it and join its data plane; returns the
         channel, the version, its plan (None: streamed), the delta stage's ``Incoming`` and
         when the sync started."""
@@ -334,6 +334,8 @@ class Receiver:
         try:
             ch, msg = self._await_sync(ch, version)
             start = time.perf_counter()  # the sync starts when the sender starts it
+            if isinstance(msg.get("version"), int):  # a failed sync's leftovers end before we are ready
+                transport.settle(msg["version"], retake)
             v, plan, incoming, msg = self._handshake(ch, msg, version, sink)
             info, self._reroutable = msg["engine"], msg.get("reroute") is True
             transport.connect(self._join(ch, v, info, capacity(plan, self.config.bucket_bytes)), info)

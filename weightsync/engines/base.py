@@ -113,8 +113,8 @@ class Transport(ABC):
     #: such a tensor is an error at plan time.
     splits_tensors: ClassVar[bool] = True
     #: After a receiver is lost mid-sync, a new data plane of the others can take the same
-    #: version again at once (``drop_lost_receivers``): nothing of the failed one can still
-    #: write into a receiver's memory.
+    #: version again at once (``drop_lost_receivers``): whatever of the failed one may still
+    #: write into a receiver's memory writes that version's bytes (``settle``).
     reroutes: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
@@ -147,6 +147,11 @@ class Transport(ABC):
         valid until the next item is requested. A transport that can write bytes anywhere
         may receive a bucket straight into ``landing(bucket)`` (then yielded as the buffer);
         others ignore it. Closing the generator early abandons the transfer."""
+
+    def settle(self, version: int, retake: bool) -> None:
+        """Receiver, before it answers the sync of ``version`` (``retake``: the version of
+        its failed attempt, re-routed): let what a failed sync left pending end first, so no
+        late write lands in the model, bounded to leave the sync its ``timeout_s``."""
 
     def finish(self, ok: bool) -> None:
         """End of one sync on this rank. ``ok`` is False when the transfer itself failed

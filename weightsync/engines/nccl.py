@@ -85,6 +85,7 @@ WINDOW = 8
 
 class CollectiveEngine(Transport):
     name = "nccl"
+    reroutes = True  # a failed group's late receives carry the failed version's bytes (settle)
 
     def __init__(self, config, device) -> None:
         super().__init__(config, device)
@@ -104,7 +105,7 @@ class CollectiveEngine(Transport):
         self._generation = 0
         self._token = ""  # rank 0: the current group's rendezvous token
         self._buffers: list[torch.Tensor] | None = None
-        self._landed_in_failure = False  # a failed sync left receives posted into the model
+        self._landed_in_failure: int | None = None  # a failed sync (its version) left receives posted into the model
         self._join: Join | None = None  # the sync in progress
 
     # ------------------------------------------------------------------ group
@@ -144,6 +145,18 @@ class CollectiveEngine(Transport):
         """The per-sync state, before any group is joined: the sync's record, buffers."""
         self._join = join
         self._reserve(join.capacity)
+
+    def settle(self, version: int, retake: bool) -> None:
+        if self._landed_in_failure is None or (retake and version == self._landed_in_failure):
+            return  # the same version taken again need not wait: a late write carries its bytes
+        # The failed sync's receives posted into the model's tensors may still be pending,
+        # and a peer's operations of that sync may still complete them (Gloo cannot abort;
+        # each ends at its timeout, measured here to end up to 18 s after a 15 s deadline):
+        # nothing of another version lands in the model before that group is gone. Waited
+        # before this receiver is ready, so no peer's operation of the new sync is pending
+        # meanwhile; at most what leaves the sender's wait for ready a margin.
+        self._landed_in_failure = None
+        _await_burials(max(0.0, self.config.timeout_s - 2.0))
 
     def connect(self, join: Join, info: dict[str, Any]) -> None:
         self.start(join)
@@ -361,12 +374,6 @@ class CollectiveEngine(Transport):
         """Post receives in bucket order (the order the senders send in) up to ``WINDOW``
         ahead; a bucket that needs a buffer waits for a free slot. A slot is free again
         once its bucket was consumed and, where it is forwarded, forwarded."""
-        if self._landed_in_failure:
-            # The failed sync's receives posted into the model's tensors are still pending,
-            # and a sender's operations of that sync may still complete them (Gloo cannot
-            # abort): nothing more lands in the model before that group is gone.
-            self._landed_in_failure = False
-            _await_burials(self.config.timeout_s)
         bufs = self._bufs()
         free = [0, 1]  # buffer slots not holding a posted, handed-out or forwarding bucket
         # Receives posted, in plan order: (bucket, slot, target, its pieces' receives, each
@@ -442,7 +449,8 @@ class CollectiveEngine(Transport):
         except BaseException:
             # The sync failed or was abandoned: let go of the group(s) and of our pending
             # operations at once, so the senders fail now, not at their timeout.
-            self._landed_in_failure = self.library == "gloo" and any(slot is None for _, slot, _, _ in posted)
+            if self.library == "gloo" and any(slot is None for _, slot, _, _ in posted):
+                self._landed_in_failure = self._join.version
             posted.clear()
             forwarding.clear()
             work = None
