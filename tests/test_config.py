@@ -52,7 +52,7 @@ def test_unknown_key_suggests_the_closest():
     [
         # backends that other tests register (plugins) may sort in between the built-in ones
         ("backend=ncl", r"backend='ncl' is not a known backend \(did you mean 'nccl'\?\); known backends: "
-                        r"(\w+, )*disk, (\w+, )*mooncake, (\w+, )*naive, (\w+, )*nccl"),
+                        r"([\w-]+, )*disk, ([\w-]+, )*mooncake, ([\w-]+, )*naive, ([\w-]+, )*nccl"),
         ("update_weights_bucket_megabytes=abc", r"update_weights_bucket_megabytes='abc': expected int"),
         ("update_weights_bucket_megabytes=0", r"update_weights_bucket_megabytes=0: must be a positive"),
         ("engine_kwargs.nccl.rebuild_group=maybe", r"rebuild_group='maybe': expected bool"),

@@ -48,6 +48,7 @@ class PairedEngine(CollectiveEngine):
     name = "paired"
     all_ranks_send = True
     splits_tensors = False
+    reroutes = False  # every trainer rank would have to send the version again in step: not built
 
     def __init__(self, config, device) -> None:
         super().__init__(config, device)
