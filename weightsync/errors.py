@@ -3,10 +3,7 @@ version and, where known, the tensor; ``ranks`` lists the receivers to blame."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from weightsync.session import Channel
+from typing import Any
 
 
 class SyncError(RuntimeError):
@@ -23,16 +20,6 @@ class SyncError(RuntimeError):
 
 class SyncTimeout(SyncError, TimeoutError):
     """A peer did not answer within the deadline."""
-
-
-class PartlyConnected(SyncTimeout):
-    """Not every member connected within the deadline. ``connected``: the channels of those
-    that did, keyed as ``ControlServer.accept`` keys them; the caller keeps them, so a
-    receiver that connected stays connected when another never comes."""
-
-    def __init__(self, message: str, *, ranks: list[int], connected: dict[Any, Channel]) -> None:
-        super().__init__(message, ranks=ranks)
-        self.connected = connected
 
 
 class PeerLost(SyncError):

@@ -52,7 +52,7 @@ import msgpack
 
 from weightsync import auth
 from weightsync.config import SECRET_ENV
-from weightsync.errors import (HandshakeError, PartlyConnected, PeerLost, ProtocolError, RemoteFailure, SyncError,  # noqa: F401
+from weightsync.errors import (HandshakeError, PeerLost, ProtocolError, RemoteFailure, SyncError,  # noqa: F401
                                Rerouted, SyncTimeout, VerificationError, in_context)  # re-exported: the session raises them
 from weightsync.stats import SyncStats  # re-exported: ``weightsync.session.SyncStats`` is public
 
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("weightsync.session")
 
-PROTOCOL_VERSION = 4  # 3: the welcome names the sender's session; 4: warm-up (the data plane before the first sync)
+PROTOCOL_VERSION = 5  # 3: the welcome names the sender's session; 4: warm-up; 5: reroute (drop_lost_receivers)
 MAX_FRAME_BYTES = 64 << 20  # from the sender: a plan of a 1T-parameter model is a few MB
 RECEIVER_MAX_FRAME_BYTES = 1 << 20  # from a receiver: only replies
 HELLO_MAX_BYTES = 4096  # anything before authentication
@@ -116,6 +116,16 @@ class Deadline:
 
 
 _TCP_ESTABLISHED = 1  # tcp_info.tcpi_state (Linux's include/net/tcp_states.h)
+
+
+class PartlyConnected(SyncTimeout):
+    """Not every member connected within the deadline. ``connected``: the channels of those
+    that did, keyed as ``ControlServer.accept`` keys them; the caller keeps them, so a
+    receiver that connected stays connected when another never comes."""
+
+    def __init__(self, message: str, *, ranks: list[int], connected: dict[Any, Channel]) -> None:
+        super().__init__(message, ranks=ranks)
+        self.connected = connected
 
 
 class Channel:
