@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -26,7 +25,7 @@ from weightsync.config import SECRET_ENV, EngineConfig
 from weightsync.delta_sync import DeltaEncoder, Outgoing
 from weightsync.engines import Publisher, Transport, get_engine
 from weightsync.engines.base import Join
-from weightsync.packer import capacity, producer
+from weightsync.packer import capacity, carriable, producer
 from weightsync.plan import Plan, make_plan
 from weightsync.replies import answers, dead_ranks, explain, gather_done, lost_receivers
 from weightsync.session import (PROTOCOL_VERSION, Channel, ControlServer, Deadline, HandshakeError, PartlyConnected,
@@ -97,6 +96,7 @@ class Sender:
         self._encoder = DeltaEncoder(config.delta, config.bucket_bytes)  # the delta stage (weightsync.delta_sync)
         self._confirmed: set[int] = set()  # receivers that confirmed the last sync
         self._rerouting = False  # the failed sync's others wait to take its version again
+        self._dropped: set[int] = set()  # lost and dropped (drop_lost_receivers), not added back
         self._doing = ""  # what the session is in, for messages ("the transfer of version 3")
         if issubclass(self.engine_cls, Publisher):
             self._publisher = self.engine_cls(config, self.device, address)
@@ -144,7 +144,11 @@ class Sender:
 
     def remove_receiver(self, rank: int) -> None:
         """Stop syncing to receiver ``rank`` (say, its process died: a failed ``send`` names
-        it in ``SyncError.ranks``). The next ``send`` goes to the others."""
+        it in ``SyncError.ranks``). The next ``send`` goes to the others. A receiver dropped
+        already (``drop_lost_receivers``) stays dropped."""
+        if rank in self._dropped:
+            self._dropped.discard(rank)
+            return
         if rank not in self._members:
             raise ValueError(f"receiver rank {rank} is not a member (members: {self.receivers})")
         if len(self._members) == 1:
@@ -161,6 +165,7 @@ class Sender:
         if not isinstance(rank, int) or rank < 0:
             raise ValueError(f"receiver rank must be a non-negative int, got {rank!r}")
         self._members.add(rank)
+        self._dropped.discard(rank)
 
     def _watch_peers(self) -> None:
         """Raise if a peer's control connection closed (its process is likely gone)."""
@@ -347,7 +352,7 @@ class Sender:
             return self._finish_stats(SyncStats(version, tensors=count), start)
         specs = src.specs()
         plan = make_plan(specs, self.config.bucket_bytes) if specs is not None else None
-        self._check_plan(plan)  # before waiting for anyone
+        carriable(plan, self.config, self.engine_cls, self._all_send)  # before waiting for anyone
         self.connect()  # waiting for peers to start is not part of the sync's time
         start = time.perf_counter()
         if self._follower is not None:
@@ -374,6 +379,7 @@ class Sender:
                     raise
                 dropped += e.ranks
                 self._members -= set(e.ranks)
+                self._dropped |= set(e.ranks)
                 if not rerouting:
                     e.args = (f"{e}; dropped from the receivers (drop_lost_receivers): the next sync goes to "
                               f"receiver rank(s) {self.receivers}",)
@@ -403,9 +409,8 @@ class Sender:
             self._channels = {r: ch for r, ch in channels.items() if r not in ranks} | self._channels
 
     def _reroute(self, version: int, lost: list[int]) -> list[int]:
-        """Tell the receivers left that ``version`` comes again without the ``lost`` ones,
-        and read how their attempt ended: those that completed it before the loss keep it.
-        Returns the ranks that take it again."""
+        """Tell the others that ``version`` comes again without the ``lost``; returns those
+        whose attempt failed (one that completed it before the loss keeps it)."""
         deadline = Deadline(self.config.timeout_s, f"re-routing version {version}")
         for ch in self._channels.values():
             ch.send({"type": "reroute", "version": version, "lost": lost}, deadline)
@@ -502,24 +507,6 @@ class Sender:
             return
         order = [sums[b.index] for b in out.plan.buckets] if out.plan is not None else list(sums.values())
         self._broadcast_msg({"type": "verify", "mode": mode, "checksums": order, **out.verify_fields(mode)}, deadline)
-
-    def _check_plan(self, plan: Plan | None) -> None:
-        """Refuse what the backend cannot carry, before anything is sent."""
-        if self._all_send and plan is None:
-            raise SyncError(
-                f"backend {self.config.backend!r} needs a source that announces its tensors up front "
-                "(a module or a state dict, the same on every trainer rank), not a bare iterator"
-            )
-        if plan is None or self.engine_cls.splits_tensors:
-            return
-        bucket = self.config.bucket_bytes
-        for spec in plan.tensors:
-            if spec.nbytes > bucket:
-                raise SyncError(
-                    f"backend {self.config.backend!r} never splits a tensor, and tensor {spec.name!r} "
-                    f"({spec.nbytes / 2**20:.1f} MiB) is larger than a bucket ({bucket / 2**20:g} MiB): "
-                    f"set update_weights_bucket_megabytes to at least {math.ceil(spec.nbytes / 2**20)}"
-                )
 
     async def send_async(self, source: Any, version: int, **kwargs: Any) -> SyncStats:
         """``send`` in a worker thread, for asyncio controllers."""
