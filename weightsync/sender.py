@@ -386,8 +386,8 @@ class Sender:
                     raise
             log.warning("version %d: receiver rank(s) %s lost and dropped (drop_lost_receivers); the others take "
                         "it again through a new data plane", version, dropped)
-            try:
-                again = self._reroute(version, dropped)
+            try:  # to those of this attempt still connected: one that completed an earlier attempt is idle
+                again = self._reroute(version, dropped, [r for r in again or self._channels if r in self._channels])
             except Exception as e:
                 self._drop_receivers()
                 raise self._explain(e, f"re-routing version {version}") from e
@@ -408,13 +408,14 @@ class Sender:
             self._members = members
             self._channels = {r: ch for r, ch in channels.items() if r not in ranks} | self._channels
 
-    def _reroute(self, version: int, lost: list[int]) -> list[int]:
-        """Tell the others that ``version`` comes again without the ``lost``; returns those
+    def _reroute(self, version: int, lost: list[int], others: list[int]) -> list[int]:
+        """Tell ``others`` that ``version`` comes again without the ``lost``; returns those
         whose attempt failed (one that completed it before the loss keeps it)."""
         deadline = Deadline(self.config.timeout_s, f"re-routing version {version}")
-        for ch in self._channels.values():
+        channels = {r: self._channels[r] for r in others}
+        for ch in channels.values():
             ch.send({"type": "reroute", "version": version, "lost": lost}, deadline)
-        return sorted(gather_done(self._channels, version, self.config.timeout_s, set()))
+        return sorted(gather_done(channels, version, self.config.timeout_s, set()))
 
     def _sync_once(self, src: WeightSource, version: int, plan: Plan | None, force: bool, start: float) -> SyncStats:
         """Trainer rank 0 over a transport, in phases: the delta stage, the handshake, the
