@@ -390,7 +390,7 @@ def test_a_bf16_wire_loads_into_a_bf16_model_without_blocking_the_receivers_even
 
         stats, ticks = asyncio.run(load())
         sent_stats = sent.join(timeout=60)
-    assert ticks >= 10, ticks
+    assert ticks >= 2, ticks  # the loop ran during the load (blocked, it ticks once); how often depends on its length
     expected = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in trainer.state_dict().items()}
     assert workers.module_digests(model) == {n: workers.digest(t) for n, t in expected.items()}
     assert model.count.dtype == torch.int64
