@@ -43,6 +43,24 @@ def partition_weights(version: int) -> dict[str, torch.Tensor]:
     return {f"layers.{i}.weight": torch.randn(1024, 1024, generator=g).to(torch.bfloat16) for i in range(32)}
 
 
+def drifting_weights(version: int) -> dict[str, torch.Tensor]:
+    """``partition_weights(1)`` drifting, for delta syncs: from version 2 on, the first 16
+    tensors have 3% of their elements redrawn (a sparse delta each), the other 16 are new
+    (dense entries of the delta section, 32 MiB: still long enough to be cut mid-transfer)."""
+    weights = partition_weights(1)
+    if version == 1:
+        return weights
+    g = torch.Generator().manual_seed(9000 + version)
+    for i, name in enumerate(weights):
+        t = weights[name].view(-1)
+        if i < 16:
+            where = torch.randperm(t.numel(), generator=g)[: t.numel() * 3 // 100]
+            t[where] = torch.randn(where.numel(), generator=g).to(torch.bfloat16)
+        else:
+            t.copy_(torch.randn(t.numel(), generator=g).to(torch.bfloat16))
+    return weights
+
+
 def run_commanded_sender(host, overrides, num_receivers, commands, queue, weights="big_weights"):
     """A sender that sends each version the test asks for (``("send", v)`` on ``commands``;
     ``("remove", rank)`` drops a receiver, ``("add", rank)`` takes one back; None ends):
@@ -168,13 +186,15 @@ class PartitionModel(torch.nn.Module):
 def run_resilient_loader(address, rank, overrides, versions, queue):
     """``workers.run_resilient_receiver`` with ``load_into`` a ``PartitionModel``: a tensor
     that fills a bucket's range lands in its parameter straight from the wire. Reports the
-    model's digests after each version, or the error."""
+    model's digests after each version (and the base version of a delta sync, else None),
+    or the error."""
     torch.set_num_threads(1)
     model = PartitionModel()
     with Receiver(EngineConfig.from_overrides(overrides), address, rank) as receiver:
         for v in versions:
             try:
-                receiver.load_into(model, version=v)
-                queue.put((rank, v, {n: workers.digest(t) for n, t in model.state_dict().items()}, receiver.version))
+                stats = receiver.load_into(model, version=v)
+                digests = {n: workers.digest(t) for n, t in model.state_dict().items()}
+                queue.put((rank, v, digests, receiver.version, stats.delta_base))
             except Exception as e:
                 queue.put((rank, "error", f"{type(e).__name__}: {e}", receiver.version, v, receiver.torn))

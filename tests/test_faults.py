@@ -120,6 +120,41 @@ def test_with_drop_lost_receivers_the_others_take_the_version_again_in_the_same_
             stop([first, victim, last])
 
 
+@pytest.mark.parametrize("when", ["in-its-handshake", "after-its-last-tensor"])
+def test_with_drop_lost_receivers_a_receiver_lost_outside_the_transfer_is_routed_around_too(when):
+    """``drop_lost_receivers`` where no data plane is in the way: the middle receiver of 3
+    SIGKILLed in version 2's handshake (the others have answered and wait for the go, one
+    answer still unread), or once it took version 2's last tensor (the others may hold the
+    version already: they keep it). Either way ``send`` succeeds dropping it, each other
+    holds version 2 bit-exact from that one ``receive`` call (each answers the re-route,
+    whatever it sent before), and version 3 reaches them. Gloo's broadcast."""
+    q = CTX.Queue()
+    overrides = config("drop_lost_receivers=true", timeout=60)
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 3) as sender:
+        first = start(workers.run_resilient_receiver, sender.address, 0, overrides, [1, 2, 3], q)
+        if when == "in-its-handshake":
+            victim = start(workers.run_receiver_dying_in_the_handshake, sender.address, 1, overrides, 2, q)
+        else:
+            victim = start(workers.run_resilient_receiver, sender.address, 1, overrides, [1, 2], q, (2, len(big_weights(2))))
+        third = start(workers.run_resilient_receiver, sender.address, 2, overrides, [1, 2, 3], q)
+        try:
+            sender.send(big_weights(1), version=1)
+            assert sorted(r[1] for r in collect(q, 3)) == [1, 1, 1]
+            t0 = time.monotonic()
+            stats = sender.send(big_weights(2), version=2)
+            assert time.monotonic() - t0 < 15
+            assert stats.dropped == [1] and sender.receivers == [0, 2]
+            for rank, version, got, held in collect(q, 2):
+                assert (version, held) == (2, 2) and got == digests(big_weights(2)), rank
+            victim.join(timeout=10)
+            assert victim.exitcode == -signal.SIGKILL
+            assert sender.send(big_weights(3), version=3).dropped == []
+            for rank, version, got, held in collect(q, 2):
+                assert (version, held) == (3, 3) and got == digests(big_weights(3))
+        finally:
+            stop([first, victim, third])
+
+
 def test_sender_sigkilled_mid_sync_then_a_new_sender_completes_the_version():
     address = f"127.0.0.1:{free_port()}"
     overrides = config(timeout=20)

@@ -20,8 +20,8 @@ TIMEOUT_S = 15.0  # the held-out scenario's deadline; the grace derived from it 
 GRACE_S = 5.0
 
 
-def digests(version):
-    return {n: workers.digest(t) for n, t in cluster_workers.partition_weights(version).items()}
+def digests(version, weights="partition_weights"):
+    return {n: workers.digest(t) for n, t in getattr(cluster_workers, weights)(version).items()}
 
 
 class Partition:
@@ -30,11 +30,13 @@ class Partition:
     host's NIC is slow (250 Mbit/s, 1 Gbit/s the others), so a version takes about 2 s: a
     cut 0.25 s in is mid-transfer even when this machine's cores are busy."""
 
-    def __init__(self, backend, timeout_s=TIMEOUT_S, versions=(1, 2, 3), receivers=2, overrides=(), bodies=None):
+    def __init__(self, backend, timeout_s=TIMEOUT_S, versions=(1, 2, 3), receivers=2, overrides=(), bodies=None,
+                 weights="partition_weights"):
         self.overrides = [f"backend={backend}", "update_weights_bucket_megabytes=8", f"timeout_s={timeout_s}", *overrides]
         self.versions = list(versions)
         self.n = receivers
         self.bodies = bodies or {}  # rank -> process body (default: workers.run_resilient_receiver)
+        self.weights = weights  # what the trainer sends: a function of cluster_workers
         self.cluster = Cluster(receivers + 1, [parse_rate("1gbit")] * receivers + [parse_rate("250mbit")])
         self.reports, self.received, self.commands = CTX.Queue(), CTX.Queue(), CTX.Queue()
         self.procs = []
@@ -43,7 +45,7 @@ class Partition:
         self.cluster.__enter__()
         host = self.cluster.hosts[0]
         self.procs.append(start(cluster_workers.on_host, host.netns, cluster_workers.run_commanded_sender, host.address,
-                                self.overrides, self.n, self.commands, self.reports, "partition_weights"))
+                                self.overrides, self.n, self.commands, self.reports, self.weights))
         kind, address = self.reports.get(timeout=60)
         assert kind == "listening"
         self.procs += [start(cluster_workers.on_host, self.cluster.hosts[r + 1].netns,
@@ -76,7 +78,7 @@ class Partition:
 
     def exact(self, version, n=2):
         got = self.receipts(n)
-        expected = digests(version)
+        expected = digests(version, self.weights)
         for rank, (report, _) in sorted(got.items()):
             assert report[1:2] == (version,) and report[3] == version, report[:2]
             assert report[2] == expected, f"receiver rank {rank}: version {version} not bit-exact"
@@ -133,8 +135,10 @@ def test_the_trainer_host_cut_mid_sync_fails_every_receiver_in_the_grace_and_the
         p.exact(3)
 
 
-@pytest.mark.parametrize("backend", ["nccl", pytest.param("mooncake", marks=workers.needs_mooncake)])
-def test_with_drop_lost_receivers_the_chain_routes_around_a_receiver_host_cut_mid_sync_in_the_same_sync(backend):
+@pytest.mark.parametrize("backend,delta", [
+    ("nccl", "off"), pytest.param("mooncake", "off", marks=workers.needs_mooncake), ("nccl", "on"),
+], ids=["nccl", "mooncake", "nccl-delta"])
+def test_with_drop_lost_receivers_the_chain_routes_around_a_receiver_host_cut_mid_sync_in_the_same_sync(backend, delta):
     """3 receivers in a chain (``nccl``'s across hosts, Mooncake's), ``drop_lost_receivers``:
     the middle one's host cut 0.25 s into version 2. The send succeeds, dropping it (named
     within the grace); the two others take version 2 bit-exact in the same sync. They load
@@ -142,10 +146,15 @@ def test_with_drop_lost_receivers_the_chain_routes_around_a_receiver_host_cut_mi
     the failed group's receives into them stay pending until its timeout, and the retry
     does not wait them out (only this version's bytes can complete them). The cut one
     fails the version and keeps version 1. After the heal, ``add_receiver`` takes it back
-    and version 3 reaches all three."""
-    overrides = ["drop_lost_receivers=true", "update_weights_bucket_megabytes=1"]
+    and version 3 reaches all three. ``nccl-delta``: versions 2 and 3 are delta sections
+    against each receiver's model (sparse deltas and dense entries), and the others apply
+    version 2 to the base the failed attempt left untouched. There the sender encodes
+    before its handshake, so the cut may fall in the handshake (the others wait for the
+    go; found this way: the re-route then read a stale answer) or in the transfer."""
+    overrides = ["drop_lost_receivers=true", "update_weights_bucket_megabytes=1", f"delta={delta}"]
+    weights = "drifting_weights" if delta == "on" else "partition_weights"
     loaders = {0: cluster_workers.run_resilient_loader, 2: cluster_workers.run_resilient_loader}
-    with Partition(backend, receivers=3, overrides=overrides, bodies=loaders) as p:
+    with Partition(backend, receivers=3, overrides=overrides, bodies=loaders, weights=weights) as p:
         p.send(1)
         assert p.outcome()[:2] == ("sent", 1)
         p.exact(1, n=3)
@@ -153,14 +162,16 @@ def test_with_drop_lost_receivers_the_chain_routes_around_a_receiver_host_cut_mi
         time.sleep(0.25)  # into the transfer
         cut = time.monotonic()
         p.cluster.cut(2)  # receiver rank 1's host, the middle of the chain
-        kind, version, seconds, dropped = p.outcome()
-        assert (kind, version, dropped) == ("sent", 2, [1]), (kind, version, dropped)
+        report = p.outcome()
+        assert report[0] == "sent" and (report[1], report[3]) == (2, [1]), report
         done = time.monotonic() - cut
         got = p.receipts(3)
-        expected = digests(2)
+        expected = digests(2, weights)
         for rank in (0, 2):
             report, at = got[rank]
             assert report[1:2] == (2,) and report[3] == 2 and report[2] == expected, (rank, report[:2])
+            if delta == "on":
+                assert report[4] == 1, f"receiver rank {rank} took version 2 whole (delta base {report[4]})"
         _, status, error, held, attempted, torn = got[1][0]
         assert (status, held, attempted) == ("error", 1, 2), got[1][0]
         assert done < GRACE_S + 8 < TIMEOUT_S, done  # the grace, the retry through 250 Mbit/s, not the deadline

@@ -220,6 +220,30 @@ def run_resilient_receiver(address, rank, overrides, versions, queue, kill_at=No
                 queue.put((rank, "error", f"{type(e).__name__}: {e}", receiver.version, v, receiver.torn))
 
 
+def run_receiver_dying_in_the_handshake(address, rank, overrides, version, queue):
+    """Load the versions before ``version`` into a copy of ``big_weights``, then SIGKILL
+    itself in the handshake of ``version`` (as its sink checks the offered plan: after the
+    sync message came, before its answer). Reports each version it took."""
+    import signal
+
+    from weightsync.sinks import ModuleSink
+
+    torch.set_num_threads(1)
+
+    class Dying(ModuleSink):
+        def check(self, specs):
+            if receiver.expected == version:
+                os.kill(os.getpid(), signal.SIGKILL)
+            super().check(specs)
+
+    model = {n: t.contiguous().clone() for n, t in big_weights(0).items()}
+    with Receiver(EngineConfig.from_overrides(overrides), address, rank) as receiver:
+        for v in range(1, version + 1):
+            receiver.expected = v
+            receiver.load_into(Dying(model), version=v)
+            queue.put((rank, v, {n: digest(t) for n, t in model.items()}, receiver.version))
+
+
 def run_soak_receiver(address, rank, overrides, versions, queue):
     """Load every version into a ``Small`` model; report its digests and this process's
     resources after each sync."""

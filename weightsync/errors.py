@@ -64,7 +64,12 @@ class Rerouted(SyncError):
     this version again to the others through a new data plane: this receiver's attempt
     ends, and the same ``receive`` call takes the version again."""
 
+    #: the version that comes again
+    version: int | None = None
+
     @classmethod
     def said(cls, peer: str, msg: dict[str, Any]) -> Rerouted:
         """The sender's ``reroute`` message, as this error."""
-        return cls(f"{peer} sends version {msg.get('version')} again without the lost receiver(s) {msg.get('lost')}")
+        error = cls(f"{peer} sends version {msg.get('version')} again without the lost receiver(s) {msg.get('lost')}")
+        error.version = msg["version"] if isinstance(msg.get("version"), int) else None
+        return error

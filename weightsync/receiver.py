@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from weightsync import admit, platform
+from weightsync import admit, platform, reroute
 from weightsync.config import EngineConfig
 from weightsync.delta_intake import DeltaDecoder, Incoming
 from weightsync.engines import Publisher, Transport, get_engine
@@ -312,15 +312,16 @@ class Receiver:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """One sync over a session, in phases: the sender's offer, the handshake (plan and
         delta stage agreed), the data plane joined, then the transfer and acknowledgement."""
-        ch, v, plan, incoming, start = self._open(version, sink)
         handed: set[str] = set()  # names handed out in attempts the sender re-routed
+        retake = False
         while True:
             try:
+                ch, v, plan, incoming, start = self._open(version, sink, retake)
                 yield from self._transfer(ch, v, plan, incoming, sink, owned, landing, settle, start, handed)
                 return
             except Rerouted as e:  # the same version again, without a lost receiver
                 log.warning("receiver rank %d: %s; taking it again", self.rank, e)
-                ch, v, plan, incoming, start = self._open(v, sink, retake=True)
+                version, retake = e.version, True
 
     def _open(self, version: int | None, sink: ModuleSink | None, retake: bool = False) -> tuple[Channel, int, Plan | None, Incoming, float]:
         """Wait for the sender's sync, agree on it and join its data plane; returns the
@@ -341,6 +342,14 @@ class Receiver:
             transport.connect(self._join(ch, v, info, capacity(plan, self.config.bucket_bytes)), info)
         except HandshakeError:
             raise  # a clean refusal: both sides are between syncs, the connection stays
+        except Rerouted as e:  # a receiver lost before the transfer: nothing moved here
+            transport.finish(ok=False)  # as the sender does
+            try:
+                reroute.answer(ch, e.version, False, self.config.timeout_s)
+            except SyncError:
+                self._reset()  # the sender is gone too
+                raise
+            raise
         except SyncError:
             self._reset()
             raise
@@ -366,7 +375,8 @@ class Receiver:
                 ch = self._channel
                 assert ch is not None
                 continue
-            if msg["type"] == "reroute":  # of a version this receiver completed before the loss
+            if msg["type"] == "reroute":  # idle: it completed the version before the loss, or its sync never came
+                reroute.answer(ch, msg.get("version"), self.state.version == msg.get("version"), self.config.timeout_s)
                 continue
             if msg["type"] == "cancel":  # nothing was read: a clean end, the state stays
                 raise HandshakeError(f"receiver rank {self.rank}: the sender cancelled the sync of version "
@@ -473,7 +483,10 @@ class Receiver:
                         consumer_error = e
                         break
             if consumer_error is None and settle is not None and incoming.consumer_has_all:
-                consumer_error = _settle(settle)
+                try:
+                    settle()  # the consumer's last step
+                except Exception as e:
+                    consumer_error = e
             if consumer_error is not None:
                 problem = f"receiver rank {self.rank} did not complete version {v}: {consumer_error!r}"
         except Exception as e:
@@ -502,18 +515,16 @@ class Receiver:
             raise VerificationError(problem)
 
     def _rerouted(self, ch: Channel, v: int, cause: Exception, delivered: bool) -> Rerouted | None:
-        """This attempt at a sync the sender may route around a lost receiver failed: say so
-        and wait for the sender's word. Its ``reroute`` (the version comes again), or None
-        (the sender failed the sync, or is gone itself)."""
+        """This attempt at a sync the sender may route around a lost receiver failed: the
+        sender's ``reroute`` (the version comes again: ``weightsync.reroute``), or None (the
+        sender failed the sync, or is gone itself)."""
         if not isinstance(cause, Rerouted) and (ch.is_dead() or ch.seems_silent()):
             return None  # the sender is the one lost
         assert self._transport is not None
         self._transport.finish(ok=False)
         self.state.failed(v, delivered)
         try:
-            deadline = Deadline(self.config.timeout_s, f"for the sender's word after version {v} failed here")
-            ch.send({"type": "done", "version": v, "ok": False, "message": f"transfer failed: {cause}"}, deadline)
-            return cause if isinstance(cause, Rerouted) else Rerouted.said(ch.peer, ch.recv(deadline, expect="reroute"))
+            return reroute.await_word(ch, v, cause, self.config.timeout_s)
         except SyncError:
             return None
 
@@ -585,13 +596,3 @@ class Receiver:
             self._channel.recv(deadline, expect="abort")
         except SyncError:
             self._reset()
-
-
-def _settle(settle: Callable[[], None]) -> BaseException | None:
-    """Run the consumer's last step; the error it raised, if any."""
-    try:
-        settle()
-    except Exception as e:  # the consumer failed after the last tensor
-        return e
-    return None
-

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync import platform
+from weightsync import platform, reroute
 from weightsync.auth import reachable_from_other_hosts
 from weightsync.config import SECRET_ENV, EngineConfig
 from weightsync.delta_sync import DeltaEncoder, Outgoing
@@ -387,7 +387,8 @@ class Sender:
             log.warning("version %d: receiver rank(s) %s lost and dropped (drop_lost_receivers); the others take "
                         "it again through a new data plane", version, dropped)
             try:  # to those of this attempt still connected: one that completed an earlier attempt is idle
-                again = self._reroute(version, dropped, [r for r in again or self._channels if r in self._channels])
+                others = {r: self._channels[r] for r in again or self._channels if r in self._channels}
+                again = reroute.tell(others, version, dropped, self.config.timeout_s)
             except Exception as e:
                 self._drop_receivers()
                 raise self._explain(e, f"re-routing version {version}") from e
@@ -407,15 +408,6 @@ class Sender:
         finally:  # channels the block dropped stay dropped
             self._members = members
             self._channels = {r: ch for r, ch in channels.items() if r not in ranks} | self._channels
-
-    def _reroute(self, version: int, lost: list[int], others: list[int]) -> list[int]:
-        """Tell ``others`` that ``version`` comes again without the ``lost``; returns those
-        whose attempt failed (one that completed it before the loss keeps it)."""
-        deadline = Deadline(self.config.timeout_s, f"re-routing version {version}")
-        channels = {r: self._channels[r] for r in others}
-        for ch in channels.values():
-            ch.send({"type": "reroute", "version": version, "lost": lost}, deadline)
-        return sorted(gather_done(channels, version, self.config.timeout_s, set()))
 
     def _sync_once(self, src: WeightSource, version: int, plan: Plan | None, force: bool, start: float) -> SyncStats:
         """Trainer rank 0 over a transport, in phases: the delta stage, the handshake, the

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("weightsync.session")
 
-PROTOCOL_VERSION = 5  # 3: the welcome names the sender's session; 4: warm-up; 5: reroute (drop_lost_receivers)
+PROTOCOL_VERSION = 6  # 3: the welcome names the sender's session; 4: warm-up; 5: reroute (drop_lost_receivers); 6: its answer
 MAX_FRAME_BYTES = 64 << 20  # from the sender: a plan of a 1T-parameter model is a few MB
 RECEIVER_MAX_FRAME_BYTES = 1 << 20  # from a receiver: only replies
 HELLO_MAX_BYTES = 4096  # anything before authentication
