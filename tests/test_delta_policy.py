@@ -99,3 +99,19 @@ def test_the_receivers_base_digest_counts_in_the_cost_of_a_delta_sync():
     policy.delta_done(0.95, encode_s=0.5, wire_fraction=0.03, changed=1000, digest_s=0.3)
     assert policy._lost() and policy.delta_s == 0.95 + 0.3
     assert abs(policy.apply_s_per_change - (0.95 - 0.5 - 0.03) / 1000) < 1e-12  # the digest is not an apply cost
+
+
+def test_a_failed_sync_is_no_measurement_of_what_deltas_cost():
+    """A delta sync that failed (a receiver lost: its time is the heartbeat grace, or the
+    deadline) tells the policy nothing: the version goes as deltas again, and so does the next."""
+    state = model(0)
+    base = SenderBase()
+    assert not sync(base, state, 1, seconds=1.0)
+    step(state, 1)
+    encoding = base.encode(as_source(state), [TensorSpec.of(n, t) for n, t in state.items()], 2, [0])
+    assert encoding.header is not None
+    base.finished(encoding, None, set())  # failed, after 5 s of grace: as the sender reports it
+    assert base.version == 1 and base.holders == {0}  # the receiver keeps its base
+    assert sync(base, state, 2, seconds=1.0), "a failure's seconds turned deltas off"
+    step(state, 2)
+    assert sync(base, state, 3, seconds=1.0)

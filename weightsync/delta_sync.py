@@ -309,11 +309,12 @@ class SenderBase:
         _, specs, _, new = self._pending
         return [checksum(as_bytes(new[s.name])) for s in specs]
 
-    def finished(self, encoding: Encoding, seconds: float, ok_ranks: set[int]) -> None:
+    def finished(self, encoding: Encoding, seconds: float | None, ok_ranks: set[int]) -> None:
         # ``seconds``: what the sync's kind cost (encoding, transfer, applying), not set-up
         """After a sync: if any receiver took the version, it becomes the base (held by
         those receivers); else the base stays, and so do its holders (a failed delta sync
-        leaves them their base). Also tells the policy what the sync cost."""
+        leaves them their base). Also tells the policy what the sync cost, unless it
+        failed (``seconds`` None: its time measures the failure, a grace or a deadline)."""
         pending, self._pending = self._pending, None
         digest_s = self._digest_s()  # this base's digest, before a new base replaces it
         if ok_ranks and pending is not None:
@@ -335,6 +336,8 @@ class SenderBase:
             # Hashed in the background, while the trainer computes its next step.
             self._digest = _Background(base_digest, specs, self.tensors)
             self.holders = set(ok_ranks)
+        if seconds is None:
+            return
         if encoding.header is None:
             self.policy.dense_done(seconds)
         elif not encoding.header.dense:  # one with a dense section says nothing of deltas
@@ -408,13 +411,14 @@ class Outgoing:
         stats.bytes, stats.tensors = self.encoding.model_bytes, len(self.header.model)
         stats.density, stats.delta_base = self.encoding.density, self.header.base_version
 
-    def finished(self, seconds: float, ok_ranks: set[int]) -> None:
+    def finished(self, seconds: float | None, ok_ranks: set[int]) -> None:
         """The sync ended; ``seconds``: what it cost past the handshake (transfer, applying,
-        acknowledgements), ``ok_ranks``: the receivers that took it."""
+        acknowledgements), None if it failed; ``ok_ranks``: the receivers that took it."""
         if self.encoder is not None and self.encoding is not None:
             # What the choice of delta or dense costs: encoding, transfer and applying
             # (the handshake and a group's set-up cost the same either way).
-            self.encoder.base.finished(self.encoding, self.encode_s + seconds, ok_ranks)
+            spent = self.encode_s + seconds if seconds is not None else None
+            self.encoder.base.finished(self.encoding, spent, ok_ranks)
 
 
 class DeltaEncoder:

@@ -455,7 +455,7 @@ class Sender:
         finally:
             if outcome == "ok":
                 self._trainers.tell(version, None, self.config.timeout_s)
-            out.finished(time.perf_counter() - start - stats.handshake_s,
+            out.finished(time.perf_counter() - start - stats.handshake_s if outcome == "ok" else None,
                          self._confirmed if outcome != "ok" else set(self._channels))
             transport.finish(ok=outcome not in ("broken", "rerouted"))
             if outcome == "ok" and out.plan is not None:
