@@ -115,3 +115,24 @@ def test_a_failed_sync_is_no_measurement_of_what_deltas_cost():
     assert sync(base, state, 2, seconds=1.0), "a failure's seconds turned deltas off"
     step(state, 2)
     assert sync(base, state, 3, seconds=1.0)
+
+
+def test_a_version_taken_again_keeps_its_earlier_holders():
+    """Re-routed around a lost receiver (``drop_lost_receivers``): receiver 0 completed
+    version 2 before the loss, receiver 1 takes it again alone. Both hold version 2 after,
+    so version 3 goes to both as deltas, without a dense section."""
+    state = model(0)
+    base = SenderBase(policy=delta_policy.DeltaPolicy(always=True))
+    specs = [TensorSpec.of(name, t) for name, t in state.items()]
+
+    def encode(version, receivers):
+        return base.encode(as_source(state), specs, version, receivers)
+
+    base.finished(encode(1, [0, 1]), 1.0, {0, 1})
+    step(state, 1)
+    base.finished(encode(2, [0, 1]), None, {0})  # the attempt failed; receiver 0 had completed it
+    base.finished(encode(2, [1]), 1.0, {1})  # the version again, to receiver 1
+    assert base.version == 2 and base.holders == {0, 1}
+    step(state, 2)
+    encoding = encode(3, [0, 1])
+    assert encoding.header is not None and not encoding.header.dense

@@ -332,10 +332,12 @@ class SenderBase:
                     elif kind != Kind.EMPTY:
                         deltas.append((self.tensors[name], kind, payload))
                 delta.apply_many(deltas)
+            # A version taken again (re-routed around a lost receiver): who held it keeps it.
+            kept = self.holders if self.version == version else set()
             self.version, self.specs = version, specs
             # Hashed in the background, while the trainer computes its next step.
             self._digest = _Background(base_digest, specs, self.tensors)
-            self.holders = set(ok_ranks)
+            self.holders = set(ok_ranks) | kept
         if seconds is None:
             return
         if encoding.header is None:
