@@ -87,20 +87,15 @@ def kill_mid_sync_then_sync_the_survivors(backend, drop):
             stop([victim, *survivors])
 
 
-@pytest.mark.parametrize("backend", [
-    "nccl", pytest.param("nccl-chain", id="nccl-chain"), pytest.param("mooncake", marks=workers.needs_mooncake),
-])
-def test_with_drop_lost_receivers_the_others_take_the_version_again_in_the_same_sync(backend):
-    """``drop_lost_receivers``: the middle receiver of 3 SIGKILLed in version 2. The send
-    succeeds, naming it in ``stats.dropped``; both others take version 2 bit-exact in the
-    same ``receive`` call, each tensor handed out once (the worker asserts it); version 3
-    goes to them without a word. Gloo's broadcast, the chain over Gloo, Mooncake's chain."""
+def _the_others_take_version_2_without_the_middle_receiver(overrides, victim_body, versions, *victim_args):
+    """3 receivers, the middle one (rank 1) running ``victim_body(..., versions, queue,
+    *victim_args)`` and lost in version 2:
+    ``send`` succeeds dropping it, both others hold version 2 bit-exact from that one
+    ``receive`` call, and version 3 reaches them without a word."""
     q = CTX.Queue()
-    topology = ["engine_kwargs.nccl.topology=chain"] if backend == "nccl-chain" else []
-    overrides = config("drop_lost_receivers=true", *topology, backend=backend.split("-")[0], timeout=60)
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 3) as sender:
         first = start(workers.run_resilient_receiver, sender.address, 0, overrides, [1, 2, 3], q)
-        victim = start(workers.run_resilient_receiver, sender.address, 1, overrides, [1, 2], q, (2, 3))
+        victim = start(victim_body, sender.address, 1, overrides, versions, q, *victim_args)
         last = start(workers.run_resilient_receiver, sender.address, 2, overrides, [1, 2, 3], q)
         try:
             sender.send(big_weights(1), version=1)
@@ -120,6 +115,19 @@ def test_with_drop_lost_receivers_the_others_take_the_version_again_in_the_same_
             stop([first, victim, last])
 
 
+@pytest.mark.parametrize("backend", [
+    "nccl", pytest.param("nccl-chain", id="nccl-chain"), pytest.param("mooncake", marks=workers.needs_mooncake),
+])
+def test_with_drop_lost_receivers_the_others_take_the_version_again_in_the_same_sync(backend):
+    """``drop_lost_receivers``: the middle receiver of 3 SIGKILLed in version 2. The send
+    succeeds, naming it in ``stats.dropped``; both others take version 2 bit-exact in the
+    same ``receive`` call, each tensor handed out once (the worker asserts it); version 3
+    goes to them without a word. Gloo's broadcast, the chain over Gloo, Mooncake's chain."""
+    topology = ["engine_kwargs.nccl.topology=chain"] if backend == "nccl-chain" else []
+    overrides = config("drop_lost_receivers=true", *topology, backend=backend.split("-")[0], timeout=60)
+    _the_others_take_version_2_without_the_middle_receiver(overrides, workers.run_resilient_receiver, [1, 2], (2, 3))
+
+
 @pytest.mark.parametrize("when", ["in-its-handshake", "after-its-last-tensor"])
 def test_with_drop_lost_receivers_a_receiver_lost_outside_the_transfer_is_routed_around_too(when):
     """``drop_lost_receivers`` where no data plane is in the way: the middle receiver of 3
@@ -128,31 +136,12 @@ def test_with_drop_lost_receivers_a_receiver_lost_outside_the_transfer_is_routed
     version already: they keep it). Either way ``send`` succeeds dropping it, each other
     holds version 2 bit-exact from that one ``receive`` call (each answers the re-route,
     whatever it sent before), and version 3 reaches them. Gloo's broadcast."""
-    q = CTX.Queue()
     overrides = config("drop_lost_receivers=true", timeout=60)
-    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 3) as sender:
-        first = start(workers.run_resilient_receiver, sender.address, 0, overrides, [1, 2, 3], q)
-        if when == "in-its-handshake":
-            victim = start(workers.run_receiver_dying_in_the_handshake, sender.address, 1, overrides, 2, q)
-        else:
-            victim = start(workers.run_resilient_receiver, sender.address, 1, overrides, [1, 2], q, (2, len(big_weights(2))))
-        third = start(workers.run_resilient_receiver, sender.address, 2, overrides, [1, 2, 3], q)
-        try:
-            sender.send(big_weights(1), version=1)
-            assert sorted(r[1] for r in collect(q, 3)) == [1, 1, 1]
-            t0 = time.monotonic()
-            stats = sender.send(big_weights(2), version=2)
-            assert time.monotonic() - t0 < 15
-            assert stats.dropped == [1] and sender.receivers == [0, 2]
-            for rank, version, got, held in collect(q, 2):
-                assert (version, held) == (2, 2) and got == digests(big_weights(2)), rank
-            victim.join(timeout=10)
-            assert victim.exitcode == -signal.SIGKILL
-            assert sender.send(big_weights(3), version=3).dropped == []
-            for rank, version, got, held in collect(q, 2):
-                assert (version, held) == (3, 3) and got == digests(big_weights(3))
-        finally:
-            stop([first, victim, third])
+    if when == "in-its-handshake":
+        _the_others_take_version_2_without_the_middle_receiver(overrides, workers.run_receiver_dying_in_the_handshake, 2)
+    else:
+        last_tensor = (2, len(big_weights(2)))
+        _the_others_take_version_2_without_the_middle_receiver(overrides, workers.run_resilient_receiver, [1, 2], last_tensor)
 
 
 def test_sender_sigkilled_mid_sync_then_a_new_sender_completes_the_version():

@@ -386,7 +386,7 @@ class Sender:
                     raise
             log.warning("version %d: receiver rank(s) %s lost and dropped (drop_lost_receivers); the others take "
                         "it again through a new data plane", version, dropped)
-            try:  # to those of this attempt still connected: one that completed an earlier attempt is idle
+            try:  # to those of this attempt still connected (one that held it said so at an earlier re-route)
                 others = {r: self._channels[r] for r in again or self._channels if r in self._channels}
                 again = reroute.tell(others, version, dropped, self.config.timeout_s)
             except Exception as e:
