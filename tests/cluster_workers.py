@@ -6,12 +6,12 @@ import socket
 import time
 
 import torch
+import workers
 
 from weightsync import EngineConfig, Receiver, Sender
 from weightsync.bench.cluster import enter
-from weightsync.session import Channel, SyncError
-
-import workers
+from weightsync.errors import SyncError
+from weightsync.session.channel import Channel
 
 
 def on_host(netns, body, *args):
@@ -118,7 +118,14 @@ def run_rollout_across_hosts(hosts, model_dir, overrides, commands, queue):
     greedy)``. None ends."""
     from transformers import AutoModelForCausalLM
 
-    from weightsync.demo_vllm import PROMPTS, replica_greedy, start_replica, train_until_changed, trainer_greedy, vllm_environment
+    from weightsync.demo.vllm import (
+        PROMPTS,
+        replica_greedy,
+        start_replica,
+        train_until_changed,
+        trainer_greedy,
+        vllm_environment,
+    )
     from weightsync.integrations.vllm_rollout import LLMReplica, ReplicaUpdateError, VLLMRollout
     from weightsync.sources import StateDictSource
 

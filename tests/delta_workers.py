@@ -4,13 +4,12 @@ import os
 import signal
 
 import torch
+import workers
 
 from weightsync import EngineConfig, Receiver
 from weightsync.bench.updates import AdamWUpdates
 from weightsync.integrations.vllm_staging import Stager
 from weightsync.plan import TensorSpec
-
-import workers
 
 # A small Qwen2-shaped model in bf16 (the rollout copy of fp32 masters): one tensor larger
 # than a 1 MiB bucket (split over buckets), many small ones.

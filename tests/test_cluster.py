@@ -11,14 +11,13 @@ import subprocess
 import sys
 import time
 
-import pytest
-
-from weightsync.bench import BenchOptions, run_bench
-from weightsync.bench.cluster import Cluster, parse_rate
-
 import cluster_workers
+import pytest
 import workers
 from procs import CTX, start, stop
+
+from weightsync.bench.cluster import Cluster, parse_rate
+from weightsync.bench.runner import BenchOptions, run_bench
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -6,9 +6,12 @@ from pathlib import Path
 import pytest
 from clirun import weightsync
 
-from weightsync.config import PREFIX, ConfigError, EngineConfig
-from weightsync.config_docs import docs_markdown
-from weightsync.engines import EngineUnavailable, get_engine, known_backends
+from weightsync.config.backends import known_backends
+from weightsync.config.engine import EngineConfig
+from weightsync.config.keys import PREFIX, ConfigError
+from weightsync.config.reference import docs_markdown
+from weightsync.engines.base import EngineUnavailable
+from weightsync.engines.registry import get_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,7 +137,7 @@ def test_custom_backend_module_is_imported_before_lookup(tmp_path, monkeypatch):
 def test_backend_whose_import_fails_says_which_module_is_missing(tmp_path, monkeypatch):
     (tmp_path / "ws_needs_dep.py").write_text("import mooncake_dependency_not_installed\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    from weightsync.engines import register_engine
+    from weightsync.config.backends import register_engine
 
     register_engine("needsdep", "ws_needs_dep:Engine")
     assert "needsdep" in known_backends()
@@ -147,7 +150,7 @@ def test_generated_docs_match_the_code():
     for lang, path in (("en", "docs/configuration.md"), ("zh", "docs/configuration.zh.md")):
         assert (ROOT / path).read_text() == docs_markdown(lang), f"{path} drifted: run `make docs`"
     en = docs_markdown("en")
-    from weightsync.config import all_keys
+    from weightsync.config.keys import all_keys
 
     for key in all_keys():
         assert f"`{key.display}`" in en
@@ -268,7 +271,7 @@ def test_verl_backend_names_weightsync_does_not_provide(backend, message, tmp_pa
 
 
 def test_verl_adapter_kwargs():
-    from weightsync.config_verl import parse_verl_kwargs
+    from weightsync.config.verl import parse_verl_kwargs
 
     o = parse_verl_kwargs({"transport": "shm", "host": "10.0.0.5", "timeout_s": 9, "nccl": {"group_name": "w"},
                            "engine_kwargs": {"disk": {"path": "/d"}}, "auth_secret": "s"})

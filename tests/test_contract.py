@@ -3,13 +3,12 @@ force, torn) are the same on every family."""
 
 import pytest
 import torch
-
-from weightsync import EngineConfig, HandshakeError, Publisher, Receiver, Sender, Transport
-from weightsync.engines import get_engine
-from weightsync.session import RemoteFailure
-
 import workers
 from procs import CTX, collect, start, stop
+
+from weightsync import EngineConfig, HandshakeError, Publisher, Receiver, Sender, Transport
+from weightsync.engines.registry import get_engine
+from weightsync.errors import RemoteFailure
 
 
 def test_builtin_backends_implement_one_of_the_two_contracts():

@@ -18,12 +18,11 @@ import os
 import signal
 
 import pytest
-
-from weightsync import platform
-from weightsync.gpucheck import NCCL_BLOCKED_ENV, SHARED_GPU_NCCL_ENV, TEST_DEVICE_ENV
-
 import workers
 from procs import CTX, collect, start
+
+from weightsync import platform
+from weightsync.gpucheck.driver import NCCL_BLOCKED_ENV, SHARED_GPU_NCCL_ENV, TEST_DEVICE_ENV
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(120)]
 

@@ -9,9 +9,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from weightsync import delta, delta_format
+from weightsync import delta
+from weightsync.delta import format as delta_format
 from weightsync.bench.updates import AdamWUpdates, changed_elements, changed_fraction, clone_state
-from weightsync.delta import HEADER_BYTES, Kind, apply, digest, encode
+from weightsync.delta.decoder import apply
+from weightsync.delta.encoder import encode
+from weightsync.delta.format import HEADER_BYTES, Kind
+from weightsync.delta.header import digest
 from weightsync.plan import TensorSpec, as_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -137,14 +141,14 @@ def roundtrip(base, new, enc, layout="contiguous"):
 @given(
     p=pairs,
     layout=st.sampled_from(["contiguous", "transposed", "sliced"]),
-    chunk=st.sampled_from([8, 64, delta.CHUNK]),
-    keep=st.sampled_from([0, delta.KEEP_FLOOR]),
+    chunk=st.sampled_from([8, 64, delta.encoder.CHUNK]),
+    keep=st.sampled_from([0, delta.encoder.KEEP_FLOOR]),
 )
 def test_roundtrip_any_dtype_density_layout(p, layout, chunk, keep):
     base, new = make_pair(**p)
     # Small chunks: many per tensor. keep=0: changes beyond half the tensor's bytes are
     # found again when the payload is written.
-    with mock.patch.object(delta, "CHUNK", chunk), mock.patch.object(delta, "KEEP_FLOOR", keep):
+    with mock.patch.object(delta.encoder, "CHUNK", chunk), mock.patch.object(delta.encoder, "KEEP_FLOOR", keep):
         enc = encode(placed(base, layout)[0], placed(new, layout)[0])
     dense = new.numel() * new.element_size()
     assert enc.nbytes <= dense and enc.dense_nbytes == dense
@@ -160,24 +164,24 @@ def test_roundtrip_any_dtype_density_layout(p, layout, chunk, keep):
 
 
 @settings(deadline=None, max_examples=120)
-@given(p=pairs, kind=st.sampled_from(DELTA_KINDS), low_bytes=st.booleans(), chunk=st.sampled_from([8, 64, delta.CHUNK]))
+@given(p=pairs, kind=st.sampled_from(DELTA_KINDS), low_bytes=st.booleans(), chunk=st.sampled_from([8, 64, delta.encoder.CHUNK]))
 def test_every_kind_roundtrips_when_forced(p, kind, low_bytes, chunk):
     base, new = make_pair(**p)
-    with mock.patch.object(delta, "CHUNK", chunk), mock.patch.object(delta, "KEEP_FLOOR", 0):
+    with mock.patch.object(delta.encoder, "CHUNK", chunk), mock.patch.object(delta.encoder, "KEEP_FLOOR", 0):
         enc = encode(base, new, kinds=[kind], low_bytes=low_bytes)
     assert enc.kind == kind
     assert enc.nbytes == enc.payload.numel()
     roundtrip(base, new, enc, "sliced")
 
 
-@pytest.mark.parametrize("width", delta.GAP_WIDTHS)
+@pytest.mark.parametrize("width", delta.format.GAP_WIDTHS)
 def test_gap_escapes_at_every_width(width, monkeypatch):
     # Gaps of every size class: 1, 15, 16, 255, 256, 65535, 65536 and beyond.
     n = 300_000
     base = torch.zeros(n, dtype=torch.int16)
     new = base.clone()
     new[torch.tensor([0, 1, 16, 31, 32, 287, 543, 66078, 131614, 131615, 262000, n - 1])] = 7
-    monkeypatch.setattr(delta, "GAP_WIDTHS", (width,))
+    monkeypatch.setattr(delta.encoder, "GAP_WIDTHS", (width,))
     enc = encode(base, new, kinds=[Kind.GAPS])
     assert enc.kind == Kind.GAPS and enc.payload[5] == width
     roundtrip(base, new, enc)
@@ -325,7 +329,7 @@ def test_bad_bitmask_is_refused():
 def test_bad_gaps_are_refused(width_density, monkeypatch):
     width, density = width_density
     base, new = make_pair(torch.bfloat16, (20000,), density, "random", 3)
-    monkeypatch.setattr(delta, "GAP_WIDTHS", (width,))
+    monkeypatch.setattr(delta.encoder, "GAP_WIDTHS", (width,))
     enc = encode(base, new, kinds=[Kind.GAPS])
     h = header_fields(enc.payload)
     assert h["width"] == width

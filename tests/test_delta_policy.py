@@ -1,6 +1,6 @@
 """``delta=auto`` decides before it spends: a probe of the version predicts what a delta
 sync would cost, and a sync predicted slower than the last dense one goes whole, with no
-base kept until deltas are probed again (``weightsync/delta_policy.py``). The sender's
+base kept until deltas are probed again (``weightsync/delta/policy.py``). The sender's
 base and policy run here in-process on the real codec; the transports' side of delta
 syncs is in test_delta_sync.py."""
 
@@ -8,8 +8,8 @@ from unittest import mock
 
 import torch
 
-from weightsync import delta_policy
-from weightsync.delta_sync import SenderBase
+from weightsync.delta import policy as delta_policy
+from weightsync.delta.send_stage import SenderBase
 from weightsync.plan import TensorSpec
 from weightsync.sources import as_source
 

@@ -7,13 +7,12 @@ test_delta_policy.py's)."""
 
 import time
 
-import pytest
-
-from weightsync import EngineConfig, Sender
-
 import delta_workers
+import pytest
 import workers
 from procs import CTX, collect, start, stop
+
+from weightsync import EngineConfig, Sender
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

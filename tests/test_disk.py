@@ -11,15 +11,22 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from weightsync import EngineConfig, HandshakeError, Receiver, Sender, SyncError, SyncTimeout, VerificationError
-from weightsync.config import ConfigError
-from weightsync.engines.disk import MANIFEST, published_versions, version_dir
-from weightsync.session import PeerLost, RemoteFailure
-
 import workers
-from workers import Background
 from procs import CTX, start, stop
+from workers import Background
+
+from weightsync import (
+    EngineConfig,
+    HandshakeError,
+    Receiver,
+    Sender,
+    SyncError,
+    SyncTimeout,
+    VerificationError,
+)
+from weightsync.config.keys import ConfigError
+from weightsync.engines.disk import MANIFEST, published_versions, version_dir
+from weightsync.errors import PeerLost, RemoteFailure
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,14 +9,13 @@ import time
 
 import pytest
 import torch
-
-from weightsync import EngineConfig, HandshakeError, Receiver, Sender, VerificationError
-from weightsync.engines.disk import MANIFEST, SIGNATURE, version_dir
-from weightsync.session import RemoteFailure
-
 import workers
 from test_disk import digests, overrides, sync
 from workers import Background
+
+from weightsync import EngineConfig, HandshakeError, Receiver, Sender, VerificationError
+from weightsync.engines.disk import MANIFEST, SIGNATURE, version_dir
+from weightsync.errors import RemoteFailure
 
 pytestmark = pytest.mark.timeout(120)
 

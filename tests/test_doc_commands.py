@@ -155,7 +155,7 @@ COMMANDS: dict[str, Run | NotHere] = {
         (f"bench --hosts 5 --trainers 2 --trainer-link 1gbit --link 4gbit --backend nccl,paired {SMALL}",),
         SMALL, timeout=240),
     "weightsync bench --device cuda --size-mb 4096": NotHere(
-        "needs a CUDA GPU: `make gpu-check` runs the --device cuda bench rows (weightsync/gpucheck.py)"),
+        "needs a CUDA GPU: `make gpu-check` runs the --device cuda bench rows (weightsync/gpucheck/driver.py)"),
     "weightsync bench --update adamw --lr 1e-6": Run(
         ("bench --update adamw --lr 1e-6 --no-alternatives --size-mb 16 --receivers 1 --repeats 2 --json",),
         "--no-alternatives --size-mb 16 (the smallest LLM shape, 149 MiB) --receivers 1 --repeats 2 --json: rows for "
@@ -308,7 +308,7 @@ def _params():
 
 # ------------------------------------------------------------------------------ the tests
 def test_every_doc_command_is_classified():
-    missing = {c: [l.where for l in lines] for c, lines in FOUND.items() if c not in COMMANDS}
+    missing = {c: [line.where for line in lines] for c, lines in FOUND.items() if c not in COMMANDS}
     assert not missing, ("commands in the docs that tests/test_doc_commands.py's COMMANDS does not classify (run, "
                          f"run adjusted, or NotHere with the reason): {missing}")
 

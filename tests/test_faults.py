@@ -10,15 +10,13 @@ import time
 
 import pytest
 import torch
-
-from weightsync import EngineConfig, HandshakeError, Receiver, Sender, SyncError
-from weightsync.packer import SourceFailed
-from weightsync.session import RemoteFailure
-from weightsync.sources import IteratorSource
-
 import workers
 from procs import CTX, collect, free_port, start, stop
 from proxy import ControlProxy
+
+from weightsync import EngineConfig, HandshakeError, Receiver, Sender, SyncError
+from weightsync.errors import RemoteFailure, SourceFailed
+from weightsync.sources import IteratorSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -356,7 +354,7 @@ def test_malformed_and_silent_strangers_do_not_delay_or_break_the_sync(caplog):
     hello that claims 1 GiB and one that is not msgpack delay nobody: the receiver's sync,
     timed from its connect (its start-up done), takes far less than that timeout while
     the silent one is still waited for."""
-    from weightsync.session import HELLO_TIMEOUT_S
+    from weightsync.session.channel import HELLO_TIMEOUT_S
 
     overrides = config(timeout=20)
     q, go = CTX.Queue(), CTX.Event()
@@ -397,7 +395,7 @@ def test_greetings_in_progress_are_capped_and_the_sync_goes_on_once_they_end(cap
     """At most ``MAX_PENDING_HELLOS`` connections are greeted at once (each greeting is a
     thread and a socket): one more is closed unanswered, with a warning. When the strangers
     hang up, the slots free and the receiver's sync completes within the same send."""
-    from weightsync.session import HELLO_TIMEOUT_S, MAX_PENDING_HELLOS
+    from weightsync.session.channel import HELLO_TIMEOUT_S, MAX_PENDING_HELLOS
 
     overrides = config(timeout=30)
     q, go = CTX.Queue(), CTX.Event()

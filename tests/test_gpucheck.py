@@ -12,9 +12,8 @@ import pytest
 from clirun import weightsync
 
 from weightsync import gpucheck, platform
-from weightsync.bench import BenchOptions
-from weightsync.bench.runner import _device, ceiling_of, plan_rows
-from weightsync.gpucheck import Check, Options, Result
+from weightsync.bench.runner import BenchOptions, _device, ceiling_of, plan_rows
+from weightsync.gpucheck.driver import Check, Options, Result
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -150,7 +149,7 @@ def test_a_refused_probe_blocks_the_nccl_tests_and_fails_the_run(monkeypatch, tm
     """In this process, on the CPU: the probe answers as NCCL 2.29 does on one GPU; the
     nccl test then reports blocked (not failed, not silently skipped) and the run fails."""
     refusal = "rank 1: DistBackendError: ... Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000"
-    monkeypatch.setattr(gpucheck, "probe_nccl", lambda receivers, device, timeout_s: ("failed", refusal))
+    monkeypatch.setattr(gpucheck.driver, "probe_nccl", lambda receivers, device, timeout_s: ("failed", refusal))
     monkeypatch.delenv(gpucheck.NCCL_BLOCKED_ENV, raising=False)
     opts = Options(out=str(tmp_path), device="cpu", tests="three_versions and nccl", bench=False)
     assert [c.name for c in gpucheck.planned_checks(opts)] == ["nccl-multi-rank", "pytest-cuda"]

@@ -11,13 +11,12 @@ a proxy, and the version fields by what the receiver expects."""
 import re
 
 import pytest
-
-from weightsync import EngineConfig, HandshakeError, Sender
-from weightsync.session import PROTOCOL_VERSION
-
 import workers
 from procs import CTX, collect, start, stop
 from proxy import ControlProxy
+
+from weightsync import EngineConfig, HandshakeError, Sender
+from weightsync.session.channel import PROTOCOL_VERSION
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -13,14 +13,15 @@ import threading
 import pytest
 import torch
 
-import weightsync.sender as sender_module
+import weightsync.sender.sender as sender_module
 from weightsync import EngineConfig, Sender
-from weightsync.config import SECRET_ENV
+from weightsync.config.keys import SECRET_ENV
 from weightsync.engines import ring
 from weightsync.engines.base import Join
-from weightsync.engines.shm import PeerError, ShmEngine, host_id
+from weightsync.engines.ring import PeerError
+from weightsync.engines.shm import ShmEngine, host_id
 from weightsync.integrations.vllm import REMOTE_CONFIG_ENV, ReplicaReceiver, check_remote_overrides
-from weightsync.auth import reachable_from_other_hosts
+from weightsync.session.auth import reachable_from_other_hosts
 
 pytestmark = pytest.mark.timeout(120)
 

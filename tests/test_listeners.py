@@ -4,7 +4,6 @@ the interface the user chose. Every process (sender, receivers, other trainer ra
 apart from the test, so only its own sockets are looked at, read from /proc."""
 
 import pytest
-
 import workers
 from listeners import listeners_of, wildcards
 from procs import CTX, collect, start, stop

@@ -10,11 +10,10 @@ import threading
 import time
 
 import pytest
-
-from weightsync import EngineConfig, PeerLost, Receiver, Sender, SyncError
-
 import workers
 from procs import CTX, collect, start, stop
+
+from weightsync import EngineConfig, PeerLost, Receiver, Sender, SyncError
 
 RECEIVERS = 16
 VERSIONS = list(range(1, 21))

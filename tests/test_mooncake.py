@@ -13,12 +13,12 @@ import time
 
 import pytest
 import torch
-
-from weightsync import EngineConfig, Sender, SyncError
-from weightsync.engines import EngineUnavailable, get_engine
-
 import workers
 from procs import CTX, collect, start, stop
+
+from weightsync import EngineConfig, Sender, SyncError
+from weightsync.engines.base import EngineUnavailable
+from weightsync.engines.registry import get_engine
 
 # Every test here but the registry's needs the wheel: they carry the marker one by one.
 
@@ -229,7 +229,7 @@ def test_strangers_on_the_signal_port_are_rejected_and_the_sync_completes(monkey
 
 
 def test_missing_wheel_is_reported_by_the_registry(monkeypatch):
-    from weightsync import backends
+    from weightsync.config import backends
 
     monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # as if it were not installed
     monkeypatch.delitem(sys.modules, "weightsync.engines.mooncake", raising=False)

@@ -4,14 +4,13 @@ Gloo group, replicas forwarding along a ring. Real processes, real Gloo."""
 import time
 
 import pytest
+import workers
+from procs import CTX, collect, start, stop
 
 from weightsync import EngineConfig, PeerLost, Sender, SyncError
 from weightsync.engines.nccl import CHUNK_BYTES, partner
 from weightsync.engines.paired import Deal
 from weightsync.plan import TensorSpec, make_plan
-
-import workers
-from procs import CTX, collect, start, stop
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

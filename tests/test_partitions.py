@@ -6,13 +6,12 @@ version after the heal, same processes. Needs root, as CI has: never skipped."""
 
 import time
 
-import pytest
-
-from weightsync.bench.cluster import Cluster, parse_rate
-
 import cluster_workers
+import pytest
 import workers
 from procs import CTX, start, stop
+
+from weightsync.bench.cluster import Cluster, parse_rate
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -1,4 +1,4 @@
-"""The pipelined receive of engine replicas (``weightsync.pipeline`` through
+"""The pipelined receive of engine replicas (``weightsync.receiver.prefetch`` through
 ``ReplicaReceiver``), without vLLM: a replica process loads through a plain ``reload``
 callable, over a real transport (Gloo). Transfer overlaps loading within the in-flight
 bound, landing memory is reused across versions without overwriting tensors still held,
@@ -8,16 +8,16 @@ and a loader error fails the sync on the sender within the deadline."""
 import threading
 import time
 
+import pipeline_workers as pw
 import pytest
 import torch
-
-import pipeline_workers as pw
 import workers
 from procs import CTX, start, stop
+
 from weightsync import EngineConfig, Sender, SyncError
-from weightsync.session import SyncTimeout
-from weightsync.landing import LANDED_AHEAD, LOOKAHEAD, LandingPool, following_landings
+from weightsync.errors import SyncTimeout
 from weightsync.plan import TensorSpec, make_plan
+from weightsync.receiver.landing import LANDED_AHEAD, LOOKAHEAD, LandingPool, following_landings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -16,10 +16,10 @@ from weightsync.plan import (
     TensorSpec,
     as_bytes,
     direct_bytes,
-    packed_lag_bytes,
     dtype_name,
     make_plan,
     pack_pieces,
+    packed_lag_bytes,
 )
 
 DTYPES = [

@@ -1,4 +1,4 @@
-"""The data-plane rendezvous store (``weightsync.rendezvous``): torch's store semantics,
+"""The data-plane rendezvous store (``weightsync.engines.rendezvous``): torch's store semantics,
 only for holders of the group's token, on the chosen interface, every wait bounded, and no
 stranger able to list, read, plant or stall anything. Real sockets, real Gloo."""
 
@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from weightsync import platform, rendezvous
-from weightsync.session import HandshakeError, PeerLost, SyncError, SyncTimeout
+from weightsync import platform
+from weightsync.engines import rendezvous
+from weightsync.errors import HandshakeError, PeerLost, SyncError, SyncTimeout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -138,7 +139,7 @@ def test_every_wait_ends_at_its_deadline_and_consults_the_watch(server):
 
 
 def test_strangers_are_turned_away_and_delay_nobody(server, caplog):
-    caplog.set_level(logging.WARNING, logger="weightsync.rendezvous")
+    caplog.set_level(logging.WARNING, logger="weightsync.engines.rendezvous")
     token = server.new_group()
     server.store().set("weights/key", b"value")
     address = ("127.0.0.1", server.port)

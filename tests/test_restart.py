@@ -6,7 +6,6 @@ takes it with ``force=True``."""
 import time
 
 import pytest
-
 import restart_workers
 import workers
 from procs import CTX, free_port, start, stop

@@ -8,12 +8,11 @@ import socket
 import time
 
 import pytest
+import workers
+from procs import CTX, collect, start, stop
 
 from weightsync import EngineConfig, Sender
 from weightsync.engines.ring import DONE, FAIL, READY, PeerError, Signals, pack_message
-
-import workers
-from procs import CTX, collect, start, stop
 
 
 def tcp_pair():

@@ -29,8 +29,8 @@ from weightsync.engines import ring
 from weightsync.engines.base import Join
 from weightsync.engines.nccl import CollectiveEngine
 from weightsync.engines.paired import PairedEngine
-from weightsync.packer import capacity, producer
-from weightsync.plan import Assembler, Bucket, Plan, TensorSpec, as_bytes, direct_bytes, make_plan
+from weightsync.plan import Assembler, Bucket, Plan, TensorSpec, as_bytes, capacity, direct_bytes, make_plan
+from weightsync.sender.packer import producer
 from weightsync.sources import StateDictSource
 
 MIB = 1 << 20
@@ -94,7 +94,7 @@ class Wire:
         # Per link, each receive: (bucket, offset in it, length): a chain moves pieces.
         self.expected: dict[tuple[int, int], list[tuple[Bucket, int, int]]] = defaultdict(list)
 
-    @functools.lru_cache(maxsize=4)
+    @functools.lru_cache(maxsize=4)  # noqa: B019 (a few buckets; the cache dies with the test)
     def image(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """The bytes ``bucket`` must carry, and which of them matter (not the padding)."""
         data, mask = torch.zeros(bucket.nbytes, dtype=torch.uint8), torch.zeros(bucket.nbytes, dtype=torch.bool)
@@ -227,7 +227,7 @@ def test_the_demo_models_plan_through_a_forwarding_replica():
     """The shape that broke ``paired`` with plan format 4 (the demo's default model, 64 MiB
     buckets, 2 replicas): a forwarding replica whose two buffer slots were both on their
     way on, behind a forward from a landed bucket, ended its receive early."""
-    from weightsync.demo import build_model
+    from weightsync.demo.plain import build_model
 
     state = build_model(None, pretrained=True, seed=0).state_dict()
     run_sync(PairedEngine, state, 64 * MIB, 2, 1, "never", 0, land=True)

@@ -4,10 +4,9 @@ growth in open descriptors, threads, shared-memory descriptors or memory beyond 
 import multiprocessing as mp
 
 import pytest
+import workers
 
 from weightsync import EngineConfig, Sender
-
-import workers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

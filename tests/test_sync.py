@@ -9,16 +9,15 @@ import time
 
 import pytest
 import torch
-
-from weightsync import EngineConfig, HandshakeError, Receiver, Sender, SyncError, SyncTimeout
-from weightsync.plan import TensorSpec, make_plan
-from weightsync.session import RemoteFailure
-from weightsync.sources import IteratorSource
-
 import workers
 from listeners import listeners_of
 from procs import CTX, collect, free_port, start, stop
 from proxy import ControlProxy
+
+from weightsync import EngineConfig, HandshakeError, Receiver, Sender, SyncError, SyncTimeout
+from weightsync.errors import RemoteFailure
+from weightsync.plan import TensorSpec, make_plan
+from weightsync.sources import IteratorSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

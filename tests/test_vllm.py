@@ -16,10 +16,11 @@ import time
 
 import pytest
 import torch
+import workers
 
-from weightsync import EngineConfig, Sender  # noqa: E402
-from weightsync.bench.vllm import _cpu_s, _stat  # noqa: E402
-from weightsync.demo_vllm import (  # noqa: E402
+from weightsync import EngineConfig, Sender
+from weightsync.bench.vllm import _cpu_s, _stat
+from weightsync.demo.vllm import (
     PROMPTS,
     replica_greedy,
     save_tiny_model,
@@ -28,10 +29,8 @@ from weightsync.demo_vllm import (  # noqa: E402
     trainer_greedy,
     vllm_environment,
 )
-from weightsync.integrations.vllm_rollout import LLMReplica, ReplicaUpdateError, VLLMRollout  # noqa: E402
-from weightsync.sources import StateDictSource  # noqa: E402
-
-import workers  # noqa: E402
+from weightsync.integrations.vllm_rollout import LLMReplica, ReplicaUpdateError, VLLMRollout
+from weightsync.sources import StateDictSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(240)]
 

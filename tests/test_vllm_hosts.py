@@ -10,13 +10,12 @@ import os
 import queue
 import signal
 
+import cluster_workers
 import pytest
+from procs import CTX, stop
 
 from weightsync.bench.cluster import Cluster, parse_rate
-from weightsync.demo_vllm import save_tiny_model
-
-import cluster_workers
-from procs import CTX, stop
+from weightsync.demo.vllm import save_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(300)]
 

@@ -23,15 +23,13 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from procs import CTX, free_port
-
 import workers
+from procs import CTX, free_port
 from vllm_trainer_proc import send_one_version_and_hold
 
-from weightsync.demo_vllm import (
+from weightsync.demo.vllm import (
     PROMPTS,
     TCMALLOC,
-    replica_greedy,
     save_tiny_model,
     train_until_changed,
     trainer_greedy,
@@ -184,7 +182,7 @@ def _trainer_init(client, source, port: int = 0, overrides=OVERRIDES):
     """What a vLLM user writes: an init info, vLLM's factory, vLLM's client and source."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from weightsync.integrations.vllm import WeightsyncTrainerInitInfo
+    from weightsync.integrations.vllm_trainer import WeightsyncTrainerInitInfo
 
     info = WeightsyncTrainerInitInfo(master_address="127.0.0.1", master_port=port, world_size=2, rank=0,
                                      overrides=overrides)
@@ -250,7 +248,7 @@ def test_staged_rounds_over_http_keep_the_server_generating_until_the_commit_bet
     and the server goes on serving the committed weights, unpaused; the next round works."""
     import threading
 
-    from weightsync.integrations.vllm import TrainerRoundError
+    from weightsync.integrations.vllm_trainer import TrainerRoundError
 
     def post(path):
         requests.post(f"{server.url}{path}", timeout=60).raise_for_status()
@@ -302,7 +300,6 @@ def test_a_trainer_killed_mid_stage_leaves_the_server_serving_and_free_for_the_n
     the same address stages and commits the next version (no vLLM round was left open, the
     worker's stage ended)."""
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-
     from vllm_trainer_proc import stage_slowly
 
     before, served = server.greedy(), server.weight_version()
@@ -431,7 +428,7 @@ def test_a_server_killed_mid_round_fails_send_weights_fast_naming_it(server):
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-    from weightsync.integrations.vllm import TrainerRoundError
+    from weightsync.integrations.vllm_trainer import TrainerRoundError
 
     class KillingSource(ModuleSource):
         kill_at: int | None = None

@@ -15,14 +15,16 @@ import socket
 import threading
 import time
 
-import pytest
 import msgpack
+import pytest
 import torch
+import workers
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from weightsync import EngineConfig, HandshakeError, Receiver, Sender, SinkError
 from weightsync import plan as plan_module
+from weightsync.errors import ProtocolError, RemoteFailure, SyncError
 from weightsync.plan import (
     MAX_PLAN_BUCKETS,
     MAX_TENSOR_DIMS,
@@ -33,10 +35,8 @@ from weightsync.plan import (
     TensorSpec,
     make_plan,
 )
-from weightsync.session import PROTOCOL_VERSION, Channel, Deadline, ProtocolError, RemoteFailure, SyncError
+from weightsync.session.channel import PROTOCOL_VERSION, Channel, Deadline
 from weightsync.sources import IteratorSource
-
-import workers
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -664,7 +664,7 @@ def test_after_the_greeting_a_receiver_takes_plan_sized_frames_and_refuses_large
     """Before authentication a frame is at most ``HELLO_MAX_BYTES`` (4 KiB); after it the
     sender may send up to ``MAX_FRAME_BYTES`` (a whole plan), and a header claiming more is
     refused as read, without waiting for (or allocating) its body."""
-    from weightsync.session import HELLO_MAX_BYTES, MAX_FRAME_BYTES
+    from weightsync.session.channel import HELLO_MAX_BYTES, MAX_FRAME_BYTES
 
     fake = HostileSender()
     try:
@@ -689,7 +689,8 @@ def test_an_authenticated_receiver_may_only_send_small_replies():
     """The sender reads at most ``RECEIVER_MAX_FRAME_BYTES`` (1 MiB) per frame from a
     receiver, also from one that holds the shared secret: a larger header fails the sync
     naming that receiver at once, without reading the body."""
-    from weightsync.session import RECEIVER_MAX_FRAME_BYTES, connect
+    from weightsync.session.channel import RECEIVER_MAX_FRAME_BYTES
+    from weightsync.session.control import connect
 
     overrides = ["backend=nccl", "timeout_s=30", "auth_secret=" + "s" * 32]
     config = EngineConfig.from_overrides(overrides)

@@ -13,7 +13,7 @@ def send_one_version_and_hold(url: str, port: int, model_dir: str, version: int,
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from weightsync.integrations.vllm import WeightsyncTrainerInitInfo
+    from weightsync.integrations.vllm_trainer import WeightsyncTrainerInitInfo
 
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -36,12 +36,12 @@ def stage_slowly(url: str, port: int, model_dir: str, version: int, overrides: l
     import threading
 
     import torch
+    import workers
     from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    import workers
-    from weightsync.integrations.vllm import WeightsyncTrainerInitInfo
+    from weightsync.integrations.vllm_trainer import WeightsyncTrainerInitInfo
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():

@@ -15,7 +15,6 @@ from weightsync import EngineConfig, Receiver, Sender, SyncError
 from weightsync.plan import as_bytes
 from weightsync.sources import StateDictSource
 
-
 # The mooncake-transfer-engine-non-cuda wheel (make install-mooncake) runs over TCP here.
 # conftest.py skips a test with this marker where the wheel is missing (fails it in CI).
 needs_mooncake = pytest.mark.mooncake

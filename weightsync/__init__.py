@@ -5,26 +5,27 @@ Bit-exact, versioned, through pluggable backends (``naive``, ``nccl``/HCCL/Gloo,
     from weightsync import EngineConfig, Sender, Receiver
 """
 
-from weightsync.config import ConfigError, EngineConfig
-from weightsync.engines import EngineUnavailable, register_engine
-from weightsync.engines.base import Engine, Join, Offer, Publisher, Transport
-from weightsync.packer import SourceFailed
-from weightsync.plan import Plan, TensorSpec, make_plan
-from weightsync.session import (
+from weightsync.config.backends import register_engine
+from weightsync.config.engine import EngineConfig
+from weightsync.config.keys import ConfigError
+from weightsync.engines.base import Engine, EngineUnavailable, Join, Offer, Publisher, Transport
+from weightsync.errors import (
     HandshakeError,
     PeerLost,
     ProtocolError,
     RemoteFailure,
+    SourceFailed,
     SyncError,
     SyncTimeout,
     VerificationError,
 )
-from weightsync.receiver import Receiver
-from weightsync.sender import Sender
+from weightsync.plan import Plan, TensorSpec, make_plan
+from weightsync.receiver.receiver import Receiver
+from weightsync.sender.sender import Sender
 from weightsync.sinks import ModuleSink, SinkError
 from weightsync.sources import WeightSource, as_source
-from weightsync.stats import SyncStats
 from weightsync.state import VersionState
+from weightsync.stats import SyncStats
 
 __version__ = "0.1.0"
 

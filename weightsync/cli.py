@@ -7,9 +7,9 @@ import json
 import logging
 import sys
 
-from weightsync.config import ConfigError, EngineConfig
-from weightsync.config_keys import DELTA_MODES, UPDATE_MODES
-from weightsync.config_docs import docs_markdown
+from weightsync.config.engine import EngineConfig
+from weightsync.config.keys import DELTA_MODES, UPDATE_MODES, ConfigError
+from weightsync.config.reference import docs_markdown
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -130,7 +130,7 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_gpu_check(sub: argparse._SubParsersAction) -> None:
-    from weightsync.gpucheck import add_arguments
+    from weightsync.gpucheck.driver import add_arguments
 
     p = sub.add_parser(
         "gpu-check",
@@ -189,7 +189,7 @@ def _config_command(args: argparse.Namespace) -> int:
 
 
 def _vllm_demo_command(args: argparse.Namespace) -> int:
-    from weightsync.demo_vllm import VLLMDemoOptions, run_vllm_demo
+    from weightsync.demo.vllm import VLLMDemoOptions, run_vllm_demo
 
     opts = VLLMDemoOptions(
         model=args.model, replicas=args.receivers, steps=args.steps, bucket_mb=args.bucket_mb,
@@ -204,7 +204,7 @@ def _vllm_demo_command(args: argparse.Namespace) -> int:
 
 
 def _demo_command(args: argparse.Namespace) -> int:
-    from weightsync.demo import DemoOptions, run_demo
+    from weightsync.demo.plain import DemoOptions, run_demo
 
     if args.rollout == "vllm":
         return _vllm_demo_command(args)
@@ -278,8 +278,8 @@ def _bench_command(args: argparse.Namespace) -> int:
 
     if not _allowed("--delta", args.delta, DELTA_MODES):
         return 2
-    from weightsync.bench import BenchError, BenchOptions, run_bench
     from weightsync.bench.report import plot, table, to_json
+    from weightsync.bench.runner import BenchError, BenchOptions, run_bench
 
     opts = BenchOptions(
         backends=args.backend, bucket_mb=args.bucket_mb, receivers=args.receivers or 3, trainers=args.trainers,
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return _bench_command(args)
     if args.command == "gpu-check":
-        from weightsync.gpucheck import run
+        from weightsync.gpucheck.driver import run
 
         return run(args)
     return _demo_command(args)

@@ -1,7 +1,7 @@
 """Compatibility: ``Sender`` and ``Receiver`` live in ``weightsync.sender`` and
 ``weightsync.receiver``; import them from ``weightsync``."""
 
-from weightsync.receiver import Receiver
-from weightsync.sender import Sender
+from weightsync.receiver.receiver import Receiver
+from weightsync.sender.sender import Sender
 
 __all__ = ["Receiver", "Sender"]

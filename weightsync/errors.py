@@ -73,3 +73,8 @@ class Rerouted(SyncError):
         error = cls(f"{peer} sends version {msg.get('version')} again without the lost receiver(s) {msg.get('lost')}")
         error.version = msg["version"] if isinstance(msg.get("version"), int) else None
         return error
+
+
+class SourceFailed(SyncError):
+    """The trainer's own source raised mid-sync (its exception is the cause): no peer is
+    to blame, so the sender reports it at once instead of looking for one that went away."""

@@ -463,6 +463,13 @@ def make_plan(specs: Iterable[TensorSpec], bucket_bytes: int) -> Plan:
     return Plan(bucket_bytes, tuple(builder.specs), tuple(buckets))
 
 
+def capacity(plan: Plan | None, bucket_bytes: int) -> int:
+    """Buffer size a sync needs: its largest bucket (a streamed sync may fill a whole one)."""
+    if plan is None:
+        return bucket_bytes
+    return max((b.nbytes for b in plan.buckets), default=1)
+
+
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a tensor's bytes (copying only if it is not contiguous)."""
     flat = tensor.contiguous().reshape(-1)

@@ -66,7 +66,7 @@ def device_report() -> dict:
         try:  # the NCCL torch loaded (a newer libnccl may sit under torch's pin)
             version = torch.cuda.nccl.version()
             report["nccl"] = ".".join(str(x) for x in version) if isinstance(version, tuple) else str(version)
-        except Exception as e:  # noqa: BLE001 (a report, not a decision)
+        except Exception as e:
             report["nccl"] = f"unknown ({type(e).__name__}: {e})"
     if plat.kind == "cuda":
         for index in range(torch.cuda.device_count()):
@@ -162,7 +162,7 @@ _COLLECTIVE_LIBRARY = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def collective_backend(requested: str = "nccl", kind: str | None = None) -> str:
     """Resolve the configured collective name to the library serving it on this platform.
 

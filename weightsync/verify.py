@@ -1,9 +1,9 @@
 """End-to-end verification of bucket bytes (config key ``verify``).
 
-The sender checksums each bucket as it leaves (``weightsync.packer.producer``), every
+The sender checksums each bucket as it leaves (``weightsync.sender.packer.producer``), every
 receiver each bucket as it arrives (``Checks``); the sender's list follows the transfer on
 the control channel and a receiver compares. A delta sync checks the tensors a receiver
-reconstructs instead (``weightsync.delta_intake``).
+reconstructs instead (``weightsync.delta.receive_stage``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), *filter(None, [os.environ
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 try:
-    import verl  # noqa: F401
+    import verl
     import verl.checkpoint_engine  # noqa: F401
     from tests.checkpoint_engine.test_utils import CheckpointEngineWorkerTest, MockReplica  # noqa: F401  (verl's wheel)
 except ImportError as e:  # fail, never skip: these tests exist to run against verl

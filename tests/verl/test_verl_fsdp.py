@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import ray
+import verl_helpers as H
 from safetensors.torch import load_file
 from verl.checkpoint_engine import CheckpointEngineManager
 
-import verl_helpers as H
 import weightsync.integrations.verl  # noqa: F401  (registers backend "weightsync" in the driver too)
 
 

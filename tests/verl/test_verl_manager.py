@@ -11,13 +11,13 @@ import time
 
 import pytest
 import ray
-
 import verl_helpers as H
 from verl.checkpoint_engine import CheckpointEngineManager
 
 import weightsync
-import weightsync.integrations.verl  # noqa: F401  (registers backend "weightsync" in the driver too)
+import weightsync.integrations.verl
 from weightsync import SyncError
+
 
 @pytest.fixture(scope="module")
 def ray_node():
@@ -45,7 +45,7 @@ def kill_mid_update(manager, trainer, workers, victim: int, step: int, transport
     trainer.train_to(step)
     H.reset_last_update(trainer)
     start = time.monotonic()
-    with pytest.raises(Exception):  # verl's manager gives up at the first failed worker
+    with pytest.raises(Exception):  # noqa: B017 (any error: verl's manager gives up at the first failed worker)
         manager.update_weights(global_steps=step)
     outcome = H.last_update(trainer, within_s=timeout_s + 15)
     assert outcome is not None, "the trainer's send_weights did not end"

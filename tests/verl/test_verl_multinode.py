@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
-
 import verl_helpers as H
+from ray.cluster_utils import Cluster
 from verl.checkpoint_engine import CheckpointEngineManager
 
 import weightsync.integrations.verl  # noqa: F401  (registers backend "weightsync" in the driver too)

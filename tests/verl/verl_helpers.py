@@ -19,14 +19,12 @@ from typing import Any
 
 import ray
 import torch
-
 from verl.checkpoint_engine import CheckpointEngineRegistry
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.utils.import_utils import import_external_libs
 from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
-
 
 MODULE = "weightsync.integrations.verl"
 BUCKET_MB = 1  # the embedding below is larger: it travels in chunks
@@ -286,13 +284,13 @@ class Reaper:
         for w in self.workers:
             try:
                 ray.kill(w, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead
+            except Exception:
                 pass
         for pool in self.pools:
             for pg in pool.pgs or []:
                 try:
                     ray.util.remove_placement_group(pg)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     pass
 
 

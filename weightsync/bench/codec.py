@@ -20,10 +20,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from weightsync import delta
 from weightsync.bench.models import llm_specs
 from weightsync.bench.updates import AdamWUpdates, changed_fraction, clone_state
-from weightsync.delta_format import flat_ints
+from weightsync.delta.decoder import apply_many
+from weightsync.delta.encoder import Encoded, encode
+from weightsync.delta.format import Kind, flat_ints
 from weightsync.plan import as_bytes
 from weightsync.platform import local_device, synchronize
 
@@ -100,17 +101,17 @@ def run_codec_bench(
             b, n = flat_ints(base[name]), flat_ints(new[name])
             torch.ne(b, n, out=mask[: b.numel()].view(b.shape))
 
-    def apply(encoded: list[delta.Encoded]) -> None:
-        delta.apply_many((target[name], enc.kind, enc.payload if enc.kind != delta.Kind.DENSE else as_bytes(new[name]))
+    def apply(encoded: list[Encoded]) -> None:
+        apply_many((target[name], enc.kind, enc.payload if enc.kind != Kind.DENSE else as_bytes(new[name]))
                          for name, enc in zip(names, encoded))
 
     floors, encodes, applies = [], [], []
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightsync-codec") as pool:
-        encoded: list[delta.Encoded] = []
+        encoded: list[Encoded] = []
         for r in range(repeats + 1):  # the first round warms up
             progress(f"round {r}/{repeats}")
             _, f = timed(floor)
-            encoded, e = timed(lambda: list(pool.map(lambda name: delta.encode(base[name], new[name]), names)))
+            encoded, e = timed(lambda: list(pool.map(lambda name: encode(base[name], new[name]), names)))
             _, a = timed(lambda: apply(encoded))
             bad = [name for name in names if not torch.equal(as_bytes(target[name]), as_bytes(new[name]))]
             if bad:

@@ -27,7 +27,10 @@ import torch
 
 from weightsync.bench.models import llm_specs
 from weightsync.bench.updates import AdamWUpdates, changed_fraction, clone_state
-from weightsync.delta import Kind, apply, digest, encode
+from weightsync.delta.decoder import apply
+from weightsync.delta.encoder import encode
+from weightsync.delta.format import Kind
+from weightsync.delta.header import digest
 from weightsync.plan import as_bytes
 
 #: the encodings of the table: (label, kinds, low bytes); each is applied to every tensor
@@ -115,7 +118,7 @@ def _measure(name: str, base: Mapping[str, torch.Tensor], new: Mapping[str, torc
         app_cpu = app_wall = 0.0
         for tname, enc in payloads.items():
             payload = enc.payload if enc.kind != Kind.DENSE else as_bytes(new[tname])
-            _, cpu, wall = _timed(lambda: apply(targets[tname], enc.kind, payload))
+            _, cpu, wall = _timed(lambda t=targets[tname], k=enc.kind, p=payload: apply(t, k, p))
             app_cpu, app_wall = app_cpu + cpu, app_wall + wall
         row.apply_cpu_s[label], row.apply_wall_s[label] = app_cpu, app_wall
         bad = [tname for tname in new if not _bits_equal(targets[tname], new[tname])]

@@ -28,9 +28,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.bench import models
-from weightsync.bench.workers import Job, alternative, cleanup_disk, memcpy_ceiling, sync_receiver, sync_sender
+from weightsync.bench.workers import (
+    Job,
+    alternative,
+    cleanup_disk,
+    memcpy_ceiling,
+    sync_receiver,
+    sync_sender,
+)
+from weightsync.config.scratch import scratch_overrides
 from weightsync.plan import TensorSpec
-from weightsync.scratch import scratch_overrides
 
 ALTERNATIVES = ("per-tensor-broadcast", "safetensors-reload")
 #: backends where every trainer rank sends a share (``--trainers`` applies to them)

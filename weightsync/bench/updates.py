@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import Union
 
 import torch
 
 from weightsync.plan import TensorSpec, as_bytes
 
-ModelLike = Union[Iterable[TensorSpec], Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+ModelLike = Iterable[TensorSpec] | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

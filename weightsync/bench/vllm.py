@@ -200,7 +200,7 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from weightsync.demo_vllm import PROMPTS, replica_greedy, start_replica, trainer_greedy, vllm_environment
+    from weightsync.demo.vllm import PROMPTS, replica_greedy, start_replica, trainer_greedy, vllm_environment
     from weightsync.integrations.vllm_rollout import LLMReplica, VLLMRollout
 
     def say(text: str) -> None:

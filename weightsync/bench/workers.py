@@ -21,9 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync import platform, rendezvous
+from weightsync import platform
 from weightsync.bench import models
-from weightsync.config import EngineConfig
+from weightsync.config.engine import EngineConfig
+from weightsync.engines import rendezvous
 from weightsync.plan import TensorSpec
 
 
@@ -100,7 +101,7 @@ def _guard(queue, rank: int, body) -> None:
 def sync_sender(job: Job, queue, rank: int = 0, address: str | None = None) -> None:
     """Trainer rank ``rank``: rank 0 listens (on ``job.host``) and times the syncs; with
     ``paired`` the other trainer ranks (``job.trainers``) connect to it and send their shares."""
-    from weightsync import Sender
+    from weightsync.sender.sender import Sender
 
     job.enter_host(0 if rank == 0 else job.receivers + rank)
     address = address or f"{job.host}:0"
@@ -145,7 +146,7 @@ def sync_sender(job: Job, queue, rank: int = 0, address: str | None = None) -> N
 
 
 def sync_receiver(job: Job, address: str, rank: int, queue) -> None:
-    from weightsync import Receiver
+    from weightsync.receiver.receiver import Receiver
 
     job.enter_host(rank + 1)
 

@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from weightsync.config import EngineConfig
+from weightsync.config.engine import EngineConfig
 from weightsync.plan import Bucket, TensorSpec
 from weightsync.sources import WeightSource
 from weightsync.stats import SyncStats

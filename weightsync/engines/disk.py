@@ -51,12 +51,20 @@ from typing import Any
 
 import torch
 
-from weightsync import auth
-from weightsync.config import SECRET_ENV, EngineConfig
+from weightsync.config.engine import EngineConfig
+from weightsync.config.keys import SECRET_ENV
 from weightsync.engines.base import Offer, Publisher
-from weightsync.engines.disk_files import _alive, _fsync, _identity, _read_json, _remove_tree, _write_json
+from weightsync.engines.disk_files import alive, fsync, identity, read_json, remove_tree, write_json
+from weightsync.errors import (
+    HandshakeError,
+    PeerLost,
+    RemoteFailure,
+    SyncError,
+    SyncTimeout,
+    VerificationError,
+)
 from weightsync.plan import TensorSpec, as_bytes, plan_hash
-from weightsync.session import HandshakeError, PeerLost, RemoteFailure, SyncError, SyncTimeout, VerificationError
+from weightsync.session import auth
 from weightsync.sources import WeightSource
 from weightsync.stats import SyncStats
 from weightsync.verify import checksum_fn
@@ -231,9 +239,9 @@ class Publication(Offer):
         if state in ("ok", "failed"):
             self.publisher.last_read = (self.version, self.id)
         ack = {"version": self.version, "id": self.id, "rank": self.rank, "state": state, "message": message,
-               "reader": _identity(), "time": time.time()}
+               "reader": identity(), "time": time.time()}
         try:
-            _write_json(self.root / ACKS / ack_name(self.version, self.rank), ack, durable=False)
+            write_json(self.root / ACKS / ack_name(self.version, self.rank), ack, durable=False)
         except OSError as e:  # the sender then times out naming this rank; say why here
             log.warning("receiver rank %d: cannot write its ack of version %d in %s: %s", self.rank, self.version, self.root, e)
 
@@ -329,7 +337,7 @@ class DiskPublisher(Publisher):
         tmp.mkdir()
         stats = SyncStats(version, receivers=len(receivers))
         try:
-            _write_json(tmp / _WRITER, {**_identity(), "created": time.time()}, durable=False)
+            write_json(tmp / _WRITER, {**identity(), "created": time.time()}, durable=False)
             secret = self.config.secret()
             specs, shards = self._write_shards(tmp, source, stats, digest=secret is not None)
             manifest = {
@@ -343,7 +351,7 @@ class DiskPublisher(Publisher):
                 "tensors": [s.to_wire() for s in specs],
                 "shards": shards,
                 "created": time.time(),
-                "writer": _identity(),
+                "writer": identity(),
             }
             if secret is not None:
                 manifest[SIGNATURE] = sign_manifest(secret, manifest)
@@ -351,10 +359,10 @@ class DiskPublisher(Publisher):
                 "metadata": {"total_size": stats.bytes, "weightsync_version": version},
                 "weight_map": {n: s["file"] for s in shards for n in s["tensors"]},
             }
-            _write_json(tmp / INDEX, index, durable=True)
-            _write_json(tmp / MANIFEST, manifest, durable=True)
+            write_json(tmp / INDEX, index, durable=True)
+            write_json(tmp / MANIFEST, manifest, durable=True)
             (tmp / _WRITER).unlink()
-            _fsync(tmp)
+            fsync(tmp)
             if force:  # a rollback: versions newer than it are withdrawn first
                 for v in published:
                     if v > version:
@@ -362,9 +370,9 @@ class DiskPublisher(Publisher):
             if (root / version_dir(version)).exists():
                 self._retire(version)  # a retry of a published version replaces it
             os.rename(tmp, root / version_dir(version))
-            _fsync(root)
+            fsync(root)
         except BaseException:
-            _remove_tree(tmp)
+            remove_tree(tmp)
             raise
         stats.transfer_s = time.perf_counter() - start
         log.info("published version %d in %s: %d tensors, %.1f MB in %d shards",
@@ -420,7 +428,7 @@ class DiskPublisher(Publisher):
         # Durable before the rename publishes them (a shared FS must hold the bytes). Once at
         # the end, not per shard: writing the next shard overlaps the previous' writeback.
         for shard in shards:
-            _fsync(tmp / shard["file"])
+            fsync(tmp / shard["file"])
         stats.buckets = len(shards)
         return specs, shards
 
@@ -431,7 +439,7 @@ class DiskPublisher(Publisher):
             os.rename(self.root / version_dir(version), trash)
         except FileNotFoundError:
             return
-        _remove_tree(trash)
+        remove_tree(trash)
         for ack in (self.root / ACKS).glob(f"{version_dir(version)}.rank*.json"):
             ack.unlink(missing_ok=True)
 
@@ -446,10 +454,10 @@ class DiskPublisher(Publisher):
         for entry in os.scandir(self.root):
             path = Path(entry.path)
             if _TRASH_DIR.match(entry.name):
-                _remove_tree(path)
-            elif _TMP_DIR.match(entry.name) and _alive(_read_json(path / _WRITER)) is False:
+                remove_tree(path)
+            elif _TMP_DIR.match(entry.name) and alive(read_json(path / _WRITER)) is False:
                 log.info("removing %s, left by a writer that died before publishing it", path)
-                _remove_tree(path)
+                remove_tree(path)
 
     def _await_acks(self, version: int, token: str, receivers: list[int]) -> None:
         """Wait for every receiver's ack of this publication; raise naming those that
@@ -462,7 +470,7 @@ class DiskPublisher(Publisher):
         poll = POLL_MIN_S
         while pending:
             for rank in sorted(pending):
-                ack = _read_json(self.root / ACKS / ack_name(version, rank))
+                ack = read_json(self.root / ACKS / ack_name(version, rank))
                 if not isinstance(ack, dict) or ack.get("id") != token:
                     continue  # none yet, or left by an earlier publication
                 state = ack.get("state")
@@ -470,7 +478,7 @@ class DiskPublisher(Publisher):
                     final[rank] = ack
                 elif state == "reading":
                     reading[rank] = ack
-                    if _alive(ack.get("reader")) is False:
+                    if alive(ack.get("reader")) is False:
                         final[rank] = {**ack, "state": "lost"}
             pending -= set(final)
             if not pending or time.monotonic() >= end:
@@ -530,7 +538,7 @@ class DiskPublisher(Publisher):
             read_before = False
             if target is not None:
                 # None: renamed away between listing and reading (a retry replacing it)
-                manifest = _read_json(root / version_dir(target) / MANIFEST)
+                manifest = read_json(root / version_dir(target) / MANIFEST)
                 if isinstance(manifest, dict):
                     read_before = self.last_read == (target, manifest.get("id"))
                     if not read_before:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 
-def _identity() -> dict[str, Any]:
+def identity() -> dict[str, Any]:
     """Who this process is, precisely enough for another process to tell if it is alive."""
     try:  # pids are only comparable inside one pid namespace (containers share hostnames)
         pidns = os.readlink("/proc/self/ns/pid")
@@ -21,12 +21,12 @@ def _identity() -> dict[str, Any]:
     return {"pid": os.getpid(), "host": socket.gethostname(), "pidns": pidns}
 
 
-def _alive(who: Any) -> bool | None:
-    """Whether the process ``who`` (an ``_identity``) still runs; None when this process
+def alive(who: Any) -> bool | None:
+    """Whether the process ``who`` (an ``identity``) still runs; None when this process
     cannot tell (another host or pid namespace)."""
     if not isinstance(who, dict) or not isinstance(who.get("pid"), int):
         return None
-    me = _identity()
+    me = identity()
     if me["pidns"] is None or who.get("host") != me["host"] or who.get("pidns") != me["pidns"]:
         return None
     try:
@@ -42,7 +42,7 @@ def _alive(who: Any) -> bool | None:
         return True
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
     """Make a file's bytes, or a directory's entries (new files, renames), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -51,7 +51,7 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _write_json(path: Path, obj: Any, *, durable: bool) -> None:
+def write_json(path: Path, obj: Any, *, durable: bool) -> None:
     """Write JSON so that readers see the old file or the whole new one, never a part."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     with open(tmp, "w") as f:
@@ -62,7 +62,7 @@ def _write_json(path: Path, obj: Any, *, durable: bool) -> None:
     os.replace(tmp, path)
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
     """The JSON in ``path``, or None if it is absent or not (yet) valid JSON."""
     try:
         with open(path) as f:
@@ -71,7 +71,7 @@ def _read_json(path: Path) -> Any:
         return None
 
 
-def _remove_tree(path: Path) -> None:
+def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 

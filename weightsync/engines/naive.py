@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.engines.base import Offer, Publisher
-from weightsync.session import SyncTimeout
+from weightsync.errors import SyncTimeout
 from weightsync.sources import WeightSource, as_source
 from weightsync.stats import SyncStats
 

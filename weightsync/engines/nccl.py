@@ -13,7 +13,7 @@ connection comes from another address), and broadcasts on one host, where the "w
 memory and one collective is the faster.
 The group is our own, built from a rendezvous store hosted by the sender on the control
 socket's interface, which only ranks holding the group's token (handed out in the
-authenticated handshake) may use (``weightsync.rendezvous``); the caller's default process
+authenticated handshake) may use (``weightsync.engines.rendezvous``); the caller's default process
 group is never touched. Double-buffered: two bucket buffers per rank, so the
 sender fills bucket k+1 while bucket k is on the wire, and a receiver hands out bucket k
 while bucket k+1 arrives. Buckets that are one range of one tensor need no buffer: they
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync import platform, rendezvous
-from weightsync.engines import ring
+from weightsync import platform
+from weightsync.engines import rendezvous, ring
 from weightsync.engines.base import Join, Landing, NextBucket, Producer, Transport
 from weightsync.plan import Bucket
 

@@ -46,9 +46,13 @@ from typing import Any
 
 import torch
 
-from weightsync import EngineConfig, Receiver, Sender, SyncError
-from weightsync.config import ConfigError
-from weightsync.config_verl import VERL_BACKEND, VerlOptions, parse_verl_kwargs
+from weightsync.config.backends import VERL_BACKEND
+from weightsync.config.engine import EngineConfig
+from weightsync.config.keys import ConfigError
+from weightsync.config.verl import VerlOptions, parse_verl_kwargs
+from weightsync.errors import SyncError
+from weightsync.receiver.receiver import Receiver
+from weightsync.sender.sender import Sender
 
 try:
     from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
@@ -74,7 +78,7 @@ def _ray_node() -> tuple[str, str]:
 
         if ray.is_initialized():
             return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address().strip("[]")
-    except Exception:  # noqa: BLE001 - Ray absent or not in a Ray process
+    except Exception:
         pass
     host = socket.gethostname()
     try:
@@ -434,7 +438,7 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+        except Exception:
             pass
 
 

@@ -50,12 +50,13 @@ from typing import Any
 
 import torch
 
-from weightsync.config import ConfigError, EngineConfig, _flatten, _parse_overrides, canonical_key
+from weightsync.config.engine import EngineConfig
+from weightsync.config.keys import ConfigError, canonical_key, flatten, parse_overrides
+from weightsync.errors import HandshakeError
 from weightsync.integrations.vllm_staging import Stager
-from weightsync.landing import LandingPool
-from weightsync.pipeline import receive_into
-from weightsync.receiver import Receiver
-from weightsync.session import HandshakeError
+from weightsync.receiver.landing import LandingPool
+from weightsync.receiver.prefetch import receive_into
+from weightsync.receiver.receiver import Receiver
 from weightsync.state import VersionState
 
 log = logging.getLogger("weightsync.vllm")
@@ -84,7 +85,7 @@ def check_remote_overrides(overrides: list[str] | Mapping[str, Any]) -> None:
     configuration is built (building it imports ``custom_backend_module``)."""
     if os.environ.get(REMOTE_CONFIG_ENV) == "1":
         return
-    items = list(_flatten(overrides)) if isinstance(overrides, Mapping) else _parse_overrides(list(overrides))
+    items = list(flatten(overrides)) if isinstance(overrides, Mapping) else parse_overrides(list(overrides))
     scratch, default = EngineConfig(), EngineConfig()
     named: dict[str, str] = {}  # key path -> the name the caller used
     for key, value in items:
@@ -194,7 +195,7 @@ class ReplicaReceiver:
     def receive(self, version: int, reload: Reload) -> dict[str, Any]:
         """Receive ``version`` and load it through ``reload``; return the status.
 
-        Pipelined (``weightsync.pipeline``): the transfer runs in a background thread ahead
+        Pipelined (``weightsync.receiver.prefetch``): the transfer runs in a background thread ahead
         of ``reload``, and tensors land in this worker's landing arena of
         ``receive_buckets_in_flight`` buckets, reused across versions. Never raises for a
         failed sync: the status says what happened (``ok``, ``error``), so the trainer gets
@@ -527,7 +528,10 @@ def register() -> None:
     factory first builds one.
     """
     try:
-        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.factory import (
+            WeightTransferEngineFactory,
+            WeightTransferTrainerFactory,
+        )
     except ImportError:  # vLLM not installed: weightsync's own trainer side does not need it
         return
     # vLLM's register_engine raises for a name it has: asking first keeps this idempotent

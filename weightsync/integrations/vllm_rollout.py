@@ -33,9 +33,9 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from weightsync.config import EngineConfig
-from weightsync.endpoints import Sender
-from weightsync.session import SyncError
+from weightsync.config.engine import EngineConfig
+from weightsync.errors import SyncError
+from weightsync.sender.sender import Sender
 from weightsync.stats import SyncStats
 
 log = logging.getLogger("weightsync.vllm")
@@ -170,7 +170,7 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"mode={mode!r}: expected one of {', '.join(PAUSE_MODES)}")
 
 
-def _within(fn: Any, timeout_s: float, what: str) -> Any:
+def within(fn: Any, timeout_s: float, what: str) -> Any:
     """Run an engine call with a deadline: an engine whose worker died may never answer.
     The call runs in a daemon thread, which is left behind if it does not return."""
     result: dict[str, Any] = {}
@@ -416,7 +416,7 @@ class VLLMRollout:
         for r in self.replicas:
             step = "pause"
             try:
-                _within(lambda r=r: r.pause(mode), self.config.timeout_s, f"pausing replica {r.name!r}")
+                within(lambda r=r: r.pause(mode), self.config.timeout_s, f"pausing replica {r.name!r}")
                 self._paused.add(r.name)
                 if release_kv_cache:
                     step = "releasing the KV cache"  # vLLM 0.32 supports it on GPUs only
@@ -447,8 +447,8 @@ class VLLMRollout:
             if status is not None and not rep.mixed and r.name in self._paused:
                 try:
                     if release_kv_cache and r.name not in failures:
-                        _within(r.restore_kv_cache, self.config.timeout_s, f"restoring the KV cache of {r.name!r}")
-                    _within(r.resume, self.config.timeout_s, f"resuming replica {r.name!r}")
+                        within(r.restore_kv_cache, self.config.timeout_s, f"restoring the KV cache of {r.name!r}")
+                    within(r.resume, self.config.timeout_s, f"resuming replica {r.name!r}")
                     self._paused.discard(r.name)
                     rep.resumed = True
                 except Exception as e:

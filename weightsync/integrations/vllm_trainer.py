@@ -39,13 +39,13 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.base import WeightSource as VLLMWeightSource
 
-from weightsync.config import EngineConfig
-from weightsync.engines import get_engine
+from weightsync.config.engine import EngineConfig
 from weightsync.engines.base import Transport
-from weightsync.integrations.vllm_rollout import _within
+from weightsync.engines.registry import get_engine
+from weightsync.errors import SyncError
+from weightsync.integrations.vllm_rollout import within
 from weightsync.plan import TensorSpec, dtype_name
-from weightsync.sender import Sender
-from weightsync.session import SyncError
+from weightsync.sender.sender import Sender
 from weightsync.sources import WeightSource, as_source
 from weightsync.stats import SyncStats
 
@@ -200,7 +200,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         init_info = {"address": self.sender.address, "rank_offset": 0, "warm_up": True,
                      "overrides": [f"{k}={'null' if v is None else v}" for k, v in flat.items()]}
         budget = self.config.timeout_s
-        calls = [self._pool.submit(_within, lambda: self.client.init_weight_transfer_engine(init_info), budget,
+        calls = [self._pool.submit(within, lambda: self.client.init_weight_transfer_engine(init_info), budget,
                                    f"init_weight_transfer_engine on {self.where}"),
                  self._pool.submit(self.sender.warm_up, src)]
         done, pending = wait(calls, timeout=budget + 10, return_when=FIRST_EXCEPTION)
@@ -296,7 +296,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
 
     def _call(self, method: str, version: int, fn: Any) -> None:
         try:
-            _within(fn, self.config.timeout_s, f"{method} on {self.where}")
+            within(fn, self.config.timeout_s, f"{method} on {self.where}")
         except Exception as e:
             self._fail(f"{method} on {self.where} failed for version {version}: {type(e).__name__}: {e}", version, e)
 

@@ -1,0 +1,256 @@
+"""``weightsync demo --rollout vllm``: the demo with real vLLM replicas as the rollout side.
+
+The rollout syncs the trainer's weights to every replica as version 0 when it is created;
+then the trainer (this process) trains a causal LM towards a new target sequence every step
+and updates every replica (pause, sync, resume) with version = step. After each update, greedy
+generation from every replica for fixed token-id prompts must equal the trainer's own
+greedy generation with its updated weights (same dtype), and must differ from what that
+replica generated before the update. At the end, vLLM's own reload from a weights
+directory on disk is timed on one replica, and its weights are compared byte for byte with
+a replica synced by weightsync.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from weightsync.demo.plain import DemoFailed
+
+# A tiny Qwen2-shaped model (about 0.6M parameters) when no --model is given; the CPU
+# attention backend of vLLM needs a head size that is a multiple of 32.
+TINY_MODEL_CONFIG: dict[str, Any] = {
+    "model_type": "qwen2",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+
+PROMPTS: list[list[int]] = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12, 13]]
+
+
+@dataclass
+class VLLMDemoOptions:
+    model: str | None = None
+    replicas: int = 2
+    steps: int = 3
+    bucket_mb: int = 64
+    overrides: list[str] = field(default_factory=list)
+    address: str = "127.0.0.1:0"
+    seed: int = 0
+    mode: str = "keep"
+    new_tokens: int = 8
+    max_model_len: int = 128
+
+
+def vllm_environment() -> None:
+    """Defaults that keep CPU vLLM small and quiet here; the caller's settings win."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per replica
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # replicas share the cores
+    # ... so their OpenMP threads must sleep at a barrier, not spin: a spinning one holds the
+    # core another replica's thread needs (two replicas loading at once on 2 cores took
+    # 0.45-1.25 s, 0.21-0.27 s passive). OpenMP reads it when it starts: it takes effect in
+    # the processes started from here on (the engines'), not in this one.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout stays the caller's (--json)
+
+
+def save_tiny_model(path: str, seed: int = 0, **overrides: Any) -> str:
+    """Save a tiny random Qwen2-shaped model (config + safetensors) to ``path``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(**{**TINY_MODEL_CONFIG, **overrides})
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
+#: vLLM's CPU setup preloads TCMalloc into its processes (its workers warn when it is
+#: missing): every layerwise reload then reuses the memory the last one freed instead of
+#: faulting in fresh pages. Debian's libtcmalloc-minimal4 (``make install-vllm``).
+TCMALLOC = "tcmalloc_minimal"
+
+
+def start_replica(model_dir: str, *, max_model_len: int, seed: int = 0, **kwargs: Any) -> Any:
+    """A vLLM ``LLM`` for ``model_dir`` with the weightsync worker extension (float32,
+    token ids in and out, eager), its processes started with TCMalloc preloaded where the
+    system has it, as vLLM's CPU installation guide sets up."""
+    import ctypes.util
+
+    from vllm import LLM
+
+    from weightsync.integrations.vllm_rollout import EXTENSION
+
+    args: dict[str, Any] = dict(
+        model=model_dir, dtype="float32", skip_tokenizer_init=True, enforce_eager=True,
+        max_model_len=max_model_len, max_num_seqs=16, seed=seed, worker_extension_cls=EXTENSION,
+        disable_log_stats=True,
+    )
+    preload = os.environ.get("LD_PRELOAD")
+    lib = ctypes.util.find_library(TCMALLOC)
+    if lib is not None and TCMALLOC not in (preload or ""):
+        # Only the engine's processes (started now) get it, not the ones this process starts later.
+        os.environ["LD_PRELOAD"] = f"{lib}:{preload}" if preload else lib
+    try:
+        return LLM(**(args | kwargs))
+    finally:
+        if preload is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = preload
+
+
+def replica_greedy(llm: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@torch.no_grad()
+def trainer_greedy(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy decoding by hand (full forward per token): no generation config involved."""
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        for _ in range(new_tokens):
+            nxt = model(input_ids=ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def train_until_changed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: list[int],
+                        before: list[list[int]], new_tokens: int, max_iters: int = 300) -> tuple[float, int]:
+    """Train towards ``target`` after every prompt until the greedy outputs differ from
+    ``before`` and the loss is low enough that greedy decoding has no near ties (vLLM's CPU
+    kernels and transformers round differently; a near tie could flip either way)."""
+    batch = torch.tensor([p[-3:] + target for p in PROMPTS])
+    labels = batch.clone()
+    labels[:, :3] = -100
+    loss = float("nan")
+    for it in range(1, max_iters + 1):
+        loss_t = model(input_ids=batch, labels=labels).loss
+        loss_t.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_t.item()
+        if it % 10 == 0 and loss < 0.05 and trainer_greedy(model, PROMPTS, new_tokens) != before:
+            return loss, it
+    return loss, max_iters
+
+
+def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
+    """Run the demo; raise ``DemoFailed`` (or a sync error) on any mismatch or failure."""
+    vllm_environment()
+    from rich.console import Console
+    from rich.table import Table
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from weightsync.config.engine import EngineConfig
+    from weightsync.integrations.vllm_rollout import LLMReplica, VLLMRollout
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    console = console or Console(width=None if sys.stdout.isatty() else 100)
+    config = EngineConfig.from_overrides(
+        ["backend=nccl", f"update_weights_bucket_megabytes={opts.bucket_mb}", *opts.overrides]
+    )
+    workdir = tempfile.mkdtemp(prefix="weightsync-vllm-demo-")
+    model_dir = opts.model or save_tiny_model(os.path.join(workdir, "model"), seed=opts.seed)
+    torch.manual_seed(opts.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+    vocab = model.config.vocab_size
+    n_params = sum(p.numel() for p in model.parameters())
+    console.print(
+        f"[bold]weightsync demo --rollout vllm[/]: 1 trainer -> {opts.replicas} vLLM replicas, backend "
+        f"{config.backend}, bucket {opts.bucket_mb} MiB, {opts.steps} steps, pause mode {opts.mode}"
+    )
+    console.print(f"model: {opts.model or 'tiny Qwen2-shaped default'}, {n_params / 1e6:.2f}M parameters, float32")
+    if any(t >= vocab for p in PROMPTS for t in p):
+        raise DemoFailed(f"the model's vocabulary ({vocab}) is too small for the demo prompts")
+    max_len = min(opts.max_model_len, getattr(model.config, "max_position_embeddings", opts.max_model_len))
+
+    t0 = time.perf_counter()
+    llms = []
+    with console.status(f"starting {opts.replicas} vLLM replicas"):
+        for i in range(opts.replicas):
+            llms.append(start_replica(model_dir, max_model_len=max_len, seed=opts.seed))
+    console.print(f"started {opts.replicas} vLLM replicas in {time.perf_counter() - t0:.1f} s")
+    replicas = [LLMReplica(llm, f"replica{i}") for i, llm in enumerate(llms)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(opts.seed)
+
+    table = Table(title="updates")
+    for col in ("version", "MB", "pause s", "sync s", "resume s", "GB/s", *[r.name for r in replicas]):
+        table.add_column(col, justify="right")
+    reports = []
+    t0 = time.perf_counter()
+    # initial_version=0: every replica serves the trainer's weights from here on, and vLLM's
+    # slower first reload is paid now, not by the first training step's update
+    with VLLMRollout(replicas, config, address=opts.address, model=model, initial_version=0) as rollout:
+        console.print(f"rollout ready in {time.perf_counter() - t0:.2f} s: every worker joined, version 0 "
+                      f"synced in {rollout.initial_report.sync_s:.3f} s")
+        before = [replica_greedy(llm, PROMPTS, opts.new_tokens) for llm in llms]
+        for step in range(1, opts.steps + 1):
+            target = torch.randint(0, vocab, (opts.new_tokens,), generator=gen).tolist()
+            t0 = time.perf_counter()
+            loss, iters = train_until_changed(model, optimizer, target, trainer_greedy(model, PROMPTS, opts.new_tokens),
+                                              opts.new_tokens)
+            console.print(f"step {step}: {iters} training iterations, loss {loss:.4f} "
+                          f"({time.perf_counter() - t0:.1f} s); updating to version {step}")
+            report = rollout.update(model, version=step, mode=opts.mode)
+            expected = trainer_greedy(model, PROMPTS, opts.new_tokens)
+            verdicts = []
+            for i, (llm, rep) in enumerate(zip(llms, report.replicas)):
+                got = replica_greedy(llm, PROMPTS, opts.new_tokens)
+                if rep.version != step:
+                    raise DemoFailed(f"{rep.name} reports version {rep.version}, expected {step}")
+                if got != expected:
+                    raise DemoFailed(f"{rep.name}, version {step}: greedy output {got} != trainer's {expected}")
+                if got == before[i]:
+                    raise DemoFailed(f"{rep.name}, version {step}: output did not change with the update: {got}")
+                before[i] = got
+                verdicts.append("parity OK")
+                console.print(f"  version {step} {rep.name}: parity OK ({len(PROMPTS)} prompts x {opts.new_tokens} tokens)")
+            stats = report.stats
+            console.print(f"  version {step}: pause {report.pause_s:.3f} s, sync {report.sync_s:.3f} s, "
+                          f"resume {report.resume_s:.3f} s, {report.gbps:.3f} GB/s")
+            table.add_row(str(step), f"{stats.bytes / 1e6:.2f}", f"{report.pause_s:.3f}", f"{report.sync_s:.3f}",
+                          f"{report.resume_s:.3f}", f"{report.gbps:.3f}", *verdicts)
+            reports.append(report)
+
+        # The baseline: vLLM's own reload of the same weights from a directory on disk.
+        disk = os.path.join(workdir, f"version{opts.steps}")
+        t0 = time.perf_counter()
+        model.save_pretrained(disk)
+        save_s = time.perf_counter() - t0
+        reload_s = llms[0].collective_rpc("weightsync_reload_from_path", args=(disk,))[0]
+        if len(llms) > 1:
+            a, b = (llm.collective_rpc("weightsync_digests")[0] for llm in llms[:2])
+            if a != b:
+                bad = [n for n in a if a[n] != b.get(n)]
+                raise DemoFailed(f"weights reloaded from disk differ from weights synced by weightsync: {bad[:4]}")
+    console.print(table)
+    sync_s = sum(r.sync_s for r in reports) / len(reports)
+    console.print(
+        f"vLLM reload_weights from disk: {reload_s:.3f} s (plus {save_s:.3f} s to save); "
+        f"weightsync sync: {sync_s:.3f} s on average"
+        + ("; reloaded weights equal the synced ones byte for byte" if len(llms) > 1 else "")
+    )
+    console.print(f"demo OK: {len(reports)} updates to {opts.replicas} vLLM replicas, greedy parity with the trainer")
+    return reports

@@ -1,0 +1,29 @@
+"""The receive side: ``Receiver`` (joining a session or taking a publication), what it
+admits, taking a publisher's version, and the vLLM worker's prefetch pipeline with its
+landing memory.
+"""
+
+from weightsync.receiver.admission import (
+    MAX_GROUP_SIZE,
+    agreed_plan,
+    engine_problem,
+    plan_reader,
+    session_problem,
+    stream_reader,
+    sync_problem,
+    warmup_problem,
+    wire_plan,
+)
+from weightsync.receiver.landing import (
+    LANDED_AHEAD,
+    LOOKAHEAD,
+    LandingPool,
+    PooledAssembler,
+    following_landings,
+    landing_sizes,
+)
+from weightsync.receiver.prefetch import PipelineResult, receive_into
+from weightsync.receiver.publication import take
+from weightsync.receiver.receiver import Receiver
+
+__all__ = ["LANDED_AHEAD", "LOOKAHEAD", "LandingPool", "MAX_GROUP_SIZE", "PipelineResult", "PooledAssembler", "Receiver", "agreed_plan", "engine_problem", "following_landings", "landing_sizes", "plan_reader", "receive_into", "session_problem", "stream_reader", "sync_problem", "take", "warmup_problem", "wire_plan"]

@@ -1,0 +1,590 @@
+"""``Receiver``: the rollout side of a weight sync.
+
+One path per family, one version state for both (``weightsync.state``). With a transport
+backend the receiver joins the sender's session, in phases (``_sync_session``): the
+sender's offer (``_await_sync``), the handshake (``_accept``: ``weightsync.receiver.admission``'s checks,
+the delta stage's ``ReceiveStage.accept``), the data plane joined, then ``_transfer``:
+transport -> plan (merge pieces) -> delta stage -> sink or consumer, verification
+(``weightsync.verify.Checks``), acknowledgement and version state (``_finish``). With a
+publisher backend it takes the version the publisher offers and acknowledges it through the
+publisher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import torch
+
+from weightsync import platform
+from weightsync.config.engine import EngineConfig
+from weightsync.delta.receive_stage import ReceiveStage, Incoming
+from weightsync.engines.base import Join, Publisher, Transport
+from weightsync.engines.registry import get_engine
+from weightsync.errors import HandshakeError, PeerLost, Rerouted, SyncError, VerificationError, in_context
+from weightsync.plan import Bucket, Plan, capacity, shortfall
+from weightsync.receiver import admission
+from weightsync.receiver.publication import take
+from weightsync.session import reroute
+from weightsync.session.channel import PROTOCOL_VERSION, Channel, Deadline
+from weightsync.session.control import connect
+from weightsync.sinks import ModuleSink
+from weightsync.state import VersionState
+from weightsync.stats import SyncStats
+from weightsync.verify import Checks
+
+log = logging.getLogger("weightsync")
+
+
+class Receiver:
+    """The rollout side of a weight sync.
+
+    Args:
+        config: engine configuration; must agree with the sender's (backend, bucket size).
+        address: the sender's ``host:port``.
+        rank: this receiver's index, ``0 .. num_receivers-1``.
+        device: device of the transfer buffers (default: this process's accelerator, or CPU).
+
+    State after each sync (``state``, rules in ``weightsync.state``):
+
+    - ``version``: the last version that arrived completely (None before the first); it
+      advances only when every tensor of a version arrived (and passed ``verify``);
+    - ``failed_version``: the version whose sync failed, if the latest attempt failed;
+    - ``torn``: True when that failed sync had already delivered some tensors, so a model
+      loaded in place holds a mix of ``version`` and ``failed_version``. A later complete
+      sync (a retry of the same version, or a newer one) makes it whole again.
+
+    A version older than ``version`` is refused unless the sender passes ``force=True``.
+
+    Sizes from the wire are checked before memory is taken (``weightsync.plan.WireLimits``):
+    a tensor larger than ``max_tensor_bytes`` (default: the memory of this receiver's
+    device) is refused, as is a plan whose bucket size differs from ``bucket_bytes``.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        address: str,
+        rank: int,
+        *,
+        device: str | torch.device | None = None,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.address = address
+        self.rank = rank
+        self.device = platform.local_device(device)
+        self.engine_cls = get_engine(config.backend)
+        #: which weights this receiver holds (shared by every backend family)
+        self.state = VersionState()
+        #: the largest tensor accepted from the wire (settable; default: the device's memory)
+        self.max_tensor_bytes = platform.device_memory_bytes(self.device)
+        self.last_stats: SyncStats | None = None
+        self._publisher: Publisher | None = None
+        self._transport: Transport | None = None
+        if issubclass(self.engine_cls, Publisher):
+            self._publisher = self.engine_cls(config, self.device, address)
+        else:
+            self._transport = self.engine_cls(config, self.device)
+        self._channel: Channel | None = None
+        self._session: str | None = None  # the sender's session last joined
+        self._plan: Plan | None = None
+        self._receiving: int | None = None  # the version in transfer, for messages
+        self._reroutable = False  # the sync in transfer: the sender may route around a lost receiver
+        #: the delta stage (``weightsync.delta.receive_stage``): a streaming receiver's base, and each sync's routing
+        self._decoder = ReceiveStage(config.delta, rank)
+
+    @property
+    def version(self) -> int | None:
+        return self.state.version
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan last agreed with the sender (in a sync, or sent in its warm-up)."""
+        return self._plan
+
+    @property
+    def failed_version(self) -> int | None:
+        return self.state.failed_version
+
+    @property
+    def torn(self) -> bool:
+        return self.state.torn
+
+    # ------------------------------------------------------------------ lifecycle
+    def connect(self, reach_s: float | None = None) -> None:
+        """Connect to the sender (retrying for ``reach_s`` until it listens, by default for
+        ``timeout_s``). ``receive`` calls it."""
+        if self._channel is not None and self._channel.is_dead():
+            self._reset()  # the sender dropped us after a failed sync: join again
+        if self._transport is None or self._channel is not None:
+            return
+        self._channel = connect(self.address, self.rank, self.config, reach_s=reach_s)
+        if self._channel.session != self._session:
+            if self._session is not None:  # a new sender (a restarted trainer): nothing carries over
+                log.info("receiver rank %d joined a new session at %s", self.rank, self.address)
+                self._plan = None
+                self._transport.reset()
+            self._session = self._channel.session
+
+    def warm_up(self) -> None:
+        """Connect to the sender and join its data plane while it runs ``Sender.warm_up``
+        (waiting up to ``timeout_s`` for it), so the first ``receive`` pays for neither.
+        Raises ``SyncError`` if the warm-up fails (the first sync then joins as usual)."""
+        if self._transport is None:
+            return  # a publisher has no session to join
+        self.connect()
+        assert self._channel is not None
+        ch = self._channel
+        deadline = Deadline(self.config.timeout_s, "for the sender's warm-up")
+        msg = ch.recv(deadline, expect=("warmup", "closing"))
+        if msg["type"] == "closing":
+            # The goodbye of the sender we were connected to, read only now: the warm-up we
+            # were asked for is a new sender's at the same address (a restarted trainer).
+            ch = self._join_next_session(ch)
+            msg = ch.recv(deadline, expect=("warmup", "closing"))
+        if msg["type"] == "closing":
+            self._reset()
+            raise PeerLost(f"{ch.peer} closed the session before its warm-up")
+        self._warm(ch, msg)
+
+    def _warm(self, ch: Channel, msg: dict[str, Any]) -> None:
+        """Answer the sender's warm-up: check it, join the data plane, say so."""
+        transport = self._transport
+        assert transport is not None
+        deadline = Deadline(self.config.timeout_s, "in the warm-up")
+        if msg.get("engine") is None and msg.get("protocol") == PROTOCOL_VERSION:
+            ch.send({"type": "joined"}, deadline)  # connections only: the data plane forms in the first sync
+            return
+        problem, plan = admission.warmup_problem(msg, self.config, self.max_tensor_bytes)
+        if problem is not None:
+            self._refuse(problem, deadline)
+            raise HandshakeError(f"receiver rank {self.rank} refused the warm-up: {problem}")
+        ch.send({"type": "ready"}, deadline)
+        ch.recv(deadline, expect="go")  # an abort (another receiver refused) raises HandshakeError
+        info = msg["engine"]
+        ok = False
+        try:
+            transport.connect(self._join(ch, 0, info, msg["capacity"]), info)  # its own deadline: timeout_s
+            ch.send({"type": "joined"}, Deadline(self.config.timeout_s, "confirming the warm-up"))
+            ok = True
+            if plan is not None:
+                self._plan = plan
+        except SyncError:
+            raise
+        except Exception as e:
+            raise SyncError(f"receiver rank {self.rank}: joining the data plane of {ch.peer} failed: "
+                            f"{type(e).__name__}: {e}") from e
+        finally:
+            transport.finish(ok=ok)
+            if not ok:
+                self._reset()
+
+    def _join(self, ch: Channel, version: int, info: dict[str, Any], capacity_bytes: int) -> Join:
+        """This receiver's ``Join`` record for the data plane ``info`` describes."""
+        return Join(
+            version=version, rank=int(info["rank"]), world_size=int(info["world_size"]),
+            senders=int(info.get("senders", 1)), capacity=capacity_bytes,
+            name=f"receiver rank {self.rank}", receiver_rank=self.rank,
+            local_host=ch.sock.getsockname()[0], sender_host=ch.sock.getpeername()[0], watch=self._watch_sender,
+        )
+
+    def _watch_sender(self) -> None:
+        ch = self._channel
+        if ch is not None and ch.is_dead(behind=True):  # a streamed sync's announcements may wait unread
+            what = f"during the transfer of version {self._receiving}"
+            raise PeerLost(ch.gone(what))
+        if ch is not None and self._reroutable and (msg := ch.void_until("reroute")) is not None:
+            raise Rerouted.said(ch.peer, msg)  # lost downstream of us, or upstream with our data
+
+    def _reset(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        self._plan = None
+
+    def close(self) -> None:
+        self._reset()
+        for engine in (self._transport, self._publisher):
+            if engine is not None:
+                engine.close()
+        self._transport = self._publisher = None
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ public sync API
+    def receive(
+        self,
+        version: int | None = None,
+        *,
+        owned: bool = False,
+        landing: Any = None,
+        settle: Callable[[], None] | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Receive one weight version, yielding ``(name, tensor)``.
+
+        ``version``: the version expected (a different one fails on both sides); None
+        takes whatever the sender sends. A yielded tensor may be a view into a transfer
+        buffer: it is valid until the next item is requested, so copy what you keep; or
+        pass ``owned=True`` to get tensors you may keep (a large tensor is then received
+        straight into a new tensor where the backend allows, not copied twice).
+        Stopping early (``break``) drains the rest and marks the version as failed.
+
+        Session transports only (used by ``weightsync.receiver.prefetch``): ``landing``, an object
+        whose ``assembler(specs, device, buckets)`` returns the ``Assembler`` to unpack with
+        (tensors land in its memory; ``buckets``: the plan's, empty when it streams);
+        ``settle``, called after the last tensor was handed out and before the sender is
+        told the version arrived: if it raises, the version fails as if the consumer had
+        failed (the sender is told).
+        """
+        if self._publisher is not None:
+            return self._take(self._publisher, version, None, owned)
+        return self._sync_session(version, None, owned, landing=landing, settle=settle)
+
+    def load_into(self, module: torch.nn.Module | ModuleSink, version: int | None = None) -> SyncStats:
+        """Receive one version and copy it in place into ``module`` by name (or into a sink's
+        tensors: with ``delta`` on, deltas apply to them in place).
+
+        Checks names, shapes and dtypes against the module before writing anything (when
+        the sender's source announced its specs); in a streamed sync, each tensor as it is
+        announced, before anything of it is allocated. Names the module has but the sync did
+        not carry are logged and listed in ``stats.missing``.
+        """
+        sink = module if isinstance(module, ModuleSink) else ModuleSink(module)
+        items = self._sync(version, sink=sink)
+        for name, tensor in items:
+            try:
+                sink.load(name, tensor)
+            except Exception as e:  # let the sync drain and report, then re-raise here
+                items.throw(e)
+        stats = self.last_stats
+        assert stats is not None
+        stats.missing = sink.missing()
+        if stats.missing:
+            log.warning(
+                "receiver rank %d: %d model tensor(s) not carried by version %s: %s",
+                self.rank, len(stats.missing), stats.version, ", ".join(stats.missing[:8]),
+            )
+        return stats
+
+    async def receive_async(self, version: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """``receive`` with each blocking step in a worker thread."""
+        items = self.receive(version)
+        end = object()
+        while (item := await asyncio.to_thread(next, items, end)) is not end:
+            yield item  # type: ignore[misc]
+
+    async def load_into_async(self, module: torch.nn.Module, version: int | None = None) -> SyncStats:
+        """``load_into`` in a worker thread."""
+        return await asyncio.to_thread(self.load_into, module, version)
+
+    def _sync(self, version: int | None, sink: ModuleSink | None, owned: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._publisher is not None:
+            return self._take(self._publisher, version, sink, owned)
+        return self._sync_session(version, sink, owned)
+
+    # ------------------------------------------------------------------ publisher family
+    def _take(
+        self, publisher: Publisher, version: int | None, sink: ModuleSink | None, owned: bool
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        self.last_stats = yield from take(publisher, self.rank, version, sink, owned, self.state, self.config, self.device)
+
+    # ------------------------------------------------------------------ transport family
+    def _sync_session(
+        self, version: int | None, sink: ModuleSink | None, owned: bool, landing: Any = None,
+        settle: Callable[[], None] | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """One sync over a session, in phases: the sender's offer, the handshake (plan and
+        delta stage agreed), the data plane joined, then the transfer and acknowledgement."""
+        handed: set[str] = set()  # names handed out in attempts the sender re-routed
+        retake = False
+        while True:
+            try:
+                ch, v, plan, incoming, start = self._open(version, sink, retake)
+                yield from self._transfer(ch, v, plan, incoming, sink, owned, landing, settle, start, handed)
+                return
+            except Rerouted as e:  # the same version again, without a lost receiver
+                log.warning("receiver rank %d: %s; taking it again", self.rank, e)
+                version, retake = e.version, True
+
+    def _open(self, version: int | None, sink: ModuleSink | None, retake: bool = False) -> tuple[Channel, int, Plan | None, Incoming, float]:
+        """Wait for the sender's sync, agree on it and join its data plane; returns the
+        channel, the version, its plan (None: streamed), the delta stage's ``Incoming`` and
+        when the sync started."""
+        transport = self._transport
+        assert transport is not None
+        self.connect()
+        assert self._channel is not None
+        ch = self._channel
+        try:
+            ch, msg = self._await_sync(ch, version)
+            start = time.perf_counter()  # the sync starts when the sender starts it
+            if isinstance(msg.get("version"), int):  # a failed sync's leftovers end before we are ready
+                transport.settle(msg["version"], retake)
+            v, plan, incoming, msg = self._handshake(ch, msg, version, sink)
+            info, self._reroutable = msg["engine"], msg.get("reroute") is True
+            transport.connect(self._join(ch, v, info, capacity(plan, self.config.bucket_bytes)), info)
+        except HandshakeError:
+            raise  # a clean refusal: both sides are between syncs, the connection stays
+        except Rerouted as e:  # a receiver lost before the transfer: nothing moved here
+            transport.finish(ok=False)  # as the sender does
+            try:
+                reroute.answer(ch, e.version, False, self.config.timeout_s)
+            except SyncError:
+                self._reset()  # the sender is gone too
+                raise
+            raise
+        except SyncError:
+            self._reset()
+            raise
+        except Exception as e:  # a bad engine description, a data plane that cannot be joined
+            self._reset()
+            raise SyncError(f"receiver rank {self.rank}: joining the sync from {ch.peer} failed: {type(e).__name__}: {e}") from e
+        return ch, v, plan, incoming, start
+
+    def _await_sync(self, ch: Channel, version: int | None) -> tuple[Channel, dict[str, Any]]:
+        """The sender's next sync message, joining again where the sender dropped us, a new
+        sender where it said goodbye, and its data plane where it warms one up first."""
+        what = f" of version {version}" if version is not None else ""
+        waiting = Deadline(self.config.timeout_s, f"for the sender to start a sync{what}")
+        while True:
+            try:
+                msg = ch.recv(waiting, expect=("sync", "closing", "warmup", "cancel", "reroute"))
+            except PeerLost:
+                # The sender drops every connection after a sync that failed anywhere
+                # (ours may have gone well): join again, within the same deadline.
+                waiting.left()
+                self._reset()
+                self.connect()
+                ch = self._channel
+                assert ch is not None
+                continue
+            if msg["type"] == "reroute":  # idle: it completed the version before the loss, or its sync never came
+                reroute.answer(ch, msg.get("version"), self.state.version == msg.get("version"), self.config.timeout_s)
+                continue
+            if msg["type"] == "cancel":  # nothing was read: a clean end, the state stays
+                raise HandshakeError(f"receiver rank {self.rank}: the sender cancelled the sync of version "
+                                     f"{msg.get('version')}: {msg.get('message')}")
+            if msg["type"] == "closing":
+                ch = self._join_next_session(ch)
+                continue
+            if msg["type"] == "warmup":  # the sender forms the data plane ahead of a sync
+                try:
+                    self._warm(ch, msg)
+                except SyncError as e:  # the sender failed it too; its sync may still come
+                    log.warning("receiver rank %d: %s; waiting for the sync", self.rank, e)
+                    waiting.left()
+                    self.connect()  # again, if the failure closed the connection
+                    ch = self._channel
+                    assert ch is not None
+                continue
+            return ch, msg
+
+    def _handshake(
+        self, ch: Channel, msg: dict[str, Any], version: int | None, sink: ModuleSink | None
+    ) -> tuple[int, Plan | None, Incoming, dict[str, Any]]:
+        """Answer the sync (and, when the sender offers it again with a dense section, the
+        offer again) until the go; returns the version, plan, ``Incoming`` and the message
+        agreed on."""
+        while True:
+            v, plan, incoming = self._accept(msg, version, sink)
+            go = ch.recv(Deadline(self.config.timeout_s, f"for the go of version {v}"), expect=("go", "again"))
+            if go["type"] == "go":
+                return v, plan, incoming, msg
+            msg = ch.recv(Deadline(self.config.timeout_s, f"for version {v} again"), expect="sync")
+
+    def _transfer(
+        self, ch: Channel, v: int, plan: Plan | None, incoming: Incoming, sink: ModuleSink | None, owned: bool,
+        landing: Any, settle: Callable[[], None] | None, start: float, handed: set[str],
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The data plane: engine -> plan (merge pieces) -> delta stage -> consumer; then
+        verification, the consumer's last step (``settle``) and the acknowledgement."""
+        transport = self._transport
+        assert transport is not None
+        stats = SyncStats(v, receivers=1, handshake_s=time.perf_counter() - start)
+        self._receiving = v
+        deadline = Deadline(self.config.timeout_s, f"in the transfer of version {v}")
+        specs = incoming.specs
+        refused: list[BaseException] = []  # a streamed tensor the sink cannot take (nothing allocated for it)
+        next_bucket = (
+            admission.plan_reader(plan) if plan is not None
+            else admission.stream_reader(ch, specs, deadline, sink, refused, self.config.bucket_bytes, self.max_tensor_bytes)
+        )
+        assembler = incoming.assembler(self.device, sink, owned, landing, plan.buckets if plan is not None else ())
+        keep = owned or landing is not None  # the consumer keeps what it gets: staged entries handed out are copies
+        buckets = transport.recv_buckets(next_bucket, assembler.landing if assembler.destination is not None else None)
+        checks = Checks(self.config.verify, f"receiver rank {self.rank}", v)
+        received: list[Bucket] = []
+        # Buckets may land straight in the model's tensors: then whatever came off the wire
+        # (a bucket not unpacked, drained ones, a receive cut short) is in the model.
+        direct = assembler.destination is not None
+        landed = False
+        consumer_error: BaseException | None = None
+        problem: str | None = None
+        entries = 0  # wire entries unpacked
+        t0 = time.perf_counter()
+        try:
+            for bucket, buffer in buckets:
+                landed = direct
+                if refused:  # stop before unpacking anything of it, and drain
+                    consumer_error = refused[0]
+                    break
+                received.append(bucket)
+                checks.add(bucket, buffer)
+                stats.wire_bytes += bucket.nbytes
+                if plan is None:  # streamed: the reader announced new specs
+                    incoming.grow()
+                for name, tensor in assembler.unpack(bucket, buffer):
+                    entries += 1
+                    item = incoming.take(name, tensor, keep)
+                    if item is None or item[0] in handed:
+                        continue
+                    stats.tensors += 1
+                    stats.bytes += item[1].numel() * item[1].element_size()
+                    try:
+                        yield item
+                        handed.add(item[0])
+                    except BaseException as e:  # the consumer failed or stopped early
+                        consumer_error = e
+                        break
+                if consumer_error is not None:
+                    break
+            if consumer_error is not None:
+                for _ in buckets:  # keep the transfer going so the sender is not stranded
+                    landed = direct
+            elif assembler.incomplete or entries != len(specs):
+                lacking = shortfall(specs, plan.buckets if plan is not None else [], (b.index for b in received), assembler.incomplete)
+                raise SyncError(f"version {v} ended with {entries} of {len(specs)} tensors: {lacking}")
+            sent = checks.sent(ch, deadline)
+            if consumer_error is None:
+                problem, items = incoming.finish(sent, checks, stats)  # a relative sync applies its deltas here
+                for name, tensor in items:
+                    stats.tensors += 1
+                    stats.bytes += tensor.numel() * tensor.element_size()
+                    try:
+                        yield name, tensor.clone() if keep else tensor
+                    except BaseException as e:
+                        consumer_error = e
+                        break
+            if consumer_error is None and settle is not None and incoming.consumer_has_all:
+                try:
+                    settle()  # the consumer's last step
+                except Exception as e:
+                    consumer_error = e
+            if consumer_error is not None:
+                problem = f"receiver rank {self.rank} did not complete version {v}: {consumer_error!r}"
+        except Exception as e:
+            buckets.close()  # let the transport drop its pending receives now
+            cause: Exception = e
+            if not isinstance(e, PeerLost) and ch.seems_silent():  # another receiver gave up on it first
+                cause = PeerLost(f"{ch.peer} went silent during the transfer of version {v}: nothing heard for "
+                                 f"{ch.unheard_s():.1f} s (heartbeat_grace_s={ch.grace_s:g}); the data plane then failed: {e}")
+            delivered = incoming.delivered(bool(received) or direct, stats.tensors > 0 or bool(handed))
+            if self._reroutable and (rerouted := self._rerouted(ch, v, cause, delivered)) is not None:
+                raise rerouted from e
+            self._finish(v, ok=False, message=f"transfer failed: {cause}", broken=True, delivered=delivered)
+            error = in_context(cause, f"receiver rank {self.rank}: transfer of version {v} from {ch.peer} failed")
+            if error is e:
+                raise
+            raise error from e
+        stats.buckets = len(received)
+        stats.transfer_s = time.perf_counter() - t0
+        self._finish(v, ok=problem is None, message=problem,
+                     delivered=incoming.delivered(bool(received) or landed, stats.tensors > 0))
+        stats.seconds = time.perf_counter() - start
+        self.last_stats = stats
+        if consumer_error is not None:
+            raise consumer_error
+        if problem is not None:
+            raise VerificationError(problem)
+
+    def _rerouted(self, ch: Channel, v: int, cause: Exception, delivered: bool) -> Rerouted | None:
+        """This attempt at a sync the sender may route around a lost receiver failed: the
+        sender's ``reroute`` (the version comes again: ``weightsync.session.reroute``), or None (the
+        sender failed the sync, or is gone itself)."""
+        if not isinstance(cause, Rerouted) and (ch.is_dead() or ch.seems_silent()):
+            return None  # the sender is the one lost
+        assert self._transport is not None
+        self._transport.finish(ok=False)
+        self.state.failed(v, delivered)
+        try:
+            return reroute.await_word(ch, v, cause, self.config.timeout_s)
+        except SyncError:
+            return None
+
+    def _join_next_session(self, old: Channel) -> Channel:
+        """The sender said goodbye: join the sender now listening on the same address (a
+        restarted trainer), or fail at once if there is none."""
+        self._reset()
+        try:
+            self.connect(reach_s=1.0)
+        except SyncError as e:
+            raise PeerLost(
+                f"{old.peer} closed the session (the trainer has stopped sending), and no new sender "
+                f"listens at {self.address}: {e}"
+            ) from None
+        assert self._channel is not None
+        return self._channel
+
+    def _finish(self, version: int, ok: bool, message: str | None, broken: bool = False, delivered: bool = False) -> None:
+        assert self._transport is not None
+        self._transport.finish(ok=not broken)  # mirrors the sender: only a broken transport rebuilds
+        try:
+            if self._channel is not None:
+                self._channel.send(
+                    {"type": "done", "version": version, "ok": ok, "message": message},
+                    Deadline(self.config.timeout_s, f"confirming version {version}"),
+                )
+        except SyncError:
+            self._reset()
+            ok = False
+        if ok:
+            self.state.completed(version)
+        else:
+            self.state.failed(version, delivered)
+            if broken:  # the transport failed: reconnect at the next sync
+                self._reset()
+
+    def _accept(self, msg: dict[str, Any], expected: int | None, sink: ModuleSink | None) -> tuple[int, Plan | None, Incoming]:
+        """Check the sender's sync message (``weightsync.receiver.admission``, then the delta stage);
+        reply ready, or error (and raise) naming both values. Returns the version, the plan
+        and the delta stage's ``Incoming`` (whether this receiver applies deltas)."""
+        assert self._channel is not None
+        v = msg.get("version")
+        plan: Plan | None = None
+        incoming: Incoming | None = None
+        try:
+            problem = admission.sync_problem(msg, expected, self.state, self.config)
+            if problem is None:
+                plan, problem = admission.agreed_plan(msg, self._plan, self.config, self.max_tensor_bytes)
+            if problem is None:
+                incoming = self._decoder.accept(msg.get("delta"), plan, sink, self.state, self.max_tensor_bytes)
+        except (ValueError, TypeError, KeyError) as e:
+            problem = str(e)
+        deadline = Deadline(self.config.timeout_s, f"answering the sync of version {v}")
+        if problem is not None:
+            self._refuse(problem, deadline)
+            raise HandshakeError(f"receiver rank {self.rank} refused version {v}: {problem}")
+        assert isinstance(v, int) and incoming is not None
+        if plan is not None:  # a streamed sync leaves the agreed plan as it was
+            self._plan = plan
+        # A delta sync without a dense section is offered again with one if we lack its base.
+        self._channel.send({"type": "ready", "dense": incoming.wants_dense}, deadline)
+        return v, plan, incoming
+
+    def _refuse(self, problem: str, deadline: Deadline) -> None:
+        """Tell the sender why not, and take its abort off the line."""
+        assert self._channel is not None
+        self._channel.send({"type": "error", "message": problem}, deadline)
+        try:  # the sender answers every refusal with an abort
+            self._channel.recv(deadline, expect="abort")
+        except SyncError:
+            self._reset()
