@@ -19,13 +19,21 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def weightsync(*args: str, timeout: float, env: dict[str, str] | None = None,
-               cwd: Path | str = ROOT) -> subprocess.CompletedProcess:
+def weightsync(
+    *args: str, timeout: float, env: dict[str, str] | None = None, cwd: Path | str = ROOT
+) -> subprocess.CompletedProcess:
     """``python -m weightsync.cli *args``; its output, or a test failure with stacks at ``timeout``."""
     argv = [sys.executable, "-m", "weightsync.cli", *args]
     full = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                            env=full, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env=full,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

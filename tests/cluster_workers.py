@@ -155,7 +155,7 @@ def run_rollout_across_hosts(hosts, model_dir, overrides, commands, queue):
             queue.put(("streaming",))
             assert commands.get(timeout=60) == "cut"
             self.cut_at = time.monotonic()
-            yield from items[len(items) // 2:]
+            yield from items[len(items) // 2 :]
 
     version = 0
     with contextlib.ExitStack() as stack:
@@ -176,7 +176,9 @@ def run_rollout_across_hosts(hosts, model_dir, overrides, commands, queue):
                 queue.put(("sent", version))
             except ReplicaUpdateError as e:
                 seconds = time.monotonic() - source.cut_at
-                greedy = {r.name: replica_greedy(llms[r.name], PROMPTS, 8) for r in e.report.replicas if r.resumed}
+                greedy = {
+                    r.name: replica_greedy(llms[r.name], PROMPTS, 8) for r in e.report.replicas if r.resumed
+                }
                 queue.put(("failed", seconds, str(e), e.report, greedy, old, new))
 
 
@@ -187,7 +189,9 @@ class PartitionModel(torch.nn.Module):
         super().__init__()
         self.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(32))
         for layer in self.layers:
-            layer.weight = torch.nn.Parameter(torch.zeros(1024, 1024, dtype=torch.bfloat16), requires_grad=False)
+            layer.weight = torch.nn.Parameter(
+                torch.zeros(1024, 1024, dtype=torch.bfloat16), requires_grad=False
+            )
 
 
 def run_resilient_loader(address, rank, overrides, versions, queue):

@@ -23,7 +23,10 @@ REQUIRE_ALL_ENV = "WEIGHTSYNC_REQUIRE_ALL"
 
 # marker -> (module to import, how to install it)
 OPTIONAL = {
-    "vllm": ("vllm", "make install-vllm  (pip install -e '.[vllm]'; see the Makefile for the packages it then removes)"),
+    "vllm": (
+        "vllm",
+        "make install-vllm  (pip install -e '.[vllm]'; see the Makefile for the packages it then removes)",
+    ),
     "mooncake": (
         "mooncake.engine",
         "make install-mooncake  (apt-get install libibverbs1 libnl-3-200 libnl-route-3-200; pip install -e '.[mooncake]')",
@@ -67,7 +70,9 @@ def pytest_runtest_setup(item):
             continue
         message = f"needs {marker} ({why}); install it with: {install}"
         if strict():
-            pytest.fail(f"{message} [CI or {REQUIRE_ALL_ENV}=1: a missing dependency fails the run]", pytrace=False)
+            pytest.fail(
+                f"{message} [CI or {REQUIRE_ALL_ENV}=1: a missing dependency fails the run]", pytrace=False
+            )
         pytest.skip(message)
 
 
@@ -100,9 +105,16 @@ def tied_llama_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=3001, hidden_size=96, intermediate_size=200, num_hidden_layers=2,
-                         num_attention_heads=3, num_key_value_heads=1, tie_word_embeddings=True,
-                         max_position_embeddings=128)
+    config = LlamaConfig(
+        vocab_size=3001,
+        hidden_size=96,
+        intermediate_size=200,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        max_position_embeddings=128,
+    )
     path = tmp_path_factory.mktemp("tied-llama")
     LlamaForCausalLM(config).save_pretrained(path)
     return path

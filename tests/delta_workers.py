@@ -13,11 +13,20 @@ from weightsync.plan import TensorSpec
 
 # A small Qwen2-shaped model in bf16 (the rollout copy of fp32 masters): one tensor larger
 # than a 1 MiB bucket (split over buckets), many small ones.
-SPECS = [TensorSpec("embed.weight", (1024, 640), "bfloat16")] + [
-    TensorSpec(f"layers.{i}.{name}", shape, "bfloat16")
-    for i in range(2)
-    for name, shape in (("q.weight", (256, 256)), ("q.bias", (256,)), ("mlp.weight", (512, 256)), ("norm.weight", (256,)))
-] + [TensorSpec("step", (), "int64")]
+SPECS = (
+    [TensorSpec("embed.weight", (1024, 640), "bfloat16")]
+    + [
+        TensorSpec(f"layers.{i}.{name}", shape, "bfloat16")
+        for i in range(2)
+        for name, shape in (
+            ("q.weight", (256, 256)),
+            ("q.bias", (256,)),
+            ("mlp.weight", (512, 256)),
+            ("norm.weight", (256,)),
+        )
+    ]
+    + [TensorSpec("step", (), "int64")]
+)
 
 
 def versions(count: int, lr: float = 1e-6) -> list[dict[str, torch.Tensor]]:
@@ -65,7 +74,15 @@ def receiver(address, rank, overrides, todo, queue, mode="load", corrupt_after=N
                     got = digests(state)
                 elif mode == "stage":  # a vLLM worker's staging copy (in the background)
                     got, stats = _stage(rec, stager, v)
-                    queue.put((rank, v, got, stager.store.state.version, (stats.delta_base, stager.store.allocated_bytes)))
+                    queue.put(
+                        (
+                            rank,
+                            v,
+                            got,
+                            stager.store.state.version,
+                            (stats.delta_base, stager.store.allocated_bytes),
+                        )
+                    )
                     continue
                 else:
                     got = {n: workers.digest(t) for n, t in rec.receive(version=v)}

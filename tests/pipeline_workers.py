@@ -61,7 +61,11 @@ def replica(commands, results):
                         ended.append(True)  # the stream ended without an exception
 
                     out = state.receive(args[0], reload)
-                    extra = {"ended": bool(ended), "allocations": state.pool.allocations, "pool_bytes": state.pool.bytes}
+                    extra = {
+                        "ended": bool(ended),
+                        "allocations": state.pool.allocations,
+                        "pool_bytes": state.pool.bytes,
+                    }
                 elif method == "weightsync_status":
                     out = state.status()
                 elif method == "kept_digests":
@@ -70,6 +74,8 @@ def replica(commands, results):
                     raise ValueError(method)
                 results.put((out, dict(loaded), extra))
             except BaseException as e:
-                results.put(({"ok": False, "error": f"{type(e).__name__}: {e}"}, dict(loaded), {"raised": True}))
+                results.put(
+                    ({"ok": False, "error": f"{type(e).__name__}: {e}"}, dict(loaded), {"raised": True})
+                )
     finally:
         state.close()

@@ -40,8 +40,11 @@ class ControlProxy:
             upstream = socket.create_connection((host, int(port)))
             first = self.connections == 1
             threading.Thread(target=self._pump, args=(client, upstream, None, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, self.cut_after if first else None, True),
-                             daemon=True).start()
+            threading.Thread(
+                target=self._pump,
+                args=(upstream, client, self.cut_after if first else None, True),
+                daemon=True,
+            ).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, cut_after: int | None, from_sender: bool) -> None:
         frames = 0

@@ -86,7 +86,12 @@ def test_shaped_nics_cut_heal_and_nothing_left_behind():
 
 def test_without_iproute2_the_cluster_refuses_naming_what_is_missing():
     code = "from weightsync.bench.cluster import Cluster\nwith Cluster(2): pass"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PATH": "/nonexistent"})
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": "/nonexistent"},
+    )
     assert done.returncode != 0
     assert "ClusterUnavailable: an emulated cluster needs iproute2's `ip`" in done.stderr
 
@@ -95,8 +100,19 @@ def test_without_iproute2_the_cluster_refuses_naming_what_is_missing():
 def test_every_cross_host_transport_is_bit_exact_over_3_versions_on_4_hosts():
     # The bench checks that every receiver ends with the sender's bytes; 2 timed versions
     # after the warm-up make 3. 6 MiB buckets of 256 KiB tensors: a chain moves them in pieces.
-    rows = run_bench(BenchOptions(backends=["nccl", "paired", "mooncake"], bucket_mb=[6], receivers=3, size_mb=24,
-                                  shape="small-tensors", repeats=2, hosts=4, link="1gbit", timeout_s=60))
+    rows = run_bench(
+        BenchOptions(
+            backends=["nccl", "paired", "mooncake"],
+            bucket_mb=[6],
+            receivers=3,
+            size_mb=24,
+            shape="small-tensors",
+            repeats=2,
+            hosts=4,
+            link="1gbit",
+            timeout_s=60,
+        )
+    )
     assert [r.backend for r in rows] == ["nccl", "paired", "mooncake"]
     for row in rows:
         assert row.ratios["ratio_to_link_ceiling"] > 0 and len(row.nic_bytes) == 4
@@ -110,21 +126,53 @@ def test_deltas_cross_each_link_once_over_every_cross_host_transport_and_arrive_
     the dense warm-up only deltas travel, each receiver ends with the sender's bytes (the
     bench checks), and the encoded bytes leave the trainer's NIC once per sync, not once
     per receiver (the NIC counters cover the timed delta syncs only)."""
-    rows = run_bench(BenchOptions(backends=["nccl", "paired", "mooncake"], bucket_mb=[4], receivers=3, size_mb=24,
-                                  shape="small-tensors", update="adamw", deltas=["on"], repeats=2, hosts=4, link="1gbit", timeout_s=60))
+    rows = run_bench(
+        BenchOptions(
+            backends=["nccl", "paired", "mooncake"],
+            bucket_mb=[4],
+            receivers=3,
+            size_mb=24,
+            shape="small-tensors",
+            update="adamw",
+            deltas=["on"],
+            repeats=2,
+            hosts=4,
+            link="1gbit",
+            timeout_s=60,
+        )
+    )
     assert [(r.backend, r.delta) for r in rows] == [("nccl", "on"), ("paired", "on"), ("mooncake", "on")]
     for row in rows:
-        assert 0 < row.density < 0.1 and row.wire_bytes < 0.1 * row.bytes, (row.backend, row.density, row.wire_bytes)
+        assert 0 < row.density < 0.1 and row.wire_bytes < 0.1 * row.bytes, (
+            row.backend,
+            row.density,
+            row.wire_bytes,
+        )
         sent = row.nic_bytes[0]["tx_bytes"]
         # packet headers and control messages on top; one copy per receiver would be 3x
-        assert row.wire_bytes <= sent < 1.3 * row.wire_bytes + 256 * 1024, (row.backend, row.wire_bytes, row.nic_bytes)
+        assert row.wire_bytes <= sent < 1.3 * row.wire_bytes + 256 * 1024, (
+            row.backend,
+            row.wire_bytes,
+            row.nic_bytes,
+        )
         assert all(n["rx_bytes"] >= row.wire_bytes for n in row.nic_bytes[1:]), (row.backend, row.nic_bytes)
 
 
 @pytest.mark.parametrize("receivers", [1, 2, 7])
 def test_the_nccl_chain_sends_the_model_once_whatever_the_receivers(receivers):
-    rows = run_bench(BenchOptions(backends=["nccl"], bucket_mb=[6], receivers=receivers, size_mb=16, repeats=1,
-                                  shape="small-tensors", hosts=4, link="10gbit", timeout_s=60))
+    rows = run_bench(
+        BenchOptions(
+            backends=["nccl"],
+            bucket_mb=[6],
+            receivers=receivers,
+            size_mb=16,
+            repeats=1,
+            shape="small-tensors",
+            hosts=4,
+            link="10gbit",
+            timeout_s=60,
+        )
+    )
     (row,) = rows
     assert row.bytes <= row.nic_bytes[0]["tx_bytes"] < 1.3 * row.bytes, row.nic_bytes
     # the chain's last replica forwards nothing; each other one forwards what it received
@@ -136,14 +184,41 @@ def test_a_receiver_killed_mid_sync_on_the_chain_fails_the_sync_naming_it_and_th
     q = CTX.Queue()
     overrides = ["backend=nccl", "update_weights_bucket_megabytes=4", "timeout_s=20"]
     with Cluster(4, parse_rate("1gbit")) as cluster:
-        sender = start(cluster_workers.on_host, cluster.hosts[0].netns, cluster_workers.run_failing_then_recovering_sender,
-                       cluster.hosts[0].address, overrides, 3, q)
+        sender = start(
+            cluster_workers.on_host,
+            cluster.hosts[0].netns,
+            cluster_workers.run_failing_then_recovering_sender,
+            cluster.hosts[0].address,
+            overrides,
+            3,
+            q,
+        )
         kind, address = q.get(timeout=60)
         assert kind == "listening"
-        victim = start(cluster_workers.on_host, cluster.hosts[1].netns, workers.run_resilient_receiver, address, 0,
-                       overrides, [1], q, (1, 8))
-        survivors = [start(cluster_workers.on_host, cluster.hosts[r + 1].netns, workers.run_resilient_receiver, address, r,
-                           overrides, [1, 2], q) for r in (1, 2)]
+        victim = start(
+            cluster_workers.on_host,
+            cluster.hosts[1].netns,
+            workers.run_resilient_receiver,
+            address,
+            0,
+            overrides,
+            [1],
+            q,
+            (1, 8),
+        )
+        survivors = [
+            start(
+                cluster_workers.on_host,
+                cluster.hosts[r + 1].netns,
+                workers.run_resilient_receiver,
+                address,
+                r,
+                overrides,
+                [1, 2],
+                q,
+            )
+            for r in (1, 2)
+        ]
         try:
             # The sender's failure, 2 survivors' errors, 2 versions 2 and the sender's "sent", in
             # any order: a survivor reports after its acknowledgement, so maybe after "sent".
@@ -154,7 +229,9 @@ def test_a_receiver_killed_mid_sync_on_the_chain_fails_the_sync_naming_it_and_th
             assert ranks == [0] and "receiver rank 0" in message, message
             assert seconds < 20 + 5
             errors = [r for r in reports if len(r) == 6 and r[1] == "error"]
-            assert sorted(r[0] for r in errors) == [1, 2] and all(r[3:] == (None, 1, True) for r in errors), errors
+            assert sorted(r[0] for r in errors) == [1, 2] and all(r[3:] == (None, 1, True) for r in errors), (
+                errors
+            )
             got = [r for r in reports if len(r) == 4 and r[1] == 2]
             assert sorted(r[0] for r in got) == [1, 2]
             expected = {n: workers.digest(t.contiguous()) for n, t in workers.big_weights(2).items()}

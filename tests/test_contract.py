@@ -20,7 +20,12 @@ def test_builtin_backends_implement_one_of_the_two_contracts():
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_one_file_transport_loaded_by_custom_backend_module_syncs_bit_exact():
-    overrides = ["custom_backend_module=tcp_transport", "backend=tcp", "update_weights_bucket_megabytes=1", "timeout_s=30"]
+    overrides = [
+        "custom_backend_module=tcp_transport",
+        "backend=tcp",
+        "update_weights_bucket_megabytes=1",
+        "timeout_s=30",
+    ]
     q = CTX.Queue()
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
         procs = [start(workers.run_receiver, sender.address, r, overrides, [1, 2, 3], q) for r in range(2)]
@@ -46,6 +51,7 @@ def test_publishers_follow_the_version_rules(backend, tmp_path):
     config = EngineConfig.from_overrides(overrides)
     address = f"rules-{backend}"
     with Sender(config, address, 1) as sender, Receiver(config, address, 0) as receiver:
+
         def send(v, **kw):
             if backend == "disk":  # the disk sender waits for the receiver's acknowledgement
                 return workers.Background(sender, _weights(v), v, **kw)
@@ -86,4 +92,8 @@ def test_publishers_follow_the_version_rules(backend, tmp_path):
         t = send(1, force=True)
         got = {n: x.clone() for n, x in receiver.receive()}
         join(t)
-        assert got["a"][0] == 1 and (receiver.version, receiver.failed_version, receiver.torn) == (1, None, False)
+        assert got["a"][0] == 1 and (receiver.version, receiver.failed_version, receiver.torn) == (
+            1,
+            None,
+            False,
+        )

@@ -40,8 +40,10 @@ for _key, _value in SHARED_GPU_NCCL_ENV.items():
 @pytest.fixture(autouse=True, scope="module")
 def _a_cuda_device():
     if not ON_HOST and platform.current_platform().kind != "cuda":
-        pytest.fail("no CUDA device: the tests marked cuda run on a GPU machine through `make gpu-check`; "
-                    "`make test` deselects them")
+        pytest.fail(
+            "no CUDA device: the tests marked cuda run on a GPU machine through `make gpu-check`; "
+            "`make test` deselects them"
+        )
 
 
 def needs_multi_rank_nccl(backend):
@@ -53,13 +55,20 @@ def needs_multi_rank_nccl(backend):
 
 
 def config(backend, bucket_mb=1, timeout=60, *extra):
-    return [f"backend={backend}", f"update_weights_bucket_megabytes={bucket_mb}", f"timeout_s={timeout}", *extra]
+    return [
+        f"backend={backend}",
+        f"update_weights_bucket_megabytes={bucket_mb}",
+        f"timeout_s={timeout}",
+        *extra,
+    ]
 
 
 def start_trainer(overrides, num_receivers, versions, weights=WEIGHTS, num_trainers=1):
     """The trainer (rank 0) in its own process; (process, its report queue, its address)."""
     q = CTX.Queue()
-    proc = start(workers.run_device_sender, overrides, num_receivers, versions, q, DEVICE, weights, 0, num_trainers)
+    proc = start(
+        workers.run_device_sender, overrides, num_receivers, versions, q, DEVICE, weights, 0, num_trainers
+    )
     report = get(q, START_S, "the trainer to listen")
     assert report[0] == "listening", report
     return proc, q, report[1]
@@ -88,8 +97,10 @@ def finish(procs, grace=5.0):
 
 
 def receivers(address, overrides, versions, n, q):
-    return [start(workers.run_receiver, address, r, overrides, versions, q, None, False, False, None, DEVICE)
-            for r in range(n)]
+    return [
+        start(workers.run_receiver, address, r, overrides, versions, q, None, False, False, None, DEVICE)
+        for r in range(n)
+    ]
 
 
 def digests(weights):
@@ -135,7 +146,10 @@ def test_delta_codec_on_the_device_writes_the_hosts_bytes_and_applies_them_exact
             base_h, new_h = raw.view(dtype), new.view(dtype)
             base_d, new_d = base_h.to(DEVICE), new_h.to(DEVICE)
             for kinds in (None, [delta.Kind.INDEX], [delta.Kind.BITMASK], [delta.Kind.GAPS]):
-                on_host, on_dev = delta.encode(base_h, new_h, kinds=kinds), delta.encode(base_d, new_d, kinds=kinds)
+                on_host, on_dev = (
+                    delta.encode(base_h, new_h, kinds=kinds),
+                    delta.encode(base_d, new_d, kinds=kinds),
+                )
                 assert (on_dev.kind, on_dev.sizes) == (on_host.kind, on_host.sizes), (dtype, density, kinds)
                 if on_dev.payload is None:
                     continue
@@ -184,7 +198,9 @@ def test_paired_two_trainer_ranks_to_three_replicas_on_one_gpu_bit_exact():
     trainer, tq, address = start_trainer(overrides, n, versions, num_trainers=trainers)
     rq, sq = CTX.Queue(), CTX.Queue()
     weights = workers.make_weights if ON_HOST else workers.cuda_weights
-    procs = [start(workers.run_paired_trainer, address, 1, trainers, overrides, n, versions, sq, weights, DEVICE)]
+    procs = [
+        start(workers.run_paired_trainer, address, 1, trainers, overrides, n, versions, sq, weights, DEVICE)
+    ]
     procs += receivers(address, overrides, versions, n, rq)
     try:
         for v in versions:
@@ -232,13 +248,17 @@ def test_receiver_killed_mid_sync_fails_it_within_the_deadline_then_survivors_sy
     trainer, tq, address = start_trainer(overrides, 3, [1, 2], weights=BIG_WEIGHTS)
     rq = CTX.Queue()
     victim = start(workers.run_resilient_receiver, address, 0, overrides, [1], rq, (1, 3), DEVICE)
-    survivors = [start(workers.run_resilient_receiver, address, r, overrides, [1, 2], rq, None, DEVICE) for r in (1, 2)]
+    survivors = [
+        start(workers.run_resilient_receiver, address, r, overrides, [1, 2], rq, None, DEVICE) for r in (1, 2)
+    ]
     try:
         report = get(tq, START_S + timeout, "the failed version 1")
         assert report[:2] == ("failed", 1), report
         _, _, message, ranks, seconds = report
         assert ranks == [0] and "receiver rank 0" in message, message
-        assert seconds < timeout, f"the sync failed after {seconds:.1f} s, past its deadline of {timeout} s: {message}"
+        assert seconds < timeout, (
+            f"the sync failed after {seconds:.1f} s, past its deadline of {timeout} s: {message}"
+        )
         victim.join(timeout=10)
         assert victim.exitcode == -signal.SIGKILL
         stats = sent(tq, 2, timeout=timeout + 60)  # rank 0 dropped, the same trainer goes on

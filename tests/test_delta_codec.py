@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from weightsync import delta
-from weightsync.delta import format as delta_format
 from weightsync.bench.updates import AdamWUpdates, changed_elements, changed_fraction, clone_state
+from weightsync.delta import format as delta_format
 from weightsync.delta.decoder import apply
 from weightsync.delta.encoder import encode
 from weightsync.delta.format import HEADER_BYTES, Kind
@@ -25,7 +25,11 @@ DTYPES = [
     torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
     torch.complex32, torch.complex64, torch.complex128,
 ]  # fmt: skip
-DTYPES += [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n)]
+DTYPES += [
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, n)
+]
 DELTA_KINDS = [Kind.INDEX, Kind.BITMASK, Kind.GAPS]
 HEADER = struct.Struct("<2sBBBBBBQQQQ")
 FIELDS = ("magic", "format", "kind", "esize", "width", "low", "reserved", "numel", "count", "ncodes", "nexc")
@@ -44,7 +48,13 @@ def special_bytes(dtype: torch.dtype) -> torch.Tensor:
     e = dtype.itemsize
     pats = [b"\x00" * e, b"\xff" * e, b"\x00" * (e - 1) + b"\x80", b"\x01" + b"\x00" * (e - 1)]
     if dtype.is_floating_point or dtype.is_complex:
-        base = torch.float64 if dtype == torch.complex128 else torch.float32 if dtype == torch.complex64 else dtype
+        base = (
+            torch.float64
+            if dtype == torch.complex128
+            else torch.float32
+            if dtype == torch.complex64
+            else dtype
+        )
         base = torch.float16 if dtype == torch.complex32 else base
         vals = [-0.0, 0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1.0]
         try:
@@ -148,7 +158,10 @@ def test_roundtrip_any_dtype_density_layout(p, layout, chunk, keep):
     base, new = make_pair(**p)
     # Small chunks: many per tensor. keep=0: changes beyond half the tensor's bytes are
     # found again when the payload is written.
-    with mock.patch.object(delta.encoder, "CHUNK", chunk), mock.patch.object(delta.encoder, "KEEP_FLOOR", keep):
+    with (
+        mock.patch.object(delta.encoder, "CHUNK", chunk),
+        mock.patch.object(delta.encoder, "KEEP_FLOOR", keep),
+    ):
         enc = encode(placed(base, layout)[0], placed(new, layout)[0])
     dense = new.numel() * new.element_size()
     assert enc.nbytes <= dense and enc.dense_nbytes == dense
@@ -157,14 +170,21 @@ def test_roundtrip_any_dtype_density_layout(p, layout, chunk, keep):
     if enc.kind == Kind.DENSE:
         assert enc.payload is None
     else:
-        assert enc.payload.dtype == torch.uint8 and enc.payload.dim() == 1 and enc.payload.numel() == enc.nbytes
+        assert (
+            enc.payload.dtype == torch.uint8 and enc.payload.dim() == 1 and enc.payload.numel() == enc.nbytes
+        )
     if enc.changed == 0 and dense > HEADER_BYTES:
         assert enc.kind == Kind.EMPTY and enc.nbytes == HEADER_BYTES
     roundtrip(base, new, enc, layout)
 
 
 @settings(deadline=None, max_examples=120)
-@given(p=pairs, kind=st.sampled_from(DELTA_KINDS), low_bytes=st.booleans(), chunk=st.sampled_from([8, 64, delta.encoder.CHUNK]))
+@given(
+    p=pairs,
+    kind=st.sampled_from(DELTA_KINDS),
+    low_bytes=st.booleans(),
+    chunk=st.sampled_from([8, 64, delta.encoder.CHUNK]),
+)
 def test_every_kind_roundtrips_when_forced(p, kind, low_bytes, chunk):
     base, new = make_pair(**p)
     with mock.patch.object(delta.encoder, "CHUNK", chunk), mock.patch.object(delta.encoder, "KEEP_FLOOR", 0):
@@ -267,7 +287,9 @@ def sample(kind: Kind, density=0.05, n=5000, dtype=torch.bfloat16, low_bytes=Tru
 @pytest.mark.parametrize("low_bytes", [True, False])
 def test_truncated_or_extended_payload_is_refused(kind, low_bytes):
     base, _, enc = sample(kind, low_bytes=low_bytes)
-    for cut in sorted({0, 1, HEADER_BYTES - 1, HEADER_BYTES, enc.nbytes // 2, enc.nbytes - 8, enc.nbytes - 1}):
+    for cut in sorted(
+        {0, 1, HEADER_BYTES - 1, HEADER_BYTES, enc.nbytes // 2, enc.nbytes - 8, enc.nbytes - 1}
+    ):
         assert_refused(base.clone(), kind, enc.payload[:cut])
     assert_refused(base.clone(), kind, torch.cat([enc.payload, torch.zeros(8, dtype=torch.uint8)]))
 
@@ -359,7 +381,9 @@ def test_bad_exceptions_are_refused():
     enc = encode(base, new)
     h = header_fields(enc.payload)
     assert h["low"] >= 1 and h["nexc"] > 0
-    at = HEADER_BYTES + delta_format.pad8({Kind.INDEX: h["count"] * 4, Kind.BITMASK: 500}.get(enc.kind, (h["ncodes"] * h["width"] + 7) // 8))
+    at = HEADER_BYTES + delta_format.pad8(
+        {Kind.INDEX: h["count"] * 4, Kind.BITMASK: 500}.get(enc.kind, (h["ncodes"] * h["width"] + 7) // 8)
+    )
     at += delta_format.pad8(h["count"] * h["low"])
     for bad in (h["count"], -1):
         p = enc.payload.clone()
@@ -369,7 +393,11 @@ def test_bad_exceptions_are_refused():
 
 
 @settings(deadline=None, max_examples=150)
-@given(kind=st.sampled_from(DELTA_KINDS), seed=st.integers(0, 2**31), flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 255)), min_size=1, max_size=4))
+@given(
+    kind=st.sampled_from(DELTA_KINDS),
+    seed=st.integers(0, 2**31),
+    flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 255)), min_size=1, max_size=4),
+)
 def test_random_corruption_never_escapes_validation(kind, seed, flips):
     """Flipped bytes anywhere: either a ValueError with the target untouched, or a write
     that stays inside the target (values are not checksummed: that is ``verify``'s job)."""
@@ -430,7 +458,10 @@ def test_adamw_updates_change_a_few_percent():
 def test_benchmark_rows_on_a_tiny_model():
     from weightsync.bench import delta_codec
 
-    specs = [TensorSpec("layers.0.w", (128, 256), "bfloat16"), TensorSpec("layers.0.norm.weight", (256,), "bfloat16")]
+    specs = [
+        TensorSpec("layers.0.w", (128, 256), "bfloat16"),
+        TensorSpec("layers.0.norm.weight", (256,), "bfloat16"),
+    ]
     rows = delta_codec.adamw_rows(specs, [1e-5], steps=2, seed=0, log=lambda _: None)
     rows += delta_codec.synthetic_rows(specs, [0.05], seed=0, log=lambda _: None)
     for row in rows:

@@ -75,7 +75,9 @@ def test_after_a_loss_deltas_are_probed_again_and_the_sync_before_keeps_a_base()
         v = 2 + delta_policy.RETRY_AFTER
         step(state, v)
         probes = []
-        with mock.patch.object(delta_policy.DeltaPolicy, "go", lambda self, p, probe: probes.append(p) or True):
+        with mock.patch.object(
+            delta_policy.DeltaPolicy, "go", lambda self, p, probe: probes.append(p) or True
+        ):
             assert sync(base, state, v, seconds=1e-4)  # probed again (and told to go: deltas)
         assert len(probes) == 1
 
@@ -98,7 +100,9 @@ def test_the_receivers_base_digest_counts_in_the_cost_of_a_delta_sync():
     assert not policy._lost()
     policy.delta_done(0.95, encode_s=0.5, wire_fraction=0.03, changed=1000, digest_s=0.3)
     assert policy._lost() and policy.delta_s == 0.95 + 0.3
-    assert abs(policy.apply_s_per_change - (0.95 - 0.5 - 0.03) / 1000) < 1e-12  # the digest is not an apply cost
+    assert (
+        abs(policy.apply_s_per_change - (0.95 - 0.5 - 0.03) / 1000) < 1e-12
+    )  # the digest is not an apply cost
 
 
 def test_a_failed_sync_is_no_measurement_of_what_deltas_cost():

@@ -38,12 +38,16 @@ def test_versions_arrive_bit_exact_as_deltas(backend):
     """Six AdamW steps to two receivers (one loads into a model, one streams); from the second
     version on only deltas travel, and verify checks the reconstructed tensors."""
     # paired never splits a tensor: its bucket holds the 1.25 MiB embedding
-    ov = overrides(backend, "verify=crc32") + (["update_weights_bucket_megabytes=2"] if backend == "paired" else [])
+    ov = overrides(backend, "verify=crc32") + (
+        ["update_weights_bucket_megabytes=2"] if backend == "paired" else []
+    )
     payloads = delta_workers.versions(6)
     q = CTX.Queue()
     with Sender(EngineConfig.from_overrides(ov), "127.0.0.1:0", 2) as sender:
-        procs = [start(delta_workers.receiver, sender.address, 0, ov, range(1, 7), q, "load"),
-                 start(delta_workers.receiver, sender.address, 1, ov, range(1, 7), q, "receive")]
+        procs = [
+            start(delta_workers.receiver, sender.address, 0, ov, range(1, 7), q, "load"),
+            start(delta_workers.receiver, sender.address, 1, ov, range(1, 7), q, "receive"),
+        ]
         try:
             for v, payload in enumerate(payloads, start=1):
                 stats = sender.send(payload, version=v)
@@ -86,12 +90,18 @@ def test_a_damaged_base_gets_the_version_whole_not_garbage():
     payloads = delta_workers.versions(3)
     q = CTX.Queue()
     with Sender(EngineConfig.from_overrides(ov), "127.0.0.1:0", 2) as sender:
-        procs = [start(delta_workers.receiver, sender.address, 0, ov, range(1, 4), q, "load", 1),  # damaged after 1
-                 start(delta_workers.receiver, sender.address, 1, ov, range(1, 4), q)]
+        procs = [
+            start(
+                delta_workers.receiver, sender.address, 0, ov, range(1, 4), q, "load", 1
+            ),  # damaged after 1
+            start(delta_workers.receiver, sender.address, 1, ov, range(1, 4), q),
+        ]
         try:
             sender.send(payloads[0], version=1)
             expect(collect(q, 2), 1, payloads[0], [0, 1])
-            stats = sender.send(payloads[1], version=2)  # receiver 0's digest differs: offered again, with a dense section
+            stats = sender.send(
+                payloads[1], version=2
+            )  # receiver 0's digest differs: offered again, with a dense section
             assert expect(collect(q, 2), 2, payloads[1], [0, 1]) == {0: None, 1: 1}
             assert stats.delta_base == 1
             sender.send(payloads[2], version=3)
@@ -105,9 +115,11 @@ def test_a_receiver_killed_mid_delta_gets_the_next_version_whole_and_the_others_
     payloads = delta_workers.versions(4)
     q = CTX.Queue()
     with Sender(EngineConfig.from_overrides(ov), "127.0.0.1:0", 3) as sender:
-        procs = [start(delta_workers.receiver, sender.address, 0, ov, range(1, 5), q),
-                 start(delta_workers.receiver, sender.address, 1, ov, range(1, 5), q, "load", None, 2),
-                 start(delta_workers.receiver, sender.address, 2, ov, range(1, 5), q, "receive")]
+        procs = [
+            start(delta_workers.receiver, sender.address, 0, ov, range(1, 5), q),
+            start(delta_workers.receiver, sender.address, 1, ov, range(1, 5), q, "load", None, 2),
+            start(delta_workers.receiver, sender.address, 2, ov, range(1, 5), q, "receive"),
+        ]
         try:
             sender.send(payloads[0], version=1)
             expect(collect(q, 3), 1, payloads[0], [0, 1, 2])
@@ -132,7 +144,8 @@ def test_a_receiver_killed_mid_delta_gets_the_next_version_whole_and_the_others_
             base = stats.delta_base
             assert base == max(held.values())
             assert expect(collect(q, 3), 3, payloads[2], [0, 1, 2]) == {
-                1: None, **{r: (base if held[r] == base else None) for r in held}
+                1: None,
+                **{r: (base if held[r] == base else None) for r in held},
             }
             stats = sender.send(payloads[3], version=4)
             assert expect(collect(q, 3), 4, payloads[3], [0, 1, 2]) == {0: 3, 1: 3, 2: 3}
@@ -151,7 +164,9 @@ def test_staging_copies_receive_deltas_in_place_and_a_failed_stage_leaves_them_a
     payloads = delta_workers.versions(4)
     q = CTX.Queue()
     with Sender(EngineConfig.from_overrides(ov), "127.0.0.1:0", 2) as sender:
-        procs = [start(delta_workers.receiver, sender.address, r, ov, range(1, 5), q, "stage") for r in range(2)]
+        procs = [
+            start(delta_workers.receiver, sender.address, r, ov, range(1, 5), q, "stage") for r in range(2)
+        ]
         try:
             sizes = set()
             for v in (1, 2):

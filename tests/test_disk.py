@@ -32,8 +32,13 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def overrides(path, *extra, timeout=20):
-    return ["backend=disk", f"engine_kwargs.disk.path={path}", "update_weights_bucket_megabytes=1",
-            f"timeout_s={timeout}", *extra]
+    return [
+        "backend=disk",
+        f"engine_kwargs.disk.path={path}",
+        "update_weights_bucket_megabytes=1",
+        f"timeout_s={timeout}",
+        *extra,
+    ]
 
 
 def config(path, *extra, timeout=20):
@@ -66,22 +71,33 @@ def load_published(directory: Path) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------------------- config
 def test_config_needs_a_path_and_keeps_at_least_two(tmp_path):
-    with pytest.raises(ConfigError, match=r"engine_kwargs.disk.path='': backend=disk needs a directory shared"):
+    with pytest.raises(
+        ConfigError, match=r"engine_kwargs.disk.path='': backend=disk needs a directory shared"
+    ):
         EngineConfig.from_overrides(["backend=disk"])
     with pytest.raises(ConfigError, match=r"engine_kwargs.disk.keep=1: must be at least 2"):
-        EngineConfig.from_overrides([f"engine_kwargs.disk.path={tmp_path}", "backend=disk", "engine_kwargs.disk.keep=1"])
+        EngineConfig.from_overrides(
+            [f"engine_kwargs.disk.path={tmp_path}", "backend=disk", "engine_kwargs.disk.keep=1"]
+        )
     c = config(tmp_path)
     assert (c.engine_kwargs.disk.path, c.engine_kwargs.disk.keep) == (str(tmp_path), 2)
 
 
 # ---------------------------------------------------------------------------- in process
 def test_published_checkpoint_is_loadable_and_bit_exact_with_shards_smaller_than_a_tensor(tmp_path):
-    with Sender(config(tmp_path, "verify=crc32"), "unused:0", 1) as sender, Receiver(config(tmp_path, "verify=crc32"), "unused:0", 0) as receiver:
+    with (
+        Sender(config(tmp_path, "verify=crc32"), "unused:0", 1) as sender,
+        Receiver(config(tmp_path, "verify=crc32"), "unused:0", 0) as receiver,
+    ):
         for v in (1, 2):
             assert sync(sender, receiver, workers.make_weights(v), v) == workers.expected_digests(v)
             assert receiver.version == v and receiver.failed_version is None
         stats = sender.last_stats
-        assert stats.tensors == 9 and stats.buckets >= 2 and stats.bytes == sum(t.nbytes for t in workers.make_weights(2).values())
+        assert (
+            stats.tensors == 9
+            and stats.buckets >= 2
+            and stats.bytes == sum(t.nbytes for t in workers.make_weights(2).values())
+        )
     directory = tmp_path / version_dir(2)
     files = sorted(p.name for p in directory.iterdir())
     shards = [f for f in files if f.endswith(".safetensors")]
@@ -101,11 +117,21 @@ def test_published_checkpoint_is_loadable_and_bit_exact_with_shards_smaller_than
 def test_transformers_loads_a_published_version(tmp_path):
     transformers = pytest.importorskip("transformers")
     # Embedding and head of 1.3 MB each: larger than a 1 MiB shard, so several shards.
-    cfg = transformers.Qwen2Config(vocab_size=5000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    cfg = transformers.Qwen2Config(
+        vocab_size=5000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     trainer = transformers.AutoModelForCausalLM.from_config(cfg)
-    with Sender(config(tmp_path), "unused:0", 1) as sender, Receiver(config(tmp_path), "unused:0", 0) as receiver:
+    with (
+        Sender(config(tmp_path), "unused:0", 1) as sender,
+        Receiver(config(tmp_path), "unused:0", 0) as receiver,
+    ):
         send = Background(sender, trainer, 1)
         for _ in receiver.receive(version=1):
             pass
@@ -119,26 +145,41 @@ def test_transformers_loads_a_published_version(tmp_path):
 
 
 def test_pruning_keeps_the_newest_versions_and_their_acks(tmp_path):
-    with Sender(config(tmp_path, "engine_kwargs.disk.keep=3"), "unused:0", 1) as sender, \
-            Receiver(config(tmp_path, "engine_kwargs.disk.keep=3"), "unused:0", 0) as receiver:
+    with (
+        Sender(config(tmp_path, "engine_kwargs.disk.keep=3"), "unused:0", 1) as sender,
+        Receiver(config(tmp_path, "engine_kwargs.disk.keep=3"), "unused:0", 0) as receiver,
+    ):
         for v in range(1, 6):
             sync(sender, receiver, {"w": torch.full((4,), float(v))}, v)
         assert published_versions(tmp_path) == [3, 4, 5]
-        assert sorted(p.name for p in (tmp_path / "acks").iterdir()) == [f"{version_dir(v)}.rank0.json" for v in (3, 4, 5)]
+        assert sorted(p.name for p in (tmp_path / "acks").iterdir()) == [
+            f"{version_dir(v)}.rank0.json" for v in (3, 4, 5)
+        ]
         # Asking for a pruned version fails at once, saying so.
-        with pytest.raises(SyncError, match=r"version 2 is not in .*older than the newest published version 5, so it was pruned \(keep=3; kept: 3, 4, 5\)"):
+        with pytest.raises(
+            SyncError,
+            match=r"version 2 is not in .*older than the newest published version 5, so it was pruned \(keep=3; kept: 3, 4, 5\)",
+        ):
             next(receiver.receive(version=2))
         assert receiver.version == 5 and receiver.failed_version is None
 
 
 def test_a_version_not_published_in_time_is_a_clear_timeout(tmp_path):
-    with Sender(config(tmp_path), "unused:0", 1) as sender, Receiver(config(tmp_path, timeout=0.5), "unused:0", 0) as receiver:
+    with (
+        Sender(config(tmp_path), "unused:0", 1) as sender,
+        Receiver(config(tmp_path, timeout=0.5), "unused:0", 0) as receiver,
+    ):
         sync(sender, receiver, {"w": torch.ones(3)}, 6)
         t0 = time.monotonic()
-        with pytest.raises(SyncTimeout, match=rf"receiver rank 0: version 7 was not published in {tmp_path} within 0.5 s \(newest published: 6\)"):
+        with pytest.raises(
+            SyncTimeout,
+            match=rf"receiver rank 0: version 7 was not published in {tmp_path} within 0.5 s \(newest published: 6\)",
+        ):
             next(receiver.receive(version=7))
         assert time.monotonic() - t0 < 3
-        with pytest.raises(SyncTimeout, match=r"no version newer than 6 was published .* \(newest published: 6\)"):
+        with pytest.raises(
+            SyncTimeout, match=r"no version newer than 6 was published .* \(newest published: 6\)"
+        ):
             next(receiver.receive())
         assert (receiver.version, receiver.failed_version, receiver.torn) == (6, None, False)
 
@@ -146,7 +187,9 @@ def test_a_version_not_published_in_time_is_a_clear_timeout(tmp_path):
 def test_receivers_that_never_answer_are_named_at_the_deadline(tmp_path):
     with Sender(config(tmp_path, timeout=1), "unused:0", 2) as sender:
         t0 = time.monotonic()
-        with pytest.raises(SyncTimeout, match=r"receiver rank 0 did not pick up version 1 .* within 1.0 s; receiver rank 1") as failure:
+        with pytest.raises(
+            SyncTimeout, match=r"receiver rank 0 did not pick up version 1 .* within 1.0 s; receiver rank 1"
+        ) as failure:
             sender.send({"w": torch.ones(3)}, version=1)
         assert failure.value.ranks == [0, 1] and time.monotonic() - t0 < 5
         assert published_versions(tmp_path) == [1]  # published: a late receiver still finds it
@@ -156,8 +199,10 @@ def test_receivers_that_never_answer_are_named_at_the_deadline(tmp_path):
 def test_a_corrupted_shard_fails_verification_on_the_receiver_and_the_sender(tmp_path, verify):
     pytest.importorskip("xxhash") if verify == "xxh3" else None
     weights = workers.make_weights(3)
-    with Sender(config(tmp_path, f"verify={verify}"), "unused:0", 1) as sender, \
-            Receiver(config(tmp_path, f"verify={verify}"), "unused:0", 0) as receiver:
+    with (
+        Sender(config(tmp_path, f"verify={verify}"), "unused:0", 1) as sender,
+        Receiver(config(tmp_path, f"verify={verify}"), "unused:0", 0) as receiver,
+    ):
         sync(sender, receiver, workers.make_weights(2), 2)
         send = Background(sender, weights, 3)
         directory = tmp_path / version_dir(3)
@@ -170,10 +215,15 @@ def test_a_corrupted_shard_fails_verification_on_the_receiver_and_the_sender(tmp
             byte = f.read(1)
             f.seek(-1, os.SEEK_END)
             f.write(bytes([byte[0] ^ 0xFF]))
-        with pytest.raises(VerificationError, match=rf"receiver rank 0: version 3 failed verification \({verify}\) in shard {shard['file']}; tensors affected: {shard['tensors'][-1]}"):
+        with pytest.raises(
+            VerificationError,
+            match=rf"receiver rank 0: version 3 failed verification \({verify}\) in shard {shard['file']}; tensors affected: {shard['tensors'][-1]}",
+        ):
             for _ in receiver.receive(version=3):
                 pass
-        with pytest.raises(RemoteFailure, match=r"receiver rank 0 failed version 3: .*VerificationError") as failure:
+        with pytest.raises(
+            RemoteFailure, match=r"receiver rank 0 failed version 3: .*VerificationError"
+        ) as failure:
             send.join()
         assert failure.value.ranks == [0]
         # Not advanced; torn, since the shards before the damaged one were delivered.
@@ -184,14 +234,22 @@ def test_a_corrupted_shard_fails_verification_on_the_receiver_and_the_sender(tmp
 
 
 def test_a_stale_version_is_refused_unless_forced(tmp_path):
-    with Sender(config(tmp_path), "unused:0", 1) as sender, Receiver(config(tmp_path), "unused:0", 0) as receiver:
+    with (
+        Sender(config(tmp_path), "unused:0", 1) as sender,
+        Receiver(config(tmp_path), "unused:0", 0) as receiver,
+    ):
         for v in (4, 5):
             sync(sender, receiver, {"w": torch.full((2,), float(v))}, v)
-        with pytest.raises(HandshakeError, match=r"version 3 is older than version 5, the newest published in .*force=True"):
+        with pytest.raises(
+            HandshakeError, match=r"version 3 is older than version 5, the newest published in .*force=True"
+        ):
             sender.send({"w": torch.zeros(2)}, version=3)
         assert published_versions(tmp_path) == [4, 5]
         # The receiver itself refuses an older version it asks for, unless published with force.
-        with pytest.raises(HandshakeError, match=r"receiver rank 0 refused version 4: version 4 is older than version 5, which this receiver holds"):
+        with pytest.raises(
+            HandshakeError,
+            match=r"receiver rank 0 refused version 4: version 4 is older than version 5, which this receiver holds",
+        ):
             next(receiver.receive(version=4))
         assert (receiver.version, receiver.failed_version) == (5, None)
         # A rollback with force: newer versions are withdrawn, and receive() takes it.
@@ -205,7 +263,10 @@ def test_a_stale_version_is_refused_unless_forced(tmp_path):
 def test_load_into_a_module_and_membership_changes(tmp_path):
     trainer = workers.Small(seed=1)
     model = workers.Small(seed=2)
-    with Sender(config(tmp_path, timeout=1), "unused:0", 2) as sender, Receiver(config(tmp_path), "unused:0", 0) as receiver:
+    with (
+        Sender(config(tmp_path, timeout=1), "unused:0", 2) as sender,
+        Receiver(config(tmp_path), "unused:0", 0) as receiver,
+    ):
         sender.remove_receiver(1)  # only rank 0 acknowledges now
         workers.bump_small(trainer, 1)
         send = Background(sender, trainer, 1)
@@ -234,7 +295,9 @@ def test_versions_arrive_bit_exact_in_receiver_processes(tmp_path, num_receivers
                 stats = sender.send(workers.make_weights(v), version=v)
                 assert stats.tensors == 9 and stats.buckets >= 2
                 for rank, version, got, held in [q.get(timeout=60) for _ in range(num_receivers)]:
-                    assert (version, held) == (v, v) and got == workers.expected_digests(v), f"receiver {rank}, version {v}"
+                    assert (version, held) == (v, v) and got == workers.expected_digests(v), (
+                        f"receiver {rank}, version {v}"
+                    )
         finally:
             stop(procs)
     assert published_versions(tmp_path) == [2, 3]
@@ -253,7 +316,10 @@ def test_a_writer_killed_mid_write_publishes_nothing_and_a_new_writer_does(tmp_p
         leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-v1-")]
         assert len(leftovers) == 1 and published_versions(tmp_path) == []
         with Receiver(config(tmp_path, timeout=1), "unused:0", 0) as receiver:
-            with pytest.raises(SyncTimeout, match=r"version 1 was not published in .* within 1.0 s \(newest published: none\)"):
+            with pytest.raises(
+                SyncTimeout,
+                match=r"version 1 was not published in .* within 1.0 s \(newest published: none\)",
+            ):
                 next(receiver.receive(version=1))
             assert (receiver.version, receiver.failed_version) == (None, None)
             # A new queue: the killed writer may have died holding the old one's write lock.
@@ -278,7 +344,9 @@ def test_a_receiver_killed_mid_read_is_named_and_the_survivors_go_on(tmp_path):
         survivors = [start(workers.run_resilient_receiver, "unused:0", r, ov, [1, 2], q) for r in (1, 2)]
         try:
             t0 = time.monotonic()
-            with pytest.raises(PeerLost, match=r"receiver rank 0 \(pid \d+ on .*\) died while reading version 1") as failure:
+            with pytest.raises(
+                PeerLost, match=r"receiver rank 0 \(pid \d+ on .*\) died while reading version 1"
+            ) as failure:
                 sender.send(workers.big_weights(1), version=1)
             assert failure.value.ranks == [0] and time.monotonic() - t0 < 20
             victim.join(timeout=10)

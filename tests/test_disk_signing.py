@@ -31,15 +31,19 @@ def manifest_of(path, version):
 
 def test_signed_versions_arrive_and_their_manifests_carry_the_signature(tmp_path):
     weights = workers.make_weights(1)
-    with Sender(config(tmp_path, "s3cret"), "unused:0", 1) as sender, \
-            Receiver(config(tmp_path, "s3cret"), "unused:0", 0) as receiver:
+    with (
+        Sender(config(tmp_path, "s3cret"), "unused:0", 1) as sender,
+        Receiver(config(tmp_path, "s3cret"), "unused:0", 0) as receiver,
+    ):
         assert sync(sender, receiver, weights, 1) == digests(weights)
         assert receiver.version == 1
     manifest = manifest_of(tmp_path, 1)
     assert len(manifest[SIGNATURE]) == 64 and all(len(s["sha256"]) == 64 for s in manifest["shards"])
     # Without a secret nothing is signed (and a receiver without one reads signed versions).
-    with Sender(config(tmp_path / "plain"), "unused:0", 1) as sender, \
-            Receiver(config(tmp_path / "plain"), "unused:0", 0) as receiver:
+    with (
+        Sender(config(tmp_path / "plain"), "unused:0", 1) as sender,
+        Receiver(config(tmp_path / "plain"), "unused:0", 0) as receiver,
+    ):
         sync(sender, receiver, weights, 1)
     assert SIGNATURE not in manifest_of(tmp_path / "plain", 1)
     with Receiver(config(tmp_path), "unused:0", 1) as unsigned_reader:
@@ -48,8 +52,10 @@ def test_signed_versions_arrive_and_their_manifests_carry_the_signature(tmp_path
 
 @pytest.mark.parametrize("case", ["unsigned", "other secret", "tampered manifest"])
 def test_unsigned_or_wrongly_signed_versions_are_refused_and_the_state_stays(tmp_path, case):
-    with Sender(config(tmp_path, "s3cret"), "unused:0", 1) as sender, \
-            Receiver(config(tmp_path, "s3cret"), "unused:0", 0) as receiver:
+    with (
+        Sender(config(tmp_path, "s3cret"), "unused:0", 1) as sender,
+        Receiver(config(tmp_path, "s3cret"), "unused:0", 0) as receiver,
+    ):
         sync(sender, receiver, {"w": torch.full((4,), 1.0)}, 1)
         assert (receiver.version, receiver.failed_version, receiver.torn) == (1, None, False)
         # Version 2 published by a writer without the secret, with another one, or signed
@@ -78,8 +84,10 @@ def test_unsigned_or_wrongly_signed_versions_are_refused_and_the_state_stays(tmp
 
 def test_a_shard_changed_after_signing_is_caught_before_its_tensors_are_used(tmp_path):
     weights = workers.make_weights(3)
-    with Sender(config(tmp_path, "s3cret"), "unused:0", 1) as sender, \
-            Receiver(config(tmp_path, "s3cret"), "unused:0", 0) as receiver:
+    with (
+        Sender(config(tmp_path, "s3cret"), "unused:0", 1) as sender,
+        Receiver(config(tmp_path, "s3cret"), "unused:0", 0) as receiver,
+    ):
         sync(sender, receiver, workers.make_weights(2), 2)
         send = Background(sender, weights, 3)
         directory = tmp_path / version_dir(3)
@@ -92,7 +100,10 @@ def test_a_shard_changed_after_signing_is_caught_before_its_tensors_are_used(tmp
             f.seek(-1, os.SEEK_END)
             f.write(bytes([byte[0] ^ 0xFF]))
         got = []
-        with pytest.raises(VerificationError, match=rf"shard {shard['file']} of version 3 does not match the digest its signed manifest holds"):
+        with pytest.raises(
+            VerificationError,
+            match=rf"shard {shard['file']} of version 3 does not match the digest its signed manifest holds",
+        ):
             for name, _ in receiver.receive(version=3):
                 got.append(name)
         assert not set(got) & set(shard["tensors"])  # nothing of the changed shard was handed out

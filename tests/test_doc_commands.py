@@ -30,7 +30,10 @@ import pytest
 from clirun import weightsync
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if not p.name.startswith("configuration"))]
+DOCS = [
+    ROOT / "README.md",
+    *sorted(p for p in (ROOT / "docs").glob("*.md") if not p.name.startswith("configuration")),
+]
 
 
 # ------------------------------------------------------------------------------ collecting
@@ -51,7 +54,7 @@ def _split_comment(line: str) -> tuple[str, str]:
         elif c in "'\"":
             quote = c
         elif c == "#" and (i == 0 or line[i - 1].isspace()):
-            return line[:i], line[i + 1:].strip()
+            return line[:i], line[i + 1 :].strip()
     return line, ""
 
 
@@ -120,65 +123,105 @@ COMMANDS: dict[str, Run | NotHere] = {
     "weightsync demo": Run(timeout=150),
     "weightsync demo --model DIR --bucket-mb 1 --receivers 3": Run(
         ("demo --model {model} --bucket-mb 1 --receivers 3",),
-        "DIR: a tiny tied Llama made here (its 1.15 MB embedding is split across 1 MiB buckets)"),
+        "DIR: a tiny tied Llama made here (its 1.15 MB embedding is split across 1 MiB buckets)",
+    ),
     "weightsync demo --backend naive": Run(timeout=150),
     "weightsync demo --backend disk": Run(timeout=150),
     "weightsync demo --backend paired --receivers 3": Run(timeout=150),
     "weightsync demo --backend mooncake": Run(timeout=150),
     "weightsync demo --backend shm --receivers 3": Run(timeout=150),
-    "weightsync demo --receivers 3 --set timeout_s=60 --set engine_kwargs.nccl.rebuild_group=true": Run(timeout=150),
+    "weightsync demo --receivers 3 --set timeout_s=60 --set engine_kwargs.nccl.rebuild_group=true": Run(
+        timeout=150
+    ),
     # README: weightsync bench (1 GiB by default: run at SMALL)
     "weightsync bench": Run((f"bench {SMALL}",), "--size-mb 64 --repeats 1", timeout=240),
     "weightsync bench --shape small-tensors": Run(
         (f"bench --shape small-tensors --no-alternatives {SMALL}",),
-        "--no-alternatives --size-mb 64 --repeats 1 (the alternatives run in `weightsync bench`)", timeout=240),
+        "--no-alternatives --size-mb 64 --repeats 1 (the alternatives run in `weightsync bench`)",
+        timeout=240,
+    ),
     "weightsync bench --bucket-mb 16,64,256 --plot bench.png": Run(
         (f"bench --bucket-mb 16,64,256 --plot {{tmp}}/bench.png --no-alternatives {SMALL}",),
         "the plot into tmp_path; --no-alternatives --size-mb 64 --repeats 1 (the alternatives run in `weightsync bench`)",
-        timeout=240, check="plot"),
+        timeout=240,
+        check="plot",
+    ),
     "weightsync bench --model DIR --receivers 2 --json": Run(
         ("bench --model {model} --receivers 2 --json --no-alternatives --repeats 1",),
-        "DIR: the tiny tied Llama's model.safetensors; --no-alternatives --repeats 1", check="json"),
+        "DIR: the tiny tied Llama's model.safetensors; --no-alternatives --repeats 1",
+        check="json",
+    ),
     "weightsync bench --backend mooncake,paired,disk,nccl,shm": Run(
-        ("bench --backend mooncake,paired,disk,nccl,shm --receivers 3 --size-mb 256 --bucket-mb 64 --repeats 2 "
-         "--no-alternatives --json",),
+        (
+            "bench --backend mooncake,paired,disk,nccl,shm --receivers 3 --size-mb 256 --bucket-mb 64 --repeats 2 "
+            "--no-alternatives --json",
+        ),
         "every transport on the LLM shape at 256 MiB (255 MiB: a 64 MiB embedding, 6 layers) in 64 MiB buckets, 3 receivers (the default "
         "said out loud), 2 timed versions after the warm-up, bit-exact; no alternatives (`weightsync bench` runs them)",
-        timeout=300, check="five"),
+        timeout=300,
+        check="five",
+    ),
     "weightsync bench --backend paired --trainers 2": Run(
-        (f"bench --backend paired --trainers 2 {SMALL}",), "--size-mb 64 --repeats 1", timeout=240),
+        (f"bench --backend paired --trainers 2 {SMALL}",), "--size-mb 64 --repeats 1", timeout=240
+    ),
     "weightsync bench --hosts 4 --link 1gbit --backend nccl,mooncake,paired --json": Run(
         (f"bench --hosts 4 --link 1gbit --backend nccl,mooncake,paired --json {SMALL}",),
         f"{SMALL} on the emulated cluster (root: CI runs as root); the rows' link ratios and NIC bytes are "
-        "asserted in tests/test_cluster.py", timeout=240),
+        "asserted in tests/test_cluster.py",
+        timeout=240,
+    ),
     "weightsync bench --hosts 5 --trainers 2 --trainer-link 1gbit --link 4gbit --backend nccl,paired": Run(
         (f"bench --hosts 5 --trainers 2 --trainer-link 1gbit --link 4gbit --backend nccl,paired {SMALL}",),
-        SMALL, timeout=240),
+        SMALL,
+        timeout=240,
+    ),
     "weightsync bench --device cuda --size-mb 4096": NotHere(
-        "needs a CUDA GPU: `make gpu-check` runs the --device cuda bench rows (weightsync/gpucheck/driver.py)"),
+        "needs a CUDA GPU: `make gpu-check` runs the --device cuda bench rows (weightsync/gpucheck/driver.py)"
+    ),
     "weightsync bench --update adamw --lr 1e-6": Run(
         ("bench --update adamw --lr 1e-6 --no-alternatives --size-mb 16 --receivers 1 --repeats 2 --json",),
         "--no-alternatives --size-mb 16 (the smallest LLM shape, 149 MiB) --receivers 1 --repeats 2 --json: rows for "
-        "delta off, auto and on per backend, bit-exact, `on` sending a few percent", timeout=240, check="adamw"),
+        "delta off, auto and on per backend, bit-exact, `on` sending a few percent",
+        timeout=240,
+        check="adamw",
+    ),
     "weightsync bench --codec": Run(
         ("bench --codec --size-mb 16 --repeats 1 --json",),
         "--size-mb 16 (the smallest LLM shape, 149 MiB) --repeats 1 --json: encode and apply against the floor, "
-        "every apply checked bit for bit by the bench", timeout=120, check="codec"),
+        "every apply checked bit for bit by the bench",
+        timeout=120,
+        check="codec",
+    ),
     "weightsync bench --rollout vllm --backend nccl,shm": Run(
         ("bench --rollout vllm --backend nccl,shm --size-mb 16 --repeats 1",),
-        "a 16 MB fp32 Qwen2 model instead of 392 MB, one timed update (about 70 s here)", timeout=240, vllm=True),
+        "a 16 MB fp32 Qwen2 model instead of 392 MB, one timed update (about 70 s here)",
+        timeout=240,
+        vllm=True,
+    ),
     "weightsync bench --rollout vllm --backend nccl --update-mode stream,staged": Run(
         ("bench --rollout vllm --backend nccl --update-mode stream,staged --size-mb 16 --repeats 1 --json",),
         "a 16 MB fp32 Qwen2 model, one timed update per mode, --json: a row per mode, the staged one pausing "
-        "only for the local load, its staging copy reused", timeout=240, vllm=True, check="modes"),
+        "only for the local load, its staging copy reused",
+        timeout=240,
+        vllm=True,
+        check="modes",
+    ),
     # README: weightsync config
     "weightsync config backend=nccl update_weights_bucket_megabytes=512": Run(slow=False, timeout=60),
     "weightsync config --check backend=ncl": Run(slow=False, timeout=60),
     "weightsync config --yaml ppo.yaml --check": Run(
-        ("config --yaml {ppo} --check",), "ppo.yaml: a verl-style trainer config written here", slow=False, timeout=60),
+        ("config --yaml {ppo} --check",),
+        "ppo.yaml: a verl-style trainer config written here",
+        slow=False,
+        timeout=60,
+    ),
     "weightsync config --docs [--lang zh]": Run(
-        ("config --docs", "config --docs --lang zh"), "[--lang zh]: both forms; each prints its docs/configuration*.md",
-        slow=False, timeout=60, check="docs"),
+        ("config --docs", "config --docs --lang zh"),
+        "[--lang zh]: both forms; each prints its docs/configuration*.md",
+        slow=False,
+        timeout=60,
+        check="docs",
+    ),
     # README: GPU check
     "weightsync gpu-check --dry-run": Run(slow=False, timeout=60),
     # docs/vllm.md
@@ -186,7 +229,8 @@ COMMANDS: dict[str, Run | NotHere] = {
     "weightsync demo --rollout vllm --model DIR --receivers 3 --pause-mode abort": NotHere(
         "about 115 s here (3 vLLM replicas start one after another), over this file's 90 s for a vLLM line; "
         "`weightsync demo --rollout vllm` above runs the same demo, tests/test_vllm.py runs replicas from a model "
-        "directory and updates in abort mode (test_keep_mode_carries_an_in_flight_request_across_the_update)"),
+        "directory and updates in abort mode (test_keep_mode_carries_an_in_flight_request_across_the_update)"
+    ),
 }
 
 
@@ -247,7 +291,9 @@ def _check_five(outs, tmp_path):
     assert sorted(rows) == ["disk", "mooncake", "nccl", "paired", "shm"]
     expected = sum(s.nbytes for s in models.synthetic_specs("llm", 256, "bfloat16"))
     for backend, r in rows.items():
-        assert (r["bytes"], r["receivers"], r["bucket_mb"], len(r["repeats_s"])) == (expected, 3, 64, 2), backend
+        assert (r["bytes"], r["receivers"], r["bucket_mb"], len(r["repeats_s"])) == (expected, 3, 64, 2), (
+            backend
+        )
         assert r["gbps"] > 0, backend
 
 
@@ -255,12 +301,17 @@ def _check_adamw(outs, tmp_path):
     """Per backend, rows with delta off, auto and on; AdamW at lr 1e-6 changes a few percent;
     where the seconds went (a delta sync encodes, a dense one does not)."""
     rows = json.loads(outs[0].stdout)
-    assert [(r["backend"], r["delta"]) for r in rows] == [(b, d) for b in ("nccl", "shm") for d in ("off", "auto", "on")]
+    assert [(r["backend"], r["delta"]) for r in rows] == [
+        (b, d) for b in ("nccl", "shm") for d in ("off", "auto", "on")
+    ]
     for off, auto, on in (rows[:3], rows[3:]):
         assert off["wire_bytes"] == off["bytes"] and off["speedup_vs_dense"] == 1.0
         assert auto["speedup_vs_dense"] > 0 and 0 < on["density"] < 0.2
         assert on["wire_bytes"] < 0.2 * on["bytes"]
-        assert on["phases_s"]["encode_s"] > 10 * off["phases_s"]["encode_s"], (on["phases_s"], off["phases_s"])
+        assert on["phases_s"]["encode_s"] > 10 * off["phases_s"]["encode_s"], (
+            on["phases_s"],
+            off["phases_s"],
+        )
         assert all(p >= 0 for p in on["phases_s"].values()) and on["phases_s"]["transfer_s"] > 0
 
 
@@ -287,10 +338,20 @@ def _check_modes(outs, tmp_path):
 
 def _check_docs(outs, tmp_path):
     for out, name in zip(outs, ("configuration.md", "configuration.zh.md")):
-        assert out.stdout == (ROOT / "docs" / name).read_text(), f"docs/{name} drifted from `weightsync config --docs`"
+        assert out.stdout == (ROOT / "docs" / name).read_text(), (
+            f"docs/{name} drifted from `weightsync config --docs`"
+        )
 
 
-CHECKS = {"adamw": _check_adamw, "codec": _check_codec, "modes": _check_modes, "plot": _check_plot, "json": _check_json, "five": _check_five, "docs": _check_docs}
+CHECKS = {
+    "adamw": _check_adamw,
+    "codec": _check_codec,
+    "modes": _check_modes,
+    "plot": _check_plot,
+    "json": _check_json,
+    "five": _check_five,
+    "docs": _check_docs,
+}
 
 FOUND = doc_commands()
 
@@ -302,15 +363,19 @@ def _params():
         marks = [pytest.mark.timeout(entry.timeout * len(entry.argv or (1,)) + 60)]
         marks += [pytest.mark.slow] if entry.slow else []
         marks += [pytest.mark.vllm] if entry.vllm else []
-        marks += [pytest.mark.mooncake] if "mooncake" in command else []  # conftest.py: skip or fail, saying how
+        marks += (
+            [pytest.mark.mooncake] if "mooncake" in command else []
+        )  # conftest.py: skip or fail, saying how
         yield pytest.param(command, marks=marks, id=command.removeprefix("weightsync "))
 
 
 # ------------------------------------------------------------------------------ the tests
 def test_every_doc_command_is_classified():
     missing = {c: [line.where for line in lines] for c, lines in FOUND.items() if c not in COMMANDS}
-    assert not missing, ("commands in the docs that tests/test_doc_commands.py's COMMANDS does not classify (run, "
-                         f"run adjusted, or NotHere with the reason): {missing}")
+    assert not missing, (
+        "commands in the docs that tests/test_doc_commands.py's COMMANDS does not classify (run, "
+        f"run adjusted, or NotHere with the reason): {missing}"
+    )
 
 
 def test_every_entry_is_still_in_the_docs():
@@ -334,8 +399,10 @@ def test_collecting_joins_continuations_and_keeps_comments():
         weightsync bench
         ```
     """)
-    assert commands_in(text, "t") == [DocLine("t:2", "weightsync demo", "a comment"),
-                                      DocLine("t:3", "weightsync config --check a=1 b='x # y'", "exit 2: bad")]
+    assert commands_in(text, "t") == [
+        DocLine("t:2", "weightsync demo", "a comment"),
+        DocLine("t:3", "weightsync config --check a=1 b='x # y'", "exit 2: bad"),
+    ]
     assert expected_exit(commands_in(text)[1:]) == (2, "bad")
 
 
@@ -356,8 +423,9 @@ def test_doc_command(command, tmp_path, request):
         assert message in out.stdout + out.stderr, f"the docs promise {message!r}: {shown}"
         if argv[0] == "demo":  # as many rollouts as the command asks for, every sync checked
             n = argv[argv.index("--receivers") + 1] if "--receivers" in argv else "2"
-            assert re.search(rf"demo OK: \d+ (syncs to {n} receivers, bit-exact|updates to {n} vLLM replicas)",
-                             out.stdout), shown
+            assert re.search(
+                rf"demo OK: \d+ (syncs to {n} receivers, bit-exact|updates to {n} vLLM replicas)", out.stdout
+            ), shown
         outs.append(out)
     if entry.check:
         CHECKS[entry.check](outs, tmp_path)

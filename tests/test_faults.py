@@ -54,7 +54,9 @@ def kill_mid_sync_then_sync_the_survivors(backend, drop):
     overrides = [*config(backend=backend, timeout=60), f"drop_lost_receivers={str(drop).lower()}"]
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 3) as sender:
         victim = start(workers.run_resilient_receiver, sender.address, 0, overrides, [1, 2], q, (2, 3))
-        survivors = [start(workers.run_resilient_receiver, sender.address, r, overrides, [1, 2, 3], q) for r in (1, 2)]
+        survivors = [
+            start(workers.run_resilient_receiver, sender.address, r, overrides, [1, 2, 3], q) for r in (1, 2)
+        ]
         try:
             sender.send(big_weights(1), version=1)
             assert sorted(r[1] for r in collect(q, 3)) == [1, 1, 1]
@@ -113,9 +115,14 @@ def _the_others_take_version_2_without_the_middle_receiver(overrides, victim_bod
             stop([first, victim, last])
 
 
-@pytest.mark.parametrize("backend", [
-    "nccl", pytest.param("nccl-chain", id="nccl-chain"), pytest.param("mooncake", marks=workers.needs_mooncake),
-])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "nccl",
+        pytest.param("nccl-chain", id="nccl-chain"),
+        pytest.param("mooncake", marks=workers.needs_mooncake),
+    ],
+)
 def test_with_drop_lost_receivers_the_others_take_the_version_again_in_the_same_sync(backend):
     """``drop_lost_receivers``: the middle receiver of 3 SIGKILLed in version 2. The send
     succeeds, naming it in ``stats.dropped``; both others take version 2 bit-exact in the
@@ -123,7 +130,9 @@ def test_with_drop_lost_receivers_the_others_take_the_version_again_in_the_same_
     goes to them without a word. Gloo's broadcast, the chain over Gloo, Mooncake's chain."""
     topology = ["engine_kwargs.nccl.topology=chain"] if backend == "nccl-chain" else []
     overrides = config("drop_lost_receivers=true", *topology, backend=backend.split("-")[0], timeout=60)
-    _the_others_take_version_2_without_the_middle_receiver(overrides, workers.run_resilient_receiver, [1, 2], (2, 3))
+    _the_others_take_version_2_without_the_middle_receiver(
+        overrides, workers.run_resilient_receiver, [1, 2], (2, 3)
+    )
 
 
 @pytest.mark.parametrize("when", ["in-its-handshake", "after-its-last-tensor"])
@@ -136,10 +145,14 @@ def test_with_drop_lost_receivers_a_receiver_lost_outside_the_transfer_is_routed
     whatever it sent before), and version 3 reaches them. Gloo's broadcast."""
     overrides = config("drop_lost_receivers=true", timeout=60)
     if when == "in-its-handshake":
-        _the_others_take_version_2_without_the_middle_receiver(overrides, workers.run_receiver_dying_in_the_handshake, 2)
+        _the_others_take_version_2_without_the_middle_receiver(
+            overrides, workers.run_receiver_dying_in_the_handshake, 2
+        )
     else:
         last_tensor = (2, len(big_weights(2)))
-        _the_others_take_version_2_without_the_middle_receiver(overrides, workers.run_resilient_receiver, [1, 2], last_tensor)
+        _the_others_take_version_2_without_the_middle_receiver(
+            overrides, workers.run_resilient_receiver, [1, 2], last_tensor
+        )
 
 
 def test_sender_sigkilled_mid_sync_then_a_new_sender_completes_the_version():
@@ -153,7 +166,9 @@ def test_sender_sigkilled_mid_sync_then_a_new_sender_completes_the_version():
             assert {n: workers.digest(t) for n, t in receiver.receive(version=1)} == digests(big_weights(1))
             # Version 2: the trainer dies after the first tensor arrived.
             t0 = time.monotonic()
-            with pytest.raises(SyncError, match=r"receiver rank 0: transfer of version 2 from sender at 127.0.0.1:\d+ failed"):
+            with pytest.raises(
+                SyncError, match=r"receiver rank 0: transfer of version 2 from sender at 127.0.0.1:\d+ failed"
+            ):
                 for i, _ in enumerate(receiver.receive(version=2)):
                     if i == 0:
                         os.kill(sender.pid, signal.SIGKILL)
@@ -177,13 +192,18 @@ def test_the_trainers_source_raising_mid_transfer_fails_at_once_blaming_no_peer(
     q = CTX.Queue()
     overrides = config(backend=backend, timeout=60)
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
-        receivers = [start(workers.run_resilient_receiver, sender.address, r, overrides, [1, 2, 3], q) for r in (0, 1)]
+        receivers = [
+            start(workers.run_resilient_receiver, sender.address, r, overrides, [1, 2, 3], q) for r in (0, 1)
+        ]
         try:
             sender.send(big_weights(1), version=1)
             assert sorted(r[1] for r in collect(q, 2)) == [1, 1]
             source = workers.FailingSource(big_weights(2), after=20)
-            with pytest.raises(SourceFailed, match=r"sync of version 2 failed: the source raised after 20 tensor\(s\): "
-                                                   r"RuntimeError: the trainer failed mid-transfer") as failure:
+            with pytest.raises(
+                SourceFailed,
+                match=r"sync of version 2 failed: the source raised after 20 tensor\(s\): "
+                r"RuntimeError: the trainer failed mid-transfer",
+            ) as failure:
                 sender.send(source, version=2)
             assert time.monotonic() - source.raised_at < 1.0  # the EOF grace was 2 s
             assert failure.value.ranks == []
@@ -210,7 +230,9 @@ def test_dropped_control_connection_fails_both_sides_then_the_next_sync_is_exact
         try:
             t0 = time.monotonic()
             peer = rf"receiver rank 0 \(pid {receiver.pid}, 127\.0\.0\.1:\d+\)"
-            with pytest.raises(SyncError, match=rf"{peer} (disconnected|closed the connection)|connection to {peer} lost") as failure:
+            with pytest.raises(
+                SyncError, match=rf"{peer} (disconnected|closed the connection)|connection to {peer} lost"
+            ) as failure:
                 sender.send(IteratorSource(iter(big_weights(1).items())), version=1)
             assert failure.value.ranks == [0]
             assert proxy.cut.is_set()
@@ -233,13 +255,19 @@ def test_corrupted_bucket_is_caught_by_verification_naming_the_tensors(monkeypat
     q = CTX.Queue()
     weights = big_weights(1)
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
-        procs = [start(workers.run_resilient_receiver, sender.address, r, overrides, [1, 1], q) for r in range(2)]
+        procs = [
+            start(workers.run_resilient_receiver, sender.address, r, overrides, [1, 1], q) for r in range(2)
+        ]
         try:
             monkeypatch.setenv("WEIGHTSYNC_TEST_CORRUPT", "1")  # bucket 1: the second part of embed.weight
-            damage = "version 1 failed verification (crc32) in 1 bucket(s) [1]; tensors affected: embed.weight"
+            damage = (
+                "version 1 failed verification (crc32) in 1 bucket(s) [1]; tensors affected: embed.weight"
+            )
             with pytest.raises(RemoteFailure) as failure:
                 sender.send(weights, version=1)
-            assert str(failure.value) == "; ".join(f"receiver rank {r} failed version 1: receiver rank {r}: {damage}" for r in (0, 1))
+            assert str(failure.value) == "; ".join(
+                f"receiver rank {r} failed version 1: receiver rank {r}: {damage}" for r in (0, 1)
+            )
             assert failure.value.ranks == [0, 1]
             for _ in range(2):
                 rank, status, message, held, attempted, torn = q.get(timeout=30)
@@ -261,7 +289,10 @@ def test_verification_names_the_damaged_tensor_of_a_whole_tensor_bucket(monkeypa
     tensor's own memory) is damaged on the wire: the receiver's checksum of what arrived
     differs from the one the sender published, and the message names that tensor."""
     overrides = config(f"verify={verify}", "custom_backend_module=faulty_engine", backend="corrupting-nccl")
-    weights = {"layers.0.norm.weight": torch.ones(64), "layers.0.mlp.weight": torch.arange(1 << 19, dtype=torch.float32)}
+    weights = {
+        "layers.0.norm.weight": torch.ones(64),
+        "layers.0.mlp.weight": torch.arange(1 << 19, dtype=torch.float32),
+    }
     q = CTX.Queue()
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 1) as sender:
         procs = [start(workers.run_resilient_receiver, sender.address, 0, overrides, [3], q)]
@@ -273,23 +304,31 @@ def test_verification_names_the_damaged_tensor_of_a_whole_tensor_bucket(monkeypa
             assert str(failure.value) == f"receiver rank 0 failed version 3: {damage}"
             rank, status, message, held, attempted, torn = q.get(timeout=30)
             assert (message, held, attempted, torn) == (f"VerificationError: {damage}", None, 3, True)
-            assert torch.equal(weights["layers.0.mlp.weight"], torch.arange(1 << 19, dtype=torch.float32))  # damaged on the wire only
+            assert torch.equal(
+                weights["layers.0.mlp.weight"], torch.arange(1 << 19, dtype=torch.float32)
+            )  # damaged on the wire only
         finally:
             stop(procs)
 
 
 # ---------------------------------------------------------------------------- versions
-@pytest.mark.parametrize("backend", ["nccl", "shm", "paired", pytest.param("mooncake", marks=workers.needs_mooncake)])
+@pytest.mark.parametrize(
+    "backend", ["nccl", "shm", "paired", pytest.param("mooncake", marks=workers.needs_mooncake)]
+)
 def test_stale_version_is_refused_unless_forced(backend):
     # paired never splits a tensor: its buckets must hold make_weights' 1.4 MB embedding
-    overrides = config(backend=backend, timeout=20) + (["update_weights_bucket_megabytes=2"] if backend == "paired" else [])
+    overrides = config(backend=backend, timeout=20) + (
+        ["update_weights_bucket_megabytes=2"] if backend == "paired" else []
+    )
     q = CTX.Queue()
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 1) as sender:
         proc = start(workers.run_resilient_receiver, sender.address, 0, overrides, [None, None, None], q)
         try:
             sender.send(workers.make_weights(5), version=5)
             assert q.get(timeout=60)[3] == 5  # the version the receiver holds
-            with pytest.raises(HandshakeError, match="version 3 is older than version 5, which this receiver holds"):
+            with pytest.raises(
+                HandshakeError, match="version 3 is older than version 5, which this receiver holds"
+            ):
                 sender.send(workers.make_weights(3), version=3)
             rank, status, message, held, attempted, torn = q.get(timeout=30)
             assert (status, held, torn) == ("error", 5, False) and "force=True" in message
@@ -319,7 +358,9 @@ def test_peer_with_a_wrong_secret_is_rejected_and_logged_while_the_sync_goes_on(
 
         intruder = threading.Thread(target=stranger, daemon=True)
         intruder.start()
-        procs = [start(workers.run_resilient_receiver, sender.address, r, overrides, [1], q) for r in range(2)]
+        procs = [
+            start(workers.run_resilient_receiver, sender.address, r, overrides, [1], q) for r in range(2)
+        ]
         try:
             sender.send(workers.make_weights(1), version=1)
             for _ in range(2):
@@ -327,8 +368,10 @@ def test_peer_with_a_wrong_secret_is_rejected_and_logged_while_the_sync_goes_on(
                 assert version == 1 and got == workers.expected_digests(1)
             intruder.join(timeout=10)
             assert "authentication failed" in str(stranger_error[0])
-            assert any("rejected connection from 127.0.0.1" in r.message and "authentication failed" in r.message
-                       for r in caplog.records)
+            assert any(
+                "rejected connection from 127.0.0.1" in r.message and "authentication failed" in r.message
+                for r in caplog.records
+            )
         finally:
             stop(procs)
 
@@ -337,7 +380,9 @@ def test_receiver_refuses_a_sender_without_the_secret(monkeypatch):
     overrides = config(timeout=5)
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 1) as sender:
         threading.Thread(target=lambda: _quietly(sender.connect), daemon=True).start()
-        receiver = Receiver(EngineConfig.from_overrides([*overrides, "auth_secret=s3cret"]), sender.address, 0)
+        receiver = Receiver(
+            EngineConfig.from_overrides([*overrides, "auth_secret=s3cret"]), sender.address, 0
+        )
         with pytest.raises(HandshakeError, match="failed authentication: it does not hold the shared secret"):
             receiver.connect()
 
@@ -417,12 +462,17 @@ def test_greetings_in_progress_are_capped_and_the_sync_goes_on_once_they_end(cap
             strangers.append(one_more)
             one_more.settimeout(5)
             assert one_more.recv(4096) == b""  # closed without a challenge
-            assert any(f"{MAX_PENDING_HELLOS} connections are already saying hello" in r.message for r in caplog.records)
+            assert any(
+                f"{MAX_PENDING_HELLOS} connections are already saying hello" in r.message
+                for r in caplog.records
+            )
             for s in strangers:
                 s.close()
             go.set()
             sent.join(timeout=60)
-            assert time.monotonic() - t0 < HELLO_TIMEOUT_S  # the strangers ended early; nobody waited out their hello
+            assert (
+                time.monotonic() - t0 < HELLO_TIMEOUT_S
+            )  # the strangers ended early; nobody waited out their hello
             rank, version, got, held = q.get(timeout=30)
             assert (version, held) == (1, 1) and got == workers.expected_digests(1)
         finally:

@@ -50,7 +50,10 @@ def test_dry_run_lists_the_checks_and_writes_nothing(tmp_path):
     for name in ("environment", "nccl-multi-rank", "pytest-cuda", "bench-shm", "bench-nccl", "bench-codec"):
         assert f"  {name}" in done.stdout
     assert "$ python -m pytest -m cuda tests/test_cuda.py" in done.stdout
-    assert "$ weightsync bench --device cuda:0 --backend shm --receivers 3 --size-mb 4096 --repeats 3" in done.stdout
+    assert (
+        "$ weightsync bench --device cuda:0 --backend shm --receivers 3 --size-mb 4096 --repeats 3"
+        in done.stdout
+    )
     assert "--backend nccl" in done.stdout and "d2d-ceiling" in done.stdout
     assert "$ weightsync bench --codec --device cuda:0 --size-mb 512 --repeats 3 --json" in done.stdout
     assert "3 no CUDA device" in done.stdout
@@ -63,16 +66,49 @@ def test_quick_and_k_change_what_would_run():
 
 
 def fake_result(*statuses):
-    result = Result(options={"out": "x"}, environment={
-        "platform": "cuda", "torch": "2.13.0+cu130", "torch_cuda": "13.0", "nccl": "2.30.7", "python": "3.12.3",
-        "devices": [{"index": 0, "name": "NVIDIA H200", "capability": "9.0", "memory_gib": 139.8, "multiprocessors": 132}],
-        "cpus": 16, "host": "gpu", "nccl_env": {"NCCL_MULTI_RANK_GPU_ENABLE": "1"},
-        "nvidia_smi": {"query": "name, driver_version\nNVIDIA H200, 580.159.04"}})
-    result.checks = [Check(f"check-{i}", "test", status=s, seconds=1.5, message=f"why {i}\nmore") for i, s in enumerate(statuses)]
+    result = Result(
+        options={"out": "x"},
+        environment={
+            "platform": "cuda",
+            "torch": "2.13.0+cu130",
+            "torch_cuda": "13.0",
+            "nccl": "2.30.7",
+            "python": "3.12.3",
+            "devices": [
+                {
+                    "index": 0,
+                    "name": "NVIDIA H200",
+                    "capability": "9.0",
+                    "memory_gib": 139.8,
+                    "multiprocessors": 132,
+                }
+            ],
+            "cpus": 16,
+            "host": "gpu",
+            "nccl_env": {"NCCL_MULTI_RANK_GPU_ENABLE": "1"},
+            "nvidia_smi": {"query": "name, driver_version\nNVIDIA H200, 580.159.04"},
+        },
+    )
+    result.checks = [
+        Check(f"check-{i}", "test", status=s, seconds=1.5, message=f"why {i}\nmore")
+        for i, s in enumerate(statuses)
+    ]
     result.bench_rows = [
-        {"backend": "d2d-ceiling", "bucket_mb": None, "seconds": 0.006, "gbps": 740.0, "sender_peak_rss_mb": 900.0},
-        {"backend": "shm", "bucket_mb": 256, "seconds": 0.05, "gbps": 88.6, "sender_peak_rss_mb": 950.0,
-         "ratio_to_ceiling": 0.12},
+        {
+            "backend": "d2d-ceiling",
+            "bucket_mb": None,
+            "seconds": 0.006,
+            "gbps": 740.0,
+            "sender_peak_rss_mb": 900.0,
+        },
+        {
+            "backend": "shm",
+            "bucket_mb": 256,
+            "seconds": 0.05,
+            "gbps": 88.6,
+            "sender_peak_rss_mb": 950.0,
+            "ratio_to_ceiling": 0.12,
+        },
         {"backend": "nccl", "bucket_mb": 256, "seconds": 0.06, "gbps": 73.8, "sender_peak_rss_mb": 951.0},
     ]
     result.bench_title = "synthetic llm 4096 MiB bfloat16"
@@ -89,12 +125,16 @@ def test_report_from_a_result_set_is_valid_json_and_text(tmp_path):
     assert [c["status"] for c in report["checks"]] == ["passed", "failed", "blocked"]
     assert report["environment"]["devices"][0]["name"] == "NVIDIA H200"
     rows = {r["backend"]: r for r in report["bench"]["rows"]}
-    assert rows["nccl"]["ratio_to_ceiling"] == 0.1 and rows["shm"]["ratio_to_ceiling"] == 0.12  # kept, not recomputed
+    assert (
+        rows["nccl"]["ratio_to_ceiling"] == 0.1 and rows["shm"]["ratio_to_ceiling"] == 0.12
+    )  # kept, not recomputed
     text = text_path.read_text()
     assert text.startswith("weightsync gpu-check: FAILED")
     assert "NVIDIA H200 (cc 9.0, 139.8 GiB, 132 SMs)" in text and "NCCL 2.30.7" in text
     assert "nvidia-smi: NVIDIA H200, 580.159.04" in text
-    assert "  blocked  check-2" in text and "why 2" in text and "more" not in text  # first line of each message
+    assert (
+        "  blocked  check-2" in text and "why 2" in text and "more" not in text
+    )  # first line of each message
     assert "  nccl                    0.0600    73.80     0.100" in text
 
 
@@ -120,8 +160,11 @@ def test_pytest_results_become_checks_and_blocked_skips_are_not_passes(tmp_path)
 </testsuite></testsuites>""")
     checks = gpucheck.parse_junit(xml)
     assert [(c.name, c.status) for c in checks] == [
-        ("test_cuda::test_a[shm]", "passed"), ("test_cuda::test_a[nccl]", "blocked"),
-        ("test_cuda::test_b", "failed"), ("test_cuda::test_c", "skipped")]
+        ("test_cuda::test_a[shm]", "passed"),
+        ("test_cuda::test_a[nccl]", "blocked"),
+        ("test_cuda::test_b", "failed"),
+        ("test_cuda::test_c", "skipped"),
+    ]
     assert checks[0].seconds == 3.2 and checks[2].message == "AssertionError: differs"
 
 
@@ -132,46 +175,74 @@ tests/test_cuda.py::test_f FAILED                                           [100
 FAILED tests/test_cuda.py::test_f - assert 0
 """
     assert [(c.name, c.status) for c in gpucheck.parse_verbose(out)] == [
-        ("test_cuda::test_a[nccl]", "blocked"), ("test_cuda::test_a[shm]", "passed"), ("test_cuda::test_f", "failed")]
+        ("test_cuda::test_a[nccl]", "blocked"),
+        ("test_cuda::test_a[shm]", "passed"),
+        ("test_cuda::test_f", "failed"),
+    ]
 
 
 def test_a_refused_multi_rank_group_names_the_nccl_that_allows_it():
-    message = ("rank 1: DistBackendError: NCCL error ... invalid usage, NCCL version 2.29.7\n"
-               "ncclInvalidUsage: ...\nLast error:\nDuplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000")
+    message = (
+        "rank 1: DistBackendError: NCCL error ... invalid usage, NCCL version 2.29.7\n"
+        "ncclInvalidUsage: ...\nLast error:\nDuplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000"
+    )
     reason = gpucheck.nccl_blocked_reason(message, "2.29.7")
     assert reason.startswith("NCCL 2.29.7 refuses several ranks on one GPU")
     assert "NCCL_MULTI_RANK_GPU_ENABLE=1" in reason and "GPU_NCCL=nvidia-nccl-cu13==2.30.7" in reason
-    assert gpucheck.nccl_blocked_reason("no result within 45 s", "2.30.7") == \
-        "the nccl-multi-rank probe failed: no result within 45 s"
+    assert (
+        gpucheck.nccl_blocked_reason("no result within 45 s", "2.30.7")
+        == "the nccl-multi-rank probe failed: no result within 45 s"
+    )
 
 
 def test_a_refused_probe_blocks_the_nccl_tests_and_fails_the_run(monkeypatch, tmp_path):
     """In this process, on the CPU: the probe answers as NCCL 2.29 does on one GPU; the
     nccl test then reports blocked (not failed, not silently skipped) and the run fails."""
-    refusal = "rank 1: DistBackendError: ... Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000"
-    monkeypatch.setattr(gpucheck.driver, "probe_nccl", lambda receivers, device, timeout_s: ("failed", refusal))
+    refusal = (
+        "rank 1: DistBackendError: ... Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000"
+    )
+    monkeypatch.setattr(
+        gpucheck.driver, "probe_nccl", lambda receivers, device, timeout_s: ("failed", refusal)
+    )
     monkeypatch.delenv(gpucheck.NCCL_BLOCKED_ENV, raising=False)
     opts = Options(out=str(tmp_path), device="cpu", tests="three_versions and nccl", bench=False)
     assert [c.name for c in gpucheck.planned_checks(opts)] == ["nccl-multi-rank", "pytest-cuda"]
     with open(tmp_path / "gpu-check.log", "w") as log:
         result = gpucheck.run_checks(opts, log)
     statuses = {c.name: c.status for c in result.checks}
-    assert statuses == {"nccl-multi-rank": "failed", "pytest-cuda": "blocked",
-                        "test_cuda::test_three_versions_reach_three_receivers_on_one_gpu_bit_exact[nccl]": "blocked"}
+    assert statuses == {
+        "nccl-multi-rank": "failed",
+        "pytest-cuda": "blocked",
+        "test_cuda::test_three_versions_reach_three_receivers_on_one_gpu_bit_exact[nccl]": "blocked",
+    }
     blocked = result.checks[-1].message
-    assert blocked.startswith("blocked: NCCL ? refuses several ranks on one GPU") and "Duplicate GPU" in blocked
+    assert (
+        blocked.startswith("blocked: NCCL ? refuses several ranks on one GPU") and "Duplicate GPU" in blocked
+    )
     assert (result.status, result.exit_code, result.message) == ("failed", 1, "3 of 3 checks did not pass")
 
 
 # ---------------------------------------------------------------------------- the bench on a device
 def test_bench_on_a_device_measures_the_d2d_ceiling_instead_of_the_cpu_alternatives():
     # rows are (kind, bucket MiB, delta setting: None unless --update adamw)
-    assert plan_rows(BenchOptions(device="cuda:0")) == [("d2d-ceiling", None, None), ("nccl", 64, None), ("shm", 64, None)]
+    assert plan_rows(BenchOptions(device="cuda:0")) == [
+        ("d2d-ceiling", None, None),
+        ("nccl", 64, None),
+        ("shm", 64, None),
+    ]
     assert plan_rows(BenchOptions(device="cuda", alternatives=False, backends=["shm"])) == [("shm", 64, None)]
-    assert plan_rows(BenchOptions(device="cuda", backends=["mooncake"])) == [("mooncake", 64, None)]  # no ceiling of its own
-    assert plan_rows(BenchOptions())[:4] == [("per-tensor-broadcast", None, None), ("safetensors-reload", None, None),
-                                            ("broadcast-ceiling", None, None), ("memcpy-ceiling", None, None)]
-    assert [ceiling_of(b, "cuda:0") for b in ("nccl", "shm", "paired", "disk")] == ["d2d-ceiling"] * 3 + [None]
+    assert plan_rows(BenchOptions(device="cuda", backends=["mooncake"])) == [
+        ("mooncake", 64, None)
+    ]  # no ceiling of its own
+    assert plan_rows(BenchOptions())[:4] == [
+        ("per-tensor-broadcast", None, None),
+        ("safetensors-reload", None, None),
+        ("broadcast-ceiling", None, None),
+        ("memcpy-ceiling", None, None),
+    ]
+    assert [ceiling_of(b, "cuda:0") for b in ("nccl", "shm", "paired", "disk")] == ["d2d-ceiling"] * 3 + [
+        None
+    ]
     assert [ceiling_of(b) for b in ("nccl", "shm")] == ["broadcast-ceiling", "memcpy-ceiling"]
 
 
@@ -196,11 +267,28 @@ def test_device_report_on_the_cpu():
 def test_the_cuda_tests_fail_loudly_without_a_gpu():
     """Run without a GPU (and outside make test's deselection), they fail naming the way to
     run them: never a silent skip."""
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py",
-                           "-k", "three_versions"], capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "WEIGHTSYNC_PLATFORM": "cpu"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_cuda.py",
+            "-k",
+            "three_versions",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "WEIGHTSYNC_PLATFORM": "cpu"},
+    )
     assert done.returncode == 1, done.stdout
-    assert "no CUDA device: the tests marked cuda run on a GPU machine through `make gpu-check`" in done.stdout
+    assert (
+        "no CUDA device: the tests marked cuda run on a GPU machine through `make gpu-check`" in done.stdout
+    )
     assert "2 errors" in done.stdout
 
 
@@ -211,17 +299,41 @@ def test_a_rehearsal_on_the_cpu_runs_every_step_and_passes(tmp_path):
     """``--device cpu``: the probe (Gloo), pytest -m cuda on the CPU (one test here), both
     bench runs (1 receiver), the report. The same script a GPU machine runs, minus the GPU."""
     out = tmp_path / "out"
-    done = cli("gpu-check", "--device", "cpu", "--out", str(out), "--size-mb", "8", "--repeats", "1", "--receivers", "1",
-               "-k", "platform", timeout=280)
+    done = cli(
+        "gpu-check",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        "--size-mb",
+        "8",
+        "--repeats",
+        "1",
+        "--receivers",
+        "1",
+        "-k",
+        "platform",
+        timeout=280,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((out / "gpu-check.json").read_text())
     assert report["status"] == "passed" and report["exit_code"] == 0
     statuses = {c["name"]: c["status"] for c in report["checks"]}
-    assert statuses == {"nccl-multi-rank": "passed", "pytest-cuda": "passed",
-                        "test_cuda::test_platform_resolves_the_gpu": "passed", "bench-shm": "passed", "bench-nccl": "passed",
-                        "bench-codec": "passed"}
+    assert statuses == {
+        "nccl-multi-rank": "passed",
+        "pytest-cuda": "passed",
+        "test_cuda::test_platform_resolves_the_gpu": "passed",
+        "bench-shm": "passed",
+        "bench-nccl": "passed",
+        "bench-codec": "passed",
+    }
     codec = report["codec"]
-    assert codec["device"] == "cpu" and codec["encode_gbps"] > 0 and codec["apply_gbps"] > 0 and 0 < codec["density"] < 0.2
+    assert (
+        codec["device"] == "cpu"
+        and codec["encode_gbps"] > 0
+        and codec["apply_gbps"] > 0
+        and 0 < codec["density"] < 0.2
+    )
     assert [r["backend"] for r in report["bench"]["rows"]] == ["shm", "nccl"]
     assert all(r["device"] == "cpu" and r["gbps"] > 0 for r in report["bench"]["rows"])
     log = (out / "gpu-check.log").read_text()

@@ -26,10 +26,12 @@ BUCKET = 1 << 20
 
 def _changed(field, value):
     """A rewrite of the sync message of version 2 only."""
+
     def rewrite(msg):
         if msg.get("type") == "sync" and msg.get("version") == 2:
             return {**msg, field: value(msg) if callable(value) else value}
         return None
+
     return rewrite
 
 
@@ -37,17 +39,50 @@ def _changed(field, value):
 # problem, the ranks that refuse)
 CASES = {
     "version": (3, 2, None, "version: sender sends 2, receiver expects 3", [0]),
-    "older version": (0, 0, None, "version 0 is older than version 1, which this receiver holds "
-                      r"\(send it with force=True to roll back\)", [0, 1]),
-    "protocol": (2, 2, _changed("protocol", 3), f"protocol version: sender 3, receiver {PROTOCOL_VERSION}", [0]),
-    "bucket size": (2, 2, _changed("bucket_bytes", 2 * BUCKET),
-                    f"bucket size: sender {2 * BUCKET} bytes, receiver {BUCKET} bytes "
-                    r"\(update_weights_bucket_megabytes must match\)", [0]),
-    "verify mode": (2, 2, _changed("verify", "crc32"),
-                    r"verify: sender 'crc32', receiver 'off' \(set the same value on both sides\)", [0]),
-    "plan hash": (2, 2, _changed("plan_hash", "f" * 16), "plan hash: sender f{16}, receiver holds [0-9a-f]+", [0]),
-    "engine": (2, 2, _changed("engine", lambda m: {**m["engine"], "rank": 0}),
-               "engine rank=0 is not a receiver's rank in a group of world_size=3", [0]),
+    "older version": (
+        0,
+        0,
+        None,
+        "version 0 is older than version 1, which this receiver holds "
+        r"\(send it with force=True to roll back\)",
+        [0, 1],
+    ),
+    "protocol": (
+        2,
+        2,
+        _changed("protocol", 3),
+        f"protocol version: sender 3, receiver {PROTOCOL_VERSION}",
+        [0],
+    ),
+    "bucket size": (
+        2,
+        2,
+        _changed("bucket_bytes", 2 * BUCKET),
+        f"bucket size: sender {2 * BUCKET} bytes, receiver {BUCKET} bytes "
+        r"\(update_weights_bucket_megabytes must match\)",
+        [0],
+    ),
+    "verify mode": (
+        2,
+        2,
+        _changed("verify", "crc32"),
+        r"verify: sender 'crc32', receiver 'off' \(set the same value on both sides\)",
+        [0],
+    ),
+    "plan hash": (
+        2,
+        2,
+        _changed("plan_hash", "f" * 16),
+        "plan hash: sender f{16}, receiver holds [0-9a-f]+",
+        [0],
+    ),
+    "engine": (
+        2,
+        2,
+        _changed("engine", lambda m: {**m["engine"], "rank": 0}),
+        "engine rank=0 is not a receiver's rank in a group of world_size=3",
+        [0],
+    ),
 }
 
 
@@ -66,21 +101,27 @@ def test_a_refused_handshake_writes_nothing_and_the_same_connections_take_the_ne
         # changes the one message.
         proxies = [ControlProxy(sender.address, rewrite=rewrite), ControlProxy(sender.address)]
         versions = {0: [1, expects, 2], 1: [1, sent, 2]}
-        procs = [start(workers.run_module_receiver, proxies[rank].address, rank, OVERRIDES, versions[rank], q)
-                 for rank in (0, 1)]
+        procs = [
+            start(workers.run_module_receiver, proxies[rank].address, rank, OVERRIDES, versions[rank], q)
+            for rank in (0, 1)
+        ]
         try:
             first = workers.module_digests(model(1))
             sender.send(model(1), version=1)
             assert sorted((r, v, d == first) for r, v, d, _ in collect(q, 2)) == [(0, 1, True), (1, 1, True)]
 
-            with pytest.raises(HandshakeError, match=f"receiver rank 0 refused version {sent}: {problem}") as refusal:
+            with pytest.raises(
+                HandshakeError, match=f"receiver rank 0 refused version {sent}: {problem}"
+            ) as refusal:
                 sender.send(model(3), version=sent)
             assert refusal.value.ranks == refusers
             assert proxies[0].rewritten.is_set() == (rewrite is not None)
             for rank, status, message, held, failed, torn, digests in sorted(collect(q, 2)):
                 assert status == "error"
                 if rank in refusers:  # its own refusal, naming both values
-                    assert message.startswith(f"HandshakeError: receiver rank {rank} refused version {sent}: ")
+                    assert message.startswith(
+                        f"HandshakeError: receiver rank {rank} refused version {sent}: "
+                    )
                     if rank == 0:
                         assert re.search(problem, message), message
                 else:  # told by the sender why the sync is off: rank 0's refusal

@@ -27,17 +27,30 @@ pytestmark = pytest.mark.timeout(120)
 
 
 # ---------------------------------------------------------------------------- exposure
-@pytest.mark.parametrize("host,reachable", [
-    ("127.0.0.1", False), ("127.0.0.2", False), ("::1", False), ("::ffff:127.0.0.1", False), ("localhost", False),
-    ("0.0.0.0", True), ("::", True), ("10.1.2.3", True), ("192.168.0.7", True), ("fe80::1%eth0", True),
-    ("2001:db8::5", True), ("trainer-0.cluster.local", True),
-])
+@pytest.mark.parametrize(
+    "host,reachable",
+    [
+        ("127.0.0.1", False),
+        ("127.0.0.2", False),
+        ("::1", False),
+        ("::ffff:127.0.0.1", False),
+        ("localhost", False),
+        ("0.0.0.0", True),
+        ("::", True),
+        ("10.1.2.3", True),
+        ("192.168.0.7", True),
+        ("fe80::1%eth0", True),
+        ("2001:db8::5", True),
+        ("trainer-0.cluster.local", True),
+    ],
+)
 def test_which_control_addresses_other_hosts_can_reach(host, reachable):
     assert reachable_from_other_hosts(host) is reachable
 
 
 def test_a_sender_reachable_from_other_hosts_without_a_secret_warns_naming_the_risk_and_the_variable(
-        monkeypatch, caplog):
+    monkeypatch, caplog
+):
     caplog.set_level(logging.WARNING, logger="weightsync")
     monkeypatch.delenv(SECRET_ENV, raising=False)
     config = EngineConfig.from_overrides(["backend=nccl"])
@@ -53,7 +66,11 @@ def test_a_sender_reachable_from_other_hosts_without_a_secret_warns_naming_the_r
     # Bound where other hosts reach it (what the socket reports for a wildcard or a NIC;
     # the test itself stays on loopback).
     for bound in ("0.0.0.0", "10.1.2.3"):
-        monkeypatch.setattr(sender_module, "reachable_from_other_hosts", lambda host, bound=bound: reachable_from_other_hosts(bound))
+        monkeypatch.setattr(
+            sender_module,
+            "reachable_from_other_hosts",
+            lambda host, bound=bound: reachable_from_other_hosts(bound),
+        )
         with Sender(config, "127.0.0.1:0", 1) as sender:
             pass
         [message] = warnings()
@@ -79,8 +96,15 @@ def python_for_another_user() -> str | None:
         return None
     for candidate in (sys.executable, "/usr/bin/python3"):
         try:
-            done = subprocess.run([candidate, "-c", "import os; print(os.getuid())"], user=NOBODY, cwd="/",
-                                  env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=30)
+            done = subprocess.run(
+                [candidate, "-c", "import os; print(os.getuid())"],
+                user=NOBODY,
+                cwd="/",
+                env={"PATH": "/usr/bin:/bin"},
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
         except (OSError, subprocess.TimeoutExpired):
             continue
         if done.returncode == 0 and done.stdout.strip() == str(NOBODY):
@@ -92,8 +116,15 @@ def as_another_user(script: str, *args: str) -> subprocess.Popen:
     python = python_for_another_user()
     if python is None:
         pytest.skip("needs root and a Python that another user may run, to act as another user")
-    return subprocess.Popen([python, "-c", script, *args], user=NOBODY, cwd="/", env={"PATH": "/usr/bin:/bin"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [python, "-c", script, *args],
+        user=NOBODY,
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 SHM_CONFIG = ["backend=shm", "update_weights_bucket_megabytes=1", "timeout_s=30"]
@@ -129,15 +160,29 @@ def test_shm_sender_turns_away_a_process_of_another_user_holding_the_token(caplo
     accepting = threading.Thread(target=accept, daemon=True)
     accepting.start()
     try:
-        first = ring.pack_message({"token": info["token"], "generation": info["generation"], "rank": 1, "label": 0})
+        first = ring.pack_message(
+            {"token": info["token"], "generation": info["generation"], "rank": 1, "label": 0}
+        )
         stranger = as_another_user(JOINING_STRANGER, info["socket"], first.hex())
         out, err = stranger.communicate(timeout=60)
         assert out.strip() == "hung up", (out, err)  # refused, not handed the ring
         messages = [r.getMessage() for r in caplog.records]
-        assert any(f"process of uid {NOBODY} is not this user ({os.getuid()})" in m for m in messages), messages
+        assert any(f"process of uid {NOBODY} is not this user ({os.getuid()})" in m for m in messages), (
+            messages
+        )
         # The rank it claimed is still free: the real receiver joins it.
-        receiver.connect(Join(version=1, rank=1, world_size=2, senders=1, capacity=1 << 20, name="receiver rank 0",
-                              receiver_rank=0), info)
+        receiver.connect(
+            Join(
+                version=1,
+                rank=1,
+                world_size=2,
+                senders=1,
+                capacity=1 << 20,
+                name="receiver rank 0",
+                receiver_rank=0,
+            ),
+            info,
+        )
         accepting.join(30)
         assert not accepting.is_alive() and not errors, errors
         assert len(sender._peers) == 1 and receiver._ring is not None
@@ -172,12 +217,16 @@ except OSError as e:
 def test_shm_receiver_refuses_a_ring_offered_by_a_process_of_another_user():
     slot = 1 << 20
     name = f"weightsync-test-impostor-{os.getpid()}"
-    impostor = as_another_user(IMPOSTOR_SENDER, name, ring.pack_message({"slot_bytes": slot}).hex(), str(ring.SLOTS * slot))
+    impostor = as_another_user(
+        IMPOSTOR_SENDER, name, ring.pack_message({"slot_bytes": slot}).hex(), str(ring.SLOTS * slot)
+    )
     receiver = ShmEngine(EngineConfig.from_overrides(SHM_CONFIG), torch.device("cpu"))
     try:
         assert impostor.stdout.readline().strip() == "listening"
         info = {"socket": name, "token": "0" * 32, "generation": 1, "slot_bytes": slot, "host_id": host_id()}
-        join = Join(version=1, rank=1, world_size=2, senders=1, capacity=slot, name="receiver rank 0", receiver_rank=0)
+        join = Join(
+            version=1, rank=1, world_size=2, senders=1, capacity=slot, name="receiver rank 0", receiver_rank=0
+        )
         with pytest.raises(PeerError, match="shm: the ring's socket belongs to another user"):
             receiver.connect(join, info)
         assert receiver._ring is None and not receiver._peers  # nothing of it mapped or kept
@@ -209,14 +258,24 @@ def test_the_replica_refuses_a_remote_custom_backend_module_without_importing_it
     monkeypatch.delenv(REMOTE_CONFIG_ENV, raising=False)
     overrides = {
         "list": ["backend=nccl", f"custom_backend_module={plugin}"],
-        "full key": ["backend=nccl", f"actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module={plugin}"],
+        "full key": [
+            "backend=nccl",
+            f"actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module={plugin}",
+        ],
         "dict": {"backend": "nccl", "custom_backend_module": plugin},
     }[form]
     replica = ReplicaReceiver()
-    with pytest.raises(PermissionError, match=rf"custom_backend_module='{plugin}' came from the remote caller .* "
-                                              rf"names a module this replica would import; .* sets {REMOTE_CONFIG_ENV}=1"):
+    with pytest.raises(
+        PermissionError,
+        match=rf"custom_backend_module='{plugin}' came from the remote caller .* "
+        rf"names a module this replica would import; .* sets {REMOTE_CONFIG_ENV}=1",
+    ):
         replica.open("127.0.0.1:1", 0, overrides)
-    assert replica.receiver is None and plugin not in sys.modules and "WEIGHTSYNC_PROBE_IMPORTED" not in os.environ
+    assert (
+        replica.receiver is None
+        and plugin not in sys.modules
+        and "WEIGHTSYNC_PROBE_IMPORTED" not in os.environ
+    )
     # The replica's own environment may allow it.
     monkeypatch.setenv(REMOTE_CONFIG_ENV, "1")
     try:
@@ -229,10 +288,15 @@ def test_the_replica_refuses_a_remote_custom_backend_module_without_importing_it
 def test_the_replica_refuses_a_remote_disk_path(tmp_path, monkeypatch):
     monkeypatch.delenv(REMOTE_CONFIG_ENV, raising=False)
     replica = ReplicaReceiver()
-    for overrides in (["backend=disk", f"engine_kwargs.disk.path={tmp_path}"],
-                      {"backend": "disk", "engine_kwargs": {"disk": {"path": str(tmp_path)}}}):
-        with pytest.raises(PermissionError, match=rf"engine_kwargs.disk.path='{tmp_path}' came from the remote caller "
-                                                  rf"\(weightsync_init / init_weight_transfer_engine\) and names a directory"):
+    for overrides in (
+        ["backend=disk", f"engine_kwargs.disk.path={tmp_path}"],
+        {"backend": "disk", "engine_kwargs": {"disk": {"path": str(tmp_path)}}},
+    ):
+        with pytest.raises(
+            PermissionError,
+            match=rf"engine_kwargs.disk.path='{tmp_path}' came from the remote caller "
+            rf"\(weightsync_init / init_weight_transfer_engine\) and names a directory",
+        ):
             replica.open("unused:0", 0, overrides)
     assert replica.receiver is None and list(tmp_path.iterdir()) == []
     monkeypatch.setenv(REMOTE_CONFIG_ENV, "1")
@@ -248,7 +312,9 @@ def test_what_the_trainer_side_sends_by_default_passes(monkeypatch):
     # VLLMRollout sends every key, these two at their defaults; a later value counts.
     config = EngineConfig.from_overrides(["backend=nccl", "update_weights_bucket_megabytes=1"])
     check_remote_overrides([f"{k}={'null' if v is None else v}" for k, v in config.to_flat().items()])
-    check_remote_overrides(["custom_backend_module=x", "custom_backend_module=null", "engine_kwargs.disk.path="])
+    check_remote_overrides(
+        ["custom_backend_module=x", "custom_backend_module=null", "engine_kwargs.disk.path="]
+    )
     check_remote_overrides({"backend": "nccl", "engine_kwargs": {"disk": {"path": ""}}})
     with pytest.raises(PermissionError):  # only "1" in the replica's environment allows it
         monkeypatch.setenv(REMOTE_CONFIG_ENV, "yes please")

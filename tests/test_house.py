@@ -72,7 +72,10 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
                     package = package[: len(package) - (node.level - 1)]
                     base = ".".join([*package, *([base] if base else [])])
                 # ``from a import x``: the submodule a.x where it is one, else the module a
-                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                    for alias in node.names
+                ]
             for target in targets:
                 resolved = resolve(target)
                 if resolved is not None and resolved != name:
@@ -143,8 +146,11 @@ def test_no_import_circle_inside_the_package():
 
 
 def test_no_module_over_600_lines():
-    long = {str(p.relative_to(PACKAGE.parent)): n for p in sorted(PACKAGE.rglob("*.py"))
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(PACKAGE.parent)): n
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 

@@ -41,7 +41,9 @@ def test_wire_dtype_casts_only_multibyte_floats():
 def test_sink_checks_name_shape_dtype_and_reports_missing():
     model = Tied()
     sink = ModuleSink(model)
-    with pytest.raises(SinkError, match="tensor 'body.wieght' is not in the model; closest model name: 'body.weight'"):
+    with pytest.raises(
+        SinkError, match="tensor 'body.wieght' is not in the model; closest model name: 'body.weight'"
+    ):
         sink.check([TensorSpec("body.wieght", (6, 6), "float32")])
     with pytest.raises(SinkError, match=r"tensor 'body.weight': shape \(6, 5\) received, model has \(6, 6\)"):
         sink.check([TensorSpec("body.weight", (6, 5), "float32")])
@@ -59,7 +61,10 @@ def test_naive_backend_hands_over_in_process_and_advances_versions():
     config = EngineConfig()
     assert config.backend == "naive"
     trainer, rollout = Tied(), Tied()
-    with Sender(config, "colocated-test", num_receivers=1) as sender, Receiver(config, "colocated-test", 0) as receiver:
+    with (
+        Sender(config, "colocated-test", num_receivers=1) as sender,
+        Receiver(config, "colocated-test", 0) as receiver,
+    ):
         for version in (1, 2, 3):
             with torch.no_grad():
                 for p in trainer.parameters():
@@ -74,7 +79,9 @@ def test_naive_backend_hands_over_in_process_and_advances_versions():
 def test_naive_receiver_that_finds_nothing_times_out_with_a_clear_message():
     config = EngineConfig.from_overrides(["timeout_s=0.2"])
     with Receiver(config, "nobody-sends-here", 0) as receiver:
-        with pytest.raises(TimeoutError, match="naive backend: receiver rank 0 waited 0.2 s at 'nobody-sends-here'"):
+        with pytest.raises(
+            TimeoutError, match="naive backend: receiver rank 0 waited 0.2 s at 'nobody-sends-here'"
+        ):
             receiver.load_into(Tied())
         assert receiver.version is None
 
@@ -93,7 +100,10 @@ def test_naive_async_api():
     config = EngineConfig()
 
     async def main():
-        with Sender(config, "colocated-async", 1) as sender, Receiver(config, "colocated-async", 0) as receiver:
+        with (
+            Sender(config, "colocated-async", 1) as sender,
+            Receiver(config, "colocated-async", 0) as receiver,
+        ):
             source = IteratorSource(iter([("a", torch.ones(2)), ("b", torch.zeros(3))]))
             await sender.send_async(source, version=7)
             got = {n: t.clone() async for n, t in receiver.receive_async(version=7)}
@@ -107,7 +117,10 @@ def test_naive_every_trainer_rank_hands_over_to_its_own_rollout():
     # Colocated: each trainer rank's process holds its own rollout, so rank 1 publishes too.
     config = EngineConfig()
     trainer, rollout = Tied(), Tied()
-    with Sender(config, "colocated-rank1", 1, rank=1) as sender, Receiver(config, "colocated-rank1", 0) as receiver:
+    with (
+        Sender(config, "colocated-rank1", 1, rank=1) as sender,
+        Receiver(config, "colocated-rank1", 0) as receiver,
+    ):
         sender.send(trainer, version=4)
         receiver.load_into(rollout, version=4)
         assert torch.equal(rollout.body.weight, trainer.body.weight) and receiver.version == 4

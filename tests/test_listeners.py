@@ -23,7 +23,9 @@ def test_no_process_of_a_loopback_sync_listens_on_a_wildcard_address(backend, tr
     try:
         kind, address = said.get(timeout=120)
         assert kind == "listening"
-        procs += [start(workers.run_receiver, address, r, overrides, versions, heard) for r in range(receivers)]
+        procs += [
+            start(workers.run_receiver, address, r, overrides, versions, heard) for r in range(receivers)
+        ]
         procs += [
             start(workers.run_paired_trainer, address, i, trainers, overrides, receivers, versions, heard)
             for i in range(1, trainers)

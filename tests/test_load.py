@@ -32,7 +32,9 @@ def test_one_sender_to_sixteen_receivers_twenty_versions_bit_exact_and_flat(back
     overrides = [f"backend={backend}", "update_weights_bucket_megabytes=1", "timeout_s=300"]
     q = CTX.Queue()
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", RECEIVERS) as sender:
-        procs = [start(workers.run_receiver, sender.address, r, overrides, VERSIONS, q) for r in range(RECEIVERS)]
+        procs = [
+            start(workers.run_receiver, sender.address, r, overrides, VERSIONS, q) for r in range(RECEIVERS)
+        ]
         try:
             usage = {}
             for v in VERSIONS:
@@ -64,7 +66,9 @@ def test_one_sender_to_sixteen_receivers_twenty_versions_bit_exact_and_flat(back
 CONFIG = ["backend=nccl", "update_weights_bucket_megabytes=1", "timeout_s=60"]
 
 
-def receive_in_thread(address: str, version: int, box: dict, hold: threading.Event | None = None) -> threading.Thread:
+def receive_in_thread(
+    address: str, version: int, box: dict, hold: threading.Event | None = None
+) -> threading.Thread:
     """A receiver (rank 0) in this process that takes one version and records its digests;
     with ``hold``, it keeps its connection open until the event is set."""
 
@@ -108,7 +112,9 @@ def test_a_second_sender_on_a_bound_address_fails_clearly_and_never_shares_it():
     config = EngineConfig.from_overrides(CONFIG)
     with Sender(config, "127.0.0.1:0", 1) as first:
         for _ in range(2):  # the same answer each time, nothing left half-open
-            with pytest.raises(SyncError, match=rf"^cannot listen on {re.escape(first.address)}: .*Address already in use"):
+            with pytest.raises(
+                SyncError, match=rf"^cannot listen on {re.escape(first.address)}: .*Address already in use"
+            ):
                 Sender(config, first.address, 1)
         # The first sender alone holds the address: a receiver that connects reaches it.
         sync_one(first, 1).join(timeout=60)

@@ -30,7 +30,10 @@ def config(timeout=20):
 def weights(version):
     """make_weights plus 6 MB: about nine 1 MiB buckets, more than the two slots."""
     g = torch.Generator().manual_seed(7000 + version)
-    return {**workers.make_weights(version), **{f"extra.{i}": torch.randn(1 << 18, generator=g) for i in range(6)}}
+    return {
+        **workers.make_weights(version),
+        **{f"extra.{i}": torch.randn(1 << 18, generator=g) for i in range(6)},
+    }
 
 
 def digests(tensors):
@@ -116,7 +119,9 @@ def test_a_bucket_travels_the_chain_in_pieces_each_forwarded_before_the_bucket_i
     q, frames = CTX.Queue(), CTX.Queue()
     overrides = ["backend=mooncake", "update_weights_bucket_megabytes=16", "timeout_s=30"]
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 3) as sender:
-        procs = [start(run_recording_receiver, sender.address, r, overrides, [1], q, frames) for r in range(3)]
+        procs = [
+            start(run_recording_receiver, sender.address, r, overrides, [1], q, frames) for r in range(3)
+        ]
         try:
             sender.send(payload, version=1)
             for rank, version, got, held in collect(q, 3, timeout=90):
@@ -134,17 +139,26 @@ def test_a_bucket_travels_the_chain_in_pieces_each_forwarded_before_the_bucket_i
             sizes = {seq: c[-1] for seq, c in counts.items()}
             assert max(sizes.values()) == 16 << 20
             for seq, c in counts.items():  # pieces of CHUNK_BYTES, the last the rest
-                assert [b - a for a, b in zip([0] + c, c)][:-1] == [CHUNK_BYTES] * (len(c) - 1), (rank, way, seq, c)
+                assert [b - a for a, b in zip([0] + c, c)][:-1] == [CHUNK_BYTES] * (len(c) - 1), (
+                    rank,
+                    way,
+                    seq,
+                    c,
+                )
     for rank in range(2):  # a piece went on before its bucket was whole
         log = logs[rank]
         whole = {seq: i for i, (w, seq, nbytes) in enumerate(log) if w == "in" and nbytes == 16 << 20}
         assert whole, log
         for seq, at in whole.items():
-            assert any(w == "out" and s == seq and nbytes < 16 << 20 for w, s, nbytes in log[:at]), (rank, seq, log)
+            assert any(w == "out" and s == seq and nbytes < 16 << 20 for w, s, nbytes in log[:at]), (
+                rank,
+                seq,
+                log,
+            )
         held = {seq: i for i, (w, seq, _) in enumerate(log) if w == "held"}
         released = {seq: i for i, (w, seq, _) in enumerate(log) if w == "released"}
         for seq in sorted(held)[:-1]:  # the next bucket went on while the consumer held this one
-            during = log[held[seq]:released[seq]]
+            during = log[held[seq] : released[seq]]
             assert any(w == "out" and s == seq + 1 for w, s, _ in during), (rank, seq, during)
 
 
@@ -201,8 +215,19 @@ def test_strangers_on_the_signal_port_are_rejected_and_the_sync_completes(monkey
         if not strangers:  # before any receiver: one with a wrong token, one that says nothing
             port = info["signal_port"]
             wrong = socket.create_connection(("127.0.0.1", port))
-            wrong.sendall(pack_message({"token": "0" * 32, "generation": info["generation"], "rank": 1, "label": 0,
-                                 "rpc_port": 1, "ring": 1, "signal_port": 1}))
+            wrong.sendall(
+                pack_message(
+                    {
+                        "token": "0" * 32,
+                        "generation": info["generation"],
+                        "rank": 1,
+                        "label": 0,
+                        "rpc_port": 1,
+                        "ring": 1,
+                        "signal_port": 1,
+                    }
+                )
+            )
             strangers.extend([wrong, socket.create_connection(("127.0.0.1", port))])
         return info
 
@@ -217,8 +242,11 @@ def test_strangers_on_the_signal_port_are_rejected_and_the_sync_completes(monkey
                 sender.send(workers.make_weights(v), version=v)
                 for rank, version, got, held in collect(q, 2, timeout=60):
                     assert (version, held) == (v, v) and got == workers.expected_digests(v)
-            assert any("rejected a connection from 127.0.0.1 joining mooncake receiver(s): wrong session token" in r.getMessage()
-                       for r in caplog.records)
+            assert any(
+                "rejected a connection from 127.0.0.1 joining mooncake receiver(s): wrong session token"
+                in r.getMessage()
+                for r in caplog.records
+            )
             for s in strangers:  # both were hung up on
                 s.settimeout(5)
                 assert s.recv(1) == b""
@@ -250,11 +278,22 @@ def test_a_receiver_refuses_slots_its_buckets_do_not_need_before_allocating_them
     from weightsync.engines.ring import PeerError
 
     engine = MooncakeEngine(EngineConfig.from_overrides(config()), torch.device("cpu"))
-    join = Join(version=1, rank=1, world_size=2, senders=1, capacity=1 << 20, name="receiver rank 0", receiver_rank=0,
-                local_host="127.0.0.1", sender_host="127.0.0.1")
+    join = Join(
+        version=1,
+        rank=1,
+        world_size=2,
+        senders=1,
+        capacity=1 << 20,
+        name="receiver rank 0",
+        receiver_rank=0,
+        local_host="127.0.0.1",
+        sender_host="127.0.0.1",
+    )
     info = {"slot_bytes": slot_bytes, "token": "0" * 32, "generation": 1, "signal_port": 1}
     try:
-        with pytest.raises(PeerError, match=f"mooncake: the sender asks for slots of {slot_bytes} bytes; buckets are 1048576"):
+        with pytest.raises(
+            PeerError, match=f"mooncake: the sender asks for slots of {slot_bytes} bytes; buckets are 1048576"
+        ):
             engine.connect(join, info)
         assert engine._local is None  # no Transfer Engine, no ring
     finally:

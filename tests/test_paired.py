@@ -54,10 +54,27 @@ def test_every_replica_gets_every_tensor_bit_exact(trainers, receivers):
     versions = [1, 2, 3]
     q = CTX.Queue()
     overrides = BASE + ["verify=crc32"]
-    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", receivers, rank=0, num_trainers=trainers) as sender:
+    with Sender(
+        EngineConfig.from_overrides(overrides), "127.0.0.1:0", receivers, rank=0, num_trainers=trainers
+    ) as sender:
         # receiver 0 warms up explicitly (an engine's init), the others wait in receive()
-        procs = [start(workers.run_receiver, sender.address, r, overrides, versions, q, None, False, False, None, None,
-                       r == 0) for r in range(receivers)]
+        procs = [
+            start(
+                workers.run_receiver,
+                sender.address,
+                r,
+                overrides,
+                versions,
+                q,
+                None,
+                False,
+                False,
+                None,
+                None,
+                r == 0,
+            )
+            for r in range(receivers)
+        ]
         procs += [
             start(workers.run_paired_trainer, sender.address, i, trainers, overrides, receivers, versions, q)
             for i in range(1, trainers)
@@ -106,20 +123,37 @@ def test_a_receiver_killed_mid_transfer_is_named_and_the_survivors_go_on():
     q = CTX.Queue()
     trainers, receivers = 2, 3
     overrides = BASE
-    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", receivers, rank=0, num_trainers=trainers) as sender:
+    with Sender(
+        EngineConfig.from_overrides(overrides), "127.0.0.1:0", receivers, rank=0, num_trainers=trainers
+    ) as sender:
         # Receiver rank 1 dies after its first tensor of version 2.
         procs = [
-            start(workers.run_receiver, sender.address, r, overrides, [1, 2, 3], q, 1 if r == 1 else None, False, True, 2)
+            start(
+                workers.run_receiver,
+                sender.address,
+                r,
+                overrides,
+                [1, 2, 3],
+                q,
+                1 if r == 1 else None,
+                False,
+                True,
+                2,
+            )
             for r in range(receivers)
         ]
-        procs += [start(workers.run_paired_trainer, sender.address, 1, trainers, overrides, receivers, [1, 2, 3], q)]
+        procs += [
+            start(workers.run_paired_trainer, sender.address, 1, trainers, overrides, receivers, [1, 2, 3], q)
+        ]
         try:
             sender.send(workers.make_weights(1), version=1)
             collect(q, receivers + 1)
             t0 = time.monotonic()
             victim = rf"receiver rank 1 \(pid {procs[1].pid}, 127\.0\.0\.1:\d+\)"
             # docs/reliability.md: trainer rank 0 gets PeerLost naming it, and only it is blamed.
-            with pytest.raises(PeerLost, match=rf"{victim} (disconnected|closed the connection)|connection to {victim} lost") as err:
+            with pytest.raises(
+                PeerLost, match=rf"{victim} (disconnected|closed the connection)|connection to {victim} lost"
+            ) as err:
                 sender.send(workers.make_weights(2), version=2)
             assert time.monotonic() - t0 < 15  # noticed, not waited out (timeout_s is 30)
             assert err.value.ranks == [1], err.value

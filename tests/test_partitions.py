@@ -29,9 +29,22 @@ class Partition:
     host's NIC is slow (250 Mbit/s, 1 Gbit/s the others), so a version takes about 2 s: a
     cut 0.25 s in is mid-transfer even when this machine's cores are busy."""
 
-    def __init__(self, backend, timeout_s=TIMEOUT_S, versions=(1, 2, 3), receivers=2, overrides=(), bodies=None,
-                 weights="partition_weights"):
-        self.overrides = [f"backend={backend}", "update_weights_bucket_megabytes=8", f"timeout_s={timeout_s}", *overrides]
+    def __init__(
+        self,
+        backend,
+        timeout_s=TIMEOUT_S,
+        versions=(1, 2, 3),
+        receivers=2,
+        overrides=(),
+        bodies=None,
+        weights="partition_weights",
+    ):
+        self.overrides = [
+            f"backend={backend}",
+            "update_weights_bucket_megabytes=8",
+            f"timeout_s={timeout_s}",
+            *overrides,
+        ]
         self.versions = list(versions)
         self.n = receivers
         self.bodies = bodies or {}  # rank -> process body (default: workers.run_resilient_receiver)
@@ -43,13 +56,34 @@ class Partition:
     def __enter__(self):
         self.cluster.__enter__()
         host = self.cluster.hosts[0]
-        self.procs.append(start(cluster_workers.on_host, host.netns, cluster_workers.run_commanded_sender, host.address,
-                                self.overrides, self.n, self.commands, self.reports, self.weights))
+        self.procs.append(
+            start(
+                cluster_workers.on_host,
+                host.netns,
+                cluster_workers.run_commanded_sender,
+                host.address,
+                self.overrides,
+                self.n,
+                self.commands,
+                self.reports,
+                self.weights,
+            )
+        )
         kind, address = self.reports.get(timeout=60)
         assert kind == "listening"
-        self.procs += [start(cluster_workers.on_host, self.cluster.hosts[r + 1].netns,
-                             self.bodies.get(r, workers.run_resilient_receiver),
-                             address, r, self.overrides, self.versions, self.received) for r in range(self.n)]
+        self.procs += [
+            start(
+                cluster_workers.on_host,
+                self.cluster.hosts[r + 1].netns,
+                self.bodies.get(r, workers.run_resilient_receiver),
+                address,
+                r,
+                self.overrides,
+                self.versions,
+                self.received,
+            )
+            for r in range(self.n)
+        ]
         return self
 
     def __exit__(self, *exc):
@@ -83,7 +117,9 @@ class Partition:
             assert report[2] == expected, f"receiver rank {rank}: version {version} not bit-exact"
 
 
-@pytest.mark.parametrize("backend", ["nccl", pytest.param("mooncake", marks=workers.needs_mooncake), "paired"])
+@pytest.mark.parametrize(
+    "backend", ["nccl", pytest.param("mooncake", marks=workers.needs_mooncake), "paired"]
+)
 def test_a_receiver_host_cut_mid_sync_is_named_within_the_grace_and_both_take_the_next_version(backend):
     with Partition(backend) as p:
         p.send(1)
@@ -98,7 +134,11 @@ def test_a_receiver_host_cut_mid_sync_is_named_within_the_grace_and_both_take_th
         assert report[:2] == ("failed", 2), report
         _, _, _, message, ranks = report
         assert ranks == [1], message
-        assert "receiver rank 1" in message and "went silent" in message and "healthy: receiver rank 0" in message, message
+        assert (
+            "receiver rank 1" in message
+            and "went silent" in message
+            and "healthy: receiver rank 0" in message
+        ), message
         assert named < GRACE_S + 3 < TIMEOUT_S, named  # the grace, not the deadline
         # Both receivers fail cleanly within the deadline: the healthy one is told at once,
         # the cut one finds its sender silent; each keeps version 1.
@@ -123,7 +163,9 @@ def test_the_trainer_host_cut_mid_sync_fails_every_receiver_in_the_grace_and_the
         p.cluster.cut(0)
         for rank, (report, at) in p.receipts().items():
             _, status, error, held, attempted, torn = report
-            assert (status, held, attempted, torn) == ("error", 1, 2, True), report  # tensors of 2 were handed out
+            assert (status, held, attempted, torn) == ("error", 1, 2, True), (
+                report
+            )  # tensors of 2 were handed out
             assert "sender at" in error and "went silent" in error, error
             assert at - cut < GRACE_S + 3, (rank, at - cut)
         kind, version, _, message, ranks = p.outcome()
@@ -134,10 +176,18 @@ def test_the_trainer_host_cut_mid_sync_fails_every_receiver_in_the_grace_and_the
         p.exact(3)
 
 
-@pytest.mark.parametrize("backend,delta", [
-    ("nccl", "off"), pytest.param("mooncake", "off", marks=workers.needs_mooncake), ("nccl", "on"),
-], ids=["nccl", "mooncake", "nccl-delta"])
-def test_with_drop_lost_receivers_the_chain_routes_around_a_receiver_host_cut_mid_sync_in_the_same_sync(backend, delta):
+@pytest.mark.parametrize(
+    "backend,delta",
+    [
+        ("nccl", "off"),
+        pytest.param("mooncake", "off", marks=workers.needs_mooncake),
+        ("nccl", "on"),
+    ],
+    ids=["nccl", "mooncake", "nccl-delta"],
+)
+def test_with_drop_lost_receivers_the_chain_routes_around_a_receiver_host_cut_mid_sync_in_the_same_sync(
+    backend, delta
+):
     """3 receivers in a chain (``nccl``'s across hosts, Mooncake's), ``drop_lost_receivers``:
     the middle one's host cut 0.25 s into version 2. The send succeeds, dropping it (named
     within the grace); the two others take version 2 bit-exact in the same sync. They load
@@ -173,7 +223,9 @@ def test_with_drop_lost_receivers_the_chain_routes_around_a_receiver_host_cut_mi
                 assert report[4] == 1, f"receiver rank {rank} took version 2 whole (delta base {report[4]})"
         _, status, error, held, attempted, torn = got[1][0]
         assert (status, held, attempted) == ("error", 1, 2), got[1][0]
-        assert done < GRACE_S + 8 < TIMEOUT_S, done  # the grace, the retry through 250 Mbit/s, not the deadline
+        assert done < GRACE_S + 8 < TIMEOUT_S, (
+            done
+        )  # the grace, the retry through 250 Mbit/s, not the deadline
         p.cluster.heal(2)
         p.add(1)
         p.send(3)
@@ -228,11 +280,29 @@ def test_a_peer_that_stops_answering_heartbeats_seems_silent_before_its_grace_ru
     with Cluster(2, [parse_rate("1gbit")] * 2) as cluster:
         reports, listener_cmds, watcher_cmds = CTX.Queue(), CTX.Queue(), CTX.Queue()
         a, b = cluster.hosts
-        procs = [start(cluster_workers.on_host, b.netns, cluster_workers.run_quiet_listener, b.address, reports, listener_cmds)]
+        procs = [
+            start(
+                cluster_workers.on_host,
+                b.netns,
+                cluster_workers.run_quiet_listener,
+                b.address,
+                reports,
+                listener_cmds,
+            )
+        ]
         try:
             kind, port = reports.get(timeout=60)
-            procs.append(start(cluster_workers.on_host, a.netns, cluster_workers.run_heartbeat_watcher,
-                               (b.address, port), GRACE_S, reports, watcher_cmds))
+            procs.append(
+                start(
+                    cluster_workers.on_host,
+                    a.netns,
+                    cluster_workers.run_heartbeat_watcher,
+                    (b.address, port),
+                    GRACE_S,
+                    reports,
+                    watcher_cmds,
+                )
+            )
             time.sleep(3.5)  # idle for 3 heartbeat intervals, each answered
             watcher_cmds.put("check")
             silent, unheard = reports.get(timeout=30)

@@ -28,8 +28,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 TIMEOUT_S = 60
 DETECT_S = 10
 IN_FLIGHT = 2
-OVERRIDES = ["backend=nccl", "update_weights_bucket_megabytes=1", f"timeout_s={TIMEOUT_S}",
-             f"receive_buckets_in_flight={IN_FLIGHT}"]
+OVERRIDES = [
+    "backend=nccl",
+    "update_weights_bucket_megabytes=1",
+    f"timeout_s={TIMEOUT_S}",
+    f"receive_buckets_in_flight={IN_FLIGHT}",
+]
 MiB = 1 << 20
 # An arena that holds the largest tensor (split over two buckets), the bucket unpacked and
 # the one landed ahead: no version needs more unless the loader keeps tensors.
@@ -51,8 +55,6 @@ class Replica:
     def close(self) -> None:
         self.commands.put(None)
         stop([self.proc])
-
-
 
 
 def _send_while(replica, sender, source, version, **opts):
@@ -143,8 +145,12 @@ def test_landing_memory_stays_within_the_in_flight_bound_allocated_once():
         with Sender(EngineConfig.from_overrides(OVERRIDES), "127.0.0.1:0", num_receivers=1) as sender:
             replica.call("weightsync_init", sender.address, 0, WIDE_OVERRIDES)
             for v in (1, 2, 3):
-                outcome, (status, loaded, extra) = _send_while(replica, sender, pw.weights(v), v, sleep_each=0.01)
-                assert not isinstance(outcome, Exception) and status["ok"] and loaded == pw.expected(v), status
+                outcome, (status, loaded, extra) = _send_while(
+                    replica, sender, pw.weights(v), v, sleep_each=0.01
+                )
+                assert not isinstance(outcome, Exception) and status["ok"] and loaded == pw.expected(v), (
+                    status
+                )
                 assert status["landing_peak_bytes"] <= WIDE * MiB, status
                 assert status["landing_wait_s"] > 0, status  # the transfer waited for the loader
                 assert status["landing_bytes"] == WIDE * MiB and extra["allocations"] == 1, (status, extra)
@@ -165,7 +171,9 @@ def test_transfer_failing_midway_ends_the_stream_cleanly_and_reports_a_mix(sessi
     outcome, (status, _, _) = _send_while(replica, sender, pw.weights(1), 1)
     assert status["ok"]
     t0 = time.monotonic()
-    outcome, (status, loaded, extra) = _send_while(replica, sender, workers.FailingSource(pw.weights(2), after=12), 2)
+    outcome, (status, loaded, extra) = _send_while(
+        replica, sender, workers.FailingSource(pw.weights(2), after=12), 2
+    )
     assert isinstance(outcome, SyncError)
     assert time.monotonic() - t0 < DETECT_S  # the sender's abort reached the receiver, no deadline did
     assert extra["ended"]  # the loader's stream ended without an exception (the engine finalizes)
@@ -173,7 +181,9 @@ def test_transfer_failing_midway_ends_the_stream_cleanly_and_reports_a_mix(sessi
     assert (status["version"], status["mixed"], status["failed_version"]) == (None, True, 2), status
     # the next version makes the replica whole again
     outcome, (status, loaded, _) = _send_while(replica, sender, pw.weights(3), 3)
-    assert status["ok"] and (status["version"], status["mixed"]) == (3, False) and loaded == pw.expected(3), status
+    assert status["ok"] and (status["version"], status["mixed"]) == (3, False) and loaded == pw.expected(3), (
+        status
+    )
 
 
 def test_loader_error_mid_stream_fails_the_sync_on_the_sender_within_the_deadline(session):
@@ -335,7 +345,9 @@ class FakeReplica:
         pass
 
     def call(self, method, *args, timeout=None):
-        status, _, _ = self.process.call(method, *args, timeout=max(timeout or 0, 150))  # a cold start imports vLLM
+        status, _, _ = self.process.call(
+            method, *args, timeout=max(timeout or 0, 150)
+        )  # a cold start imports vLLM
         return [status]
 
 
@@ -352,7 +364,13 @@ def test_update_whose_transfer_fails_midway_leaves_the_replicas_mixed_and_paused
                 rollout.update(workers.FailingSource(pw.weights(2), after=12), 2)
             assert time.monotonic() - t0 < DETECT_S
             for rep in info.value.report.replicas:
-                assert (rep.ok, rep.version, rep.mixed, rep.resumed, rep.failed_version) == (False, None, True, False, 2)
+                assert (rep.ok, rep.version, rep.mixed, rep.resumed, rep.failed_version) == (
+                    False,
+                    None,
+                    True,
+                    False,
+                    2,
+                )
             assert all(r.paused for r in replicas)  # a replica serving a mix does not serve
             assert [(r.version, r.mixed) for r in rollout.status()] == [(None, True)] * 2
             report = rollout.update(pw.weights(3), 3)  # a complete update makes them whole and resumes them

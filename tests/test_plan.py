@@ -23,13 +23,26 @@ from weightsync.plan import (
 )
 
 DTYPES = [
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
 ]
 
 
 def random_tensor(shape, dtype, gen):
-    raw = torch.randint(0, 256, (max(1, torch.Size(shape).numel() * dtype.itemsize),), dtype=torch.uint8, generator=gen)
+    raw = torch.randint(
+        0, 256, (max(1, torch.Size(shape).numel() * dtype.itemsize),), dtype=torch.uint8, generator=gen
+    )
     if dtype == torch.bool:
         return (raw[: torch.Size(shape).numel()] % 2).bool().reshape(shape)
     n = torch.Size(shape).numel() * dtype.itemsize
@@ -123,7 +136,11 @@ def test_zero_element_scalar_and_non_contiguous():
 
 
 def test_plan_serializes_without_pickle_and_hash_is_stable():
-    specs = [TensorSpec("a.weight", (4, 8), "bfloat16"), TensorSpec("b", (), "int64"), TensorSpec("c", (0,), "bool")]
+    specs = [
+        TensorSpec("a.weight", (4, 8), "bfloat16"),
+        TensorSpec("b", (), "int64"),
+        TensorSpec("c", (0,), "bool"),
+    ]
     plan = make_plan(specs, 128)
     for codec in (lambda d: msgpack.unpackb(msgpack.packb(d)), lambda d: json.loads(json.dumps(d))):
         again = Plan.from_wire(codec(plan.to_wire()))
@@ -195,5 +212,7 @@ def test_a_packed_bucket_closes_before_an_eighth_of_a_bucket_of_large_tensors_pa
     packed = [[plan.tensors[p.tensor].name for p in b.pieces] for b in plan.buckets if len(b.pieces) > 1]
     # A packed bucket closes before the large tensor that would take 4 MiB past it, and
     # before the lm_head, which alone is larger.
-    assert packed == [["l0.norm", "l1.norm"], ["l2.norm", "l3.norm"], ["l4.norm", "l5.norm", "final_norm"]], packed
+    assert packed == [["l0.norm", "l1.norm"], ["l2.norm", "l3.norm"], ["l4.norm", "l5.norm", "final_norm"]], (
+        packed
+    )
     assert order.index("final_norm") < order.index("lm_head")

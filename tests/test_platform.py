@@ -61,7 +61,9 @@ def test_mooncake_protocol_follows_the_buffer_device(caplog):
         assert platform.mooncake_protocol("cuda") == "rdma"
         assert platform.mooncake_protocol("npu") == "ascend_direct"
         assert platform.mooncake_protocol("auto") == "tcp"  # this CPU machine
-    assert "backend 'mooncake' with device npu uses Mooncake protocol ascend_direct" in [r.getMessage() for r in caplog.records]
+    assert "backend 'mooncake' with device npu uses Mooncake protocol ascend_direct" in [
+        r.getMessage() for r in caplog.records
+    ]
     with pytest.raises(ValueError, match="engine_kwargs.mooncake.device='tpu'"):
         platform.mooncake_protocol("tpu")
 
@@ -72,8 +74,9 @@ def test_copy_bytes_equals_torch_copy_bit_for_bit(dtype):
     ``copy_`` would: every bit, for every size (empty, odd, larger than a page)."""
     g = torch.Generator().manual_seed(0)
     for n in (0, 1, 7, 4099, 1 << 20):
-        src = torch.randint(0, 256, (n * torch.tensor([], dtype=dtype).element_size(),), dtype=torch.uint8,
-                            generator=g).view(dtype)
+        src = torch.randint(
+            0, 256, (n * torch.tensor([], dtype=dtype).element_size(),), dtype=torch.uint8, generator=g
+        ).view(dtype)
         dst = torch.zeros_like(src)
         platform.copy_bytes(dst, src)
         assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8)), n

@@ -116,7 +116,9 @@ def test_every_wait_ends_at_its_deadline_and_consults_the_watch(server):
     client = rendezvous.connect("127.0.0.1", server.port, token, 1.5, watch=lambda: watched.append(1))
     try:
         t0 = time.monotonic()
-        with pytest.raises(SyncTimeout, match=r"timed out after 1.5 s in the data-plane rendezvous waiting for never"):
+        with pytest.raises(
+            SyncTimeout, match=r"timed out after 1.5 s in the data-plane rendezvous waiting for never"
+        ):
             client.get("never")
         assert 1.4 < time.monotonic() - t0 < 4 and watched
         t0 = time.monotonic()
@@ -163,8 +165,12 @@ def test_strangers_are_turned_away_and_delay_nobody(server, caplog):
         for sock in (wrong, garbage, oversized, nosy):
             assert hung_up(sock)
         messages = [r.getMessage() for r in caplog.records]
-        assert any("rejected 127.0.0.1:" in m and "wrong or missing group token" in m for m in messages), messages
-        with pytest.raises(SyncError, match="turned this rank away: .*wrong or missing group token") as refused:
+        assert any("rejected 127.0.0.1:" in m and "wrong or missing group token" in m for m in messages), (
+            messages
+        )
+        with pytest.raises(
+            SyncError, match="turned this rank away: .*wrong or missing group token"
+        ) as refused:
             rendezvous.connect("127.0.0.1", server.port, "f" * 32, 5.0)
         assert not isinstance(refused.value, HandshakeError)  # a failed data plane, not a refused version
     finally:

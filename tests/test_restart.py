@@ -34,7 +34,9 @@ def test_replicas_outlive_two_trainer_processes(backend):
         assert procs[-1].exitcode == 0
 
         # a second trainer process on the same address starts over at version 1
-        procs.append(start(restart_workers.trainer, address, overrides, [(1, False), (1, True), (2, False)], trained))
+        procs.append(
+            start(restart_workers.trainer, address, overrides, [(1, False), (1, True), (2, False)], trained)
+        )
         assert trained.get(timeout=120) == ("listening",)  # as a trainer builds its Sender before updating
         t0 = time.monotonic()
         commands.put(1)

@@ -27,7 +27,10 @@ def test_a_signal_of_an_earlier_version_never_satisfies_a_later_wait():
     try:
         tx, rx = Signals(a, "the sender", None, 5, None), Signals(b, "receiver rank 0", 0, 5, None)
         tx.send(DONE, 3, 0, 0)  # the last completion of version 3, still on the line
-        with pytest.raises(PeerError, match=r"sent done for bucket 0 of version 3 where done for bucket 0 of version 4 was due"):
+        with pytest.raises(
+            PeerError,
+            match=r"sent done for bucket 0 of version 3 where done for bucket 0 of version 4 was due",
+        ):
             rx.wait(DONE, 4, 0)
         tx.send(READY, 4, 1, 10)
         with pytest.raises(PeerError, match="ready for bucket 1 of version 4 where ready for bucket 0"):
@@ -53,7 +56,9 @@ def test_a_silent_neighbour_times_out_within_the_deadline():
     try:
         rx = Signals(b, "receiver rank 2", 2, 0.6, lambda: watched.append(1))
         t0 = time.monotonic()
-        with pytest.raises(TimeoutError, match=r"no ready signal for bucket 5 of version 9 from receiver rank 2 within 0.6 s"):
+        with pytest.raises(
+            TimeoutError, match=r"no ready signal for bucket 5 of version 9 from receiver rank 2 within 0.6 s"
+        ):
             rx.wait(READY, 9, 5)
         assert time.monotonic() - t0 < 2 and watched  # the session's watch was consulted meanwhile
     finally:
@@ -93,7 +98,9 @@ def test_shm_strangers_on_the_rings_socket_do_not_stall_the_sync(monkeypatch, ca
                 assert time.monotonic() - t0 < 15  # the silent stranger held nobody up
                 for rank, version, got, held in collect(q, 2, timeout=60):
                     assert (version, held) == (v, v) and got == workers.expected_digests(v)
-            assert any("joining shm receiver(s): wrong session token" in r.getMessage() for r in caplog.records)
+            assert any(
+                "joining shm receiver(s): wrong session token" in r.getMessage() for r in caplog.records
+            )
             strangers[1].settimeout(5)
             assert strangers[1].recv(1) == b""  # the wrong one was hung up on
         finally:

@@ -35,8 +35,21 @@ from weightsync.sources import StateDictSource
 
 MIB = 1 << 20
 # Every dtype a plan carries (itemsize >= 1), with its itemsize: bytes are what travel.
-DTYPES = ["float32", "bfloat16", "float16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
-          "complex64", "float8_e4m3fn", "float8_e5m2"]
+DTYPES = [
+    "float32",
+    "bfloat16",
+    "float16",
+    "float64",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
+    "complex64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+]
 
 
 def pattern(index: int, nbytes: int) -> torch.Tensor:
@@ -97,9 +110,14 @@ class Wire:
     @functools.lru_cache(maxsize=4)  # noqa: B019 (a few buckets; the cache dies with the test)
     def image(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """The bytes ``bucket`` must carry, and which of them matter (not the padding)."""
-        data, mask = torch.zeros(bucket.nbytes, dtype=torch.uint8), torch.zeros(bucket.nbytes, dtype=torch.bool)
+        data, mask = (
+            torch.zeros(bucket.nbytes, dtype=torch.uint8),
+            torch.zeros(bucket.nbytes, dtype=torch.bool),
+        )
         for p in bucket.pieces:
-            data[p.bucket_offset : p.bucket_offset + p.length] = self.flat[p.tensor][p.tensor_offset : p.tensor_offset + p.length]
+            data[p.bucket_offset : p.bucket_offset + p.length] = self.flat[p.tensor][
+                p.tensor_offset : p.tensor_offset + p.length
+            ]
             mask[p.bucket_offset : p.bucket_offset + p.length] = True
         return data, mask
 
@@ -108,7 +126,11 @@ class Wire:
 
     def carries(self, bucket: Bucket, offset: int, length: int, data: bytes) -> bool:
         want, mask = (t[offset : offset + length] for t in self.image(bucket))
-        got = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        got = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if data
+            else torch.empty(0, dtype=torch.uint8)
+        )
         return len(data) == length and torch.equal(got[mask], want[mask])
 
 
@@ -142,18 +164,36 @@ def simulated(cls: type) -> type:
     return Simulated
 
 
-def run_sync(cls: type, state: dict[str, torch.Tensor], bucket: int, receivers: int, trainers: int,
-             completion: str, seed: int, land: bool, topology: str = "chain") -> None:
+def run_sync(
+    cls: type,
+    state: dict[str, torch.Tensor],
+    bucket: int,
+    receivers: int,
+    trainers: int,
+    completion: str,
+    seed: int,
+    land: bool,
+    topology: str = "chain",
+) -> None:
     plan = make_plan([TensorSpec.of(n, t) for n, t in state.items()], bucket)
     rng = random.Random(seed)
-    completes = {"never": lambda: False, "always": lambda: True, "random": lambda: rng.random() < 0.5}[completion]
+    completes = {"never": lambda: False, "always": lambda: True, "random": lambda: rng.random() < 0.5}[
+        completion
+    ]
     wire = Wire(plan, state, completes)
     config = EngineConfig.from_overrides([f"update_weights_bucket_megabytes={bucket // MIB}"])
     world = receivers + trainers
 
     def engine(rank: int) -> CollectiveEngine:
         e = simulated(cls)(config, torch.device("cpu"))
-        join = Join(version=1, rank=rank, world_size=world, senders=trainers, capacity=capacity(plan, bucket), name=f"rank {rank}")
+        join = Join(
+            version=1,
+            rank=rank,
+            world_size=world,
+            senders=trainers,
+            capacity=capacity(plan, bucket),
+            name=f"rank {rank}",
+        )
         e.arrange(join, topology)
         e.start(join)
         e.bind(wire)
@@ -167,9 +207,13 @@ def run_sync(cls: type, state: dict[str, torch.Tensor], bucket: int, receivers: 
     for rank in range(1, receivers + 1):
         e = engine(rank)
         model = {s.name: torch.zeros(s.shape, dtype=s.torch_dtype) for s in plan.tensors}
-        assembler = Assembler(plan.tensors, torch.device("cpu"), (lambda s: model[s.name]) if land else None, owned=True)
+        assembler = Assembler(
+            plan.tensors, torch.device("cpu"), (lambda s: model[s.name]) if land else None, owned=True
+        )
         yielded = []
-        for b, buffer in e.recv_buckets(lambda it=iter(plan.buckets): next(it, None), assembler.landing if land else None):
+        for b, buffer in e.recv_buckets(
+            lambda it=iter(plan.buckets): next(it, None), assembler.landing if land else None
+        ):
             yielded.append(b.index)
             for name, tensor in assembler.unpack(b, buffer):
                 as_bytes(model[name]).copy_(as_bytes(tensor))
@@ -180,28 +224,50 @@ def run_sync(cls: type, state: dict[str, torch.Tensor], bucket: int, receivers: 
     # Every link carried, in order, exactly the buckets its far end expected.
     for (src, dst), buckets in wire.expected.items():
         sent = wire.sent.get((src, dst), wire.sent.get((src, None)))
-        assert sent is not None and len(sent) == len(buckets), f"link {src}->{dst}: {len(sent or [])} sent, {len(buckets)} expected"
+        assert sent is not None and len(sent) == len(buckets), (
+            f"link {src}->{dst}: {len(sent or [])} sent, {len(buckets)} expected"
+        )
         for (b, offset, length), data in zip(buckets, sent):
-            assert data is not None and wire.carries(b, offset, length, data), f"link {src}->{dst}: bucket {b.index} arrived changed"
+            assert data is not None and wire.carries(b, offset, length, data), (
+                f"link {src}->{dst}: bucket {b.index} arrived changed"
+            )
     receiving = {(s, d) for s, d in wire.expected} | {(s, d) for s, d in wire.sent if d is None}
     assert set(wire.sent) <= receiving | {(s, None) for s, _ in receiving}, "a send nobody received"
 
 
-COMMON = dict(deadline=None, max_examples=30, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+COMMON = dict(
+    deadline=None, max_examples=30, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 
 
 @settings(**COMMON)
-@given(models(splits=False), st.integers(1, 5), st.integers(1, 3), st.sampled_from(["never", "always", "random"]),
-       st.integers(0, 2**32), st.booleans())
-def test_paired_delivers_every_bucket_once_to_every_receiver(model, receivers, trainers, completion, seed, land):
+@given(
+    models(splits=False),
+    st.integers(1, 5),
+    st.integers(1, 3),
+    st.sampled_from(["never", "always", "random"]),
+    st.integers(0, 2**32),
+    st.booleans(),
+)
+def test_paired_delivers_every_bucket_once_to_every_receiver(
+    model, receivers, trainers, completion, seed, land
+):
     state, bucket = model
     run_sync(PairedEngine, state, bucket, receivers, trainers, completion, seed, land)
 
 
 @settings(**COMMON)
-@given(models(splits=True), st.integers(1, 4), st.sampled_from(["never", "always", "random"]), st.integers(0, 2**32),
-       st.booleans(), st.sampled_from(["broadcast", "chain"]))
-def test_nccl_window_delivers_every_bucket_once_to_every_receiver(model, receivers, completion, seed, land, topology):
+@given(
+    models(splits=True),
+    st.integers(1, 4),
+    st.sampled_from(["never", "always", "random"]),
+    st.integers(0, 2**32),
+    st.booleans(),
+    st.sampled_from(["broadcast", "chain"]),
+)
+def test_nccl_window_delivers_every_bucket_once_to_every_receiver(
+    model, receivers, completion, seed, land, topology
+):
     """Both routes of ``nccl``: the broadcast and the chain (in pieces of ``CHUNK_BYTES``)."""
     state, bucket = model
     run_sync(CollectiveEngine, state, bucket, receivers, 1, completion, seed, land, topology)

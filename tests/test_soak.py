@@ -21,16 +21,28 @@ WARM_UP, RSS_SLOPE_MB = 10, 0.1
 
 
 @pytest.mark.parametrize(
-    "backend,verify", [("nccl", "xxh3"), ("shm", "off"), pytest.param("mooncake", "off", marks=workers.needs_mooncake)]
+    "backend,verify",
+    [("nccl", "xxh3"), ("shm", "off"), pytest.param("mooncake", "off", marks=workers.needs_mooncake)],
 )
 def test_fifty_syncs_to_three_receivers_stay_exact_and_flat(backend, verify):
-    overrides = [f"backend={backend}", "update_weights_bucket_megabytes=1", "timeout_s=60", f"verify={verify}"]
+    overrides = [
+        f"backend={backend}",
+        "update_weights_bucket_megabytes=1",
+        "timeout_s=60",
+        f"verify={verify}",
+    ]
     versions = list(range(1, SYNCS + 1))
     q = CTX.Queue()
     trainer = workers.Small(seed=3)
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 3) as sender:
-        procs = [CTX.Process(target=workers.run_soak_receiver, args=(sender.address, r, overrides, versions, q), daemon=True)
-                 for r in range(3)]
+        procs = [
+            CTX.Process(
+                target=workers.run_soak_receiver,
+                args=(sender.address, r, overrides, versions, q),
+                daemon=True,
+            )
+            for r in range(3)
+        ]
         for p in procs:
             p.start()
         try:
@@ -46,7 +58,11 @@ def test_fifty_syncs_to_three_receivers_stay_exact_and_flat(backend, verify):
                 usage.setdefault("sender", []).append(workers.resources())
             for who, samples in usage.items():
                 first, last = samples[0], samples[-1]
-                assert workers.rss_slope(samples[WARM_UP:]) <= RSS_SLOPE_MB, (who, workers.rss_slope(samples[WARM_UP:]), [r["rss_mb"] for r in samples])
+                assert workers.rss_slope(samples[WARM_UP:]) <= RSS_SLOPE_MB, (
+                    who,
+                    workers.rss_slope(samples[WARM_UP:]),
+                    [r["rss_mb"] for r in samples],
+                )
                 assert last["fds"] - first["fds"] <= FD_SLACK, (who, first, last)
                 assert last["threads"] - first["threads"] <= THREAD_SLACK, (who, first, last)
                 assert last["rss_mb"] - first["rss_mb"] <= RSS_SLACK_MB, (who, first, last)

@@ -41,7 +41,10 @@ def test_versions_arrive_bit_exact(num_receivers, backend):
     q = CTX.Queue()
     overrides = base(backend)
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", num_receivers) as sender:
-        procs = [start(workers.run_receiver, sender.address, r, overrides, versions, q) for r in range(num_receivers)]
+        procs = [
+            start(workers.run_receiver, sender.address, r, overrides, versions, q)
+            for r in range(num_receivers)
+        ]
         try:
             for v in versions:
                 stats = sender.send(workers.make_weights(v), version=v)
@@ -64,7 +67,9 @@ def test_modules_load_in_place_with_tied_weights_and_rebuilt_groups():
     q = CTX.Queue()
     trainer = workers.Small(seed=1)
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
-        procs = [start(workers.run_module_receiver, sender.address, r, overrides, [1, 2], q) for r in range(2)]
+        procs = [
+            start(workers.run_module_receiver, sender.address, r, overrides, [1, 2], q) for r in range(2)
+        ]
         try:
             for v in (1, 2):
                 with torch.no_grad():
@@ -88,7 +93,9 @@ def test_owned_tensors_stay_valid_after_the_sync(backend):
     overrides = base(backend)
     weights = workers.big_weights(4)
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
-        procs = [start(workers.run_receiver, sender.address, r, overrides, [4], q, None, True) for r in range(2)]
+        procs = [
+            start(workers.run_receiver, sender.address, r, overrides, [4], q, None, True) for r in range(2)
+        ]
         try:
             sender.send(weights, version=4)
             for rank, version, got, held in collect(q, 2):
@@ -142,7 +149,9 @@ def test_receiver_that_never_connects_times_out_naming_it():
             joiner = threading.Thread(target=present.connect, daemon=True)  # rank 0 joins, rank 1 never does
             joiner.start()
             t0 = time.monotonic()
-            with pytest.raises(SyncTimeout, match=r"receiver rank 1 never connected .* within 3.0 s \(1 of 2 connected\)") as info:
+            with pytest.raises(
+                SyncTimeout, match=r"receiver rank 1 never connected .* within 3.0 s \(1 of 2 connected\)"
+            ) as info:
                 sender.send(workers.make_weights(1), version=1)
             assert info.value.ranks == [1]
             assert time.monotonic() - t0 < 10
@@ -151,7 +160,9 @@ def test_receiver_that_never_connects_times_out_naming_it():
             # takes the version.
             sender.remove_receiver(1)
             got = {}
-            taker = threading.Thread(target=lambda: got.update((n, workers.digest(t)) for n, t in present.receive(version=1)))
+            taker = threading.Thread(
+                target=lambda: got.update((n, workers.digest(t)) for n, t in present.receive(version=1))
+            )
             taker.start()
             sender.send(workers.make_weights(1), version=1)
             taker.join(timeout=30)
@@ -167,7 +178,9 @@ def test_sender_that_never_appears_times_out():
         config = EngineConfig.from_overrides(["backend=nccl", "timeout_s=1.5"])
         t0 = time.monotonic()
         with Receiver(config, address, 0) as receiver:
-            with pytest.raises(SyncTimeout, match=f"receiver rank 0 could not reach the sender at {address} within 1.5 s"):
+            with pytest.raises(
+                SyncTimeout, match=f"receiver rank 0 could not reach the sender at {address} within 1.5 s"
+            ):
                 list(receiver.receive())
         assert time.monotonic() - t0 < 6
 
@@ -210,8 +223,23 @@ def test_warm_up_forms_the_data_plane_that_the_syncs_then_use(backend):
     overrides = base(backend)
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
         # rank 0 warms up explicitly, rank 1 waits in receive()
-        procs = [start(workers.run_receiver, sender.address, r, overrides, [1, 2], q, None, False, False, None, None, r == 0)
-                 for r in range(2)]
+        procs = [
+            start(
+                workers.run_receiver,
+                sender.address,
+                r,
+                overrides,
+                [1, 2],
+                q,
+                None,
+                False,
+                False,
+                None,
+                None,
+                r == 0,
+            )
+            for r in range(2)
+        ]
         try:
             sender.warm_up(workers.make_weights(1))
             assert q.get(timeout=60) == (0, "warm")
@@ -254,13 +282,25 @@ def test_a_receiver_refusing_or_dying_in_the_warm_up_is_named_and_the_other_take
     q = CTX.Queue()
     with Sender(EngineConfig.from_overrides(BASE), "127.0.0.1:0", 2) as sender:
         other = ["backend=nccl", "update_weights_bucket_megabytes=2", "timeout_s=60"]
-        second = (start(workers.run_receiver, sender.address, 1, other, [1], q, None, False, False, None, None, True)
-                  if fault == "refuses" else start(workers.run_dying_in_warm_up, sender.address, 1, BASE))
+        second = (
+            start(
+                workers.run_receiver, sender.address, 1, other, [1], q, None, False, False, None, None, True
+            )
+            if fault == "refuses"
+            else start(workers.run_dying_in_warm_up, sender.address, 1, BASE)
+        )
         procs = [start(workers.run_receiver, sender.address, 0, BASE, [1], q), second]
         try:
             t0 = time.monotonic()
-            expected = (HandshakeError, "receiver rank 1 refused the warm-up: bucket size: sender 1048576 bytes, "
-                                        "receiver 2097152 bytes") if fault == "refuses" else (SyncError, "receiver rank 1")
+            expected = (
+                (
+                    HandshakeError,
+                    "receiver rank 1 refused the warm-up: bucket size: sender 1048576 bytes, "
+                    "receiver 2097152 bytes",
+                )
+                if fault == "refuses"
+                else (SyncError, "receiver rank 1")
+            )
             with pytest.raises(expected[0], match=expected[1]) as info:
                 sender.warm_up()
             assert info.value.ranks == [1] and time.monotonic() - t0 < 30
@@ -281,7 +321,9 @@ def test_failed_load_keeps_the_old_version_and_the_next_sync_succeeds(backend):
     trainer = workers.Small(seed=1)
     overrides = base(backend)
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
-        procs = [start(workers.run_module_receiver, sender.address, r, overrides, [1, 2, 3], q) for r in range(2)]
+        procs = [
+            start(workers.run_module_receiver, sender.address, r, overrides, [1, 2, 3], q) for r in range(2)
+        ]
         try:
             sender.send(trainer, version=1)
             assert sorted(r[1] for r in collect(q, 2)) == [1, 1]
@@ -293,7 +335,10 @@ def test_failed_load_keeps_the_old_version_and_the_next_sync_succeeds(backend):
             bad["block.0.weight"] = torch.zeros(64, 511)
             v2 = {n: workers.digest(t) for n, t in bad.items()}
             assert all(v2[n] != v1[n] for n in v1)
-            with pytest.raises(RemoteFailure, match=r"receiver rank 0 failed version 2: .*'block.0.weight': shape \(64, 511\) received, model has \(64, 512\)"):
+            with pytest.raises(
+                RemoteFailure,
+                match=r"receiver rank 0 failed version 2: .*'block.0.weight': shape \(64, 511\) received, model has \(64, 512\)",
+            ):
                 sender.send(IteratorSource(iter(bad.items())), version=2)
             order = list(bad)  # the stream's order: what came before the bad tensor was loaded
             before = set(order[: order.index("block.0.weight")]) | {"head.weight"}  # tied to embed.weight
@@ -375,8 +420,10 @@ def test_a_bf16_wire_loads_into_a_bf16_model_without_blocking_the_receivers_even
     workers.bump_small(trainer, 1)
     model = workers.Small(seed=2).to(torch.bfloat16)  # a rollout copy kept in bf16
     config = EngineConfig.from_overrides(BASE)
-    with Sender(config, "127.0.0.1:0", 1, wire_dtype=torch.bfloat16) as sender, \
-            Receiver(config, sender.address, 0) as receiver:
+    with (
+        Sender(config, "127.0.0.1:0", 1, wire_dtype=torch.bfloat16) as sender,
+        Receiver(config, sender.address, 0) as receiver,
+    ):
         sent = workers.Background(sender, trainer, 1)
 
         async def load():
@@ -389,8 +436,12 @@ def test_a_bf16_wire_loads_into_a_bf16_model_without_blocking_the_receivers_even
 
         stats, ticks = asyncio.run(load())
         sent_stats = sent.join(timeout=60)
-    assert ticks >= 2, ticks  # the loop ran during the load (blocked, it ticks once); how often depends on its length
-    expected = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in trainer.state_dict().items()}
+    assert ticks >= 2, (
+        ticks
+    )  # the loop ran during the load (blocked, it ticks once); how often depends on its length
+    expected = {
+        n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in trainer.state_dict().items()
+    }
     assert workers.module_digests(model) == {n: workers.digest(t) for n, t in expected.items()}
     assert model.count.dtype == torch.int64
     fp32_bytes = sum(p.numel() * 4 for p in trainer.parameters())

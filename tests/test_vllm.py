@@ -152,11 +152,17 @@ def test_two_versions_reach_both_replicas_with_greedy_parity(setup):
         assert report.ok and report.stats.buckets >= 3
         phases = report.pause_s + report.sync_s + report.resume_s  # generation is paused across all three
         assert phases <= report.paused_s < phases + 0.1, report.summary()
-        assert [(r.name, r.version, r.resumed) for r in report.replicas] == [("A", setup.version, True), ("B", setup.version, True)]
+        assert [(r.name, r.version, r.resumed) for r in report.replicas] == [
+            ("A", setup.version, True),
+            ("B", setup.version, True),
+        ]
         for llm, before in zip(setup.llms, old):
             got = replica_greedy(llm, PROMPTS, NEW)
             assert got == expected and got != before
-    assert [(r.name, r.version, r.mixed) for r in setup.rollout.status()] == [("A", setup.version, False), ("B", setup.version, False)]
+    assert [(r.name, r.version, r.mixed) for r in setup.rollout.status()] == [
+        ("A", setup.version, False),
+        ("B", setup.version, False),
+    ]
 
 
 def test_replicas_run_with_tcmalloc_preloaded_and_sleeping_openmp_threads_on_shared_cores(setup):
@@ -242,14 +248,18 @@ def test_delta_sync_reaches_both_replicas_bit_exact(setup, tmp_path, update_mode
     own reload of the trainer's checkpoint from disk, bit for bit. (``on``: in this loaded
     test process ``auto`` may rightly find deltas slower.)"""
     setup.rollout.close()
-    setup.rollout = VLLMRollout(setup.replicas, OVERRIDES + ["delta=on", "verify=crc32", f"update_mode={update_mode}"])
+    setup.rollout = VLLMRollout(
+        setup.replicas, OVERRIDES + ["delta=on", "verify=crc32", f"update_mode={update_mode}"]
+    )
     try:
         bases = []
         for step in range(3):
             expected = setup.train()
             setup.version += 1
             report = setup.rollout.update(setup.model, setup.version, mode="abort")
-            assert report.ok and report.phase == ("staged" if update_mode == "staged" else "update"), report.summary()
+            assert report.ok and report.phase == ("staged" if update_mode == "staged" else "update"), (
+                report.summary()
+            )
             bases.append(report.stats.delta_base)
             for llm in setup.llms:
                 assert replica_greedy(llm, PROMPTS, NEW) == expected
@@ -323,8 +333,15 @@ def test_vllm_weight_transfer_registry_backend(setup):
     expected = setup.train()
     config = EngineConfig.from_overrides(OVERRIDES)
     with Sender(config, "127.0.0.1:0", num_receivers=1) as sender:
-        init = threading.Thread(target=b.collective_rpc, args=("init_weight_transfer_engine",), kwargs={
-            "args": ({"address": sender.address, "rank_offset": 0, "overrides": OVERRIDES, "warm_up": True},)})
+        init = threading.Thread(
+            target=b.collective_rpc,
+            args=("init_weight_transfer_engine",),
+            kwargs={
+                "args": (
+                    {"address": sender.address, "rank_offset": 0, "overrides": OVERRIDES, "warm_up": True},
+                )
+            },
+        )
         init.start()
         sender.warm_up()  # the worker joins the data plane in init_weight_transfer_engine
         init.join(timeout=60)
@@ -392,8 +409,6 @@ def test_replica_killed_during_a_sync_fails_fast_naming_it_and_the_other_keeps_s
         assert replica_greedy(a, PROMPTS, NEW) == expected
 
 
-
-
 def test_a_source_failing_mid_stream_leaves_both_replicas_mixed_and_paused_until_a_complete_update(setup):
     """The trainer's source raises before the lm_head, after the embedding, both layers
     and the norm went out (buckets 0-2 of the plan's 5): every worker's reload_weights got
@@ -415,7 +430,13 @@ def test_a_source_failing_mid_stream_leaves_both_replicas_mixed_and_paused_until
         setup.rollout.update(workers.FailingSource(state, after), served + 1)
     assert time.monotonic() - t0 < DETECT_S  # the sender's abort reached the workers, no deadline did
     for rep in info.value.report.replicas:
-        assert (rep.ok, rep.version, rep.mixed, rep.resumed, rep.failed_version) == (False, None, True, False, served + 1), rep
+        assert (rep.ok, rep.version, rep.mixed, rep.resumed, rep.failed_version) == (
+            False,
+            None,
+            True,
+            False,
+            served + 1,
+        ), rep
     assert [(r.version, r.mixed, r.ok) for r in setup.rollout.status()] == [(None, True, False)] * 2
     for r in setup.replicas:  # the partial stream reached vLLM's reload in every worker
         assert [s["applied"] for s in r.call("weightsync_status")] == [after], r.name
@@ -436,7 +457,10 @@ def test_a_source_failing_mid_stream_leaves_both_replicas_mixed_and_paused_until
 
     setup.version = served + 2
     report = setup.rollout.update(setup.model, setup.version)
-    assert report.ok and [(r.version, r.mixed, r.resumed) for r in report.replicas] == [(setup.version, False, True)] * 2
+    assert (
+        report.ok
+        and [(r.version, r.mixed, r.resumed) for r in report.replicas] == [(setup.version, False, True)] * 2
+    )
     for t in runners:
         t.join(timeout=60)
     assert done == {0: expected, 1: expected}
@@ -479,13 +503,20 @@ def test_staged_updates_load_while_replicas_generate_and_commit_matches_the_trai
         # not using the engines' clients): requests sent now run on the old weights.
         for llm in setup.llms:
             llm.enqueue([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
-        served = [[list(o.outputs[0].token_ids) for o in llm.wait_for_completion(use_tqdm=False)] for llm in setup.llms]
-        assert not source.finished.is_set(), "the requests waited for the stage: the replicas did not generate"
+        served = [
+            [list(o.outputs[0].token_ids) for o in llm.wait_for_completion(use_tqdm=False)]
+            for llm in setup.llms
+        ]
+        assert not source.finished.is_set(), (
+            "the requests waited for the stage: the replicas did not generate"
+        )
         assert served == [old, old]
         stage.join(timeout=60)
         report = out["value"]
         assert report.ok and report.phase == "stage" and report.paused_s == 0, report.summary()
-        assert [(r.version, r.staged, r.resumed) for r in report.replicas] == [(setup.version - 1, setup.version, False)] * 2
+        assert [(r.version, r.staged, r.resumed) for r in report.replicas] == [
+            (setup.version - 1, setup.version, False)
+        ] * 2
         size = sum(t.nbytes for t in setup.model.state_dict().values())
         assert all(r.staging_bytes >= size for r in report.replicas)  # one copy per worker
         if step == 1:
@@ -495,7 +526,10 @@ def test_staged_updates_load_while_replicas_generate_and_commit_matches_the_trai
         assert [(r.version, r.resumed) for r in commit.replicas] == [(setup.version, True)] * 2
         for llm in setup.llms:
             assert replica_greedy(llm, PROMPTS, NEW) == expected
-    with pytest.raises(ValueError, match=f"cannot commit version {setup.version + 1}: replica 'A' has version {setup.version} staged"):
+    with pytest.raises(
+        ValueError,
+        match=f"cannot commit version {setup.version + 1}: replica 'A' has version {setup.version} staged",
+    ):
         setup.rollout.commit(setup.version + 1)
 
 
@@ -509,7 +543,9 @@ def test_a_stage_whose_source_fails_leaves_every_replica_serving_and_unpaused(se
     expected = setup.train()
     state = dict(setup.model.state_dict())
     t0 = time.monotonic()
-    with pytest.raises(ReplicaUpdateError, match=r"stage of version \d+ failed: replica 'A'.*untouched, generating") as info:
+    with pytest.raises(
+        ReplicaUpdateError, match=r"stage of version \d+ failed: replica 'A'.*untouched, generating"
+    ) as info:
         setup.rollout.stage(workers.FailingSource(state, list(state).index("lm_head.weight")), served + 1)
     assert time.monotonic() - t0 < DETECT_S
     for rep in info.value.report.replicas:

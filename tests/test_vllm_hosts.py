@@ -21,16 +21,25 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(300)]
 
 TIMEOUT_S = 15.0
 GRACE_S = 4.0
-OVERRIDES = ["backend=nccl", "update_weights_bucket_megabytes=1", f"timeout_s={TIMEOUT_S}", f"heartbeat_grace_s={GRACE_S}"]
+OVERRIDES = [
+    "backend=nccl",
+    "update_weights_bucket_megabytes=1",
+    f"timeout_s={TIMEOUT_S}",
+    f"heartbeat_grace_s={GRACE_S}",
+]
 
 
-def test_a_replica_host_cut_mid_update_fails_naming_it_and_both_serve_the_next_version_after_the_heal(tmp_path):
+def test_a_replica_host_cut_mid_update_fails_naming_it_and_both_serve_the_next_version_after_the_heal(
+    tmp_path,
+):
     model_dir = save_tiny_model(os.path.join(tmp_path, "model"), seed=5, vocab_size=5000)
     with Cluster(3, [parse_rate("1gbit")] * 3) as cluster:
         commands, reports = CTX.Queue(), CTX.Queue()
         # Not a daemon: vLLM starts processes of its own.
-        proc = CTX.Process(target=cluster_workers.run_rollout_across_hosts,
-                           args=(cluster.hosts, model_dir, OVERRIDES, commands, reports))
+        proc = CTX.Process(
+            target=cluster_workers.run_rollout_across_hosts,
+            args=(cluster.hosts, model_dir, OVERRIDES, commands, reports),
+        )
         proc.start()
 
         def get(timeout):  # the driver's next report; its death fails at once, not at the timeout
@@ -54,13 +63,18 @@ def test_a_replica_host_cut_mid_update_fails_naming_it_and_both_serve_the_next_v
             commands.put("cut")
             kind, seconds, message, report, greedy, old, new = get(120)
             assert kind == "failed", (kind, seconds)
-            assert seconds < GRACE_S + 3 < TIMEOUT_S, (seconds, message)  # the grace named it, no deadline did
+            assert seconds < GRACE_S + 3 < TIMEOUT_S, (
+                seconds,
+                message,
+            )  # the grace named it, no deadline did
             assert "replica 'B' (receiver rank 1)" in message and "went silent" in message, message
             ra, rb = report.replicas
             assert (rb.name, rb.ok, rb.version, rb.failed_version) == ("B", False, None, 2), rb
             # B's own account: its link is down, so its kernel finds no route to the sender,
             # or its heartbeats found the sender silent; never "closed", which did not happen
-            assert "sender at" in rb.error and ("No route to host" in rb.error or "went silent" in rb.error), rb.error
+            assert "sender at" in rb.error and (
+                "No route to host" in rb.error or "went silent" in rb.error
+            ), rb.error
             assert ra.name == "A"
             if ra.mixed:  # tensors of version 2 reached A's reload before the failure
                 assert (ra.version, ra.resumed, ra.failed_version) == (None, False, 2), ra
@@ -72,7 +86,9 @@ def test_a_replica_host_cut_mid_update_fails_naming_it_and_both_serve_the_next_v
             cluster.heal(2)
             commands.put("update")
             kind, report, greedy, trainer, after = get(120)
-            assert report.ok and [(r.version, r.resumed) for r in report.replicas] == [(3, True)] * 2, report.summary()
+            assert report.ok and [(r.version, r.resumed) for r in report.replicas] == [(3, True)] * 2, (
+                report.summary()
+            )
             assert greedy == {"A": trainer, "B": trainer}
             assert after == pids  # the same workers, reconnected by themselves
         finally:

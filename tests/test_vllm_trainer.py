@@ -62,9 +62,9 @@ def doc_serve_command() -> tuple[dict[str, str], list[str]]:
     assert {name for name, _ in found} == {"README.md", "vllm.md"}, found
     assert len({line for _, line in found}) == 1, found
     words = shlex.split(found.pop()[1])
-    env = dict(w.split("=", 1) for w in words[:words.index("vllm")])
-    assert words[words.index("vllm") + 1:words.index("vllm") + 3] == ["serve", "DIR"], words
-    return env, words[words.index("vllm") + 3:]
+    env = dict(w.split("=", 1) for w in words[: words.index("vllm")])
+    assert words[words.index("vllm") + 1 : words.index("vllm") + 3] == ["serve", "DIR"], words
+    return env, words[words.index("vllm") + 3 :]
 
 
 def _tcmalloc() -> str | None:
@@ -102,11 +102,30 @@ class Server:
             env["LD_PRELOAD"] = lib
         # the docs' command, then what keeps it small here (loopback, a free port, the tiny
         # model's dtype, token ids in and out)
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.dir, *doc_args,
-                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--skip-tokenizer-init",
-                "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "16"]
+        argv = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.dir,
+            *doc_args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--skip-tokenizer-init",
+            "--enforce-eager",
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "16",
+        ]
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -139,9 +158,18 @@ class Server:
         self.proc.wait(timeout=30)
 
     def greedy(self) -> list[list[int]]:
-        r = requests.post(f"{self.url}/v1/completions", timeout=60, json={
-            "model": self.dir, "prompt": PROMPTS, "max_tokens": NEW, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True})
+        r = requests.post(
+            f"{self.url}/v1/completions",
+            timeout=60,
+            json={
+                "model": self.dir,
+                "prompt": PROMPTS,
+                "max_tokens": NEW,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
         r.raise_for_status()
         return [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
 
@@ -184,8 +212,9 @@ def _trainer_init(client, source, port: int = 0, overrides=OVERRIDES):
 
     from weightsync.integrations.vllm_trainer import WeightsyncTrainerInitInfo
 
-    info = WeightsyncTrainerInitInfo(master_address="127.0.0.1", master_port=port, world_size=2, rank=0,
-                                     overrides=overrides)
+    info = WeightsyncTrainerInitInfo(
+        master_address="127.0.0.1", master_port=port, world_size=2, rank=0, overrides=overrides
+    )
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 
@@ -203,15 +232,21 @@ def test_registration_is_idempotent_and_reaches_the_trainer_factory():
         _trainer_init(object(), {"w": torch.zeros(1)}, overrides=["update_weights_bucket_megabyte=1"])
     # vLLM's plugin loader alone (the entry point) registers the trainer engine, by name:
     # its module loads when the factory builds one
-    probe = ("import sys; from vllm.plugins import load_general_plugins; load_general_plugins(); "
-             "from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as F; "
-             "print('weightsync' in F._registry, 'weightsync.integrations.vllm_trainer' in sys.modules)")
+    probe = (
+        "import sys; from vllm.plugins import load_general_plugins; load_general_plugins(); "
+        "from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as F; "
+        "print('weightsync' in F._registry, 'weightsync.integrations.vllm_trainer' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["True", "False"], out.stderr[-2000:]
     with pytest.raises(ValueError, match="world_size=1"):
         WeightTransferTrainerFactory.trainer_init(
-            ws_vllm.WeightsyncTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=1, rank=0),
-            client=object(), source={"w": torch.zeros(1)})
+            ws_vllm.WeightsyncTrainerInitInfo(
+                master_address="127.0.0.1", master_port=0, world_size=1, rank=0
+            ),
+            client=object(),
+            source={"w": torch.zeros(1)},
+        )
 
 
 def test_server_driven_through_vllms_factory_and_http_client_serves_each_version(server):
@@ -229,8 +264,10 @@ def test_server_driven_through_vllms_factory_and_http_client_serves_each_version
             expected = server.train()
             t0 = time.perf_counter()
             stats = engine.send_weights(version=server.version + 1 if i == 0 else None)
-            print(f"\nversion {engine.version}: send_weights {time.perf_counter() - t0:.3f} s, "
-                  f"{stats.bytes} bytes in {stats.buckets} buckets")
+            print(
+                f"\nversion {engine.version}: send_weights {time.perf_counter() - t0:.3f} s, "
+                f"{stats.bytes} bytes in {stats.buckets} buckets"
+            )
             server.version = engine.version
             assert stats.buckets >= 3 and stats.version == server.version
             got = server.greedy()
@@ -305,7 +342,9 @@ def test_a_trainer_killed_mid_stage_leaves_the_server_serving_and_free_for_the_n
     before, served = server.greedy(), server.weight_version()
     port = free_port()
     q = CTX.Queue()
-    proc = CTX.Process(target=stage_slowly, args=(server.url, port, server.dir, server.version + 1, OVERRIDES, q))
+    proc = CTX.Process(
+        target=stage_slowly, args=(server.url, port, server.dir, server.version + 1, OVERRIDES, q)
+    )
     proc.start()
     try:
         assert q.get(timeout=120) == ("staging", server.version + 1)
@@ -351,8 +390,11 @@ def test_a_restarted_trainer_reaches_the_live_server_at_the_same_address(server,
     server.model.save_pretrained(tmp_path / "step")
     server.version += 1
     q = CTX.Queue()
-    trainer = CTX.Process(target=send_one_version_and_hold, daemon=True,
-                          args=(server.url, port, str(tmp_path / "step"), server.version, OVERRIDES, q))
+    trainer = CTX.Process(
+        target=send_one_version_and_hold,
+        daemon=True,
+        args=(server.url, port, str(tmp_path / "step"), server.version, OVERRIDES, q),
+    )
     trainer.start()
     try:
         assert q.get(timeout=120) == ("sent", server.version)
@@ -389,11 +431,19 @@ def test_ray_client_over_an_actor_holding_an_llm(tmp_path):
     ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
     try:
         actor = ray.remote(num_cpus=0)(LLM).remote(
-            model=model_dir, dtype="float32", skip_tokenizer_init=True, enforce_eager=True, max_model_len=256,
-            max_num_seqs=16, weight_transfer_config={"backend": "weightsync"})
+            model=model_dir,
+            dtype="float32",
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            max_model_len=256,
+            max_num_seqs=16,
+            weight_transfer_config={"backend": "weightsync"},
+        )
         # The LLM is built in the actor's constructor (about 30 s here); trainer_init's
         # deadline (timeout_s) is for the rendezvous, so wait for the actor first.
-        assert ray.get(actor.get_weight_version.remote(), timeout=180) == "default"  # vLLM's before any update
+        assert (
+            ray.get(actor.get_weight_version.remote(), timeout=180) == "default"
+        )  # vLLM's before any update
         engine = _trainer_init(RayVLLMWeightSyncClient(actor), ModuleSource(model))
         try:
             for _ in range(2):
@@ -410,12 +460,15 @@ def test_ray_client_over_an_actor_holding_an_llm(tmp_path):
 
 def _greedy_on(ray, actor):
     """The actor's greedy outputs for PROMPTS, as a Ray object ref."""
+
     @ray.remote(num_cpus=0)
     def greedy(handle):
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-        outs = ray.get(handle.generate.remote([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False))
+        outs = ray.get(
+            handle.generate.remote([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        )
         return [list(o.outputs[0].token_ids) for o in outs]
 
     return greedy.remote(actor)

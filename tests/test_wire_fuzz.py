@@ -23,7 +23,11 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "weightsync"
 
 # msgpack-able values of every kind, nested
 values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=True) | st.text(max_size=20)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=20)
     | st.binary(max_size=40),
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
     max_leaves=20,
@@ -126,8 +130,16 @@ sync_messages = st.fixed_dictionaries(
         "version": st.one_of(st.integers(-5, 10), values),
         "bucket_bytes": st.one_of(st.just(1 << 20), values),
         "plan_hash": values,
-        "plan": st.one_of(values, st.fixed_dictionaries({"format": st.just(PLAN_FORMAT), "bucket_bytes": st.just(1 << 20),
-                                                         "tensors": st.lists(values, max_size=4)})),
+        "plan": st.one_of(
+            values,
+            st.fixed_dictionaries(
+                {
+                    "format": st.just(PLAN_FORMAT),
+                    "bucket_bytes": st.just(1 << 20),
+                    "tensors": st.lists(values, max_size=4),
+                }
+            ),
+        ),
         "force": values,
         "verify": st.one_of(st.just("off"), values),
         "engine": st.one_of(values, st.dictionaries(st.text(max_size=8), values, max_size=4)),
@@ -136,14 +148,23 @@ sync_messages = st.fixed_dictionaries(
 
 
 @settings(max_examples=40, deadline=None)
-@given(tagged=st.lists(st.one_of(sync_messages.map(lambda m: ("sync", frame(m))), stranger_payloads.map(lambda b: ("raw", b))),
-                       min_size=1, max_size=3))
+@given(
+    tagged=st.lists(
+        st.one_of(
+            sync_messages.map(lambda m: ("sync", frame(m))), stranger_payloads.map(lambda b: ("raw", b))
+        ),
+        min_size=1,
+        max_size=3,
+    )
+)
 def test_a_hostile_sender_only_ever_causes_a_clear_sync_error(tagged):
     frames = [f for _, f in tagged]
     fake = FakeSender()
     server = threading.Thread(target=fake.serve_once, args=(frames,), daemon=True)
     server.start()
-    config = EngineConfig.from_overrides(["backend=nccl", "timeout_s=1.5", "update_weights_bucket_megabytes=1"])
+    config = EngineConfig.from_overrides(
+        ["backend=nccl", "timeout_s=1.5", "update_weights_bucket_megabytes=1"]
+    )
     with Receiver(config, fake.address, 0) as receiver:
         with pytest.raises(SyncError):  # HandshakeError, ProtocolError, PeerLost, SyncTimeout...
             for _ in receiver.receive():
@@ -160,9 +181,21 @@ def test_a_hostile_sender_only_ever_causes_a_clear_sync_error(tagged):
 FORBIDDEN_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
 # Callables that unpickle, evaluate or construct arbitrary objects, by their full name.
 FORBIDDEN_NAMES = {
-    "torch.load", "torch.serialization.load", "torch.jit.load", "numpy.load",
-    "multiprocessing.reduction.ForkingPickler", "yaml.unsafe_load", "yaml.full_load",
-    "eval", "exec", "compile", "__import__", "builtins.eval", "builtins.exec", "builtins.compile", "builtins.__import__",
+    "torch.load",
+    "torch.serialization.load",
+    "torch.jit.load",
+    "numpy.load",
+    "multiprocessing.reduction.ForkingPickler",
+    "yaml.unsafe_load",
+    "yaml.full_load",
+    "eval",
+    "exec",
+    "compile",
+    "__import__",
+    "builtins.eval",
+    "builtins.exec",
+    "builtins.compile",
+    "builtins.__import__",
 }
 MSGPACK_DECODERS = {"msgpack.unpackb", "msgpack.unpack", "msgpack.loads", "msgpack.load", "msgpack.Unpacker"}
 IMPORTERS = {"importlib.import_module", "__import__", "builtins.__import__"}
@@ -226,7 +259,11 @@ def offenses(source: str, filename: str) -> list[str]:
                 found.append(f"{where(node)} imports {mod} dynamically")
         if func in MSGPACK_DECODERS:
             hook = kwargs.get("ext_hook")
-            if hook is None or (isinstance(hook, ast.Constant) and hook.value is None) or full_name(hook) == "msgpack.ExtType":
+            if (
+                hook is None
+                or (isinstance(hook, ast.Constant) and hook.value is None)
+                or full_name(hook) == "msgpack.ExtType"
+            ):
                 found.append(f"{where(node)} calls {func} without refusing extension types (ext_hook)")
         if func == "yaml.load" and full_name(kwargs.get("Loader")) not in SAFE_YAML_LOADERS:
             found.append(f"{where(node)} calls yaml.load without yaml.SafeLoader")
@@ -235,23 +272,54 @@ def offenses(source: str, filename: str) -> list[str]:
 
 # Each of these must be caught: the scan is tested against what it promises to find.
 UNSAFE = [
-    "import pickle", "import cPickle as p", "from pickle import loads", "import dill", "import marshal",
-    "from marshal import loads", "import shelve", "import joblib", "import cloudpickle", "import _pickle",
-    "import torch\ntorch.load(f)", "import torch as T\nT.load(f)", "from torch import load\nload(f)",
-    "from torch import load as L", "import torch\nloader = torch.load", "import torch.serialization\ntorch.serialization.load(f)",
-    "import torch\ngetattr(torch, 'load')(f)", "import torch\ntorch.jit.load(f)", "import numpy as np\nnp.load(f, allow_pickle=True)",
-    "eval(s)", "exec(s)", "compile(s, 'f', 'exec')", "__import__('os')", "import builtins\nbuiltins.exec(s)",
-    "import importlib\nimportlib.import_module('pickle')", "from importlib import import_module\nimport_module('marshal')",
-    "import msgpack\nmsgpack.unpackb(b)", "import msgpack\nmsgpack.loads(b)", "import msgpack as m\nm.unpack(f)",
-    "from msgpack import unpackb\nunpackb(b, raw=False)", "import msgpack\nmsgpack.Unpacker(f)",
-    "from msgpack import Unpacker as U\nU(f)", "import msgpack\nmsgpack.unpackb(b, ext_hook=None)",
-    "import msgpack\nmsgpack.unpackb(b, ext_hook=msgpack.ExtType)", "import yaml\nyaml.load(s, Loader=yaml.Loader)",
-    "import yaml\nyaml.load(s)", "import yaml\nyaml.unsafe_load(s)", "from multiprocessing.reduction import ForkingPickler",
+    "import pickle",
+    "import cPickle as p",
+    "from pickle import loads",
+    "import dill",
+    "import marshal",
+    "from marshal import loads",
+    "import shelve",
+    "import joblib",
+    "import cloudpickle",
+    "import _pickle",
+    "import torch\ntorch.load(f)",
+    "import torch as T\nT.load(f)",
+    "from torch import load\nload(f)",
+    "from torch import load as L",
+    "import torch\nloader = torch.load",
+    "import torch.serialization\ntorch.serialization.load(f)",
+    "import torch\ngetattr(torch, 'load')(f)",
+    "import torch\ntorch.jit.load(f)",
+    "import numpy as np\nnp.load(f, allow_pickle=True)",
+    "eval(s)",
+    "exec(s)",
+    "compile(s, 'f', 'exec')",
+    "__import__('os')",
+    "import builtins\nbuiltins.exec(s)",
+    "import importlib\nimportlib.import_module('pickle')",
+    "from importlib import import_module\nimport_module('marshal')",
+    "import msgpack\nmsgpack.unpackb(b)",
+    "import msgpack\nmsgpack.loads(b)",
+    "import msgpack as m\nm.unpack(f)",
+    "from msgpack import unpackb\nunpackb(b, raw=False)",
+    "import msgpack\nmsgpack.Unpacker(f)",
+    "from msgpack import Unpacker as U\nU(f)",
+    "import msgpack\nmsgpack.unpackb(b, ext_hook=None)",
+    "import msgpack\nmsgpack.unpackb(b, ext_hook=msgpack.ExtType)",
+    "import yaml\nyaml.load(s, Loader=yaml.Loader)",
+    "import yaml\nyaml.load(s)",
+    "import yaml\nyaml.unsafe_load(s)",
+    "from multiprocessing.reduction import ForkingPickler",
 ]
 SAFE = [
-    "import msgpack\nmsgpack.unpackb(b, raw=False, ext_hook=refuse)", "import re\nre.compile('x')",
-    "import yaml\nyaml.safe_load(s)", "import yaml\nyaml.load(s, Loader=yaml.SafeLoader)", "import torch\ntorch.frombuffer(b)",
-    "import safetensors.torch\nsafetensors.torch.load_file(p)", "import torch\ntorch.compile(m)", "x.load(f)",
+    "import msgpack\nmsgpack.unpackb(b, raw=False, ext_hook=refuse)",
+    "import re\nre.compile('x')",
+    "import yaml\nyaml.safe_load(s)",
+    "import yaml\nyaml.load(s, Loader=yaml.SafeLoader)",
+    "import torch\ntorch.frombuffer(b)",
+    "import safetensors.torch\nsafetensors.torch.load_file(p)",
+    "import torch\ntorch.compile(m)",
+    "x.load(f)",
 ]
 
 
@@ -283,6 +351,12 @@ def test_a_delta_header_from_the_wire_is_bounded_before_anything_is_built():
     huge = {"base": 1, "digest": "d", "model": [["w", [1 << 48], "bfloat16"]], "kinds": [1], "dense": False}
     with pytest.raises(ValueError, match="'w'"):  # half a PiB: refused by size, not allocated
         DeltaHeader.from_wire(huge, wire, max_tensor_bytes=1 << 30)
-    many = {"base": 1, "digest": "d", "model": [["w", [8], "uint8"]] * 1000, "kinds": [1] * 1000, "dense": False}
+    many = {
+        "base": 1,
+        "digest": "d",
+        "model": [["w", [8], "uint8"]] * 1000,
+        "kinds": [1] * 1000,
+        "dense": False,
+    }
     with pytest.raises(ValueError, match="1000 tensors, the plan has 1 entries"):
         DeltaHeader.from_wire(many, wire)

@@ -85,7 +85,9 @@ class TorchAllocations:
 
     def _record(self, args: tuple, dtype: torch.dtype | None) -> None:
         first = args[0] if args else ()
-        dims = first if isinstance(first, tuple | list | torch.Size) else [a for a in args if isinstance(a, int)]
+        dims = (
+            first if isinstance(first, tuple | list | torch.Size) else [a for a in args if isinstance(a, int)]
+        )
         itemsize = (dtype or torch.get_default_dtype()).itemsize
         self.sizes.append((threading.current_thread().name, math.prod(int(d) for d in dims) * itemsize))
 
@@ -93,12 +95,14 @@ class TorchAllocations:
         def spied(*args, dtype=None, **kwargs):
             self._record(args[:1] if real.__name__ == "full" else args, dtype)
             return real(*args, dtype=dtype, **kwargs)
+
         return spied
 
     def method(self, real):
         def spied(tensor, *args, dtype=None, **kwargs):
             self._record(args[:1] if real.__name__ == "new_full" else args, dtype or tensor.dtype)
             return real(tensor, *args, dtype=dtype, **kwargs)
+
         return spied
 
     def largest(self, thread: str | None = None) -> int:
@@ -121,9 +125,16 @@ dtypes = st.sampled_from(["float32", "bfloat16", "int8", "float64", "bool"])
 small_dims = st.lists(st.integers(0, 16), max_size=3)
 ints = st.integers(-(2**63), 2**64 - 1)  # what msgpack carries
 not_a_size = st.one_of(
-    st.integers(-(2**63), -1), st.booleans(), st.floats(), st.text(max_size=5), st.none(), st.lists(st.integers(0, 3), max_size=2)
+    st.integers(-(2**63), -1),
+    st.booleans(),
+    st.floats(),
+    st.text(max_size=5),
+    st.none(),
+    st.lists(st.integers(0, 3), max_size=2),
 )
-not_a_list = st.one_of(ints, st.text(max_size=8), st.none(), st.dictionaries(st.text(max_size=3), ints, max_size=2))
+not_a_list = st.one_of(
+    ints, st.text(max_size=8), st.none(), st.dictionaries(st.text(max_size=3), ints, max_size=2)
+)
 huge_dims = st.lists(st.integers(1, 2**64 - 1), min_size=1, max_size=4).filter(lambda d: math.prod(d) > LIMIT)
 DTYPE_NAMES = set(plan_module._dtypes())
 
@@ -143,11 +154,17 @@ def hostile_specs(draw):
     if case == "shape":
         return [name, draw(not_a_list), dtype], "shape"
     if case == "name":
-        return [draw(st.one_of(st.just(""), ints, st.none(), st.lists(ints, max_size=2))), dims, dtype], "name"
+        return [
+            draw(st.one_of(st.just(""), ints, st.none(), st.lists(ints, max_size=2))),
+            dims,
+            dtype,
+        ], "name"
     if case == "dtype":
         bad = draw(st.one_of(ints, st.none(), st.text(max_size=10).filter(lambda t: t not in DTYPE_NAMES)))
         return [name, dims, bad], "dtype"
-    return draw(st.one_of(not_a_list, st.lists(st.just("x"), max_size=5).filter(lambda x: len(x) != 3))), "tensor spec"
+    return draw(
+        st.one_of(not_a_list, st.lists(st.just("x"), max_size=5).filter(lambda x: len(x) != 3))
+    ), "tensor spec"
 
 
 @settings(max_examples=300, deadline=None)
@@ -176,7 +193,9 @@ def hostile_buckets(draw):
     nbytes = end
     case = draw(st.sampled_from(["arity", "index", "nbytes", "pieces", "piece", "field", "past", "overlap"]))
     if case == "arity":
-        return draw(st.one_of(not_a_list, st.lists(st.integers(0, 3), max_size=5).filter(lambda x: len(x) != 3))), "bucket"
+        return draw(
+            st.one_of(not_a_list, st.lists(st.integers(0, 3), max_size=5).filter(lambda x: len(x) != 3))
+        ), "bucket"
     if case == "index":
         return [draw(not_a_size), nbytes, pieces], "bucket index"
     if case == "nbytes":
@@ -185,7 +204,9 @@ def hostile_buckets(draw):
         return [index, nbytes, draw(not_a_list)], "pieces"
     at = draw(st.integers(0, len(pieces) - 1))
     if case == "piece":
-        pieces[at] = draw(st.one_of(not_a_list, st.lists(st.integers(0, 9), max_size=6).filter(lambda x: len(x) != 4)))
+        pieces[at] = draw(
+            st.one_of(not_a_list, st.lists(st.integers(0, 9), max_size=6).filter(lambda x: len(x) != 4))
+        )
         return [index, nbytes, pieces], "piece"
     if case == "field":
         f = draw(st.integers(0, 3))
@@ -221,7 +242,9 @@ def hostile_plans(draw):
     """``(wire plan, field, max_total_bytes)``."""
     specs = good_specs(draw(st.integers(0, 6)))
     plan = {"format": PLAN_FORMAT, "bucket_bytes": BUCKET, "tensors": specs}
-    case = draw(st.sampled_from(["spec", "total", "bucket_bytes", "foreign_bucket", "tensors", "format", "map"]))
+    case = draw(
+        st.sampled_from(["spec", "total", "bucket_bytes", "foreign_bucket", "tensors", "format", "map"])
+    )
     if case == "spec":
         spec, field = draw(hostile_specs())
         specs.insert(draw(st.integers(0, len(specs))), spec)
@@ -239,15 +262,26 @@ def hostile_plans(draw):
         plan["tensors"] = draw(not_a_list)
         return plan, "tensors", plan_module.MAX_PLAN_BYTES
     if case == "format":
-        plan["format"] = draw(st.one_of(ints.filter(lambda f: f != PLAN_FORMAT), st.none(), st.text(max_size=3)))
+        plan["format"] = draw(
+            st.one_of(ints.filter(lambda f: f != PLAN_FORMAT), st.none(), st.text(max_size=3))
+        )
         return plan, "format", plan_module.MAX_PLAN_BYTES
     return draw(st.one_of(st.lists(ints, max_size=3), ints, st.none())), "plan", plan_module.MAX_PLAN_BYTES
 
 
 @settings(max_examples=300, deadline=None)
 @given(case=hostile_plans())
-@example(case=({"format": PLAN_FORMAT, "bucket_bytes": BUCKET, "tensors": good_specs(8) + [["big", [LIMIT // 4], "float32"]]},
-               "bytes a plan may have", LIMIT))
+@example(
+    case=(
+        {
+            "format": PLAN_FORMAT,
+            "bucket_bytes": BUCKET,
+            "tensors": good_specs(8) + [["big", [LIMIT // 4], "float32"]],
+        },
+        "bytes a plan may have",
+        LIMIT,
+    )
+)
 def test_plan_decoder_refuses_hostile_sizes_naming_the_field(case):
     data, field, max_total = case
     with PeakMemory() as peak:
@@ -263,13 +297,20 @@ def test_plan_decoder_refuses_too_many_tensors_or_buckets_before_building(monkey
         Plan.from_wire({"format": PLAN_FORMAT, "bucket_bytes": BUCKET, "tensors": good_specs(9)})
     # 64-byte buckets: a 1 GiB tensor would take 16M Bucket objects (GBs of Python memory).
     with PeakMemory() as peak:
-        with pytest.raises(ValueError, match=rf"tensor 'w': the plan would have about \d+ buckets \(limit {MAX_PLAN_BUCKETS}\)"):
+        with pytest.raises(
+            ValueError,
+            match=rf"tensor 'w': the plan would have about \d+ buckets \(limit {MAX_PLAN_BUCKETS}\)",
+        ):
             Plan.from_wire({"format": PLAN_FORMAT, "bucket_bytes": 64, "tensors": [["w", [1 << 30], "int8"]]})
     assert peak.growth < BOUND
 
 
 def test_a_sane_plan_from_the_wire_is_the_plan_sent():
-    specs = [TensorSpec("a", (300, 1000), "float32"), TensorSpec("b", (7,), "bfloat16"), TensorSpec("c", (0,), "bool")]
+    specs = [
+        TensorSpec("a", (300, 1000), "float32"),
+        TensorSpec("b", (7,), "bfloat16"),
+        TensorSpec("c", (0,), "bool"),
+    ]
     sent = make_plan(specs, BUCKET)
     got = Plan.from_wire(sent.to_wire(), bucket_bytes=BUCKET, max_tensor_bytes=LIMIT)
     assert got == sent and got.hash == sent.hash
@@ -287,7 +328,11 @@ def announcements(specs: list[TensorSpec], bucket_bytes: int = BUCKET) -> list[t
     return out
 
 
-STREAM_SPECS = [TensorSpec("a", (768, 1024), "float32"), TensorSpec("n", (64,), "float32"), TensorSpec("b", (300, 1024), "float32")]
+STREAM_SPECS = [
+    TensorSpec("a", (768, 1024), "float32"),
+    TensorSpec("n", (64,), "float32"),
+    TensorSpec("b", (300, 1024), "float32"),
+]
 
 
 @st.composite
@@ -295,8 +340,15 @@ def hostile_streams(draw):
     """``(announcements, field)``: a sane stream, one announcement of it made wrong."""
     good = announcements(STREAM_SPECS)  # a: 3 direct buckets, b: 2 (b is 1.2 MiB), then n packed
     at = draw(st.integers(0, len(good) - 1))
-    tensors, bucket = [list(t) for t in good[at][0]], [good[at][1][0], good[at][1][1], [list(p) for p in good[at][1][2]]]
-    case = draw(st.sampled_from(["spec", "tensors", "index", "nbytes", "unknown", "offset", "length", "twice", "bucket"]))
+    tensors, bucket = (
+        [list(t) for t in good[at][0]],
+        [good[at][1][0], good[at][1][1], [list(p) for p in good[at][1][2]]],
+    )
+    case = draw(
+        st.sampled_from(
+            ["spec", "tensors", "index", "nbytes", "unknown", "offset", "length", "twice", "bucket"]
+        )
+    )
     field = None
     if case == "spec":
         spec, field = draw(hostile_specs())
@@ -352,7 +404,10 @@ def test_streamed_plan_accepts_what_a_sender_announces_and_bounds_the_total():
     total = StreamedPlan(BUCKET, [], max_tensor_bytes=LIMIT, max_total_bytes=4 * MIB)
     first, *rest = announcements(STREAM_SPECS)
     total.announce(*first)  # a: 3 MiB
-    with pytest.raises(ValueError, match=r"tensor 'b': it brings the plan to \d+ bytes, more than the 4194304 bytes a plan may have"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor 'b': it brings the plan to \d+ bytes, more than the 4194304 bytes a plan may have",
+    ):
         for t, b in rest:
             total.announce(t, b)
 
@@ -378,11 +433,26 @@ class HostileSender:
         self.error: BaseException | None = None
 
     def engine(self, **extra) -> dict:
-        return {"rank": 1, "world_size": 2, "senders": 1, "port": self.data.getsockname()[1], "token": self.token, **extra}
+        return {
+            "rank": 1,
+            "world_size": 2,
+            "senders": 1,
+            "port": self.data.getsockname()[1],
+            "token": self.token,
+            **extra,
+        }
 
     def sync(self, **fields) -> dict:
-        msg = {"type": "sync", "protocol": PROTOCOL_VERSION, "version": 1, "bucket_bytes": BUCKET, "plan_hash": None,
-               "force": False, "verify": "off", "engine": self.engine()}
+        msg = {
+            "type": "sync",
+            "protocol": PROTOCOL_VERSION,
+            "version": 1,
+            "bucket_bytes": BUCKET,
+            "plan_hash": None,
+            "force": False,
+            "verify": "off",
+            "engine": self.engine(),
+        }
         msg.update(fields)
         return msg
 
@@ -410,7 +480,11 @@ class HostileSender:
                         for tensors, bucket in stream:
                             ch.send({"type": "bucket", "tensors": tensors, "bucket": bucket}, d)
                             nbytes = bucket[1] if isinstance(bucket, list) and len(bucket) == 3 else 0
-                            if isinstance(nbytes, int) and not isinstance(nbytes, bool) and 0 < nbytes <= BUCKET:
+                            if (
+                                isinstance(nbytes, int)
+                                and not isinstance(nbytes, bool)
+                                and 0 < nbytes <= BUCKET
+                            ):
                                 data.sendall(bytes(nbytes))  # its bytes, as a sender would
                         ch.send({"type": "end", "plan_hash": "whatever"}, d)
                     except (SyncError, OSError):
@@ -423,7 +497,12 @@ class HostileSender:
         self.data.close()
 
 
-TCP = ["custom_backend_module=tcp_transport", "backend=tcp", "update_weights_bucket_megabytes=1", "timeout_s=10"]
+TCP = [
+    "custom_backend_module=tcp_transport",
+    "backend=tcp",
+    "update_weights_bucket_megabytes=1",
+    "timeout_s=10",
+]
 
 
 def receive_from(fake: HostileSender, sync: dict, stream=(), max_tensor_bytes: int | None = LIMIT):
@@ -490,13 +569,22 @@ def oversized_streams(draw):
 def test_the_stream_reader_refuses_an_oversized_tensor_before_allocating_it(case, allocations):
     stream, field = case
     error, peak = refused_stream(stream, allocations)
-    assert "tensor 'huge.weight': shape" in str(error) and f"more than the {LIMIT} bytes a tensor may have" in str(error), error
+    assert "tensor 'huge.weight': shape" in str(
+        error
+    ) and f"more than the {LIMIT} bytes a tensor may have" in str(error), error
     assert allocations.largest() <= 3 * MIB, allocations.sizes
     assert peak.growth < BOUND, peak.growth
 
 
-TOTAL_CASE = ({"format": PLAN_FORMAT, "bucket_bytes": BUCKET, "tensors": good_specs(8) + [["big", [LIMIT // 4], "float32"]]},
-              "bytes a plan may have", LIMIT)
+TOTAL_CASE = (
+    {
+        "format": PLAN_FORMAT,
+        "bucket_bytes": BUCKET,
+        "tensors": good_specs(8) + [["big", [LIMIT // 4], "float32"]],
+    },
+    "bytes a plan may have",
+    LIMIT,
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -528,8 +616,13 @@ def test_a_hostile_plan_is_refused_in_the_handshake_naming_the_field(case, alloc
 
 @pytest.mark.parametrize(
     "engine, field",
-    [({"world_size": 1 << 40}, "world_size"), ({"rank": -1}, "rank"), ({"senders": 2**63}, "senders"),
-     ({"rank": 5, "world_size": 3}, "rank=5"), ({"world_size": "2"}, "world_size")],
+    [
+        ({"world_size": 1 << 40}, "world_size"),
+        ({"rank": -1}, "rank"),
+        ({"senders": 2**63}, "senders"),
+        ({"rank": 5, "world_size": 3}, "rank=5"),
+        ({"world_size": "2"}, "world_size"),
+    ],
 )
 def test_a_hostile_group_size_is_refused_in_the_handshake(engine, field, allocations):
     fake = HostileSender()
@@ -550,7 +643,10 @@ def test_by_default_a_tensor_larger_than_the_devices_memory_is_refused():
         plan = {"format": PLAN_FORMAT, "bucket_bytes": BUCKET, "tensors": [["w", [physical + 1], "int8"]]}
         error = receive_from(fake, fake.sync(plan_hash="h", plan=plan), max_tensor_bytes=None)
         assert isinstance(error, HandshakeError), error
-        assert f"tensor 'w': shape ({physical + 1},) of 'int8' is {physical + 1} bytes, more than the {physical} bytes" in str(error)
+        assert (
+            f"tensor 'w': shape ({physical + 1},) of 'int8' is {physical + 1} bytes, more than the {physical} bytes"
+            in str(error)
+        )
     finally:
         fake.close()
 
@@ -595,7 +691,9 @@ def test_load_into_checks_every_spec_against_the_model_before_allocating_it(stre
     mismatch = r"tensor 'w': shape \(16777216,\) received, model has \(16,\)"
     assert failure.match(mismatch)
     assert isinstance(box.get("error"), SinkError if streamed else HandshakeError), box
-    assert box["error"].args[0].endswith("tensor 'w': shape (16777216,) received, model has (16,)"), box["error"]
+    assert box["error"].args[0].endswith("tensor 'w': shape (16777216,) received, model has (16,)"), box[
+        "error"
+    ]
     assert allocations.largest("receiver-under-test") <= BUCKET, allocations.sizes
     assert peak.growth < 48 * MIB, peak.growth  # the sender's 64 MiB source existed before
     assert torch.equal(model.w, torch.zeros(16))
@@ -627,9 +725,13 @@ def test_shm_refuses_a_ring_whose_slots_differ_from_the_handshake():
     server.start()
     engine = ShmEngine(EngineConfig.from_overrides(["backend=shm", "timeout_s=10"]), torch.device("cpu"))
     info = {"socket": name, "token": "0" * 32, "generation": 1, "slot_bytes": 4096, "host_id": host_id()}
-    join = Join(version=1, rank=1, world_size=2, senders=1, capacity=4096, name="receiver rank 0", receiver_rank=0)
+    join = Join(
+        version=1, rank=1, world_size=2, senders=1, capacity=4096, name="receiver rank 0", receiver_rank=0
+    )
     try:
-        with pytest.raises(PeerError, match="shm: the sender offers slots of 1099511627776 bytes, its handshake said 4096"):
+        with pytest.raises(
+            PeerError, match="shm: the sender offers slots of 1099511627776 bytes, its handshake said 4096"
+        ):
             engine.connect(join, info)
         assert engine._ring is None and engine._memory is None
     finally:
@@ -677,8 +779,11 @@ def test_after_the_greeting_a_receiver_takes_plan_sized_frames_and_refuses_large
     address, thread = _fake_sender_that_then_sends((MAX_FRAME_BYTES + 1).to_bytes(4, "big"))
     t0 = time.monotonic()
     with Receiver(EngineConfig.from_overrides(TCP), address, 0) as receiver:
-        with pytest.raises(ProtocolError, match=f"sender at {address} sent a {MAX_FRAME_BYTES + 1}-byte frame "
-                                                f"\\(limit {MAX_FRAME_BYTES}\\)"):
+        with pytest.raises(
+            ProtocolError,
+            match=f"sender at {address} sent a {MAX_FRAME_BYTES + 1}-byte frame "
+            f"\\(limit {MAX_FRAME_BYTES}\\)",
+        ):
             list(receiver.receive())
         assert receiver.version is None
     assert time.monotonic() - t0 < 5  # refused on the header: its 64 MiB never came
@@ -702,8 +807,11 @@ def test_an_authenticated_receiver_may_only_send_small_replies():
             assert channel.recv(d, expect="sync")["version"] == 1
             t0 = time.monotonic()
             channel.sock.sendall((RECEIVER_MAX_FRAME_BYTES + 1).to_bytes(4, "big"))  # and no body
-            with pytest.raises(SyncError, match=rf"receiver rank 0 \(pid {os.getpid()}.*\) sent a "
-                                                rf"{RECEIVER_MAX_FRAME_BYTES + 1}-byte frame \(limit {RECEIVER_MAX_FRAME_BYTES}\)"):
+            with pytest.raises(
+                SyncError,
+                match=rf"receiver rank 0 \(pid {os.getpid()}.*\) sent a "
+                rf"{RECEIVER_MAX_FRAME_BYTES + 1}-byte frame \(limit {RECEIVER_MAX_FRAME_BYTES}\)",
+            ):
                 sent.join(timeout=30)
             assert time.monotonic() - t0 < 5
         finally:
@@ -725,6 +833,9 @@ def test_a_close_behind_messages_not_read_yet_is_seen_without_reading_them():
             theirs.close()
             time.sleep(0.1)
             assert not ch.is_dead()  # between syncs the message is read first (a goodbye, say)
-            assert ch.is_dead(behind=True) and ch.gone("during the test") == "sender at test disconnected during the test"
+            assert (
+                ch.is_dead(behind=True)
+                and ch.gone("during the test") == "sender at test disconnected during the test"
+            )
         finally:
             ch.close()

@@ -6,7 +6,9 @@ from __future__ import annotations
 import time
 
 
-def send_one_version_and_hold(url: str, port: int, model_dir: str, version: int, overrides: list[str], q) -> None:
+def send_one_version_and_hold(
+    url: str, port: int, model_dir: str, version: int, overrides: list[str], q
+) -> None:
     import torch
     from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer.base import ModuleSource
@@ -17,10 +19,12 @@ def send_one_version_and_hold(url: str, port: int, model_dir: str, version: int,
 
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        info = WeightsyncTrainerInitInfo(master_address="127.0.0.1", master_port=port, world_size=2, rank=0,
-                                         overrides=overrides)
+        info = WeightsyncTrainerInitInfo(
+            master_address="127.0.0.1", master_port=port, world_size=2, rank=0, overrides=overrides
+        )
         engine = WeightTransferTrainerFactory.trainer_init(
-            info, client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))
+            info, client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model)
+        )
         engine.send_weights(version=version)
         q.put(("sent", version))
     except BaseException as e:
@@ -47,10 +51,13 @@ def stage_slowly(url: str, port: int, model_dir: str, version: int, overrides: l
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1e-2)
-    info = WeightsyncTrainerInitInfo(master_address="127.0.0.1", master_port=port, world_size=2, rank=0,
-                                     overrides=overrides)
+    info = WeightsyncTrainerInitInfo(
+        master_address="127.0.0.1", master_port=port, world_size=2, rank=0, overrides=overrides
+    )
     source = workers.SlowSource(dict(model.state_dict()), delay_s=0.5)
-    engine = WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(url), source=source)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        info, client=HTTPVLLMWeightSyncClient(url), source=source
+    )
     threading.Thread(target=lambda: (source.started.wait(), q.put(("staging", version))), daemon=True).start()
     engine.stage_weights(version)
     q.put(("staged", version))  # not reached: the test kills this process first

@@ -22,7 +22,9 @@ needs_mooncake = pytest.mark.mooncake
 
 def digest(t: torch.Tensor) -> str:
     host = t if t.device.type == "cpu" else t.cpu()  # device tensors: hashed from a host copy
-    return f"{t.dtype}|{tuple(t.shape)}|" + hashlib.blake2b(as_bytes(host).numpy(), digest_size=16).hexdigest()
+    return (
+        f"{t.dtype}|{tuple(t.shape)}|" + hashlib.blake2b(as_bytes(host).numpy(), digest_size=16).hexdigest()
+    )
 
 
 def _check_device(name: str, t: torch.Tensor, device) -> None:
@@ -51,8 +53,19 @@ def expected_digests(version: int) -> dict[str, str]:
     return {n: digest(t.contiguous()) for n, t in make_weights(version).items()}
 
 
-def run_receiver(address, rank, overrides, versions, queue, die_after_tensors=None, owned=False, keep_going=False,
-                 die_in_version=None, device=None, warm_up=False):
+def run_receiver(
+    address,
+    rank,
+    overrides,
+    versions,
+    queue,
+    die_after_tensors=None,
+    owned=False,
+    keep_going=False,
+    die_in_version=None,
+    device=None,
+    warm_up=False,
+):
     """Receive each version and report ``(rank, version, digests, receiver.version)``;
     on error report ``(rank, "error", message, receiver.version)`` and stop (or, with
     ``keep_going``, go on with the next version); ``die_after_tensors`` (in version
@@ -75,7 +88,11 @@ def run_receiver(address, rank, overrides, versions, queue, die_after_tensors=No
                     if owned:
                         kept[name] = t
                     got[name] = digest(t)
-                    if die_after_tensors is not None and len(got) >= die_after_tensors and die_in_version in (None, v):
+                    if (
+                        die_after_tensors is not None
+                        and len(got) >= die_after_tensors
+                        and die_in_version in (None, v)
+                    ):
                         os._exit(9)  # a crash in the middle of a sync
             except Exception as e:
                 if not keep_going:
@@ -127,8 +144,17 @@ def run_module_receiver(address, rank, overrides, versions, queue):
                 stats = receiver.load_into(model, version=v)
                 queue.put((rank, v, module_digests(model), stats.missing))
             except Exception as e:
-                queue.put((rank, "error", f"{type(e).__name__}: {e}", receiver.version, receiver.failed_version,
-                           receiver.torn, module_digests(model)))
+                queue.put(
+                    (
+                        rank,
+                        "error",
+                        f"{type(e).__name__}: {e}",
+                        receiver.version,
+                        receiver.failed_version,
+                        receiver.torn,
+                        module_digests(model),
+                    )
+                )
 
 
 def run_sharded_trainer(rank, store_port, address_queue, overrides, num_receivers, versions, result_queue):
@@ -147,8 +173,12 @@ def run_sharded_trainer(rank, store_port, address_queue, overrides, num_receiver
             if rank == 0:
                 address_queue.put(sender.address)
             for v in versions:
-                state = {n: distribute_tensor(t.contiguous(), mesh, [Shard(0)]) if t.dtype == torch.float32 and t.dim() >= 1 else t
-                         for n, t in make_weights(v).items()}
+                state = {
+                    n: distribute_tensor(t.contiguous(), mesh, [Shard(0)])
+                    if t.dtype == torch.float32 and t.dim() >= 1
+                    else t
+                    for n, t in make_weights(v).items()
+                }
                 stats = sender.send(state, version=v)
                 result_queue.put((rank, v, stats.bytes, stats.tensors))
         dist.destroy_process_group()
@@ -176,8 +206,12 @@ def resources() -> dict[str, float]:
     resident memory (MB)."""
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    return {"fds": len(os.listdir("/proc/self/fd")), "shm_fds": len(shared_memory_fds()),
-            "threads": len(os.listdir("/proc/self/task")), "rss_mb": rss}
+    return {
+        "fds": len(os.listdir("/proc/self/fd")),
+        "shm_fds": len(shared_memory_fds()),
+        "threads": len(os.listdir("/proc/self/task")),
+        "rss_mb": rss,
+    }
 
 
 def rss_slope(samples: list[dict]) -> float:
@@ -280,14 +314,18 @@ def bump_small(model: torch.nn.Module, version: int) -> None:
         model.count.fill_(version)
 
 
-def run_paired_trainer(address, rank, num_trainers, overrides, num_receivers, versions, queue, weights=None, device=None):
+def run_paired_trainer(
+    address, rank, num_trainers, overrides, num_receivers, versions, queue, weights=None, device=None
+):
     """Trainer rank > 0 of the ``paired`` backend: send its share of each version; report
     ``(("trainer", rank), version, bytes sent, buckets sent)``, or an error and go on.
     ``device``: where its transfer buffers live (default: the process's accelerator, or CPU)."""
     torch.set_num_threads(1)
     try:
         config = EngineConfig.from_overrides(overrides)
-        with Sender(config, address, num_receivers, rank=rank, num_trainers=num_trainers, device=device) as sender:
+        with Sender(
+            config, address, num_receivers, rank=rank, num_trainers=num_trainers, device=device
+        ) as sender:
             for v in versions:
                 try:
                     stats = sender.send((weights or make_weights)(v), version=v)
@@ -298,6 +336,7 @@ def run_paired_trainer(address, rank, num_trainers, overrides, num_receivers, ve
     except Exception as e:
         queue.put((("trainer", rank), "error", f"{type(e).__name__}: {e}", None))
         traceback.print_exc()
+
 
 def slow_weights(version, queue, after=12):
     """``big_weights`` yielded one by one, stalling for a minute after ``after`` tensors
@@ -334,8 +373,9 @@ def cuda_big_weights(version: int) -> dict[str, torch.Tensor]:
     return {n: t.to(CUDA) for n, t in big_weights(version).items()}
 
 
-def run_device_sender(overrides, num_receivers, versions, queue, device=CUDA, weights="cuda_weights", rank=0,
-                      num_trainers=1):
+def run_device_sender(
+    overrides, num_receivers, versions, queue, device=CUDA, weights="cuda_weights", rank=0, num_trainers=1
+):
     """A trainer in its own process, its transfer buffers on ``device``, sending
     ``weights`` (the name of a function here: ``cuda_weights``, ``cuda_big_weights``, or
     ``make_weights`` for host tensors). In a process of its own so that a device collective
@@ -346,7 +386,9 @@ def run_device_sender(overrides, num_receivers, versions, queue, device=CUDA, we
     make = globals()[weights]
     try:
         config = EngineConfig.from_overrides(overrides)
-        with Sender(config, "127.0.0.1:0", num_receivers, rank=rank, num_trainers=num_trainers, device=device) as sender:
+        with Sender(
+            config, "127.0.0.1:0", num_receivers, rank=rank, num_trainers=num_trainers, device=device
+        ) as sender:
             queue.put(("listening", sender.address))
             for v in versions:
                 state = make(v)
@@ -359,8 +401,19 @@ def run_device_sender(overrides, num_receivers, versions, queue, device=CUDA, we
                         if r in sender.receivers and len(sender.receivers) > 1:
                             sender.remove_receiver(r)
                     continue
-                queue.put(("sent", v, {"tensors": stats.tensors, "buckets": stats.buckets, "bytes": stats.bytes,
-                                       "seconds": stats.seconds, "plan_sent_to": stats.plan_sent_to}))
+                queue.put(
+                    (
+                        "sent",
+                        v,
+                        {
+                            "tensors": stats.tensors,
+                            "buckets": stats.buckets,
+                            "bytes": stats.bytes,
+                            "seconds": stats.seconds,
+                            "plan_sent_to": stats.plan_sent_to,
+                        },
+                    )
+                )
     except Exception as e:
         queue.put(("error", None, f"{type(e).__name__}: {e}"))
         traceback.print_exc()

@@ -22,19 +22,44 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
             "every step (version = step). Every rollout checks every tensor bit-exact."
         ),
     )
-    p.add_argument("--model", metavar="DIR", help="Hugging Face model directory (config.json + safetensors), loaded locally")
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        help="Hugging Face model directory (config.json + safetensors), loaded locally",
+    )
     p.add_argument("--receivers", type=int, default=2, help="rollout processes (default: 2)")
     p.add_argument("--steps", type=int, default=3, help="training steps, one sync each (default: 3)")
     p.add_argument("--backend", default="nccl", help="transfer backend (default: nccl; Gloo on CPU)")
-    p.add_argument("--bucket-mb", type=int, default=64, help="bucket size in MiB (default: 64; may be smaller than the largest tensor)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="any configuration key (repeatable), e.g. --set timeout_s=60")
-    p.add_argument("--address", default="127.0.0.1:0", help="sender's control address (default: 127.0.0.1, a free port)")
+    p.add_argument(
+        "--bucket-mb",
+        type=int,
+        default=64,
+        help="bucket size in MiB (default: 64; may be smaller than the largest tensor)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any configuration key (repeatable), e.g. --set timeout_s=60",
+    )
+    p.add_argument(
+        "--address", default="127.0.0.1:0", help="sender's control address (default: 127.0.0.1, a free port)"
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    p.add_argument("--rollout", choices=("process", "vllm"), default="process",
-                   help="rollout side: plain PyTorch processes (default) or vLLM replicas (needs weightsync[vllm])")
-    p.add_argument("--pause-mode", choices=("keep", "abort", "wait"), default="keep",
-                   help="--rollout vllm: what pausing does to in-flight requests (default: keep)")
+    p.add_argument(
+        "--rollout",
+        choices=("process", "vllm"),
+        default="process",
+        help="rollout side: plain PyTorch processes (default) or vLLM replicas (needs weightsync[vllm])",
+    )
+    p.add_argument(
+        "--pause-mode",
+        choices=("keep", "abort", "wait"),
+        default="keep",
+        help="--rollout vllm: what pausing does to in-flight requests (default: keep)",
+    )
 
 
 def _allowed(flag: str, values: list[str], allowed: tuple[str, ...]) -> bool:
@@ -65,52 +90,128 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
             "Reports the median of --repeats syncs after a warm-up; compare ratios, not absolute times."
         ),
     )
-    p.add_argument("--backend", type=_csv(str), default=["nccl", "shm"], help="comma-separated backends (default: nccl,shm)")
-    p.add_argument("--bucket-mb", type=_csv(int), default=[64], help="comma-separated bucket sizes in MiB (default: 64)")
-    p.add_argument("--receivers", type=int, default=None, help="receiver processes (default: 3; vLLM replicas: 2)")
-    p.add_argument("--trainers", type=int, default=1,
-                   help="trainer processes for backends where every trainer rank sends: paired (default: 1)")
-    p.add_argument("--size-mb", type=float, default=None,
-                   help="synthetic model size in MiB (default: 1024; with --rollout vllm: a 392 MB fp32 Qwen2 model)")
-    p.add_argument("--rollout", choices=("processes", "vllm"), default="processes",
-                   help="receivers: plain processes (default), or real vLLM replicas (--receivers of them, default 2 "
-                        "here: update vs. the replicas reloading from disk and the trainer's save)")
-    p.add_argument("--shape", choices=("llm", "small-tensors"), default="llm",
-                   help="synthetic model: a Qwen2-like decoder, or only 256 KiB tensors (default: llm)")
+    p.add_argument(
+        "--backend",
+        type=_csv(str),
+        default=["nccl", "shm"],
+        help="comma-separated backends (default: nccl,shm)",
+    )
+    p.add_argument(
+        "--bucket-mb", type=_csv(int), default=[64], help="comma-separated bucket sizes in MiB (default: 64)"
+    )
+    p.add_argument(
+        "--receivers", type=int, default=None, help="receiver processes (default: 3; vLLM replicas: 2)"
+    )
+    p.add_argument(
+        "--trainers",
+        type=int,
+        default=1,
+        help="trainer processes for backends where every trainer rank sends: paired (default: 1)",
+    )
+    p.add_argument(
+        "--size-mb",
+        type=float,
+        default=None,
+        help="synthetic model size in MiB (default: 1024; with --rollout vllm: a 392 MB fp32 Qwen2 model)",
+    )
+    p.add_argument(
+        "--rollout",
+        choices=("processes", "vllm"),
+        default="processes",
+        help="receivers: plain processes (default), or real vLLM replicas (--receivers of them, default 2 "
+        "here: update vs. the replicas reloading from disk and the trainer's save)",
+    )
+    p.add_argument(
+        "--shape",
+        choices=("llm", "small-tensors"),
+        default="llm",
+        help="synthetic model: a Qwen2-like decoder, or only 256 KiB tensors (default: llm)",
+    )
     p.add_argument("--dtype", default="bfloat16", help="synthetic model dtype (default: bfloat16)")
     p.add_argument("--model", metavar="DIR", help="benchmark the *.safetensors weights of DIR instead")
-    p.add_argument("--repeats", type=int, default=3, help="timed syncs per row after one warm-up (default: 3)")
-    p.add_argument("--update", choices=("bump", "adamw"), default="bump",
-                   help="how versions differ: every tensor a little (bump, default), or an AdamW step of fp32 "
-                        "masters sent in the model dtype, with rows for delta off, auto and on per backend (adamw)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed syncs per row after one warm-up (default: 3)"
+    )
+    p.add_argument(
+        "--update",
+        choices=("bump", "adamw"),
+        default="bump",
+        help="how versions differ: every tensor a little (bump, default), or an AdamW step of fp32 "
+        "masters sent in the model dtype, with rows for delta off, auto and on per backend (adamw)",
+    )
     p.add_argument("--lr", type=float, default=1e-6, help="learning rate of --update adamw (default: 1e-6)")
-    p.add_argument("--delta", type=_csv(str), default=list(DELTA_MODES), metavar="MODES",
-                   help="--update adamw: comma-separated delta settings, a row per backend and setting (default: "
-                        "off,auto,on)")
-    p.add_argument("--no-initial-sync", dest="initial_sync", action="store_false",
-                   help="--rollout vllm: no sync at each rollout's construction (VLLMRollout initial_version), so "
-                        "the first update pays vLLM's first reload on fresh replicas")
-    p.add_argument("--update-mode", type=_csv(str), default=["stream"], metavar="MODES",
-                   help="--rollout vllm: comma-separated update_mode values, a row per backend and mode: stream "
-                        "(default), staged (stage while generating, pause only for the commit; adds generation "
-                        "tokens/s during a stage against idle)")
-    p.add_argument("--no-alternatives", dest="alternatives", action="store_false",
-                   help="measure only weightsync's backends (no per-tensor, disk or ceiling rows)")
+    p.add_argument(
+        "--delta",
+        type=_csv(str),
+        default=list(DELTA_MODES),
+        metavar="MODES",
+        help="--update adamw: comma-separated delta settings, a row per backend and setting (default: "
+        "off,auto,on)",
+    )
+    p.add_argument(
+        "--no-initial-sync",
+        dest="initial_sync",
+        action="store_false",
+        help="--rollout vllm: no sync at each rollout's construction (VLLMRollout initial_version), so "
+        "the first update pays vLLM's first reload on fresh replicas",
+    )
+    p.add_argument(
+        "--update-mode",
+        type=_csv(str),
+        default=["stream"],
+        metavar="MODES",
+        help="--rollout vllm: comma-separated update_mode values, a row per backend and mode: stream "
+        "(default), staged (stage while generating, pause only for the commit; adds generation "
+        "tokens/s during a stage against idle)",
+    )
+    p.add_argument(
+        "--no-alternatives",
+        dest="alternatives",
+        action="store_false",
+        help="measure only weightsync's backends (no per-tensor, disk or ceiling rows)",
+    )
     p.add_argument("--work-dir", metavar="DIR", help="where the disk path writes (default: the temp dir)")
-    p.add_argument("--device", default="cpu",
-                   help="where every process holds its model and transfer buffers: cpu (default) or cuda[:N], all "
-                        "processes on that one GPU; the alternatives are then the d2d-ceiling row only (device-to-device "
-                        "copy of the bytes every receiver needs)")
-    p.add_argument("--hosts", type=int, default=0, metavar="N",
-                   help="an emulated cluster of N hosts (network namespaces, needs root): trainer rank(s) on their own "
-                        "host(s), receivers on the others; rows report ratio_to_link_ceiling and each NIC's bytes per timed sync")
-    p.add_argument("--link", default="1gbit", metavar="RATE", help="--hosts: every NIC's rate, egress and ingress (default: 1gbit)")
-    p.add_argument("--trainer-link", default=None, metavar="RATE", help="--hosts: the trainer hosts' NIC rate (default: --link)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="configuration key for weightsync's rows (repeatable)")
-    p.add_argument("--codec", action="store_true",
-                   help="measure the delta codec instead of syncs: encode and apply of an AdamW step (--lr, --size-mb, "
-                        "default 512, --repeats, --device) against the memory-speed floor, in one run")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where every process holds its model and transfer buffers: cpu (default) or cuda[:N], all "
+        "processes on that one GPU; the alternatives are then the d2d-ceiling row only (device-to-device "
+        "copy of the bytes every receiver needs)",
+    )
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="an emulated cluster of N hosts (network namespaces, needs root): trainer rank(s) on their own "
+        "host(s), receivers on the others; rows report ratio_to_link_ceiling and each NIC's bytes per timed sync",
+    )
+    p.add_argument(
+        "--link",
+        default="1gbit",
+        metavar="RATE",
+        help="--hosts: every NIC's rate, egress and ingress (default: 1gbit)",
+    )
+    p.add_argument(
+        "--trainer-link",
+        default=None,
+        metavar="RATE",
+        help="--hosts: the trainer hosts' NIC rate (default: --link)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="configuration key for weightsync's rows (repeatable)",
+    )
+    p.add_argument(
+        "--codec",
+        action="store_true",
+        help="measure the delta codec instead of syncs: encode and apply of an AdamW step (--lr, --size-mb, "
+        "default 512, --repeats, --device) against the memory-speed floor, in one run",
+    )
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="draw GB/s against bucket size per backend")
 
@@ -122,10 +223,18 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
         description="Print the effective configuration for the given overrides (key=value, short or full form).",
     )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="configuration overrides")
-    p.add_argument("--yaml", metavar="FILE", help="read a YAML file first: weightsync's own (nested or flat keys) or a whole verl trainer config, read as verl reads it")
-    p.add_argument("--check", action="store_true", help="only validate: exit 0 if valid, 2 with the message if not")
+    p.add_argument(
+        "--yaml",
+        metavar="FILE",
+        help="read a YAML file first: weightsync's own (nested or flat keys) or a whole verl trainer config, read as verl reads it",
+    )
+    p.add_argument(
+        "--check", action="store_true", help="only validate: exit 0 if valid, 2 with the message if not"
+    )
     p.add_argument("--json", action="store_true", help="print the configuration as JSON")
-    p.add_argument("--docs", action="store_true", help="print the parameter reference (Markdown) generated from the code")
+    p.add_argument(
+        "--docs", action="store_true", help="print the parameter reference (Markdown) generated from the code"
+    )
     p.add_argument("--lang", choices=("en", "zh"), default="en", help="language of --docs (default: en)")
 
 
@@ -192,8 +301,14 @@ def _vllm_demo_command(args: argparse.Namespace) -> int:
     from weightsync.demo.vllm import VLLMDemoOptions, run_vllm_demo
 
     opts = VLLMDemoOptions(
-        model=args.model, replicas=args.receivers, steps=args.steps, bucket_mb=args.bucket_mb,
-        overrides=args.overrides, address=args.address, seed=args.seed, mode=args.pause_mode,
+        model=args.model,
+        replicas=args.receivers,
+        steps=args.steps,
+        bucket_mb=args.bucket_mb,
+        overrides=args.overrides,
+        address=args.address,
+        seed=args.seed,
+        mode=args.pause_mode,
     )
     try:
         run_vllm_demo(opts)
@@ -209,8 +324,14 @@ def _demo_command(args: argparse.Namespace) -> int:
     if args.rollout == "vllm":
         return _vllm_demo_command(args)
     opts = DemoOptions(
-        model=args.model, receivers=args.receivers, steps=args.steps, backend=args.backend,
-        bucket_mb=args.bucket_mb, overrides=args.overrides, address=args.address, seed=args.seed,
+        model=args.model,
+        receivers=args.receivers,
+        steps=args.steps,
+        backend=args.backend,
+        bucket_mb=args.bucket_mb,
+        overrides=args.overrides,
+        address=args.address,
+        seed=args.seed,
     )
     try:
         run_demo(opts)
@@ -226,9 +347,18 @@ def _vllm_bench_command(args: argparse.Namespace) -> int:
     from weightsync.bench.vllm import VLLMBenchOptions, run_vllm_bench
 
     opts = VLLMBenchOptions(
-        backends=args.backend, model=args.model, size_mb=args.size_mb or 392, replicas=args.receivers or 2,
-        bucket_mb=args.bucket_mb[0], repeats=args.repeats, overrides=args.overrides, work_dir=args.work_dir,
-        initial_sync=args.initial_sync, modes=args.update_mode, hosts=args.hosts, link=args.link,
+        backends=args.backend,
+        model=args.model,
+        size_mb=args.size_mb or 392,
+        replicas=args.receivers or 2,
+        bucket_mb=args.bucket_mb[0],
+        repeats=args.repeats,
+        overrides=args.overrides,
+        work_dir=args.work_dir,
+        initial_sync=args.initial_sync,
+        modes=args.update_mode,
+        hosts=args.hosts,
+        link=args.link,
     )
     if not _allowed("--update-mode", args.update_mode, UPDATE_MODES):
         return 2
@@ -240,17 +370,25 @@ def _vllm_bench_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"model {result['model_bytes'] / 1e6:.0f} MB, {result['replicas']} vLLM replicas; "
-              f"disk reload (all replicas at once) {result['disk_reload_s']:.3f} s, trainer save {result['save_s']:.3f} s")
+        print(
+            f"model {result['model_bytes'] / 1e6:.0f} MB, {result['replicas']} vLLM replicas; "
+            f"disk reload (all replicas at once) {result['disk_reload_s']:.3f} s, trainer save {result['save_s']:.3f} s"
+        )
         for r in result["rows"]:
-            print(f"  {r['backend']:>8} {r['update_mode']:>6} {r['bucket_mb']} MiB: update {r['seconds']:.3f} s (first {r['first_s']:.3f} s; "
-                  f"paused {r['paused_s']:.3f}: pause {r['pause_s']:.3f}, sync {r['sync_s']:.3f}, resume {r['resume_s']:.3f}; worker load "
-                  f"{r['worker_load_s']:.3f}); disk reload {r['disk_reload_s']:.3f} s, save {r['save_s']:.3f} s; "
-                  f"x disk reload {r['ratio_to_disk_reload']:.2f}, x save+reload "
-                  f"{r['ratio_to_save_reload']:.2f}; landing {r.get('landing_mb', 0):.0f} MiB, staging "
-                  f"{r.get('staging_mb', 0):.0f} MiB, RSS growth {r['rss_growth_mb']:.0f} MB"
-                  + (f"; generation {r['gen_during_stage_tokens_per_s']:.0f} tokens/s during a stage, "
-                     f"{r['gen_idle_tokens_per_s']:.0f} idle" if "gen_idle_tokens_per_s" in r else ""))
+            print(
+                f"  {r['backend']:>8} {r['update_mode']:>6} {r['bucket_mb']} MiB: update {r['seconds']:.3f} s (first {r['first_s']:.3f} s; "
+                f"paused {r['paused_s']:.3f}: pause {r['pause_s']:.3f}, sync {r['sync_s']:.3f}, resume {r['resume_s']:.3f}; worker load "
+                f"{r['worker_load_s']:.3f}); disk reload {r['disk_reload_s']:.3f} s, save {r['save_s']:.3f} s; "
+                f"x disk reload {r['ratio_to_disk_reload']:.2f}, x save+reload "
+                f"{r['ratio_to_save_reload']:.2f}; landing {r.get('landing_mb', 0):.0f} MiB, staging "
+                f"{r.get('staging_mb', 0):.0f} MiB, RSS growth {r['rss_growth_mb']:.0f} MB"
+                + (
+                    f"; generation {r['gen_during_stage_tokens_per_s']:.0f} tokens/s during a stage, "
+                    f"{r['gen_idle_tokens_per_s']:.0f} idle"
+                    if "gen_idle_tokens_per_s" in r
+                    else ""
+                )
+            )
         print(f"greedy output matches the trainer: {result['greedy_matches_trainer']}")
     return 0 if all(result["greedy_matches_trainer"].values()) else 1
 
@@ -262,8 +400,13 @@ def _codec_bench_command(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True)
     with err.status("codec bench") as status:
-        row = run_codec_bench(size_mb=args.size_mb or 512, lr=args.lr, repeats=args.repeats, device=args.device,
-                              progress=lambda msg: status.update(f"codec bench: {msg}"))
+        row = run_codec_bench(
+            size_mb=args.size_mb or 512,
+            lr=args.lr,
+            repeats=args.repeats,
+            device=args.device,
+            progress=lambda msg: status.update(f"codec bench: {msg}"),
+        )
     print(json.dumps([row.to_dict()], indent=1) if args.json else codec_table(row))
     return 0
 
@@ -282,19 +425,41 @@ def _bench_command(args: argparse.Namespace) -> int:
     from weightsync.bench.runner import BenchError, BenchOptions, run_bench
 
     opts = BenchOptions(
-        backends=args.backend, bucket_mb=args.bucket_mb, receivers=args.receivers or 3, trainers=args.trainers,
+        backends=args.backend,
+        bucket_mb=args.bucket_mb,
+        receivers=args.receivers or 3,
+        trainers=args.trainers,
         size_mb=args.size_mb or 1024,
-        shape=args.shape, dtype=args.dtype, model=args.model, repeats=args.repeats,
-        alternatives=args.alternatives, overrides=args.overrides, work_dir=args.work_dir, device=args.device,
-        update=args.update, lr=args.lr, deltas=args.delta, hosts=args.hosts, link=args.link,
+        shape=args.shape,
+        dtype=args.dtype,
+        model=args.model,
+        repeats=args.repeats,
+        alternatives=args.alternatives,
+        overrides=args.overrides,
+        work_dir=args.work_dir,
+        device=args.device,
+        update=args.update,
+        lr=args.lr,
+        deltas=args.delta,
+        hosts=args.hosts,
+        link=args.link,
         trainer_link=args.trainer_link,
     )
     err = Console(stderr=True)  # progress on stderr keeps --json output clean
     try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} syncs"),
-                      TimeElapsedColumn(), console=err, transient=True) as bar:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} syncs"),
+            TimeElapsedColumn(),
+            console=err,
+            transient=True,
+        ) as bar:
             task = bar.add_task("starting", total=None)
-            rows = run_bench(opts, lambda label, done, total: bar.update(task, description=label, completed=done, total=total))
+            rows = run_bench(
+                opts,
+                lambda label, done, total: bar.update(task, description=label, completed=done, total=total),
+            )
     except (BenchError, ValueError, FileNotFoundError, ConfigError) as e:
         print(f"bench FAILED: {e}", file=sys.stderr)
         return 1
@@ -304,7 +469,9 @@ def _bench_command(args: argparse.Namespace) -> int:
     if rows[0].device != "cpu":
         title += f", every process on {rows[0].device}"
     if args.hosts:
-        title += f", {args.hosts} emulated hosts, NICs {args.link}" + (f" (trainers {args.trainer_link})" if args.trainer_link else "")
+        title += f", {args.hosts} emulated hosts, NICs {args.link}" + (
+            f" (trainers {args.trainer_link})" if args.trainer_link else ""
+        )
     if args.json:
         print(to_json(rows))
     else:
@@ -317,8 +484,10 @@ def _bench_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     if args.command == "config":
         return _config_command(args)
     if args.command == "bench":

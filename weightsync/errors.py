@@ -70,7 +70,9 @@ class Rerouted(SyncError):
     @classmethod
     def said(cls, peer: str, msg: dict[str, Any]) -> Rerouted:
         """The sender's ``reroute`` message, as this error."""
-        error = cls(f"{peer} sends version {msg.get('version')} again without the lost receiver(s) {msg.get('lost')}")
+        error = cls(
+            f"{peer} sends version {msg.get('version')} again without the lost receiver(s) {msg.get('lost')}"
+        )
         error.version = msg["version"] if isinstance(msg.get("version"), int) else None
         return error
 

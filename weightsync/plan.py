@@ -129,7 +129,9 @@ class TensorSpec:
         if not isinstance(name, str) or not name:
             raise ValueError(f"tensor spec: name must be a non-empty string, got {_show(name)}")
         if not isinstance(shape, list | tuple) or len(shape) > MAX_TENSOR_DIMS:
-            raise ValueError(f"tensor {_show(name)}: shape must be a list of at most {MAX_TENSOR_DIMS} sizes, got {_show(shape)}")
+            raise ValueError(
+                f"tensor {_show(name)}: shape must be a list of at most {MAX_TENSOR_DIMS} sizes, got {_show(shape)}"
+            )
         dims = tuple(_wire_int(d, f"tensor {_show(name)}: shape") for d in shape)
         if not isinstance(dtype, str):
             raise ValueError(f"tensor {_show(name)}: dtype must be a string, got {_show(dtype)}")
@@ -190,13 +192,19 @@ class Bucket:
         end = 0
         for raw in data[2]:
             if not isinstance(raw, list | tuple) or len(raw) != len(_PIECE_FIELDS):
-                raise ValueError(f"bucket {index}: a piece must be [{', '.join(_PIECE_FIELDS)}], got {_show(raw)}")
+                raise ValueError(
+                    f"bucket {index}: a piece must be [{', '.join(_PIECE_FIELDS)}], got {_show(raw)}"
+                )
             p = Piece(*(_wire_int(v, f"bucket {index}: piece {f}") for v, f in zip(raw, _PIECE_FIELDS)))
             if p.bucket_offset < end:
-                raise ValueError(f"bucket {index}: piece bucket_offset {p.bucket_offset} is inside the piece before it (ends at {end})")
+                raise ValueError(
+                    f"bucket {index}: piece bucket_offset {p.bucket_offset} is inside the piece before it (ends at {end})"
+                )
             end = p.bucket_offset + p.length
             if end > nbytes:
-                raise ValueError(f"bucket {index}: piece bucket_offset {p.bucket_offset} + length {p.length} ends past its {nbytes} bytes")
+                raise ValueError(
+                    f"bucket {index}: piece bucket_offset {p.bucket_offset} + length {p.length} ends past its {nbytes} bytes"
+                )
             pieces.append(p)
         return cls(index, nbytes, tuple(pieces))
 
@@ -216,7 +224,9 @@ class WireLimits:
     at most ``max_total_bytes`` together, in at most ``MAX_PLAN_BUCKETS`` buckets of
     ``bucket_bytes``. Each refusal is a ValueError naming the tensor and the limit."""
 
-    def __init__(self, bucket_bytes: int, max_tensor_bytes: int | None = None, max_total_bytes: int = MAX_PLAN_BYTES) -> None:
+    def __init__(
+        self, bucket_bytes: int, max_tensor_bytes: int | None = None, max_total_bytes: int = MAX_PLAN_BYTES
+    ) -> None:
         self.bucket_bytes = bucket_bytes
         self.max_tensor_bytes = max_tensor_bytes
         self.max_total_bytes = max_total_bytes
@@ -238,7 +248,9 @@ class WireLimits:
             )
         self.buckets += -(-spec.nbytes // self.bucket_bytes)
         if self.buckets > MAX_PLAN_BUCKETS:
-            raise ValueError(f"tensor {_show(spec.name)}: the plan would have about {self.buckets} buckets (limit {MAX_PLAN_BUCKETS})")
+            raise ValueError(
+                f"tensor {_show(spec.name)}: the plan would have about {self.buckets} buckets (limit {MAX_PLAN_BUCKETS})"
+            )
         return spec
 
 
@@ -352,11 +364,15 @@ class StreamedPlan:
         new = [self.limits.spec(t) for t in tensors]
         b = Bucket.from_wire(bucket)
         if b.index >= MAX_PLAN_BUCKETS:
-            raise ValueError(f"bucket index: {b.index}, more than the {MAX_PLAN_BUCKETS} buckets a plan may have")
+            raise ValueError(
+                f"bucket index: {b.index}, more than the {MAX_PLAN_BUCKETS} buckets a plan may have"
+            )
         if b.index != self.buckets:
             raise ValueError(f"bucket index: {b.index} announced where bucket {self.buckets} is next")
         if b.nbytes > self.bucket_bytes:
-            raise ValueError(f"bucket {b.index}: nbytes {b.nbytes} is more than a bucket ({self.bucket_bytes} bytes)")
+            raise ValueError(
+                f"bucket {b.index}: nbytes {b.nbytes} is more than a bucket ({self.bucket_bytes} bytes)"
+            )
         names = set()
         for spec in new:
             if spec.name in self._names or spec.name in names:
@@ -366,7 +382,9 @@ class StreamedPlan:
         filled = {}
         for p in b.pieces:
             if p.tensor >= known:
-                raise ValueError(f"bucket {b.index}: piece tensor {p.tensor} was never announced ({known} were)")
+                raise ValueError(
+                    f"bucket {b.index}: piece tensor {p.tensor} was never announced ({known} were)"
+                )
             spec = self.specs[p.tensor] if p.tensor < len(self.specs) else new[p.tensor - len(self.specs)]
             done = filled.get(p.tensor, self._filled[p.tensor] if p.tensor < len(self._filled) else 0)
             if p.tensor_offset != done or done + p.length > spec.nbytes:
@@ -430,12 +448,16 @@ class Plan:
         if wire_bucket < ALIGNMENT:
             raise ValueError(f"plan bucket_bytes: {wire_bucket} is below {ALIGNMENT} bytes")
         if bucket_bytes is not None and wire_bucket != bucket_bytes:
-            raise ValueError(f"plan bucket_bytes: {wire_bucket}, where this side's buckets are {bucket_bytes} bytes")
+            raise ValueError(
+                f"plan bucket_bytes: {wire_bucket}, where this side's buckets are {bucket_bytes} bytes"
+            )
         tensors = data.get("tensors")
         if not isinstance(tensors, list | tuple):
             raise ValueError(f"plan tensors: expected a list, got {type(tensors).__name__}")
         if len(tensors) > MAX_PLAN_TENSORS:
-            raise ValueError(f"plan tensors: {len(tensors)} tensors, more than the {MAX_PLAN_TENSORS} a plan may have")
+            raise ValueError(
+                f"plan tensors: {len(tensors)} tensors, more than the {MAX_PLAN_TENSORS} a plan may have"
+            )
         limits = WireLimits(wire_bucket, max_tensor_bytes, max_total_bytes)
         return make_plan([limits.spec(t) for t in tensors], wire_bucket)
 
@@ -538,7 +560,11 @@ class Assembler:
             return self._partial[index]
         spec = self.tensors[index]
         target = self.destination(spec) if self.destination is not None else None
-        if target is None or not target.is_contiguous() or target.numel() * target.element_size() != spec.nbytes:
+        if (
+            target is None
+            or not target.is_contiguous()
+            or target.numel() * target.element_size() != spec.nbytes
+        ):
             return None
         return target
 
@@ -552,7 +578,10 @@ class Assembler:
                 else:
                     raw = buffer[p.bucket_offset : p.bucket_offset + p.length]
                     tensor = raw.view(spec.torch_dtype).view(spec.shape)
-                    yield spec.name, tensor.clone() if self.owned and bucket.index not in self._landed else tensor
+                    yield (
+                        spec.name,
+                        tensor.clone() if self.owned and bucket.index not in self._landed else tensor,
+                    )
                 continue
             full = self._partial.get(p.tensor)
             if full is None:
@@ -574,17 +603,27 @@ class Assembler:
         return [self.tensors[i].name for i in self._partial]
 
 
-def shortfall(tensors: Sequence[TensorSpec], buckets: Sequence[Bucket], received: Iterable[int], incomplete: Sequence[str]) -> str:
+def shortfall(
+    tensors: Sequence[TensorSpec],
+    buckets: Sequence[Bucket],
+    received: Iterable[int],
+    incomplete: Sequence[str],
+) -> str:
     """What a receive that ended early lacks: the buckets of ``buckets`` whose index is not
     in ``received``, the tensors with a piece in them, and ``incomplete`` (split tensors
     still waiting for pieces), each list cut short after a few names."""
+
     def few(items: Sequence[Any]) -> str:
         return ", ".join(map(str, items[:6])) + (f", ... ({len(items)} in all)" if len(items) > 6 else "")
 
     got = set(received)
     lost = [b for b in buckets if b.index not in got]
     names = list(dict.fromkeys(tensors[p.tensor].name for b in lost for p in b.pieces))
-    parts = [f"{len(lost)} of {len(buckets)} bucket(s) did not arrive ({few([b.index for b in lost])})"] if lost else []
+    parts = (
+        [f"{len(lost)} of {len(buckets)} bucket(s) did not arrive ({few([b.index for b in lost])})"]
+        if lost
+        else []
+    )
     if names:
         parts.append(f"tensor(s) {few(names)} missing")
     if incomplete:

@@ -71,13 +71,15 @@ def device_report() -> dict:
     if plat.kind == "cuda":
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
-            report["devices"].append({
-                "index": index,
-                "name": props.name,
-                "capability": f"{props.major}.{props.minor}",
-                "memory_gib": round(props.total_memory / 2**30, 1),
-                "multiprocessors": props.multi_processor_count,
-            })
+            report["devices"].append(
+                {
+                    "index": index,
+                    "name": props.name,
+                    "capability": f"{props.major}.{props.minor}",
+                    "memory_gib": round(props.total_memory / 2**30, 1),
+                    "multiprocessors": props.multi_processor_count,
+                }
+            )
     return report
 
 
@@ -127,8 +129,14 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     copy: where a worker's landing copies went through ``memmove`` its CPU per update
     doubled (not traced; likely: the engine's loader reads the bytes right after they
     land, and glibc's ``memmove`` writes large copies around the cache)."""
-    if (dst.device.type == "cpu" and src.device.type == "cpu" and dst.is_contiguous() and src.is_contiguous()
-            and dst.dtype == src.dtype and dst.numel() == src.numel()):
+    if (
+        dst.device.type == "cpu"
+        and src.device.type == "cpu"
+        and dst.is_contiguous()
+        and src.is_contiguous()
+        and dst.dtype == src.dtype
+        and dst.numel() == src.numel()
+    ):
         if dst.nbytes:
             ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.nbytes)
         return
@@ -195,14 +203,21 @@ def mooncake_protocol(device: str = "auto") -> str:
     platform. Logged, so the transport in use is visible."""
     kind = current_platform().kind if device == "auto" else device
     if kind not in _MOONCAKE_PROTOCOL:
-        raise ValueError(f"engine_kwargs.mooncake.device={device!r}: expected one of auto, {', '.join(_MOONCAKE_PROTOCOL)}")
+        raise ValueError(
+            f"engine_kwargs.mooncake.device={device!r}: expected one of auto, {', '.join(_MOONCAKE_PROTOCOL)}"
+        )
     protocol = _MOONCAKE_PROTOCOL[kind]
     log.info("backend 'mooncake' with device %s uses Mooncake protocol %s", device, protocol)
     return protocol
 
 
 def new_process_group(
-    library: str, store: dist.Store, rank: int, world_size: int, timeout_s: float, bind_host: str | None = None
+    library: str,
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    bind_host: str | None = None,
 ) -> dist.ProcessGroup:
     """A process group of our own over ``store``; never touches the default group.
 

@@ -28,7 +28,8 @@ class ModuleSink:
     def __init__(self, module: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
         self.module = module
         self.targets: dict[str, torch.Tensor] = (
-            dict(module.state_dict(keep_vars=True)) if isinstance(module, torch.nn.Module) else dict(module))
+            dict(module.state_dict(keep_vars=True)) if isinstance(module, torch.nn.Module) else dict(module)
+        )
         self._loaded: set[int] = set()  # ids of target tensors written (tied names share one)
 
     def _problem(self, name: str, shape: tuple[int, ...], dtype: str) -> str | None:
@@ -75,4 +76,9 @@ class ModuleSink:
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+    return (
+        a.device == b.device
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )

@@ -93,7 +93,9 @@ class IteratorSource(WeightSource):
 
     reiterable = False
 
-    def __init__(self, items: Iterable[tuple[str, torch.Tensor]], wire_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, items: Iterable[tuple[str, torch.Tensor]], wire_dtype: torch.dtype | None = None
+    ) -> None:
         self.items = items
         self.wire_dtype = wire_dtype
         self._used = False
@@ -120,7 +122,10 @@ class _WireCast(WeightSource):
         specs = self.inner.specs()
         if specs is None:
             return None
-        return [TensorSpec(s.name, s.shape, dtype_name(_wire_dtype(s.torch_dtype, self.wire_dtype))) for s in specs]
+        return [
+            TensorSpec(s.name, s.shape, dtype_name(_wire_dtype(s.torch_dtype, self.wire_dtype)))
+            for s in specs
+        ]
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self.inner.tensors():

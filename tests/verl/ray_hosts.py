@@ -72,7 +72,9 @@ def _serve(netns: str, env: dict[str, str], address: str, node_ip: str, nodes: i
         end = time.monotonic() + 120
         while len([n for n in ray.nodes() if n["Alive"]]) < nodes:
             if time.monotonic() > end:
-                raise TimeoutError(f"{nodes} Ray nodes expected, alive: {[n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]}")
+                raise TimeoutError(
+                    f"{nodes} Ray nodes expected, alive: {[n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]}"
+                )
             time.sleep(0.5)
         conn.send(("ok", None))
     except BaseException:
@@ -119,16 +121,33 @@ class RayHosts:
     def _start(self) -> None:
         ray = str(Path(sys.executable).with_name("ray"))
         for i, host in enumerate(self.cluster.hosts):
-            where = ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"] if i == 0 else [f"--address={self.head}"]
-            argv = [ray, "start", "--block", *where, f"--node-ip-address={host.address}", f"--num-cpus={self.cpus[i]}",
-                    f"--temp-dir={self.tmp}/n{i}", "--disable-usage-stats"]
+            where = (
+                ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"]
+                if i == 0
+                else [f"--address={self.head}"]
+            )
+            argv = [
+                ray,
+                "start",
+                "--block",
+                *where,
+                f"--node-ip-address={host.address}",
+                f"--num-cpus={self.cpus[i]}",
+                f"--temp-dir={self.tmp}/n{i}",
+                "--disable-usage-stats",
+            ]
             with open(self.tmp / f"node{i}.log", "wb") as log:
                 # a worker node retries reaching the head's GCS while that starts
-                self.nodes.append(self.cluster.popen(i, argv, env=self.env, stdout=log, stderr=subprocess.STDOUT))
+                self.nodes.append(
+                    self.cluster.popen(i, argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+                )
         self.conn, child = CTX.Pipe()
         host = self.cluster.hosts[0]
-        self.driver = CTX.Process(target=_serve, args=(host.netns, self.env, self.head, host.address,
-                                                       len(self.cluster.hosts), child), daemon=True)
+        self.driver = CTX.Process(
+            target=_serve,
+            args=(host.netns, self.env, self.head, host.address, len(self.cluster.hosts), child),
+            daemon=True,
+        )
         self.driver.start()
         self._reply(180)  # every node alive
 
@@ -183,7 +202,9 @@ class RayHosts:
         while any(node.poll() is None for node in self.nodes) and time.monotonic() < end:
             time.sleep(0.1)
         end = time.monotonic() + 10
-        while self._kill_leftovers() and time.monotonic() < end:  # until none is left (a killed one takes a moment)
+        while (
+            self._kill_leftovers() and time.monotonic() < end
+        ):  # until none is left (a killed one takes a moment)
             time.sleep(0.2)
         for node in self.nodes:
             node.wait(timeout=10)
@@ -207,5 +228,7 @@ class RayHosts:
         """PIDs still running in each host's namespace."""
         out = {}
         for host in self.cluster.hosts:
-            out[host.netns] = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout.split()
+            out[host.netns] = subprocess.run(
+                ["ip", "netns", "pids", host.netns], capture_output=True, text=True
+            ).stdout.split()
         return out

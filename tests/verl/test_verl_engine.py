@@ -24,25 +24,45 @@ KB = 1 << 10
 @pytest.mark.timeout(120)
 def test_verls_generated_trainer_configs_are_accepted():
     names = {p.name for p in GENERATED}
-    assert {"_generated_ppo_trainer.yaml", "_generated_ppo_megatron_trainer.yaml",
-            "_generated_ppo_torchtitan_trainer.yaml", "_generated_ppo_veomni_trainer.yaml"} <= names
+    assert {
+        "_generated_ppo_trainer.yaml",
+        "_generated_ppo_megatron_trainer.yaml",
+        "_generated_ppo_torchtitan_trainer.yaml",
+        "_generated_ppo_veomni_trainer.yaml",
+    } <= names
     for path in GENERATED:
         c = EngineConfig.from_yaml(path)  # _target_, verl's trainer modes, everything else is verl's
         assert (c.backend, c.update_weights_bucket_megabytes) == ("naive", 2048), path.name
         assert (c.trainer.use_v1, c.trainer.trainer_mode) == (True, "sync"), path.name
-    out = subprocess.run([sys.executable, "-m", "weightsync.cli", "config", "--check", "--yaml", str(GENERATED[0])],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "weightsync.cli", "config", "--check", "--yaml", str(GENERATED[0])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and "config OK" in out.stdout, out.stderr
 
 
 @pytest.mark.timeout(60)
 def test_importing_the_module_registers_the_backend():
     assert CheckpointEngineRegistry.get("weightsync") is adapter.WeightsyncCheckpointEngine
-    engine = CheckpointEngineRegistry.new("weightsync", bucket_size=4 << 20, transport="auto", timeout_s=5,
-                                          verify="crc32", nccl={"group_name": "ws"})
+    engine = CheckpointEngineRegistry.new(
+        "weightsync",
+        bucket_size=4 << 20,
+        transport="auto",
+        timeout_s=5,
+        verify="crc32",
+        nccl={"group_name": "ws"},
+    )
     assert engine.bucket_mb == 4 and not engine.is_master and set(engine._configs) == {"shm", "nccl"}
-    assert engine._configs["nccl"].engine_kwargs.nccl.group_name == "ws" and engine._configs["shm"].verify == "crc32"
-    with pytest.raises(ConfigError, match=r"unknown key .*weightsync\.timeout \(did you mean 'timeout_s'\?\); known keys: transport, host, timeout_s"):
+    assert (
+        engine._configs["nccl"].engine_kwargs.nccl.group_name == "ws"
+        and engine._configs["shm"].verify == "crc32"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown key .*weightsync\.timeout \(did you mean 'timeout_s'\?\); known keys: transport, host, timeout_s",
+    ):
         CheckpointEngineRegistry.new("weightsync", bucket_size=1 << 20, timeout=5)
     with pytest.raises(ConfigError, match="engine_kwargs.disk.path=''"):
         CheckpointEngineRegistry.new("weightsync", bucket_size=1 << 20, transport="disk")
@@ -51,7 +71,12 @@ def test_importing_the_module_registers_the_backend():
 def meta(i: str, node: str, master: bool = False, held: int | None = None, members=None) -> dict:
     m = {"id": i, "node_id": node, "ip": "10.0.0.1", "pid": 1, "master": master, "held": held}
     if master:
-        m.update(transport=members.pop("_transport"), addresses={"nccl": "h:1", "shm": "h:2"}, members=members, version=None)
+        m.update(
+            transport=members.pop("_transport"),
+            addresses={"nccl": "h:1", "shm": "h:2"},
+            members=members,
+            version=None,
+        )
     return m
 
 
@@ -59,7 +84,9 @@ def meta(i: str, node: str, master: bool = False, held: int | None = None, membe
 def test_build_topology_keeps_ranks_and_picks_the_transport():
     build = adapter.WeightsyncCheckpointEngine.build_topology
     master = meta("t0", "A", master=True, members={"_transport": "auto", "shm": {}, "nccl": {}})
-    actors, rollouts = build(2, 3, [master, meta("t1", "A"), meta("a", "A"), meta("b", "A", held=4), meta("c", "A")])
+    actors, rollouts = build(
+        2, 3, [master, meta("t1", "A"), meta("a", "A"), meta("b", "A", held=4), meta("c", "A")]
+    )
     assert actors["rank"] == [0, -1] and rollouts["rank"] == [0, 1, 2]
     topo = rollouts["topology"][0]
     assert (topo["transport"], topo["address"], topo["held"]) == ("shm", "h:2", 4)
@@ -71,7 +98,9 @@ def test_build_topology_keeps_ranks_and_picks_the_transport():
     assert rollouts["topology"][0]["members"] == {"c": 2, "d": 0, "b": 1}
 
     master = meta("t0", "A", master=True, members={"_transport": "shm"})
-    with pytest.raises(ConfigError, match=r"transport=shm needs every rollout worker on the trainer's node \(A\).*\[1\]"):
+    with pytest.raises(
+        ConfigError, match=r"transport=shm needs every rollout worker on the trainer's node \(A\).*\[1\]"
+    ):
         build(1, 2, [master, meta("a", "A"), meta("b", "B")])
     with pytest.raises(ValueError, match="actor rank 0 must be the weightsync sender"):
         build(1, 1, [meta("x", "A"), meta("a", "A")])
@@ -84,15 +113,20 @@ def test_build_topology_keeps_ranks_and_picks_the_transport():
 
 def weights(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    return {"embed": torch.randn(300, 1000, generator=g).to(torch.bfloat16),  # larger than the bucket
-            "w": torch.randn(64, 64, generator=g), "n": torch.arange(5) + step}
+    return {
+        "embed": torch.randn(300, 1000, generator=g).to(torch.bfloat16),  # larger than the bucket
+        "w": torch.randn(64, 64, generator=g),
+        "n": torch.arange(5) + step,
+    }
 
 
 async def one_update(engines, step: int | None, trainer_weights, expect_version: int, actors: int = 1):
     """verl's manager's sequence for one update, in one process: ``engines`` are the actor
     ranks' (``actors`` of them, rank 0 first) then the rollout workers'."""
     metadata = [e.prepare() for e in engines]
-    actor_kwargs, rollout_kwargs = adapter.WeightsyncCheckpointEngine.build_topology(actors, len(engines) - actors, metadata)
+    actor_kwargs, rollout_kwargs = adapter.WeightsyncCheckpointEngine.build_topology(
+        actors, len(engines) - actors, metadata
+    )
     for i, e in enumerate(engines[:actors]):
         e.init_process_group(**{k: v[i] for k, v in actor_kwargs.items()})
     for i, e in enumerate(engines[actors:]):
@@ -104,7 +138,9 @@ async def one_update(engines, step: int | None, trainer_weights, expect_version:
     async def send(engine):  # verl's actor passes a generator
         return await engine.send_weights(((n, t) for n, t in trainer_weights.items()), global_steps=step)
 
-    results = await asyncio.gather(*[send(e) for e in engines[:actors]], *[receive(e) for e in engines[actors:]])
+    results = await asyncio.gather(
+        *[send(e) for e in engines[:actors]], *[receive(e) for e in engines[actors:]]
+    )
     for e in engines:
         e.finalize()
     metrics, others, got = results[0], results[1:actors], results[actors:]
@@ -131,7 +167,10 @@ def test_other_transports_and_several_actor_ranks(transport, actors, tmp_path):
     try:
         asyncio.run(scenario())
         roles = [e.describe()["role"] for e in engines]
-        assert roles == (["sender"] * actors if transport == "paired" else ["sender", "drain"]) + ["receiver"] * 2
+        assert (
+            roles
+            == (["sender"] * actors if transport == "paired" else ["sender", "drain"]) + ["receiver"] * 2
+        )
     finally:
         for e in engines:
             e.close()
@@ -167,7 +206,9 @@ def test_updates_in_one_process_count_versions_and_roll_back_once_logged(caplog)
 
         sent, first, _second = await asyncio.gather(
             engines[0].send_weights(iter(weights(9).items()), global_steps=9),
-            receive(engines[1], 8), receive(engines[2], 9), return_exceptions=True,
+            receive(engines[1], 8),
+            receive(engines[2], 9),
+            return_exceptions=True,
         )
         assert isinstance(sent, HandshakeError) and sent.ranks == [0], sent
         assert "weightsync (shm): update to version 9 for 2 rollout worker(s) failed" in str(sent)

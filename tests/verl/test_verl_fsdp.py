@@ -21,8 +21,13 @@ import weightsync.integrations.verl  # noqa: F401  (registers backend "weightsyn
 
 @pytest.fixture(scope="module")
 def ray_node():
-    ray.init(num_cpus=16, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
-             runtime_env={"worker_process_setup_hook": "verl_helpers.cpu_process_setup"})
+    ray.init(
+        num_cpus=16,
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"worker_process_setup_hook": "verl_helpers.cpu_process_setup"},
+    )
     yield
     ray.shutdown()
 
@@ -55,6 +60,8 @@ def test_verls_own_fsdp_trainer_worker_feeds_the_manager_bit_exact(tmp_path, rea
         manager.update_weights(global_steps=step)
         assert H.received(workers) == [want, want], f"step {step}"
     states = H.engine_state(workers)
-    assert [(s["transport"], s["rank"], s["held"]) for s in states] == [("nccl", 0, 2), ("nccl", 1, 2)], states
+    assert [(s["transport"], s["rank"], s["held"]) for s in states] == [("nccl", 0, 2), ("nccl", 1, 2)], (
+        states
+    )
     roles = [s["role"] for s in ray.get(trainer.execute_checkpoint_engine(["describe"] * 2))]
     assert roles == ["sender", "drain"]

@@ -54,7 +54,14 @@ def start(state, transport, model_path, timeout_s=30, shapes=None):
     workers = H.replica_workers(replicas)
     reaper.track(workers)
     manager = CheckpointEngineManager(config=config, actor_wg=trainer, replicas=list(replicas))
-    state.update(trainer=trainer, replicas=replicas, workers=workers, manager=manager, shapes=shapes, timeout_s=timeout_s)
+    state.update(
+        trainer=trainer,
+        replicas=replicas,
+        workers=workers,
+        manager=manager,
+        shapes=shapes,
+        timeout_s=timeout_s,
+    )
     node_ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     return node_ip[H.nodes(trainer.workers)[0]], [node_ip[n] for n in H.nodes(workers)]
 
@@ -161,7 +168,13 @@ def test_nccl_across_hosts_and_a_rollout_host_cut_mid_update_named_within_the_gr
             # the heartbeats named it within their grace, far before the deadline
             assert outcome["at"] - cut < GRACE_S + 3 < TIMEOUT_S, (outcome["at"] - cut, outcome["error"])
             assert outcome["ranks"] == [1], outcome
-            for part in ("weightsync (nccl", "version 2", "receiver rank 1 = rollout worker 1", rollout_ips[1], "went silent"):
+            for part in (
+                "weightsync (nccl",
+                "version 2",
+                "receiver rank 1 = rollout worker 1",
+                rollout_ips[1],
+                "went silent",
+            ):
                 assert part in outcome["error"], (part, outcome["error"])
 
             # Host 2 still cut off: without it, the next update reaches the survivor bit-exact,

@@ -99,7 +99,9 @@ def test_manager_updates_bit_exact_as_replicas_join_die_and_leave(transport, mod
 
     manager.remove_replicas([replicas[0]])  # a replica leaves at the next update
     H.update(manager, trainer, 9, workers[2:])
-    assert ray.get(trainer.execute_checkpoint_engine(["describe"] * len(trainer.workers)))[0]["receivers"] == [2]
+    assert ray.get(trainer.execute_checkpoint_engine(["describe"] * len(trainer.workers)))[0][
+        "receivers"
+    ] == [2]
     assert H.received(workers[:1])[0] == trainer.train_to(8)[0], "a removed replica must not be updated"
 
 

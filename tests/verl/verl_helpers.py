@@ -74,8 +74,13 @@ def tiny_model_dir(root: Path) -> str:
     path = root / "tiny-qwen2"
     if not (path / "config.json").exists():
         Qwen2Config(
-            vocab_size=640, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+            vocab_size=640,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
             architectures=["Qwen2ForCausalLM"],
         ).save_pretrained(path)
     return str(path)
@@ -87,7 +92,9 @@ class TrainerWorker(Worker):
     imported first), ``update_weights`` sends ``(name, tensor)`` pairs from a generator and
     returns the engine's metrics, ``execute_checkpoint_engine`` is dispatched DP_COMPUTE."""
 
-    def __init__(self, checkpoint_engine_config: CheckpointEngineConfig, seed: int = 0, shapes: Shapes | None = None) -> None:
+    def __init__(
+        self, checkpoint_engine_config: CheckpointEngineConfig, seed: int = 0, shapes: Shapes | None = None
+    ) -> None:
         super().__init__()
         config = checkpoint_engine_config
         backend = config.backend
@@ -118,8 +125,14 @@ class TrainerWorker(Worker):
             metrics = await self.checkpoint_engine.send_weights(per_tensor_param, global_steps=global_steps)
         except BaseException as e:
             # "at": CLOCK_MONOTONIC is the machine's, so the test can compare it with its own
-            self.last_update = {"ok": False, "error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start,
-                                "type": type(e).__name__, "ranks": list(getattr(e, "ranks", [])), "at": time.monotonic()}
+            self.last_update = {
+                "ok": False,
+                "error": f"{type(e).__name__}: {e}",
+                "seconds": time.monotonic() - start,
+                "type": type(e).__name__,
+                "ranks": list(getattr(e, "ranks", [])),
+                "at": time.monotonic(),
+            }
             raise
         self.last_update = {"ok": True, "seconds": time.monotonic() - start}
         return metrics or {}
@@ -139,10 +152,13 @@ def checkpoint_engine_config(transport: str, **kwargs: Any) -> CheckpointEngineC
     )
 
 
-def make_trainer(config: CheckpointEngineConfig, pool: RayResourcePool, seed: int = 0,
-                 shapes: Shapes | None = None) -> RayWorkerGroup:
+def make_trainer(
+    config: CheckpointEngineConfig, pool: RayResourcePool, seed: int = 0, shapes: Shapes | None = None
+) -> RayWorkerGroup:
     """One TrainerWorker per bundle of ``pool`` (rank 0 sends, the others drain)."""
-    cls = RayClassWithInitArgs(cls=ray.remote(TrainerWorker), checkpoint_engine_config=config, seed=seed, shapes=shapes)
+    cls = RayClassWithInitArgs(
+        cls=ray.remote(TrainerWorker), checkpoint_engine_config=config, seed=seed, shapes=shapes
+    )
     cls.update_options({"num_cpus": 0})
     return RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name="cpu")
 
@@ -168,8 +184,15 @@ def total_bytes(shapes: Shapes | None = None) -> int:
 TOTAL_BYTES = total_bytes()
 
 
-def update(manager, trainer: RayWorkerGroup, step: int | None, workers, version: int | None = None, train_to=None,
-           shapes: Shapes | None = None):
+def update(
+    manager,
+    trainer: RayWorkerGroup,
+    step: int | None,
+    workers,
+    version: int | None = None,
+    train_to=None,
+    shapes: Shapes | None = None,
+):
     """Train to ``train_to`` (default ``step``), update through verl's manager with
     ``global_steps=step``, and check every worker holds the trainer's bytes (``shapes``:
     the trainer's, when not ``SHAPES``)."""
@@ -318,7 +341,9 @@ def cpu_process_setup() -> None:
     import_external_libs(MODULE)
 
 
-def make_verl_trainer(config: CheckpointEngineConfig, model_path: str, pool: RayResourcePool) -> RayWorkerGroup:
+def make_verl_trainer(
+    config: CheckpointEngineConfig, model_path: str, pool: RayResourcePool
+) -> RayWorkerGroup:
     """verl's own trainer worker, as verl's checkpoint-engine tests build it
     (``create_trainer_worker_group``): ``TrainingWorkerTest``, a verl ``TrainingWorker``
     whose ``update_weights`` sends ``self.engine.get_per_tensor_param()`` (verl's FSDP engine
@@ -339,18 +364,35 @@ def make_verl_trainer(config: CheckpointEngineConfig, model_path: str, pool: Ray
         def __init__(self, config, checkpoint_engine_config) -> None:
             import torch.distributed as dist
 
-            if not dist.is_initialized():  # MASTER_ADDR/PORT, RANK, WORLD_SIZE: verl's RayWorkerGroup sets them
-                dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+            if (
+                not dist.is_initialized()
+            ):  # MASTER_ADDR/PORT, RANK, WORLD_SIZE: verl's RayWorkerGroup sets them
+                dist.init_process_group(
+                    "gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
+                )
             super().__init__(config, checkpoint_engine_config)
 
-    model_config = HFModelConfig(path=model_path, load_tokenizer=False, override_config={"attn_implementation": "sdpa"})
+    model_config = HFModelConfig(
+        path=model_path, load_tokenizer=False, override_config={"attn_implementation": "sdpa"}
+    )
     # an actor, not forward_only: verl gives a forward-only FSDP2 engine a CPU offload policy
     # whose pinned memory needs an accelerator
-    engine_config = FSDPEngineConfig(forward_only=False, fsdp_size=pool.world_size, strategy="fsdp2",
-                                     model_dtype="fp32", use_torch_compile=False)
-    trainer_config = TrainingWorkerConfig(model_type="language_model", model_config=model_config, engine_config=engine_config,
-                                          optimizer_config=FSDPOptimizerConfig(lr=1e-3))
-    cls = RayClassWithInitArgs(cls=ray.remote(GlooTrainingWorker), config=trainer_config, checkpoint_engine_config=config)
+    engine_config = FSDPEngineConfig(
+        forward_only=False,
+        fsdp_size=pool.world_size,
+        strategy="fsdp2",
+        model_dtype="fp32",
+        use_torch_compile=False,
+    )
+    trainer_config = TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=model_config,
+        engine_config=engine_config,
+        optimizer_config=FSDPOptimizerConfig(lr=1e-3),
+    )
+    cls = RayClassWithInitArgs(
+        cls=ray.remote(GlooTrainingWorker), config=trainer_config, checkpoint_engine_config=config
+    )
     # verl's RayWorkerGroup sets each actor's runtime_env itself: the CPU platform comes from
     # the job's (ray.init(runtime_env={"worker_process_setup_hook": ...}), test_verl_fsdp.py)
     cls.update_options({"num_cpus": 0})

@@ -50,7 +50,9 @@ def parse_rate(text: str | float) -> float:
         return float(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|b)?(/s)?\s*", text.lower())
     if not m or (m.group(3) not in (None, "bit")):
-        raise ValueError(f"link rate {text!r}: expected a number of bits per second such as 1gbit, 400mbit, 25gbit")
+        raise ValueError(
+            f"link rate {text!r}: expected a number of bits per second such as 1gbit, 400mbit, 25gbit"
+        )
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
@@ -93,7 +95,9 @@ def check_available() -> None:
         raise ClusterUnavailable("an emulated cluster needs root (network namespaces and tc): run as root")
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
-            raise ClusterUnavailable(f"an emulated cluster needs iproute2's `{tool}` (apt-get install iproute2)")
+            raise ClusterUnavailable(
+                f"an emulated cluster needs iproute2's `{tool}` (apt-get install iproute2)"
+            )
 
 
 def enter(netns: str) -> None:
@@ -157,7 +161,20 @@ class Cluster:
             _run("ip", "netns", "add", h.netns)
             self._made.append(h.netns)
             port = f"p{h.index}"
-            self._ns(self.switch, "ip", "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", h.netns)
+            self._ns(
+                self.switch,
+                "ip",
+                "link",
+                "add",
+                port,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                h.netns,
+            )
             self._ns(self.switch, "ip", "link", "set", port, "master", "br0", "up")
             self._ns(h.netns, "ip", "addr", "add", f"{h.address}/24", "dev", "eth0")
             self._ns(h.netns, "ip", "link", "set", "eth0", "up")
@@ -170,8 +187,22 @@ class Cluster:
         # A token bucket: the burst holds a few ms of traffic and at least a few of the
         # 64 KiB segments veth passes whole (GSO), so the rate holds from 100 Mbit/s up.
         burst = max(256 * 1024, int(rate_bps / 8 * 0.004))
-        self._ns(netns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{int(rate_bps)}bit",
-                 "burst", str(burst), "latency", "50ms")
+        self._ns(
+            netns,
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            f"{int(rate_bps)}bit",
+            "burst",
+            str(burst),
+            "latency",
+            "50ms",
+        )
 
     def close(self) -> None:
         """Delete every namespace this cluster made (their veths and qdiscs go with them)."""

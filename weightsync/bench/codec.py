@@ -59,14 +59,23 @@ class CodecRow:
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        out.update(encode_vs_floor=round(self.encode_vs_floor, 3), apply_vs_floor=round(self.apply_vs_floor, 3),
-                   floor_gbps=round(self.gbps(self.floor_s), 3), encode_gbps=round(self.gbps(self.encode_s), 3),
-                   apply_gbps=round(self.gbps(self.apply_s), 3))
+        out.update(
+            encode_vs_floor=round(self.encode_vs_floor, 3),
+            apply_vs_floor=round(self.apply_vs_floor, 3),
+            floor_gbps=round(self.gbps(self.floor_s), 3),
+            encode_gbps=round(self.gbps(self.encode_s), 3),
+            apply_gbps=round(self.gbps(self.apply_s), 3),
+        )
         return out
 
 
 def run_codec_bench(
-    size_mb: float = 512, lr: float = 1e-6, steps: int = 2, repeats: int = 5, device: str = "cpu", seed: int = 0,
+    size_mb: float = 512,
+    lr: float = 1e-6,
+    steps: int = 2,
+    repeats: int = 5,
+    device: str = "cpu",
+    seed: int = 0,
     progress: Callable[[str], None] = lambda _: None,
 ) -> CodecRow:
     """Measure encode and apply against the floor (see the module's docstring)."""
@@ -102,8 +111,10 @@ def run_codec_bench(
             torch.ne(b, n, out=mask[: b.numel()].view(b.shape))
 
     def apply(encoded: list[Encoded]) -> None:
-        apply_many((target[name], enc.kind, enc.payload if enc.kind != Kind.DENSE else as_bytes(new[name]))
-                         for name, enc in zip(names, encoded))
+        apply_many(
+            (target[name], enc.kind, enc.payload if enc.kind != Kind.DENSE else as_bytes(new[name]))
+            for name, enc in zip(names, encoded)
+        )
 
     floors, encodes, applies = [], [], []
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightsync-codec") as pool:
@@ -127,10 +138,18 @@ def run_codec_bench(
         kinds[enc.kind.name] = kinds.get(enc.kind.name, 0) + 1
     model_bytes = sum(t.numel() * t.element_size() for t in new.values())
     return CodecRow(
-        device=str(dev), tensors=len(names), model_bytes=model_bytes, lr=lr, density=density,
-        wire_fraction=sum(enc.nbytes for enc in encoded) / model_bytes, kinds=kinds,
-        floor_s=statistics.median(floors), encode_s=statistics.median(encodes), apply_s=statistics.median(applies),
-        repeats=repeats, threads=torch.get_num_threads(),
+        device=str(dev),
+        tensors=len(names),
+        model_bytes=model_bytes,
+        lr=lr,
+        density=density,
+        wire_fraction=sum(enc.nbytes for enc in encoded) / model_bytes,
+        kinds=kinds,
+        floor_s=statistics.median(floors),
+        encode_s=statistics.median(encodes),
+        apply_s=statistics.median(applies),
+        repeats=repeats,
+        threads=torch.get_num_threads(),
     )
 
 
@@ -143,7 +162,9 @@ def codec_table(row: CodecRow) -> str:
         f"| encode | {row.encode_s:.3f} | {row.gbps(row.encode_s):.2f} | {row.encode_vs_floor:.2f}x |",
         f"| apply | {row.apply_s:.3f} | {row.gbps(row.apply_s):.2f} | {row.apply_vs_floor:.2f}x |",
     ]
-    head = (f"{row.model_bytes / 2**20:.0f} MiB bf16, {row.tensors} tensors on {row.device} ({row.threads} torch threads), "
-            f"AdamW lr {row.lr:g}: {100 * row.density:.2f}% of elements changed, wire {100 * row.wire_fraction:.2f}% "
-            f"of dense ({', '.join(f'{k.lower()} {v}' for k, v in sorted(row.kinds.items()))}); {row.repeats} repeats")
+    head = (
+        f"{row.model_bytes / 2**20:.0f} MiB bf16, {row.tensors} tensors on {row.device} ({row.threads} torch threads), "
+        f"AdamW lr {row.lr:g}: {100 * row.density:.2f}% of elements changed, wire {100 * row.wire_fraction:.2f}% "
+        f"of dense ({', '.join(f'{k.lower()} {v}' for k, v in sorted(row.kinds.items()))}); {row.repeats} repeats"
+    )
     return head + "\n\n" + "\n".join(lines)

@@ -81,7 +81,9 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(as_bytes(a), as_bytes(b))
 
 
-def measure(name: str, base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], density: float | None = None) -> Row:
+def measure(
+    name: str, base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], density: float | None = None
+) -> Row:
     """Encode ``new`` against ``base`` tensor by tensor with every encoding of the table
     (torch on one thread)."""
     threads = torch.get_num_threads()
@@ -92,7 +94,9 @@ def measure(name: str, base: Mapping[str, torch.Tensor], new: Mapping[str, torch
         torch.set_num_threads(threads)
 
 
-def _measure(name: str, base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], density: float | None) -> Row:
+def _measure(
+    name: str, base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], density: float | None
+) -> Row:
     dense = sum(t.numel() * t.element_size() for t in new.values())
     row = Row(name, changed_fraction(base, new) if density is None else density, dense)
     for label, (kinds, low) in ENCODINGS.items():
@@ -142,7 +146,9 @@ def adamw_rows(specs, lrs: list[float], steps: int, seed: int, log: Callable[[st
             step_s.append(wall)
             step_cpu_s.append(cpu)
             densities.append(changed_fraction(prev, updates.tensors))
-            log(f"lr {lr:g} step {step + 1}: {wall:.2f} s ({cpu:.2f} CPU s), density {100 * densities[-1]:.2f}%")
+            log(
+                f"lr {lr:g} step {step + 1}: {wall:.2f} s ({cpu:.2f} CPU s), density {100 * densities[-1]:.2f}%"
+            )
         row = measure(f"AdamW lr {lr:g}, step {steps}", prev, updates.tensors, densities[-1])
         row.step_s, row.step_cpu_s, row.densities = step_s, step_cpu_s, densities
         rows.append(row)
@@ -198,7 +204,13 @@ def table(rows: list[Row]) -> str:
 
 
 def speed_table(rows: list[Row]) -> str:
-    head = "| version | " + " | ".join(f"encode {t}" for t in TIMED) + " | " + " | ".join(f"apply {t}" for t in TIMED) + " |"
+    head = (
+        "| version | "
+        + " | ".join(f"encode {t}" for t in TIMED)
+        + " | "
+        + " | ".join(f"apply {t}" for t in TIMED)
+        + " |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         cells = [f"{r.gbps('encode', t):.2f}" for t in TIMED] + [f"{r.gbps('apply', t):.2f}" for t in TIMED]
@@ -238,7 +250,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r.name}: AdamW step seconds, wall (CPU) {steps}; density per step {dens}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model_bytes": total, "tensors": len(specs), "digest_gbps": rates, "rows": [asdict(r) for r in rows]}, f, indent=1)
+            json.dump(
+                {
+                    "model_bytes": total,
+                    "tensors": len(specs),
+                    "digest_gbps": rates,
+                    "rows": [asdict(r) for r in rows],
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -34,7 +34,9 @@ class Placement:
     @classmethod
     def of(cls, hosts: int, trainers: int, receivers: int, link: str, trainer_link: str | None) -> Placement:
         if hosts < trainers + 1:
-            raise ValueError(f"--hosts {hosts}: {trainers} trainer host(s) and at least one receiver host are needed")
+            raise ValueError(
+                f"--hosts {hosts}: {trainers} trainer host(s) and at least one receiver host are needed"
+            )
         return cls(hosts, trainers, receivers, parse_rate(link), parse_rate(trainer_link or link))
 
     @property

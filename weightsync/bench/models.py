@@ -54,7 +54,9 @@ def llm_specs(total_bytes: int, dtype: str) -> list[TensorSpec]:
     return specs
 
 
-def small_tensor_specs(total_bytes: int, dtype: str, tensor_bytes: int = SMALL_TENSOR_BYTES) -> list[TensorSpec]:
+def small_tensor_specs(
+    total_bytes: int, dtype: str, tensor_bytes: int = SMALL_TENSOR_BYTES
+) -> list[TensorSpec]:
     """``total_bytes`` in tensors of ``tensor_bytes`` each: the worst case for one call per tensor."""
     elem = torch.empty(0, dtype=dtype_from_name(dtype)).element_size()
     count = max(1, total_bytes // tensor_bytes)
@@ -76,7 +78,9 @@ def directory_specs(path: str | Path) -> list[TensorSpec]:
 
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files (the benchmark reads weights from safetensors)")
+        raise FileNotFoundError(
+            f"{path}: no *.safetensors files (the benchmark reads weights from safetensors)"
+        )
     specs = []
     for file in files:
         with safe_open(file, framework="pt") as f:
@@ -87,9 +91,18 @@ def directory_specs(path: str | Path) -> list[TensorSpec]:
 
 
 _ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -105,7 +118,9 @@ def zeros(specs: list[TensorSpec], device: str | torch.device = "cpu") -> dict[s
     return {s.name: torch.zeros(s.shape, dtype=s.torch_dtype, device=device) for s in specs}
 
 
-def filled(specs: list[TensorSpec], seed: int = 0, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def filled(
+    specs: list[TensorSpec], seed: int = 0, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
     """The trainer's model: arbitrary bytes (tiled from a random block: filling GBs with
     real random numbers would take longer than the benchmark), on ``device``."""
     gen = torch.Generator().manual_seed(seed)

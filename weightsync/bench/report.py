@@ -24,7 +24,11 @@ def table(rows: Sequence[Row], title: str):
     deltas = any(r.delta is not None for r in rows)
     links = any(r.nic_bytes is not None for r in rows)
     cols = ["backend", "bucket MiB", "seconds", "GB/s", "sender peak MB (+over)", "receiver peak MB (+over)"]
-    cols += ["link ceiling s", "x link ceiling", "NIC MB out per sync (host 0, 1, ...)"] if links else ["x ceiling", "x per-tensor", "x disk"]
+    cols += (
+        ["link ceiling s", "x link ceiling", "NIC MB out per sync (host 0, 1, ...)"]
+        if links
+        else ["x ceiling", "x per-tensor", "x disk"]
+    )
     if deltas:
         cols += ["delta", "density", "wire MB", "x dense"]
     for col in cols:
@@ -33,23 +37,33 @@ def table(rows: Sequence[Row], title: str):
         extra = []
         if deltas:
             extra = [
-                r.delta or "-", _fmt(r.density, ".2%"),
+                r.delta or "-",
+                _fmt(r.density, ".2%"),
                 _fmt(None if r.wire_bytes is None else r.wire_bytes / 1e6, ".1f"),
                 _fmt(r.ratios.get("speedup_vs_dense"), ".2f"),
             ]
         if links:
             nics = " ".join(f"{n['tx_bytes'] / 1e6:.0f}" for n in r.nic_bytes or [])
-            ratios = [_fmt(r.ratios.get("link_ceiling_s"), ".3f"), _fmt(r.ratios.get("ratio_to_link_ceiling"), ".2f"), nics]
+            ratios = [
+                _fmt(r.ratios.get("link_ceiling_s"), ".3f"),
+                _fmt(r.ratios.get("ratio_to_link_ceiling"), ".2f"),
+                nics,
+            ]
         else:
-            ratios = [_fmt(r.ratios.get("ratio_to_ceiling"), ".2f"), _fmt(r.ratios.get("speedup_vs_per_tensor"), ".1f"),
-                      _fmt(r.ratios.get("speedup_vs_disk"), ".1f")]
+            ratios = [
+                _fmt(r.ratios.get("ratio_to_ceiling"), ".2f"),
+                _fmt(r.ratios.get("speedup_vs_per_tensor"), ".1f"),
+                _fmt(r.ratios.get("speedup_vs_disk"), ".1f"),
+            ]
         t.add_row(
             r.backend,
             _fmt(r.bucket_mb, "d"),
             f"{r.seconds:.3f}",
             f"{r.gbps:.2f}",
             f"{r.sender_peak_rss_mb:.0f} (+{r.sender_overhead_mb:.0f})",
-            "-" if r.receiver_peak_rss_mb is None else f"{r.receiver_peak_rss_mb:.0f} (+{r.receiver_overhead_mb:.0f})",
+            "-"
+            if r.receiver_peak_rss_mb is None
+            else f"{r.receiver_peak_rss_mb:.0f} (+{r.receiver_overhead_mb:.0f})",
             *ratios,
             *extra,
         )

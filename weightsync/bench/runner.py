@@ -165,9 +165,16 @@ def plan_rows(opts: BenchOptions) -> list[tuple[str, int | None, str | None]]:
     if opts.alternatives:
         if opts.device == "cpu":  # per-tensor broadcast and the disk reload are CPU paths
             rows += [(alt, None, None) for alt in ALTERNATIVES]
-        rows += [(c, None, None) for c in dict.fromkeys(ceiling_of(b, opts.device) for b in opts.backends) if c]
+        rows += [
+            (c, None, None) for c in dict.fromkeys(ceiling_of(b, opts.device) for b in opts.backends) if c
+        ]
     deltas: list[str | None] = list(opts.deltas) if opts.update == "adamw" else [None]
-    rows += [(b, mb, d) for b in opts.backends for mb in opts.bucket_mb for d in (deltas if b != "disk" else deltas[:1])]
+    rows += [
+        (b, mb, d)
+        for b in opts.backends
+        for mb in opts.bucket_mb
+        for d in (deltas if b != "disk" else deltas[:1])
+    ]
     return rows
 
 
@@ -177,7 +184,9 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int, int], None] | No
         raise ValueError("--receivers, --trainers and --repeats must be at least 1")
     for backend in opts.backends:
         if backend == "naive":
-            raise ValueError("backend 'naive' hands tensors over inside one process: there is no transport to bench")
+            raise ValueError(
+                "backend 'naive' hands tensors over inside one process: there is no transport to bench"
+            )
     if opts.hosts:
         return _run_on_hosts(opts, progress)
     return _run_rows(opts, progress)
@@ -191,23 +200,39 @@ def _run_on_hosts(opts: BenchOptions, progress: Callable[[str, int, int], None] 
 
     others = [b for b in opts.backends if b not in CROSS_HOST]
     if others:
-        raise ValueError(f"--hosts: {', '.join(others)} cannot cross hosts; the cross-host backends are {', '.join(CROSS_HOST)}")
+        raise ValueError(
+            f"--hosts: {', '.join(others)} cannot cross hosts; the cross-host backends are {', '.join(CROSS_HOST)}"
+        )
     if opts.device != "cpu":
-        raise ValueError("--hosts emulates hosts with network namespaces on this machine's CPU: leave --device at cpu")
+        raise ValueError(
+            "--hosts emulates hosts with network namespaces on this machine's CPU: leave --device at cpu"
+        )
     placement = Placement.of(opts.hosts, opts.trainers, opts.receivers, opts.link, opts.trainer_link)
     with Cluster(opts.hosts, placement.rates) as cluster:
-        netns = {key: cluster.hosts[placement.host_of(key)].netns for key in range(opts.receivers + opts.trainers)}
-        rows = _run_rows(opts, progress, netns=netns, host=cluster.hosts[0].address, counters=cluster.counters)
+        netns = {
+            key: cluster.hosts[placement.host_of(key)].netns for key in range(opts.receivers + opts.trainers)
+        }
+        rows = _run_rows(
+            opts, progress, netns=netns, host=cluster.hosts[0].address, counters=cluster.counters
+        )
     for row in rows:
         trainers = opts.trainers if row.backend in _ALL_RANKS_SEND else 1
         ceiling = placement.ceiling_s(row.bytes, trainers)
-        row.ratios = {"link_ceiling_s": round(ceiling, 4), "ratio_to_link_ceiling": round(ceiling / row.seconds, 3)}
+        row.ratios = {
+            "link_ceiling_s": round(ceiling, 4),
+            "ratio_to_link_ceiling": round(ceiling / row.seconds, 3),
+        }
     _add_dense_ratios(rows)
     return rows
 
 
-def _run_rows(opts: BenchOptions, progress: Callable[[str, int, int], None] | None, netns: dict[int, str] | None = None,
-              host: str = "127.0.0.1", counters: Callable[[], list[dict[str, int]]] | None = None) -> list[Row]:
+def _run_rows(
+    opts: BenchOptions,
+    progress: Callable[[str, int, int], None] | None,
+    netns: dict[int, str] | None = None,
+    host: str = "127.0.0.1",
+    counters: Callable[[], list[dict[str, int]]] | None = None,
+) -> list[Row]:
     if netns is not None and opts.alternatives:
         opts = dataclasses.replace(opts, alternatives=False)  # the link ceiling is their yardstick there
     device = _device(opts.device)
@@ -220,7 +245,11 @@ def _run_rows(opts: BenchOptions, progress: Callable[[str, int, int], None] | No
         raise ValueError(f"--update {opts.update!r}: expected bump or adamw")
     for kind, mb, delta in planned:
         label = f"{kind}" + (f" {mb} MiB buckets" if mb else "") + (f" delta={delta}" if delta else "")
-        overrides = [f"update_weights_bucket_megabytes={mb}", f"timeout_s={opts.timeout_s}", *opts.overrides] if mb else []
+        overrides = (
+            [f"update_weights_bucket_megabytes={mb}", f"timeout_s={opts.timeout_s}", *opts.overrides]
+            if mb
+            else []
+        )
         if delta is not None:
             overrides.append(f"delta={delta}")
 
@@ -234,9 +263,22 @@ def _run_rows(opts: BenchOptions, progress: Callable[[str, int, int], None] | No
             progress(label, done, total_ticks)
         # backend=disk without a path publishes into a temporary directory under --work-dir
         with scratch_overrides([f"backend={kind}", *overrides] if mb else [], opts.work_dir) as row_overrides:
-            job = Job(kind, specs, opts.receivers, opts.repeats, row_overrides[1:], opts.model, opts.work_dir, opts.timeout_s,
-                      trainers=opts.trainers if kind in _ALL_RANKS_SEND else 1, update=opts.update, lr=opts.lr,
-                      device=device, netns=netns or {}, host=host)
+            job = Job(
+                kind,
+                specs,
+                opts.receivers,
+                opts.repeats,
+                row_overrides[1:],
+                opts.model,
+                opts.work_dir,
+                opts.timeout_s,
+                trainers=opts.trainers if kind in _ALL_RANKS_SEND else 1,
+                update=opts.update,
+                lr=opts.lr,
+                device=device,
+                netns=netns or {},
+                host=host,
+            )
             row = _run_row(job, mb, tick, counters)
             row.delta = delta
             rows.append(row)
@@ -264,8 +306,12 @@ def _device(device: str) -> str:
     return f"{parsed.type}:{parsed.index or 0}"
 
 
-def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None],
-             counters: Callable[[], list[dict[str, int]]] | None = None) -> Row:
+def _run_row(
+    job: Job,
+    bucket_mb: int | None,
+    tick: Callable[[int], None],
+    counters: Callable[[], list[dict[str, int]]] | None = None,
+) -> Row:
     """One row's processes, run to the end. ``counters``: the NICs' byte counters (an
     emulated cluster), read after the warm-up and after the last sync: ``Row.nic_bytes``
     covers the timed syncs only."""
@@ -300,7 +346,9 @@ def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None],
                 if dead:
                     raise BenchError(f"{job.kind}: a process died (exit code {dead[0].exitcode})") from None
                 if time.monotonic() > deadline:
-                    raise BenchError(f"{job.kind}: no result within {job.timeout_s * (job.repeats + 2):.0f} s") from None
+                    raise BenchError(
+                        f"{job.kind}: no result within {job.timeout_s * (job.repeats + 2):.0f} s"
+                    ) from None
                 continue
             if kind == "ready" and rank == 0 and job.kind not in _SINGLE_PROCESS:
                 for r in range(job.receivers):  # peers join once rank 0 listens
@@ -318,7 +366,9 @@ def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None],
             elif kind == "result":
                 results[rank] = payload
             elif kind == "error":
-                raise BenchError(f"{job.kind}{f' ({bucket_mb} MiB buckets)' if bucket_mb else ''}: process {rank} failed: {payload}")
+                raise BenchError(
+                    f"{job.kind}{f' ({bucket_mb} MiB buckets)' if bucket_mb else ''}: process {rank} failed: {payload}"
+                )
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -331,7 +381,9 @@ def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None],
     if len(set(digests.values())) > 1:
         raise BenchError(f"{job.kind}: receivers do not hold the sender's bytes: {digests}")
     sender = results[0]
-    receivers = [results[r + 1] for r in range(job.receivers) if r + 1 in results]  # none for the copy ceilings
+    receivers = [
+        results[r + 1] for r in range(job.receivers) if r + 1 in results
+    ]  # none for the copy ceilings
     return Row(
         backend=job.kind,
         bucket_mb=bucket_mb,
@@ -348,9 +400,11 @@ def _run_row(job: Job, bucket_mb: int | None, tick: Callable[[int], None],
         density=_median_or_none(sender.get("density")),
         device=job.device,
         phases={k: statistics.median(p[k] for p in sender["phases"]) for k in sender["phases"][0]}
-        if sender.get("phases") else None,
-        nic_bytes=None if before is None else [{k: (a[k] - b[k]) // job.repeats for k in a}
-                                               for a, b in zip(counters(), before)],
+        if sender.get("phases")
+        else None,
+        nic_bytes=None
+        if before is None
+        else [{k: (a[k] - b[k]) // job.repeats for k in a} for a, b in zip(counters(), before)],
     )
 
 
@@ -378,5 +432,8 @@ def _add_ratios(rows: list[Row], device: str = "cpu") -> None:
 def _add_dense_ratios(rows: list[Row]) -> None:
     for row in rows:
         if row.delta is not None:  # the same backend and bucket with delta off, same run
-            dense = next((r for r in rows if (r.backend, r.bucket_mb, r.delta) == (row.backend, row.bucket_mb, "off")), None)
+            dense = next(
+                (r for r in rows if (r.backend, r.bucket_mb, r.delta) == (row.backend, row.bucket_mb, "off")),
+                None,
+            )
             row.ratios["speedup_vs_dense"] = round(dense.seconds / row.seconds, 2) if dense else None

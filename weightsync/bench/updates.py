@@ -142,7 +142,9 @@ def changed_elements(before: torch.Tensor, after: torch.Tensor) -> int:
     """How many elements differ in their bits (not by float compare: -0.0 vs 0.0 and NaN
     payloads count as they are stored)."""
     if before.shape != after.shape or before.dtype != after.dtype:
-        raise ValueError(f"cannot compare {tuple(before.shape)} {before.dtype} with {tuple(after.shape)} {after.dtype}")
+        raise ValueError(
+            f"cannot compare {tuple(before.shape)} {before.dtype} with {tuple(after.shape)} {after.dtype}"
+        )
     e = before.element_size()
     a, b = as_bytes(before), as_bytes(after)
     if e in _INT_OF_SIZE:

@@ -31,8 +31,12 @@ import torch
 
 #: the Qwen2 shapes of the measurements in BENCHMARKS.md: (vocab, hidden, intermediate,
 #: heads, kv heads) and the bytes of the two embeddings, of one layer (fp32)
-_LARGE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_attention_heads=12, num_key_value_heads=2)
-_SMALL = dict(vocab_size=5000, hidden_size=128, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+_LARGE = dict(
+    vocab_size=32000, hidden_size=768, intermediate_size=2048, num_attention_heads=12, num_key_value_heads=2
+)
+_SMALL = dict(
+    vocab_size=5000, hidden_size=128, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
+)
 #: vLLM's workers spin on their queue (``sched_yield``) for 1 s after each call they read:
 #: the trainer's save waits that long after the last call, so it does not share the cores
 #: with them (in an RL loop the save follows a training step, not a call)
@@ -40,7 +44,11 @@ _WORKERS_SPIN_S = 1.0
 
 
 def _layer_bytes(c: dict[str, int]) -> int:
-    h, i, kv = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"] * c["num_key_value_heads"]
+    h, i, kv = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["hidden_size"] // c["num_attention_heads"] * c["num_key_value_heads"],
+    )
     return 4 * (2 * h * h + 2 * h * kv + 3 * h * i + h + 2 * kv + 2 * h)
 
 
@@ -49,8 +57,13 @@ def model_config(size_mb: float) -> dict[str, Any]:
     base = _LARGE if size_mb >= 250 else _SMALL
     embed = 2 * 4 * base["vocab_size"] * base["hidden_size"]
     layers = max(1, round((size_mb * 1e6 - embed) / _layer_bytes(base)))
-    return {"model_type": "qwen2", **base, "num_hidden_layers": layers, "max_position_embeddings": 256,
-            "tie_word_embeddings": False}
+    return {
+        "model_type": "qwen2",
+        **base,
+        "num_hidden_layers": layers,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    }
 
 
 @dataclass
@@ -103,8 +116,11 @@ class _CPU:
     these sums, not by any one process."""
 
     def __init__(self, workers: list[int]) -> None:
-        self.groups = {"trainer": [os.getpid()], "engine_cores": [int(_stat(w)[1]) for w in workers],
-                       "workers": list(workers)}
+        self.groups = {
+            "trainer": [os.getpid()],
+            "engine_cores": [int(_stat(w)[1]) for w in workers],
+            "workers": list(workers),
+        }
         self.start: dict[str, float] = {}
 
     def now(self) -> dict[str, float]:
@@ -165,7 +181,11 @@ def _generation(llm: Any, prompts: list[list[int]], during: Any = None) -> dict[
     seconds = time.perf_counter() - t0
     if thread is not None:
         thread.join()
-    return {"tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / seconds, "seconds": seconds, **spent}
+    return {
+        "tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / seconds,
+        "seconds": seconds,
+        **spent,
+    }
 
 
 def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, Any]:
@@ -182,6 +202,7 @@ def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, An
         raise ValueError(f"--hosts {opts.hosts}: the trainer's host and at least one for the replicas")
     out: dict[str, Any] = {}
     with Cluster(opts.hosts, parse_rate(opts.link)) as cluster:
+
         def run() -> None:
             try:
                 out["result"] = _run(opts, progress, cluster)
@@ -257,17 +278,28 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
         rows: list[dict[str, Any]] = []
         saves, reloads = [], []
         for backend, mode in [(b, m) for b in opts.backends for m in opts.modes]:
-            overrides = [f"backend={backend}", f"update_weights_bucket_megabytes={opts.bucket_mb}",
-                         f"update_mode={mode}", *opts.overrides]
+            overrides = [
+                f"backend={backend}",
+                f"update_weights_bucket_megabytes={opts.bucket_mb}",
+                f"update_mode={mode}",
+                *opts.overrides,
+            ]
             step += 1
             _bump(model, step)
             t0 = time.perf_counter()
-            rollout = VLLMRollout(replicas, overrides, address=address, model=model,
-                                  initial_version=step if opts.initial_sync else None)
+            rollout = VLLMRollout(
+                replicas,
+                overrides,
+                address=address,
+                model=model,
+                initial_version=step if opts.initial_sync else None,
+            )
             init_s = time.perf_counter() - t0
             initial = rollout.initial_report
-            say(f"{backend}: rollout created in {init_s:.3f} s"
-                + (f" (initial sync {initial.sync_s:.3f} s)" if initial is not None else ""))
+            say(
+                f"{backend}: rollout created in {init_s:.3f} s"
+                + (f" (initial sync {initial.sync_s:.3f} s)" if initial is not None else "")
+            )
             try:
                 pids = [r.call("weightsync_status")[0]["pid"] for r in replicas]
                 cpu = _CPU(pids)
@@ -287,38 +319,51 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
                     workers = [r.call("weightsync_status")[0] for r in replicas]
                     peaks = [_rss(p)["VmHWM"] for p in pids]
 
-                    def most(key: str, scale: float = 1.0) -> float | None:  # a staged update has no landing figures
+                    def most(
+                        key: str, scale: float = 1.0
+                    ) -> float | None:  # a staged update has no landing figures
                         values = [w[key] for w in workers if w.get(key) is not None]
                         return max(values) / scale if values else None
 
-                    updates.append({
-                        "seconds": total, "paused_s": report.paused_s, "pause_s": report.pause_s, "sync_s": report.sync_s,
-                        "resume_s": report.resume_s, "stage_s": report.stage_s if mode == "staged" else None,
-                        "handshake_s": report.stats.handshake_s if report.stats else None,
-                        "transfer_s": report.stats.transfer_s if report.stats else None,
-                        "worker_load_s": most("commit_s" if mode == "staged" else "load_s"),
-                        "worker_first_s": most("first_s"),
-                        "worker_wait_s": most("wait_s"),
-                        "landing_mb": most("landing_bytes", 2**20),
-                        "landing_allocated_mb": most("landing_allocated_bytes", 2**20),
-                        "landing_peak_mb": most("landing_peak_bytes", 2**20),
-                        "landing_wait_s": most("landing_wait_s"),
-                        "landing_copied_mb": most("landing_copied_bytes", 2**20),
-                        "staging_mb": most("staging_bytes", 2**20) if mode == "staged" else None,
-                        "staging_allocated_mb": most("staging_allocated_bytes", 2**20) if mode == "staged" else None,
-                        "rss_before_mb": max(rss), "rss_growth_mb": max(pk - r0 for pk, r0 in zip(peaks, rss)),
-                        **{f"cpu_{k}_s": v for k, v in update_cpu.items()},
-                    })
+                    updates.append(
+                        {
+                            "seconds": total,
+                            "paused_s": report.paused_s,
+                            "pause_s": report.pause_s,
+                            "sync_s": report.sync_s,
+                            "resume_s": report.resume_s,
+                            "stage_s": report.stage_s if mode == "staged" else None,
+                            "handshake_s": report.stats.handshake_s if report.stats else None,
+                            "transfer_s": report.stats.transfer_s if report.stats else None,
+                            "worker_load_s": most("commit_s" if mode == "staged" else "load_s"),
+                            "worker_first_s": most("first_s"),
+                            "worker_wait_s": most("wait_s"),
+                            "landing_mb": most("landing_bytes", 2**20),
+                            "landing_allocated_mb": most("landing_allocated_bytes", 2**20),
+                            "landing_peak_mb": most("landing_peak_bytes", 2**20),
+                            "landing_wait_s": most("landing_wait_s"),
+                            "landing_copied_mb": most("landing_copied_bytes", 2**20),
+                            "staging_mb": most("staging_bytes", 2**20) if mode == "staged" else None,
+                            "staging_allocated_mb": most("staging_allocated_bytes", 2**20)
+                            if mode == "staged"
+                            else None,
+                            "rss_before_mb": max(rss),
+                            "rss_growth_mb": max(pk - r0 for pk, r0 in zip(peaks, rss)),
+                            **{f"cpu_{k}_s": v for k, v in update_cpu.items()},
+                        }
+                    )
                     save_s, reload_s = disk_round(cpu)  # the same weights, from disk
                     disk_cpu = cpu.end()
                     if i:  # after the first update, as the updates' median
                         row_saves.append(save_s)
                         row_reloads.append(reload_s)
                         row_disk_cpu.append(disk_cpu)
-                    say(f"{backend} {mode} update {i}{' (first)' if i == 0 else ''}: {total:.3f} s "
+                    say(
+                        f"{backend} {mode} update {i}{' (first)' if i == 0 else ''}: {total:.3f} s "
                         f"(paused {report.paused_s:.3f}, load {updates[-1]['worker_load_s']:.3f}; "
                         f"CPU s {_show(update_cpu)}); disk: save {save_s:.3f} s, reload {reload_s:.3f} s "
-                        f"(CPU s {_show(disk_cpu)})")
+                        f"(CPU s {_show(disk_cpu)})"
+                    )
                 generation = {}
                 if mode == "staged":  # the replicas' generation during a stage, against idle
                     _generation(llms[0], PROMPTS)  # warm-up: the timed runs below see the same engine state
@@ -327,41 +372,74 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
                     _bump(model, step)
                     busy = _generation(llms[0], PROMPTS, lambda: rollout.stage(model, step))
                     rollout.commit(step)
-                    generation = {"gen_idle_tokens_per_s": round(idle["tokens_per_s"], 1),
-                                  "gen_during_stage_tokens_per_s": round(busy["tokens_per_s"], 1),
-                                  "gen_during_stage_s": round(busy["seconds"], 4), "gen_stage_s": round(busy["during_s"], 4),
-                                  # the share of that generation the stage ran beside
-                                  "gen_overlap": round(min(1.0, busy["during_s"] / busy["seconds"]), 3)}
-                    say(f"{backend} staged: generation {idle['tokens_per_s']:.0f} tokens/s idle, "
-                        f"{busy['tokens_per_s']:.0f} during a stage of {busy['during_s']:.3f} s")
+                    generation = {
+                        "gen_idle_tokens_per_s": round(idle["tokens_per_s"], 1),
+                        "gen_during_stage_tokens_per_s": round(busy["tokens_per_s"], 1),
+                        "gen_during_stage_s": round(busy["seconds"], 4),
+                        "gen_stage_s": round(busy["during_s"], 4),
+                        # the share of that generation the stage ran beside
+                        "gen_overlap": round(min(1.0, busy["during_s"] / busy["seconds"]), 3),
+                    }
+                    say(
+                        f"{backend} staged: generation {idle['tokens_per_s']:.0f} tokens/s idle, "
+                        f"{busy['tokens_per_s']:.0f} during a stage of {busy['during_s']:.3f} s"
+                    )
                 steady = updates[1:]
                 seconds = statistics.median(u["seconds"] for u in steady)
                 save_s, reload_s = statistics.median(row_saves), statistics.median(row_reloads)
                 saves += row_saves
                 reloads += row_reloads
-                rows.append({
-                    "backend": backend, "update_mode": mode, "bucket_mb": opts.bucket_mb, "bytes": nbytes,
-                    "init_s": round(init_s, 4),
-                    "initial_sync_s": round(initial.sync_s, 4) if initial is not None else None,
-                    "first_s": round(updates[0]["seconds"], 4),
-                    "seconds": round(seconds, 4),
-                    "repeats_s": [round(u["seconds"], 4) for u in steady],
-                    **{k: round(statistics.median(u[k] for u in steady), 4)
-                       for k in ("paused_s", "pause_s", "sync_s", "resume_s", "stage_s", "handshake_s", "transfer_s",
-                                 "worker_load_s", "worker_first_s", "worker_wait_s", "landing_mb", "landing_allocated_mb",
-                                 "landing_peak_mb", "landing_wait_s", "landing_copied_mb", "staging_mb",
-                                 "staging_allocated_mb",
-                                 "rss_before_mb", *(f"cpu_{g}_s" for g in cpu.groups)) if steady[0][k] is not None},
-                    "rss_growth_mb": round(max(u["rss_growth_mb"] for u in steady), 1),
-                    # where the first update's time went
-                    "first": {k: round(v, 4) for k, v in updates[0].items() if v is not None},
-                    "disk_reload_s": round(reload_s, 4), "disk_reload_repeats_s": [round(x, 4) for x in row_reloads],
-                    "save_s": round(save_s, 4),
-                    **{f"disk_cpu_{g}_s": round(statistics.median(c[g] for c in row_disk_cpu), 3) for g in cpu.groups},
-                    "ratio_to_disk_reload": round(seconds / reload_s, 3),
-                    "ratio_to_save_reload": round(seconds / (save_s + reload_s), 3),
-                    **generation,
-                })
+                rows.append(
+                    {
+                        "backend": backend,
+                        "update_mode": mode,
+                        "bucket_mb": opts.bucket_mb,
+                        "bytes": nbytes,
+                        "init_s": round(init_s, 4),
+                        "initial_sync_s": round(initial.sync_s, 4) if initial is not None else None,
+                        "first_s": round(updates[0]["seconds"], 4),
+                        "seconds": round(seconds, 4),
+                        "repeats_s": [round(u["seconds"], 4) for u in steady],
+                        **{
+                            k: round(statistics.median(u[k] for u in steady), 4)
+                            for k in (
+                                "paused_s",
+                                "pause_s",
+                                "sync_s",
+                                "resume_s",
+                                "stage_s",
+                                "handshake_s",
+                                "transfer_s",
+                                "worker_load_s",
+                                "worker_first_s",
+                                "worker_wait_s",
+                                "landing_mb",
+                                "landing_allocated_mb",
+                                "landing_peak_mb",
+                                "landing_wait_s",
+                                "landing_copied_mb",
+                                "staging_mb",
+                                "staging_allocated_mb",
+                                "rss_before_mb",
+                                *(f"cpu_{g}_s" for g in cpu.groups),
+                            )
+                            if steady[0][k] is not None
+                        },
+                        "rss_growth_mb": round(max(u["rss_growth_mb"] for u in steady), 1),
+                        # where the first update's time went
+                        "first": {k: round(v, 4) for k, v in updates[0].items() if v is not None},
+                        "disk_reload_s": round(reload_s, 4),
+                        "disk_reload_repeats_s": [round(x, 4) for x in row_reloads],
+                        "save_s": round(save_s, 4),
+                        **{
+                            f"disk_cpu_{g}_s": round(statistics.median(c[g] for c in row_disk_cpu), 3)
+                            for g in cpu.groups
+                        },
+                        "ratio_to_disk_reload": round(seconds / reload_s, 3),
+                        "ratio_to_save_reload": round(seconds / (save_s + reload_s), 3),
+                        **generation,
+                    }
+                )
             finally:
                 rollout.close()
         save_s, reload_s = statistics.median(saves), statistics.median(reloads)
@@ -370,16 +448,24 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
         step += 1
         _bump(model, step)
         last = opts.backends[-1]
-        with VLLMRollout(replicas, [f"backend={last}", f"update_weights_bucket_megabytes={opts.bucket_mb}",
-                                    *opts.overrides], address=address) as rollout:
+        with VLLMRollout(
+            replicas,
+            [f"backend={last}", f"update_weights_bucket_megabytes={opts.bucket_mb}", *opts.overrides],
+            address=address,
+        ) as rollout:
             rollout.update(model, step, mode="keep")
         expected = trainer_greedy(model, PROMPTS, 8)
         greedy = {r.name: replica_greedy(llm, PROMPTS, 8) == expected for r, llm in zip(replicas, llms)}
         return {
-            "model_bytes": nbytes, "replicas": opts.replicas, "rows": rows,
-            "hosts": opts.hosts, "link": opts.link if opts.hosts else None,
-            "disk_reload_s": round(reload_s, 4), "disk_reload_repeats_s": [round(s, 4) for s in reloads],
-            "save_s": round(save_s, 4), "save_repeats_s": [round(s, 4) for s in saves],
+            "model_bytes": nbytes,
+            "replicas": opts.replicas,
+            "rows": rows,
+            "hosts": opts.hosts,
+            "link": opts.link if opts.hosts else None,
+            "disk_reload_s": round(reload_s, 4),
+            "disk_reload_repeats_s": [round(s, 4) for s in reloads],
+            "save_s": round(save_s, 4),
+            "save_repeats_s": [round(s, 4) for s in saves],
             "greedy_matches_trainer": greedy,
         }
     finally:

@@ -118,7 +118,9 @@ def sync_sender(job: Job, queue, rank: int = 0, address: str | None = None) -> N
         baseline = _rss_mb()
         config = EngineConfig.from_overrides([f"backend={job.kind}", *job.overrides])
         seconds, wire, density, phases = [], [], [], []
-        with Sender(config, address, job.receivers, rank=rank, num_trainers=job.trainers, **job.endpoint_kwargs()) as sender:
+        with Sender(
+            config, address, job.receivers, rank=rank, num_trainers=job.trainers, **job.endpoint_kwargs()
+        ) as sender:
             if rank == 0:
                 queue.put(("ready", 0, sender.address))
             for v in job.versions:
@@ -135,12 +137,24 @@ def sync_sender(job: Job, queue, rank: int = 0, address: str | None = None) -> N
                     seconds.append(stats.seconds)
                     wire.append(stats.wire_bytes)
                     density.append(stats.density)
-                    phases.append({"encode_s": stats.encode_s, "handshake_s": stats.handshake_s - stats.encode_s,
-                                   "transfer_s": stats.transfer_s,
-                                   "rest_s": stats.seconds - stats.handshake_s - stats.transfer_s})
+                    phases.append(
+                        {
+                            "encode_s": stats.encode_s,
+                            "handshake_s": stats.handshake_s - stats.encode_s,
+                            "transfer_s": stats.transfer_s,
+                            "rest_s": stats.seconds - stats.handshake_s - stats.transfer_s,
+                        }
+                    )
                     queue.put(("tick", 0, v))
-            return {"seconds": seconds, "wire_bytes": wire, "density": density, "phases": phases,
-                    "digest": models.digest(state), "buckets": stats.buckets, **_memory(baseline)}
+            return {
+                "seconds": seconds,
+                "wire_bytes": wire,
+                "density": density,
+                "phases": phases,
+                "digest": models.digest(state),
+                "buckets": stats.buckets,
+                **_memory(baseline),
+            }
 
     _guard(queue, 0 if rank == 0 else job.receivers + rank, body)
 
@@ -168,7 +182,9 @@ def sync_receiver(job: Job, address: str, rank: int, queue) -> None:
 _RENDEZVOUS: list[Any] = []
 
 
-def _group(rank: int, world: int, queue, where: tuple[int, str] | None, timeout_s: float) -> dist.ProcessGroup:
+def _group(
+    rank: int, world: int, queue, where: tuple[int, str] | None, timeout_s: float
+) -> dist.ProcessGroup:
     """A Gloo group over weightsync's rendezvous store on loopback: rank 0 hosts it and
     announces its port and token."""
     if rank == 0:

@@ -53,7 +53,9 @@ class EngineConfig(EngineKeys):
         return cls._build(flatten(data), base)
 
     @classmethod
-    def from_yaml(cls, path: str | Path, overrides: Iterable[str] = (), notes: list[str] | None = None) -> EngineConfig:
+    def from_yaml(
+        cls, path: str | Path, overrides: Iterable[str] = (), notes: list[str] | None = None
+    ) -> EngineConfig:
         """Read a YAML file, then apply ``overrides``; validated once, at the end.
 
         The file is either weightsync's own (nested or flat; full or short keys: every key
@@ -165,7 +167,9 @@ class EngineConfig(EngineKeys):
             try:
                 import xxhash  # noqa: F401
             except ImportError:
-                raise ConfigError("verify=xxh3 needs the xxhash package: pip install 'weightsync[verify]'") from None
+                raise ConfigError(
+                    "verify=xxh3 needs the xxhash package: pip install 'weightsync[verify]'"
+                ) from None
         if self.custom_backend_module:
             try:
                 importlib.import_module(self.custom_backend_module)

@@ -59,7 +59,6 @@ class NcclKwargs:
         ),
     )
 
-
     topology: str = field(
         default="auto",
         metadata=_doc(
@@ -345,6 +344,7 @@ class EngineKeys:
     engine_kwargs: EngineKwargs = field(default_factory=EngineKwargs)
     trainer: TrainerKeys = field(default_factory=TrainerKeys)
 
+
 # --------------------------------------------------------------------- key table
 @dataclass(frozen=True)
 class Key:
@@ -395,7 +395,9 @@ def canonical_key(key: str) -> str:
     short = key.removeprefix(PREFIX)
     if short in table:
         return table[short]
-    raise ConfigError(f"unknown configuration key {key!r}{suggest(short, sorted({k.display for k in all_keys()}))}")
+    raise ConfigError(
+        f"unknown configuration key {key!r}{suggest(short, sorted({k.display for k in all_keys()}))}"
+    )
 
 
 def suggest(word: str, options: Iterable[str]) -> str:

@@ -74,12 +74,24 @@ def docs_markdown(lang: str = "en") -> str:
             allowed = "`true`, `false`"
         else:
             allowed = text["any"]
-        default = "null" if k.default is None else f"`{str(k.default).lower() if isinstance(k.default, bool) else k.default}`"
+        default = (
+            "null"
+            if k.default is None
+            else f"`{str(k.default).lower() if isinstance(k.default, bool) else k.default}`"
+        )
         if k.default == "":
             default = '`""`'
         name = f"`{k.display}`"
         lines.append(f"| {name} | {k.type_name} | {default} | {allowed} | {k.meta[text['help']]} |")
-    lines += ["", text["verl_title"], "", text["verl_intro"], "", text["verl_header"], "| --- | --- | --- | --- |"]
+    lines += [
+        "",
+        text["verl_title"],
+        "",
+        text["verl_intro"],
+        "",
+        text["verl_header"],
+        "| --- | --- | --- | --- |",
+    ]
     for v in VERL_KEYS:
         allowed = ", ".join(f"`{c}`" for c in v.choices) if v.choices else text["any"]
         default = "null" if v.default is None else f"`{v.default}`"

@@ -43,7 +43,8 @@ class VerlKey:
 
 VERL_KEYS = (
     VerlKey(
-        "transport", "nccl",
+        "transport",
+        "nccl",
         "The weightsync backend that carries the weights: `nccl` (broadcast; NCCL, HCCL on "
         "Ascend, Gloo on CPU), `shm` (every rollout worker on the trainer's node), `paired`, "
         "`mooncake`, `disk` (needs `engine_kwargs.disk.path`), or `auto`: `shm` when every rollout "
@@ -55,7 +56,8 @@ VERL_KEYS = (
         VERL_TRANSPORTS,
     ),
     VerlKey(
-        "host", None,
+        "host",
+        None,
         "Address the trainer's sender binds and advertises to the rollout workers. Default: the "
         "node IP Ray reports for the trainer's node, so workers on other nodes reach it; `0.0.0.0` "
         "binds every interface and advertises that node IP.",
@@ -76,7 +78,9 @@ class VerlOptions:
 
 def verl_settable_keys() -> list[str]:
     """weightsync keys ``engine_kwargs.weightsync`` may set (short form)."""
-    return [k.display for k in all_keys() if k.display not in _VERL_FIXED and not k.path.startswith("trainer.")]
+    return [
+        k.display for k in all_keys() if k.display not in _VERL_FIXED and not k.path.startswith("trainer.")
+    ]
 
 
 def parse_verl_kwargs(kwargs: Mapping[str, Any] | None) -> VerlOptions:
@@ -127,7 +131,7 @@ def read_verl(items: Iterable[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], 
     """
     items = list(items)
     ours = {k.full for k in all_keys() if k.path.startswith("trainer.")}
-    section = {k[len(PREFIX):]: v for k, v in items if k.startswith(PREFIX)}
+    section = {k[len(PREFIX) :]: v for k, v in items if k.startswith(PREFIX)}
     backend = section.get("backend") or "naive"
     out: list[tuple[str, Any]] = [(k, v) for k, v in items if k in ours]
     notes: list[str] = []
@@ -136,7 +140,7 @@ def read_verl(items: Iterable[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], 
         if key == "_target_" or key.endswith("._target_"):
             continue  # Hydra's: the dataclass verl instantiates
         if key.startswith("engine_kwargs."):
-            name, _, rest = key[len("engine_kwargs."):].partition(".")
+            name, _, rest = key[len("engine_kwargs.") :].partition(".")
             if not rest:
                 if value is None:
                     continue
@@ -179,5 +183,3 @@ def read_verl(items: Iterable[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], 
                 continue
             out.append((f"{PREFIX}engine_kwargs.{name}.{rest}", value))
     return out, notes
-
-

@@ -63,7 +63,11 @@ def apply(target: torch.Tensor, kind: Kind | int, payload: torch.Tensor | None) 
     except ValueError:
         raise _fail(f"unknown kind {kind!r}") from None
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
-        what = f"{payload.dtype} tensor of shape {tuple(payload.shape)}" if isinstance(payload, torch.Tensor) else type(payload).__name__
+        what = (
+            f"{payload.dtype} tensor of shape {tuple(payload.shape)}"
+            if isinstance(payload, torch.Tensor)
+            else type(payload).__name__
+        )
         raise _fail(f"expected a 1-D uint8 tensor, got a {what}")
     if payload.device != target.device:
         raise ValueError(f"target and payload are on different devices: {target.device} and {payload.device}")
@@ -94,7 +98,9 @@ def _apply(target: torch.Tensor, kind: Kind, data: torch.Tensor) -> None:
     if hkind != kind:
         raise _fail(f"header says kind {hkind}, the caller {kind.name}")
     if he != e or hnumel != numel:
-        raise _fail(f"encoded for {hnumel} elements of {he} bytes, the target has {numel} of {e} ({dtype_name(target.dtype)})")
+        raise _fail(
+            f"encoded for {hnumel} elements of {he} bytes, the target has {numel} of {e} ({dtype_name(target.dtype)})"
+        )
     if count > numel:
         raise _fail(f"{count} changed elements of {numel}")
     if kind == Kind.GAPS:
@@ -123,7 +129,9 @@ def _apply(target: torch.Tensor, kind: Kind, data: torch.Tensor) -> None:
     value_sections = [count * e] if not low else [count * low, nexc * wi, nexc * (e - low)]
     expected = HEADER_BYTES + pad8(where_bytes) + sum(pad8(n) for n in value_sections)
     if length != expected:
-        raise _fail(f"{length} bytes, but its header ({kind.name}, {count} changed of {numel}) needs {expected}")
+        raise _fail(
+            f"{length} bytes, but its header ({kind.name}, {count} changed of {numel}) needs {expected}"
+        )
     # From here every section lies inside the payload; sizes below are bounded by its length.
 
     at = HEADER_BYTES
@@ -154,7 +162,9 @@ def _apply(target: torch.Tensor, kind: Kind, data: torch.Tensor) -> None:
     # Validated: write. Only ``count`` elements are written.
     ints = int_view(target)  # target.shape, plus (2,) for 16-byte elements
     if not target.is_contiguous():  # (a strided view: elements by their coordinates)
-        _write_strided(ints, torch.unravel_index(pos, tuple(target.shape)), count, e, values, low, lows, exc, highs)
+        _write_strided(
+            ints, torch.unravel_index(pos, tuple(target.shape)), count, e, values, low, lows, exc, highs
+        )
     elif low:  # the low bytes in place, then the exceptions' upper bytes: no gather
         rows = ints.reshape(-1).view(torch.uint8).view(numel, e)
         rows[:, :low].index_put_((pos,), lows)
@@ -165,8 +175,17 @@ def _apply(target: torch.Tensor, kind: Kind, data: torch.Tensor) -> None:
         flat.index_put_((pos,), values.view(flat.dtype).view((count, *flat.shape[1:])))
 
 
-def _write_strided(ints: torch.Tensor, index: tuple[torch.Tensor, ...], count: int, e: int, values: torch.Tensor | None,
-                   low: int, lows: torch.Tensor | None, exc: torch.Tensor | None, highs: torch.Tensor | None) -> None:
+def _write_strided(
+    ints: torch.Tensor,
+    index: tuple[torch.Tensor, ...],
+    count: int,
+    e: int,
+    values: torch.Tensor | None,
+    low: int,
+    lows: torch.Tensor | None,
+    exc: torch.Tensor | None,
+    highs: torch.Tensor | None,
+) -> None:
     """``_apply``'s write into a non-contiguous target, element by element."""
     if low:
         elems = ints[index]  # a gather of the changed elements' current (base) bits
@@ -179,7 +198,9 @@ def _write_strided(ints: torch.Tensor, index: tuple[torch.Tensor, ...], count: i
     ints.index_put_(index, elems)
 
 
-def _positions(kind: Kind, where: torch.Tensor, numel: int, count: int, width: int, ncodes: int) -> torch.Tensor:
+def _positions(
+    kind: Kind, where: torch.Tensor, numel: int, count: int, width: int, ncodes: int
+) -> torch.Tensor:
     """Sorted int64 positions of the changed elements, checked to lie in [0, numel)."""
     if kind == Kind.INDEX:
         pos = where.view(index_dtype(numel)).long()
@@ -239,7 +260,9 @@ def _gap_positions(where: torch.Tensor, width: int, ncodes: int, numel: int, cou
         # beats selecting by the mask.
         escapes = indices(~emits)
         before = torch.zeros(count, dtype=torch.int64, device=codes.device)
-        before.index_add_(0, escapes - torch.arange(escapes.numel(), device=codes.device), torch.ones_like(escapes))
+        before.index_add_(
+            0, escapes - torch.arange(escapes.numel(), device=codes.device), torch.ones_like(escapes)
+        )
         pos = reach.index_select(0, torch.arange(count, device=codes.device) + before.cumsum(0))
     if count and int(pos[-1]) >= numel:
         raise _fail(f"GAPS position {int(pos[-1])} is past {numel} elements")

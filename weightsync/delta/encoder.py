@@ -80,7 +80,9 @@ def _take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.index_select(values, 0, index)
 
 
-def _diff(cb: torch.Tensor, cn: torch.Tensor, e: int, want_low: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _diff(
+    cb: torch.Tensor, cn: torch.Tensor, e: int, want_low: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Where two chunks of ``flat_ints`` elements differ: sorted int64 positions, the new
     values there and, if ``want_low``, base ^ new there.
 
@@ -135,9 +137,17 @@ class _Changes:
                 continue
             q = q // (((1 << w) - 1) // ((1 << prev) - 1))  # 15 = 1 * 15, 255 = 15 * 17, ...
             quotients.append(q.sum())
-        upper = [torch.count_nonzero(upper_changed(self.xor, low)) for low in range(1, e)] if self.xor is not None else []
+        upper = (
+            [torch.count_nonzero(upper_changed(self.xor, low)) for low in range(1, e)]
+            if self.xor is not None
+            else []
+        )
         values = torch.stack([self.pos[-1], *quotients, *upper]).tolist()
-        return values[0], dict(zip(GAP_WIDTHS, values[1 : 1 + len(GAP_WIDTHS)])), [0, *values[1 + len(GAP_WIDTHS) :]]
+        return (
+            values[0],
+            dict(zip(GAP_WIDTHS, values[1 : 1 + len(GAP_WIDTHS)])),
+            [0, *values[1 + len(GAP_WIDTHS) :]],
+        )
 
 
 @dataclass
@@ -169,7 +179,9 @@ class _Scan:
             yield chunk, ch
 
 
-def _changes_in(bi: torch.Tensor, ni: torch.Tensor, start: int, e: int, want_low: bool, last: int) -> _Changes:
+def _changes_in(
+    bi: torch.Tensor, ni: torch.Tensor, start: int, e: int, want_low: bool, last: int
+) -> _Changes:
     """The changes of the chunk at ``start``; ``last``: the tensor's changed element before it (or -1)."""
     local, new, xor = _diff(bi[start : start + CHUNK], ni[start : start + CHUNK], e, want_low)
     pos = local + start
@@ -309,22 +321,30 @@ def encode(
             sizes[label + "+low"] = HEADER_BYTES + wbytes + value_bytes[best_low]
         options.append((HEADER_BYTES + wbytes + value_bytes[best_low], 100 * int(kind) + w, kind, w))
     if not options:
-        raise ValueError(f"none of the allowed kinds {sorted(k.name for k in allowed)} can encode this change")
+        raise ValueError(
+            f"none of the allowed kinds {sorted(k.name for k in allowed)} can encode this change"
+        )
     nbytes, _, kind, width = min(options)
     if kind == Kind.DENSE:
         return Encoded(kind, None, dense, dense, numel, count, sizes)
     low = best_low if kind != Kind.EMPTY else 0
     nexc = scan.upper[low] if low else 0
-    header = HEADER.pack(MAGIC, FORMAT, int(kind), e, width, low, 0, numel, count, ncodes[width] if width else 0, nexc)
+    header = HEADER.pack(
+        MAGIC, FORMAT, int(kind), e, width, low, 0, numel, count, ncodes[width] if width else 0, nexc
+    )
     out = torch.zeros(nbytes, dtype=torch.uint8, device=new.device)
     out[:HEADER_BYTES] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
     if kind != Kind.EMPTY:
         with torch.no_grad():
-            _write(out, scan, kind, width, low, nexc, where_bytes[(kind, width)], ncodes[width] if width else 0)
+            _write(
+                out, scan, kind, width, low, nexc, where_bytes[(kind, width)], ncodes[width] if width else 0
+            )
     return Encoded(kind, out, nbytes, dense, numel, count, sizes)
 
 
-def _write(out: torch.Tensor, scan: _Scan, kind: Kind, width: int, low: int, nexc: int, wbytes: int, ncodes: int) -> None:
+def _write(
+    out: torch.Tensor, scan: _Scan, kind: Kind, width: int, low: int, nexc: int, wbytes: int, ncodes: int
+) -> None:
     """Write the sections of a payload whose header is in place."""
     count, e, numel = scan.count, scan.e, scan.bi.shape[0]
     itype = index_dtype(numel)

@@ -20,7 +20,9 @@ from weightsync.plan import TensorSpec, as_bytes, dtype_name
 DENSE_SUFFIX = "@dense"
 
 
-def digest(tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], *, algorithm: str | None = None) -> str:
+def digest(
+    tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], *, algorithm: str | None = None
+) -> str:
     """One hash over names, dtypes, shapes and raw bytes, to check that a sender and a
     receiver hold the same base. Order matters (pass tensors in plan order).
 
@@ -79,26 +81,47 @@ class DeltaHeader:
         for spec, kind, size in zip(self.model, self.kinds, payload_bytes):
             out.append(spec if kind == Kind.DENSE else TensorSpec(spec.name, (size,), "uint8"))
         if self.dense:
-            out += [TensorSpec(s.name + DENSE_SUFFIX, s.shape, s.dtype) for s, k in zip(self.model, self.kinds) if k != Kind.DENSE]
+            out += [
+                TensorSpec(s.name + DENSE_SUFFIX, s.shape, s.dtype)
+                for s, k in zip(self.model, self.kinds)
+                if k != Kind.DENSE
+            ]
         return out
 
     def to_wire(self) -> dict[str, Any]:
         return {
-            "base": self.base_version, "digest": self.base_digest, "model": [s.to_wire() for s in self.model],
-            "kinds": list(self.kinds), "dense": self.dense,
+            "base": self.base_version,
+            "digest": self.base_digest,
+            "model": [s.to_wire() for s in self.model],
+            "kinds": list(self.kinds),
+            "dense": self.dense,
         }
 
     @classmethod
-    def from_wire(cls, data: Any, wire: Sequence[TensorSpec], max_tensor_bytes: int | None = None) -> DeltaHeader:
+    def from_wire(
+        cls, data: Any, wire: Sequence[TensorSpec], max_tensor_bytes: int | None = None
+    ) -> DeltaHeader:
         """Parse and check against the plan's wire tensors ``wire`` (already within the
         receiver's limits); ValueError if they do not fit together, or if a model tensor is
         larger than ``max_tensor_bytes``."""
         if not isinstance(data, dict):
             raise ValueError("the delta header is not a map")
-        base, digest, model, kinds, dense = (data.get(k) for k in ("base", "digest", "model", "kinds", "dense"))
-        if not isinstance(base, int) or isinstance(base, bool) or not isinstance(digest, str) or len(digest) > 128:
+        base, digest, model, kinds, dense = (
+            data.get(k) for k in ("base", "digest", "model", "kinds", "dense")
+        )
+        if (
+            not isinstance(base, int)
+            or isinstance(base, bool)
+            or not isinstance(digest, str)
+            or len(digest) > 128
+        ):
             raise ValueError("the delta header names no valid base")
-        if not isinstance(model, list) or not isinstance(kinds, list) or len(model) != len(kinds) or not isinstance(dense, bool):
+        if (
+            not isinstance(model, list)
+            or not isinstance(kinds, list)
+            or len(model) != len(kinds)
+            or not isinstance(dense, bool)
+        ):
             raise ValueError("the delta header's tensors and kinds do not match")
         if len(model) > len(wire):  # one wire entry per model tensor at least: refuse before parsing
             raise ValueError(f"the delta header names {len(model)} tensors, the plan has {len(wire)} entries")

@@ -103,8 +103,14 @@ class DeltaPolicy:
         count as lost (the next ``RETRY_AFTER`` syncs go whole)."""
         if not self._slower(predicted_s):
             return True
-        log.info("a delta sync would take about %.3f s (probe: %.1f MB encoded in %.3f s), a dense one "
-                 "%.3f s: sending whole", predicted_s, probe.bytes / 1e6, probe.seconds, self.dense_s)
+        log.info(
+            "a delta sync would take about %.3f s (probe: %.1f MB encoded in %.3f s), a dense one "
+            "%.3f s: sending whole",
+            predicted_s,
+            probe.bytes / 1e6,
+            probe.seconds,
+            self.dense_s,
+        )
         self.delta_s, self.dense_runs = predicted_s, 0
         return False
 
@@ -112,15 +118,22 @@ class DeltaPolicy:
         self.dense_s = seconds
         self.dense_runs += 1
 
-    def delta_done(self, seconds: float, encode_s: float, wire_fraction: float, changed: int, digest_s: float = 0.0) -> None:
+    def delta_done(
+        self, seconds: float, encode_s: float, wire_fraction: float, changed: int, digest_s: float = 0.0
+    ) -> None:
         """A delta sync (no dense section) took ``seconds``, ``encode_s`` of them encoding,
         and its receivers' base digests about ``digest_s`` more (in the handshake)."""
         self.delta_s = seconds + digest_s
         wire_s = (self.dense_s or 0.0) * wire_fraction
         self.apply_s_per_change = max(seconds - encode_s - wire_s, 0.0) / max(changed, 1)
         if self._slower(self.delta_s):
-            log.info("a delta sync took %.3f s (%.3f s of it the receivers' digest), a dense one %.3f s: sending "
-                     "whole for a while", self.delta_s, digest_s, self.dense_s)
+            log.info(
+                "a delta sync took %.3f s (%.3f s of it the receivers' digest), a dense one %.3f s: sending "
+                "whole for a while",
+                self.delta_s,
+                digest_s,
+                self.dense_s,
+            )
             self.dense_runs = 0
 
     def _slower(self, seconds: float) -> bool:

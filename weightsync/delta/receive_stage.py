@@ -38,19 +38,28 @@ class ReceiveStage:
         #: delta auto or on, with ``receive()``: a copy of the last version, the base deltas apply to
         self.base: dict[str, torch.Tensor] = {}
 
-    def accept(self, wire: Any, plan: Plan | None, sink: Any, state: VersionState, max_tensor_bytes: int | None) -> Incoming:
+    def accept(
+        self, wire: Any, plan: Plan | None, sink: Any, state: VersionState, max_tensor_bytes: int | None
+    ) -> Incoming:
         """How this receiver takes the sync of ``plan`` (None: a streamed one, never
         relative) whose message carried ``wire`` as its delta header (None: a dense sync);
         with a sink, its model tensors are checked against it. Raises ValueError (a
         ``SinkError`` among them) saying what does not fit."""
-        header = DeltaHeader.from_wire(wire, plan.tensors, max_tensor_bytes) if wire is not None and plan is not None else None
+        header = (
+            DeltaHeader.from_wire(wire, plan.tensors, max_tensor_bytes)
+            if wire is not None and plan is not None
+            else None
+        )
         if sink is not None and plan is not None:
             sink.check(header.model if header is not None else plan.tensors)
         base = self.base if sink is None else {n: t.data for n, t in sink.targets.items()}
         holds = header is not None and self._holds_base(header, base, state)
         return Incoming(
-            header, list(plan.tensors) if plan is not None else [], holds,
-            self.base if self.mode != "off" and sink is None else None, base if holds else None,
+            header,
+            list(plan.tensors) if plan is not None else [],
+            holds,
+            self.base if self.mode != "off" and sink is None else None,
+            base if holds else None,
         )
 
     def _holds_base(self, header: DeltaHeader, base: dict[str, torch.Tensor], state: VersionState) -> bool:
@@ -59,8 +68,11 @@ class ReceiveStage:
         if state.version != header.base_version or state.torn:
             return False
         if base_digest(header.model, base) != header.base_digest:
-            log.info("receiver rank %d: its copy of version %d differs from the sender's (digest): taking it whole",
-                     self.rank, header.base_version)
+            log.info(
+                "receiver rank %d: its copy of version %d differs from the sender's (digest): taking it whole",
+                self.rank,
+                header.base_version,
+            )
             return False
         return True
 
@@ -96,8 +108,12 @@ class Incoming:
     relative sync applies (that copy, or the sink's own tensors)."""
 
     def __init__(
-        self, header: DeltaHeader | None, specs: list[TensorSpec], holds_base: bool,
-        base: dict[str, torch.Tensor] | None, target: dict[str, torch.Tensor] | None = None,
+        self,
+        header: DeltaHeader | None,
+        specs: list[TensorSpec],
+        holds_base: bool,
+        base: dict[str, torch.Tensor] | None,
+        target: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.header = header
         self.specs = specs  # a streamed plan's list grows while it arrives: see ``grow``
@@ -131,7 +147,9 @@ class Incoming:
         in the model) or tensors were ``handed_out``."""
         return self.applied or handed_out or (arrived and not self.relative)
 
-    def assembler(self, device: torch.device, sink: Any, owned: bool, landing: Any, buckets: Sequence[Bucket]) -> Assembler:
+    def assembler(
+        self, device: torch.device, sink: Any, owned: bool, landing: Any, buckets: Sequence[Bucket]
+    ) -> Assembler:
         """The plan layer's assembler for these entries: into ``landing``'s pooled memory
         (``weightsync.receiver.prefetch``; a dense sync), else into the sink's tensors where entries
         are taken whole; a delta sync's staged entries are copied out, so never ``owned``."""
@@ -176,7 +194,9 @@ class Incoming:
             keep(self.base, *item)
         return item
 
-    def finish(self, sent: dict[str, Any], checks: Checks, stats: SyncStats) -> tuple[str | None, list[tuple[str, torch.Tensor]]]:
+    def finish(
+        self, sent: dict[str, Any], checks: Checks, stats: SyncStats
+    ) -> tuple[str | None, list[tuple[str, torch.Tensor]]]:
         """Once every byte arrived and the sender's ``verify`` message (``sent``) with it: a
         dense sync's buckets checked; a relative sync's staged deltas applied to the base
         in place (it is then the new version) and the reconstructed tensors checked. Returns
@@ -189,15 +209,15 @@ class Incoming:
         apply_staged(self.header, self.staged, self.target)
         self.staged.clear()
         stats.delta_base = self.header.base_version
-        if checks.fn is not None and (detail := verify_tensors(self.header, self.target, sent.get("tensors"), checks.fn)):
+        if checks.fn is not None and (
+            detail := verify_tensors(self.header, self.target, sent.get("tensors"), checks.fn)
+        ):
             return checks.failed(detail), []
         self._handed = True
         return None, [(spec.name, self.target[spec.name]) for spec in self.header.model]
 
 
-def apply_staged(
-    header: DeltaHeader, staged: dict[int, torch.Tensor], base: dict[str, torch.Tensor]
-) -> None:
+def apply_staged(header: DeltaHeader, staged: dict[int, torch.Tensor], base: dict[str, torch.Tensor]) -> None:
     """Apply a delta section to ``base`` in place (every model tensor once)."""
     work = []
     for i, (spec, kind) in enumerate(zip(header.model, header.kinds)):
@@ -217,7 +237,9 @@ def keep(base: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None
     held.copy_(tensor)
 
 
-def verify_tensors(header: DeltaHeader, base: dict[str, torch.Tensor], sent: Any, checksum: Any) -> str | None:
+def verify_tensors(
+    header: DeltaHeader, base: dict[str, torch.Tensor], sent: Any, checksum: Any
+) -> str | None:
     """``verify`` after applying a delta sync: the reconstructed tensors against the
     sender's checksums of them; what differs, or None."""
     if not isinstance(sent, list) or len(sent) != len(header.model):

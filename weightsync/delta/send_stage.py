@@ -72,7 +72,9 @@ class _Background:
         self._value: Any = None
         self._error: BaseException | None = None
         self.seconds: float | None = None  # how long ``fn`` took, once it returned
-        self._thread = threading.Thread(target=self._run, args=(fn, args), name="weightsync-digest", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(fn, args), name="weightsync-digest", daemon=True
+        )
         self._thread.start()
 
     def _run(self, fn: Callable[..., Any], args: tuple) -> None:
@@ -139,18 +141,29 @@ class SenderBase:
         assert digest is not None, "no base"
         return digest
 
-    def encode(self, source: WeightSource, specs: list[TensorSpec], version: int, receivers: Sequence[int]) -> Encoding:
+    def encode(
+        self, source: WeightSource, specs: list[TensorSpec], version: int, receivers: Sequence[int]
+    ) -> Encoding:
         """Read ``source`` once and say how the sync travels. The base does not change
         until ``finished`` says some receiver took the version."""
         t0 = time.perf_counter()
         model_bytes = sum(s.nbytes for s in specs)
         relative = (
-            self.version is not None and self.specs == specs and any(r in self.holders for r in receivers)
+            self.version is not None
+            and self.specs == specs
+            and any(r in self.holders for r in receivers)
             and self.policy.trying()
         )
         self._pending, self._encode_s = None, 0.0
-        log.debug("version %d may go %s (base %s, holders %s, receivers %s, same specs %s)", version,
-                  "as deltas" if relative else "whole", self.version, sorted(self.holders), list(receivers), self.specs == specs)
+        log.debug(
+            "version %d may go %s (base %s, holders %s, receivers %s, same specs %s)",
+            version,
+            "as deltas" if relative else "whole",
+            self.version,
+            sorted(self.holders),
+            list(receivers),
+            self.specs == specs,
+        )
         items = [(name, t.detach()) for name, t in source.tensors()]
         if not relative:
             return self._whole(version, specs, items, model_bytes)
@@ -162,7 +175,9 @@ class SenderBase:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weightsync-delta") as pool:
             if self.policy.probes():  # would deltas pay? ask a sample
                 probe = self._probe(dict(items), pool, workers)
-                if not self.policy.go(self.policy.predict(probe, model_bytes, elements) + self._digest_s(), probe):
+                if not self.policy.go(
+                    self.policy.predict(probe, model_bytes, elements) + self._digest_s(), probe
+                ):
                     self._encode_s = time.perf_counter() - t0
                     return self._whole(version, specs, items, model_bytes)
             # The codec runs on host tensors (a dense fallback above sends the source's own).
@@ -192,8 +207,10 @@ class SenderBase:
         only the slices of device tensors come to the host."""
         probe = Probe()
         budget, t0 = self.policy.probe_budget(), time.perf_counter()
-        names = sorted((name for name, t in new.items() if t.numel() and t.is_contiguous()),
-                       key=lambda name: -new[name].numel() * new[name].element_size())
+        names = sorted(
+            (name for name, t in new.items() if t.numel() and t.is_contiguous()),
+            key=lambda name: -new[name].numel() * new[name].element_size(),
+        )
 
         def sample(name: str) -> Encoded:
             base, now = self.tensors[name].reshape(-1), new[name].reshape(-1)
@@ -228,11 +245,19 @@ class SenderBase:
         assert header is not None and self._pending is not None
         new = self._pending[3]
         entries = list(self._pending[2] or [])
-        entries += [(s.name + DENSE_SUFFIX, new[s.name]) for s, k in zip(header.model, header.kinds) if k != Kind.DENSE]
+        entries += [
+            (s.name + DENSE_SUFFIX, new[s.name])
+            for s, k in zip(header.model, header.kinds)
+            if k != Kind.DENSE
+        ]
         wire = sum(t.numel() * t.element_size() for _, t in entries)
         return Encoding(
             DeltaHeader(header.base_version, header.base_digest, header.model, header.kinds, True),
-            _Entries(entries), encoding.model_bytes, wire, encoding.changed, encoding.elements,
+            _Entries(entries),
+            encoding.model_bytes,
+            wire,
+            encoding.changed,
+            encoding.elements,
         )
 
     def checksums(self, mode: str) -> list[int]:
@@ -327,8 +352,12 @@ class Outgoing:
         if not lacking:
             return None
         assert self.encoder is not None and self.encoding is not None
-        log.info("receiver(s) %s do not hold base version %d: version %d goes with a dense section",
-                 lacking, header.base_version, self.version)
+        log.info(
+            "receiver(s) %s do not hold base version %d: version %d goes with a dense section",
+            lacking,
+            header.base_version,
+            self.version,
+        )
         return self.encoder.with_dense(self, lacking)
 
     def verify_fields(self, mode: str) -> dict[str, Any]:
@@ -371,7 +400,12 @@ class SendStage:
         self.base = SenderBase(policy=DeltaPolicy(always=mode == "on"))
 
     def encode(
-        self, source: WeightSource, plan: Plan | None, version: int, receivers: Sequence[int], senders: int = 1
+        self,
+        source: WeightSource,
+        plan: Plan | None,
+        version: int,
+        receivers: Sequence[int],
+        senders: int = 1,
     ) -> Outgoing:
         """What sync ``version`` of ``source`` (planned as ``plan``) packs for ``receivers``.
         Called before the handshake: the plan of a delta sync depends on what changed."""

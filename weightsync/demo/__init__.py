@@ -25,4 +25,23 @@ from weightsync.demo.vllm import (
     vllm_environment,
 )
 
-__all__ = ["DEFAULT_MODEL_CONFIG", "DemoFailed", "DemoOptions", "PROMPTS", "TCMALLOC", "TINY_MODEL_CONFIG", "VLLMDemoOptions", "build_model", "checksums", "replica_greedy", "rollout_main", "run_demo", "run_vllm_demo", "save_tiny_model", "start_replica", "train_until_changed", "trainer_greedy", "vllm_environment"]
+__all__ = [
+    "DEFAULT_MODEL_CONFIG",
+    "DemoFailed",
+    "DemoOptions",
+    "PROMPTS",
+    "TCMALLOC",
+    "TINY_MODEL_CONFIG",
+    "VLLMDemoOptions",
+    "build_model",
+    "checksums",
+    "replica_greedy",
+    "rollout_main",
+    "run_demo",
+    "run_vllm_demo",
+    "save_tiny_model",
+    "start_replica",
+    "train_until_changed",
+    "trainer_greedy",
+    "vllm_environment",
+]

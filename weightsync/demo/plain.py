@@ -97,8 +97,15 @@ def rollout_main(conn: Connection, opts: DemoOptions, address: str, rank: int) -
         with Receiver(config, address, rank) as receiver:
             for step in range(1, opts.steps + 1):
                 stats = receiver.load_into(model, version=step)
-                _send_json(conn, {"rank": rank, "version": receiver.version, "stats": stats.to_dict(),
-                                  "checksums": checksums(model)})
+                _send_json(
+                    conn,
+                    {
+                        "rank": rank,
+                        "version": receiver.version,
+                        "stats": stats.to_dict(),
+                        "checksums": checksums(model),
+                    },
+                )
     except BaseException as e:  # report, then fail: the trainer turns this into its error
         _send_json(conn, {"rank": rank, "error": f"{type(e).__name__}: {e}"})
         raise SystemExit(1) from e
@@ -170,8 +177,12 @@ def _run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
         try:
             if colocated:
                 for r in range(opts.receivers):
-                    local.append((Receiver(config, sender.address, r),
-                                  build_model(opts.model, pretrained=False, seed=opts.seed + 1000 + r)))
+                    local.append(
+                        (
+                            Receiver(config, sender.address, r),
+                            build_model(opts.model, pretrained=False, seed=opts.seed + 1000 + r),
+                        )
+                    )
             else:
                 ctx = mp.get_context("spawn")
                 for r in range(opts.receivers):
@@ -185,7 +196,9 @@ def _run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
                 t0 = time.perf_counter()
                 with console.status(f"step {step}: training"):
                     loss = _train_step(model, optimizer, gen)
-                console.print(f"step {step}: loss {loss:.4f} ({time.perf_counter() - t0:.1f} s); syncing version {step}")
+                console.print(
+                    f"step {step}: loss {loss:.4f} ({time.perf_counter() - t0:.1f} s); syncing version {step}"
+                )
                 with console.status(f"syncing version {step} to {opts.receivers} receivers"):
                     t_sync = time.perf_counter()
                     stats = sender.send(model, version=step)
@@ -201,12 +214,22 @@ def _run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
                     if "error" in report:
                         raise DemoFailed(f"rollout rank {r} failed: {report['error']}")
                     if report["version"] != step:
-                        raise DemoFailed(f"rollout rank {r} reports version {report['version']}, expected {step}")
+                        raise DemoFailed(
+                            f"rollout rank {r} reports version {report['version']}, expected {step}"
+                        )
                     _compare(expected, report["checksums"], r, step)
                 rows.append(stats)
-                table.add_row(str(step), str(stats.tensors), f"{stats.bytes / 1e6:.1f}", str(stats.buckets),
-                              f"{stats.handshake_s:.3f}", f"{stats.transfer_s:.3f}", f"{stats.seconds:.3f}",
-                              f"{stats.gbps:.2f}", "bit-exact")
+                table.add_row(
+                    str(step),
+                    str(stats.tensors),
+                    f"{stats.bytes / 1e6:.1f}",
+                    str(stats.buckets),
+                    f"{stats.handshake_s:.3f}",
+                    f"{stats.transfer_s:.3f}",
+                    f"{stats.seconds:.3f}",
+                    f"{stats.gbps:.2f}",
+                    "bit-exact",
+                )
             for p in procs:
                 p.join(timeout=30)
         finally:

@@ -94,8 +94,14 @@ def start_replica(model_dir: str, *, max_model_len: int, seed: int = 0, **kwargs
     from weightsync.integrations.vllm_rollout import EXTENSION
 
     args: dict[str, Any] = dict(
-        model=model_dir, dtype="float32", skip_tokenizer_init=True, enforce_eager=True,
-        max_model_len=max_model_len, max_num_seqs=16, seed=seed, worker_extension_cls=EXTENSION,
+        model=model_dir,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=max_model_len,
+        max_num_seqs=16,
+        seed=seed,
+        worker_extension_cls=EXTENSION,
         disable_log_stats=True,
     )
     preload = os.environ.get("LD_PRELOAD")
@@ -129,12 +135,18 @@ def trainer_greedy(model: torch.nn.Module, prompts: list[list[int]], new_tokens:
         for _ in range(new_tokens):
             nxt = model(input_ids=ids).logits[0, -1].argmax()
             ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-        out.append(ids[0, len(p):].tolist())
+        out.append(ids[0, len(p) :].tolist())
     return out
 
 
-def train_until_changed(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: list[int],
-                        before: list[list[int]], new_tokens: int, max_iters: int = 300) -> tuple[float, int]:
+def train_until_changed(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    target: list[int],
+    before: list[list[int]],
+    new_tokens: int,
+    max_iters: int = 300,
+) -> tuple[float, int]:
     """Train towards ``target`` after every prompt until the greedy outputs differ from
     ``before`` and the loss is low enough that greedy decoding has no near ties (vLLM's CPU
     kernels and transformers round differently; a near tie could flip either way)."""
@@ -180,7 +192,9 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
         f"[bold]weightsync demo --rollout vllm[/]: 1 trainer -> {opts.replicas} vLLM replicas, backend "
         f"{config.backend}, bucket {opts.bucket_mb} MiB, {opts.steps} steps, pause mode {opts.mode}"
     )
-    console.print(f"model: {opts.model or 'tiny Qwen2-shaped default'}, {n_params / 1e6:.2f}M parameters, float32")
+    console.print(
+        f"model: {opts.model or 'tiny Qwen2-shaped default'}, {n_params / 1e6:.2f}M parameters, float32"
+    )
     if any(t >= vocab for p in PROMPTS for t in p):
         raise DemoFailed(f"the model's vocabulary ({vocab}) is too small for the demo prompts")
     max_len = min(opts.max_model_len, getattr(model.config, "max_position_embeddings", opts.max_model_len))
@@ -203,16 +217,21 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
     # initial_version=0: every replica serves the trainer's weights from here on, and vLLM's
     # slower first reload is paid now, not by the first training step's update
     with VLLMRollout(replicas, config, address=opts.address, model=model, initial_version=0) as rollout:
-        console.print(f"rollout ready in {time.perf_counter() - t0:.2f} s: every worker joined, version 0 "
-                      f"synced in {rollout.initial_report.sync_s:.3f} s")
+        console.print(
+            f"rollout ready in {time.perf_counter() - t0:.2f} s: every worker joined, version 0 "
+            f"synced in {rollout.initial_report.sync_s:.3f} s"
+        )
         before = [replica_greedy(llm, PROMPTS, opts.new_tokens) for llm in llms]
         for step in range(1, opts.steps + 1):
             target = torch.randint(0, vocab, (opts.new_tokens,), generator=gen).tolist()
             t0 = time.perf_counter()
-            loss, iters = train_until_changed(model, optimizer, target, trainer_greedy(model, PROMPTS, opts.new_tokens),
-                                              opts.new_tokens)
-            console.print(f"step {step}: {iters} training iterations, loss {loss:.4f} "
-                          f"({time.perf_counter() - t0:.1f} s); updating to version {step}")
+            loss, iters = train_until_changed(
+                model, optimizer, target, trainer_greedy(model, PROMPTS, opts.new_tokens), opts.new_tokens
+            )
+            console.print(
+                f"step {step}: {iters} training iterations, loss {loss:.4f} "
+                f"({time.perf_counter() - t0:.1f} s); updating to version {step}"
+            )
             report = rollout.update(model, version=step, mode=opts.mode)
             expected = trainer_greedy(model, PROMPTS, opts.new_tokens)
             verdicts = []
@@ -221,17 +240,32 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
                 if rep.version != step:
                     raise DemoFailed(f"{rep.name} reports version {rep.version}, expected {step}")
                 if got != expected:
-                    raise DemoFailed(f"{rep.name}, version {step}: greedy output {got} != trainer's {expected}")
+                    raise DemoFailed(
+                        f"{rep.name}, version {step}: greedy output {got} != trainer's {expected}"
+                    )
                 if got == before[i]:
-                    raise DemoFailed(f"{rep.name}, version {step}: output did not change with the update: {got}")
+                    raise DemoFailed(
+                        f"{rep.name}, version {step}: output did not change with the update: {got}"
+                    )
                 before[i] = got
                 verdicts.append("parity OK")
-                console.print(f"  version {step} {rep.name}: parity OK ({len(PROMPTS)} prompts x {opts.new_tokens} tokens)")
+                console.print(
+                    f"  version {step} {rep.name}: parity OK ({len(PROMPTS)} prompts x {opts.new_tokens} tokens)"
+                )
             stats = report.stats
-            console.print(f"  version {step}: pause {report.pause_s:.3f} s, sync {report.sync_s:.3f} s, "
-                          f"resume {report.resume_s:.3f} s, {report.gbps:.3f} GB/s")
-            table.add_row(str(step), f"{stats.bytes / 1e6:.2f}", f"{report.pause_s:.3f}", f"{report.sync_s:.3f}",
-                          f"{report.resume_s:.3f}", f"{report.gbps:.3f}", *verdicts)
+            console.print(
+                f"  version {step}: pause {report.pause_s:.3f} s, sync {report.sync_s:.3f} s, "
+                f"resume {report.resume_s:.3f} s, {report.gbps:.3f} GB/s"
+            )
+            table.add_row(
+                str(step),
+                f"{stats.bytes / 1e6:.2f}",
+                f"{report.pause_s:.3f}",
+                f"{report.sync_s:.3f}",
+                f"{report.resume_s:.3f}",
+                f"{report.gbps:.3f}",
+                *verdicts,
+            )
             reports.append(report)
 
         # The baseline: vLLM's own reload of the same weights from a directory on disk.
@@ -244,7 +278,9 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
             a, b = (llm.collective_rpc("weightsync_digests")[0] for llm in llms[:2])
             if a != b:
                 bad = [n for n in a if a[n] != b.get(n)]
-                raise DemoFailed(f"weights reloaded from disk differ from weights synced by weightsync: {bad[:4]}")
+                raise DemoFailed(
+                    f"weights reloaded from disk differ from weights synced by weightsync: {bad[:4]}"
+                )
     console.print(table)
     sync_s = sum(r.sync_s for r in reports) / len(reports)
     console.print(
@@ -252,5 +288,7 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
         f"weightsync sync: {sync_s:.3f} s on average"
         + ("; reloaded weights equal the synced ones byte for byte" if len(llms) > 1 else "")
     )
-    console.print(f"demo OK: {len(reports)} updates to {opts.replicas} vLLM replicas, greedy parity with the trainer")
+    console.print(
+        f"demo OK: {len(reports)} updates to {opts.replicas} vLLM replicas, greedy parity with the trainer"
+    )
     return reports

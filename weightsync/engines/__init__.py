@@ -16,4 +16,18 @@ from weightsync.engines.base import (
 )
 from weightsync.engines.registry import get_engine
 
-__all__ = ["Engine", "Landing", "NextBucket", "Producer", "EngineUnavailable", "Join", "Offer", "Publisher", "Transport", "builtin_backends", "get_engine", "known_backends", "register_engine"]
+__all__ = [
+    "Engine",
+    "Landing",
+    "NextBucket",
+    "Producer",
+    "EngineUnavailable",
+    "Join",
+    "Offer",
+    "Publisher",
+    "Transport",
+    "builtin_backends",
+    "get_engine",
+    "known_backends",
+    "register_engine",
+]

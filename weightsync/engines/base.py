@@ -142,7 +142,9 @@ class Transport(ABC):
         the wire (so buffers and source tensors may be reused)."""
 
     @abstractmethod
-    def recv_buckets(self, next_bucket: NextBucket, landing: Landing | None = None) -> Iterator[tuple[Bucket, torch.Tensor]]:
+    def recv_buckets(
+        self, next_bucket: NextBucket, landing: Landing | None = None
+    ) -> Iterator[tuple[Bucket, torch.Tensor]]:
         """Receiver: yield each bucket with a uint8 buffer holding its bytes. The buffer is
         valid until the next item is requested. A transport that can write bytes anywhere
         may receive a bucket straight into ``landing(bucket)`` (then yielded as the buffer);

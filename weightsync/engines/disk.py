@@ -134,7 +134,9 @@ def _canonical(manifest: dict[str, Any]) -> bytes:
     """The bytes a manifest's signature covers: all of it but the signature, as canonical
     JSON (sorted keys, no spaces, ASCII)."""
     body = {k: v for k, v in manifest.items() if k != SIGNATURE}
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    return json.dumps(
+        body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode()
 
 
 def sign_manifest(secret: bytes, manifest: dict[str, Any]) -> str:
@@ -145,20 +147,25 @@ def signature_problem(secret: bytes, manifest: dict[str, Any]) -> str | None:
     """Why ``manifest`` is not signed with ``secret``, or None if it is."""
     tag = manifest.get(SIGNATURE)
     if tag is None:
-        return (f"its manifest is not signed, and this receiver has a shared secret (auth_secret or ${SECRET_ENV}): "
-                "the sender has none, or someone without it wrote this version")
+        return (
+            f"its manifest is not signed, and this receiver has a shared secret (auth_secret or ${SECRET_ENV}): "
+            "the sender has none, or someone without it wrote this version"
+        )
     try:
         ok = isinstance(tag, str) and auth.verify(secret, bytes.fromhex(tag), _SIGNED, _canonical(manifest))
     except ValueError:  # not hex, or not canonical JSON (NaN)
         ok = False
     if not ok:
-        return ("its manifest's signature does not match: the sender holds another shared secret "
-                f"(auth_secret or ${SECRET_ENV}), or the manifest was changed after it was signed")
+        return (
+            "its manifest's signature does not match: the sender holds another shared secret "
+            f"(auth_secret or ${SECRET_ENV}), or the manifest was changed after it was signed"
+        )
     return None
 
 
-def _write_shard(path: Path, items: list[tuple[str, torch.Tensor]], checksum, digest: bool = False
-                 ) -> tuple[list[int | None], str | None]:
+def _write_shard(
+    path: Path, items: list[tuple[str, torch.Tensor]], checksum, digest: bool = False
+) -> tuple[list[int | None], str | None]:
     """Write one safetensors file from ``items`` (host tensors), streaming each tensor's
     bytes from its own memory. Returns each tensor's checksum and, with ``digest``, the
     SHA-256 of all their bytes in order."""
@@ -170,7 +177,11 @@ def _write_shard(path: Path, items: list[tuple[str, torch.Tensor]], checksum, di
         if code is None:
             raise SyncError(f"tensor {name!r}: dtype {t.dtype} cannot be stored in safetensors")
         data = as_bytes(t)
-        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + data.numel()]}
+        header[name] = {
+            "dtype": code,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + data.numel()],
+        }
         offset += data.numel()
         views.append(data)
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -201,7 +212,9 @@ class Publication(Offer):
         self.manifest = manifest
         try:
             if manifest.get("format") != FORMAT:
-                raise ValueError(f"manifest format {manifest.get('format')!r}, this weightsync reads format {FORMAT}")
+                raise ValueError(
+                    f"manifest format {manifest.get('format')!r}, this weightsync reads format {FORMAT}"
+                )
             if manifest.get("version") != version:
                 raise ValueError(f"the manifest says version {manifest.get('version')!r}")
             self.id: str = str(manifest["id"])
@@ -238,12 +251,25 @@ class Publication(Offer):
         """Tell the sender how this receiver is doing with this publication, in a file."""
         if state in ("ok", "failed"):
             self.publisher.last_read = (self.version, self.id)
-        ack = {"version": self.version, "id": self.id, "rank": self.rank, "state": state, "message": message,
-               "reader": identity(), "time": time.time()}
+        ack = {
+            "version": self.version,
+            "id": self.id,
+            "rank": self.rank,
+            "state": state,
+            "message": message,
+            "reader": identity(),
+            "time": time.time(),
+        }
         try:
             write_json(self.root / ACKS / ack_name(self.version, self.rank), ack, durable=False)
         except OSError as e:  # the sender then times out naming this rank; say why here
-            log.warning("receiver rank %d: cannot write its ack of version %d in %s: %s", self.rank, self.version, self.root, e)
+            log.warning(
+                "receiver rank %d: cannot write its ack of version %d in %s: %s",
+                self.rank,
+                self.version,
+                self.root,
+                e,
+            )
 
     def tensors(self, device: torch.device, owned: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor, one shard at a time (memory: one shard). With ``verify`` on, all
@@ -270,19 +296,25 @@ class Publication(Offer):
                     "(pruned or replaced by a newer publish)"
                 ) from e
             except (OSError, SafetensorError) as e:
-                raise SyncError(f"receiver rank {rank}: reading shard {path} of version {self.version} failed: {e}") from e
+                raise SyncError(
+                    f"receiver rank {rank}: reading shard {path} of version {self.version} failed: {e}"
+                ) from e
             bad = []
             sha = hashlib.sha256() if signed else None
             for (name, t), expected in zip(loaded, shard.get("checksums") or [None] * len(loaded)):
                 spec = next(specs)
                 if TensorSpec.of(name, t) != spec:
-                    raise SyncError(f"shard {path}: tensor {name!r} is {TensorSpec.of(name, t)}, the manifest says {spec}")
+                    raise SyncError(
+                        f"shard {path}: tensor {name!r} is {TensorSpec.of(name, t)}, the manifest says {spec}"
+                    )
                 if checksum is not None and checksum(as_bytes(t)) != expected:
                     bad.append(name)
                 if sha is not None and t.numel():
                     sha.update(memoryview(as_bytes(t).numpy()))
             signed_digest = shard.get("sha256")
-            if sha is not None and not (isinstance(signed_digest, str) and hmac.compare_digest(sha.hexdigest(), signed_digest)):
+            if sha is not None and not (
+                isinstance(signed_digest, str) and hmac.compare_digest(sha.hexdigest(), signed_digest)
+            ):
                 raise VerificationError(
                     f"receiver rank {rank}: shard {shard['file']} of version {self.version} does not match the "
                     "digest its signed manifest holds: it was changed after it was published"
@@ -375,14 +407,21 @@ class DiskPublisher(Publisher):
             remove_tree(tmp)
             raise
         stats.transfer_s = time.perf_counter() - start
-        log.info("published version %d in %s: %d tensors, %.1f MB in %d shards",
-                 version, root, stats.tensors, stats.bytes / 1e6, stats.buckets)
+        log.info(
+            "published version %d in %s: %d tensors, %.1f MB in %d shards",
+            version,
+            root,
+            stats.tensors,
+            stats.bytes / 1e6,
+            stats.buckets,
+        )
         self._prune()
         self._await_acks(version, token, receivers)
         return stats
 
-    def _write_shards(self, tmp: Path, source: WeightSource, stats: SyncStats, digest: bool = False
-                      ) -> tuple[list[TensorSpec], list[dict[str, Any]]]:
+    def _write_shards(
+        self, tmp: Path, source: WeightSource, stats: SyncStats, digest: bool = False
+    ) -> tuple[list[TensorSpec], list[dict[str, Any]]]:
         """Pack the source's tensors, whole, into shards of about ``bucket_bytes`` (a
         larger tensor alone in its own). Holds one shard's tensors at a time. ``digest``:
         record each shard's SHA-256 (a signed manifest covers them)."""
@@ -399,7 +438,11 @@ class DiskPublisher(Publisher):
                 return
             part = f"part-{len(shards):05d}"  # renamed once the number of shards is known
             sums, sha = _write_shard(tmp / part, pending, checksum, digest)
-            entry: dict[str, Any] = {"file": part, "bytes": (tmp / part).stat().st_size, "tensors": [n for n, _ in pending]}
+            entry: dict[str, Any] = {
+                "file": part,
+                "bytes": (tmp / part).stat().st_size,
+                "tensors": [n for n, _ in pending],
+            }
             if checksum is not None:
                 entry["checksums"] = sums
             if sha is not None:
@@ -490,8 +533,9 @@ class DiskPublisher(Publisher):
             who = (reading.get(rank) or {}).get("reader") or {}
             problems["timeout"][rank] = (
                 f"receiver rank {rank} started reading version {version} (pid {who.get('pid')} on {who.get('host')}) "
-                f"but did not finish within {timeout:.1f} s" if rank in reading else
-                f"receiver rank {rank} did not pick up version {version} from {self.root} within {timeout:.1f} s"
+                f"but did not finish within {timeout:.1f} s"
+                if rank in reading
+                else f"receiver rank {rank} did not pick up version {version} from {self.root} within {timeout:.1f} s"
             )
         for rank, ack in final.items():
             who = ack.get("reader") or {}
@@ -500,9 +544,13 @@ class DiskPublisher(Publisher):
                     f"receiver rank {rank} (pid {who.get('pid')} on {who.get('host')}) died while reading version {version}"
                 )
             elif ack["state"] == "refused":
-                problems["refused"][rank] = f"receiver rank {rank} refused version {version}: {ack.get('message')}"
+                problems["refused"][rank] = (
+                    f"receiver rank {rank} refused version {version}: {ack.get('message')}"
+                )
             elif ack["state"] == "failed":
-                problems["failed"][rank] = f"receiver rank {rank} failed version {version}: {ack.get('message')}"
+                problems["failed"][rank] = (
+                    f"receiver rank {rank} failed version {version}: {ack.get('message')}"
+                )
         ranks = sorted(r for group in problems.values() for r in group)
         if not ranks:
             return
@@ -546,10 +594,21 @@ class DiskPublisher(Publisher):
             if time.monotonic() >= end:
                 have = "none" if newest is None else str(newest)
                 held = self.last_read[0] if self.last_read is not None else None
-                what = (f"version {version} was not" if version is not None else
-                        f"no version newer than {held} was" if held is not None else "no version was")
-                again = f"; this receiver already read its publication {self.last_read[1]}" if read_before and version is not None else ""
-                raise SyncTimeout(f"receiver rank {rank}: {what} published in {root} within {timeout:.1f} s "
-                                  f"(newest published: {have}{again})")
+                what = (
+                    f"version {version} was not"
+                    if version is not None
+                    else f"no version newer than {held} was"
+                    if held is not None
+                    else "no version was"
+                )
+                again = (
+                    f"; this receiver already read its publication {self.last_read[1]}"
+                    if read_before and version is not None
+                    else ""
+                )
+                raise SyncTimeout(
+                    f"receiver rank {rank}: {what} published in {root} within {timeout:.1f} s "
+                    f"(newest published: {have}{again})"
+                )
             time.sleep(poll)
             poll = min(poll * 2, POLL_MAX_S)

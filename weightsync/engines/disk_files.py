@@ -73,5 +73,3 @@ def read_json(path: Path) -> Any:
 
 def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
-
-

@@ -61,7 +61,8 @@ try:
 except ImportError as e:  # the registry reports this as "backend 'mooncake' cannot be loaded"
     raise ImportError(
         f"backend 'mooncake' needs Mooncake Transfer Engine: pip install 'weightsync[mooncake]' "
-        f"(CUDA: mooncake-transfer-engine, Ascend: mooncake-transfer-engine-npu) ({e})", name=e.name or "mooncake",
+        f"(CUDA: mooncake-transfer-engine, Ascend: mooncake-transfer-engine-npu) ({e})",
+        name=e.name or "mooncake",
     ) from e
 
 log = logging.getLogger("weightsync.engines.mooncake")
@@ -79,7 +80,9 @@ _ORPHANS: list[Any] = []
 class _Local:
     """This process's Mooncake Transfer Engine and its registered ring of slots."""
 
-    def __init__(self, host: str, protocol: str, nic_filter: str, device: torch.device, slot_bytes: int) -> None:
+    def __init__(
+        self, host: str, protocol: str, nic_filter: str, device: torch.device, slot_bytes: int
+    ) -> None:
         self.te = TransferEngine()
         rc = self.te.initialize(host, "P2PHANDSHAKE", protocol, nic_filter)
         if rc != 0:
@@ -147,9 +150,18 @@ class MooncakeEngine(Transport):
     def _open_local(self, host: str) -> None:
         device = self._ring_device()
         protocol = platform.mooncake_protocol(device.type)
-        self._local = _Local(host, protocol, self.config.engine_kwargs.mooncake.device_name, device, self._capacity)
-        log.debug("mooncake: %d slots of %d bytes on %s, %s on %s:%d",
-                  SLOTS, self._capacity, device, protocol, host, self._local.rpc_port)
+        self._local = _Local(
+            host, protocol, self.config.engine_kwargs.mooncake.device_name, device, self._capacity
+        )
+        log.debug(
+            "mooncake: %d slots of %d bytes on %s, %s on %s:%d",
+            SLOTS,
+            self._capacity,
+            device,
+            protocol,
+            host,
+            self._local.rpc_port,
+        )
 
     @property
     def _sync(self) -> Join:
@@ -238,7 +250,12 @@ class MooncakeEngine(Transport):
                 down = None
                 if rank + 1 < world_size:
                     _, msg, addr = peers[rank + 1]
-                    down = {"host": addr, "rpc_port": msg["rpc_port"], "ring": msg["ring"], "label": msg["label"]}
+                    down = {
+                        "host": addr,
+                        "rpc_port": msg["rpc_port"],
+                        "ring": msg["ring"],
+                        "label": msg["label"],
+                    }
                 sock.settimeout(max(0.01, deadline - time.monotonic()))
                 sock.sendall(ring.pack_message({"up": up, "down": down}))
         except OSError as e:
@@ -258,7 +275,9 @@ class MooncakeEngine(Transport):
         self._drop()
         capacity = int(info["slot_bytes"])
         if not 0 < capacity <= self.config.bucket_bytes:
-            raise PeerError(f"mooncake: the sender asks for slots of {capacity} bytes; buckets are {self.config.bucket_bytes}")
+            raise PeerError(
+                f"mooncake: the sender asks for slots of {capacity} bytes; buckets are {self.config.bucket_bytes}"
+            )
         self._capacity = capacity
         self._token = str(info["token"])
         host = self._bind_host(join)
@@ -273,11 +292,19 @@ class MooncakeEngine(Transport):
         except OSError as e:
             raise PeerError(f"mooncake: could not reach the sender's signal port {sender}: {e}") from e
         try:
-            reg.sendall(ring.pack_message({
-                "token": self._token, "generation": int(info["generation"]), "rank": join.rank,
-                "label": join.receiver_rank, "rpc_port": self._local.rpc_port, "ring": self._local.ring.data_ptr(),
-                "signal_port": self._listener.getsockname()[1] if self._listener is not None else 0,
-            }))
+            reg.sendall(
+                ring.pack_message(
+                    {
+                        "token": self._token,
+                        "generation": int(info["generation"]),
+                        "rank": join.rank,
+                        "label": join.receiver_rank,
+                        "rpc_port": self._local.rpc_port,
+                        "ring": self._local.ring.data_ptr(),
+                        "signal_port": self._listener.getsockname()[1] if self._listener is not None else 0,
+                    }
+                )
+            )
             route = ring.read_message(reg, "the sender (mooncake)", timeout, join.watch)
         except BaseException:
             reg.close()
@@ -295,7 +322,11 @@ class MooncakeEngine(Transport):
                 raise PeerError(f"mooncake: could not reach {name} at {upstream}: {e}") from e
             self._up = Signals(sock, name, int(up["label"]), timeout, join.watch)
             try:
-                sock.sendall(ring.pack_message({"token": self._token, "generation": int(info["generation"]), "rank": join.rank}))
+                sock.sendall(
+                    ring.pack_message(
+                        {"token": self._token, "generation": int(info["generation"]), "rank": join.rank}
+                    )
+                )
             except OSError as e:
                 raise PeerError(f"{name} closed its connection ({e})") from e
         down = route.get("down")
@@ -305,11 +336,19 @@ class MooncakeEngine(Transport):
 
             def check(msg: dict, sock: socket.socket, taken: dict) -> int:
                 if ring.int_field(msg, "generation") != generation or ring.int_field(msg, "rank") != want:
-                    raise ValueError(f"generation {msg.get('generation')}, rank {msg.get('rank')}: not our downstream")
+                    raise ValueError(
+                        f"generation {msg.get('generation')}, rank {msg.get('rank')}: not our downstream"
+                    )
                 return want
 
             sock, _, _ = ring.accept_peers(
-                self._listener, 1, self._token, check, timeout, join.watch, f"downstream receiver (rank {down['label']})"
+                self._listener,
+                1,
+                self._token,
+                check,
+                timeout,
+                join.watch,
+                f"downstream receiver (rank {down['label']})",
             )[want]
             label = int(down["label"])
             self._down = Signals(sock, f"receiver rank {label} (mooncake)", label, timeout, join.watch)
@@ -339,7 +378,8 @@ class MooncakeEngine(Transport):
         )
         if batch is None or batch <= 0:
             raise PeerError(
-                f"Mooncake could not start writing bucket {k} to {self._down.peer} (returned {batch})", self._down.label
+                f"Mooncake could not start writing bucket {k} to {self._down.peer} (returned {batch})",
+                self._down.label,
             )
         self._local.inflight.add(batch)
         return batch
@@ -370,8 +410,10 @@ class MooncakeEngine(Transport):
         while not done():
             now = time.monotonic()
             if now > deadline:
-                raise TimeoutError(f"writing bucket {k} of version {self._sync.version} to {self._down.peer} "
-                                   f"took longer than {self.config.timeout_s} s")
+                raise TimeoutError(
+                    f"writing bucket {k} of version {self._sync.version} to {self._down.peer} "
+                    f"took longer than {self.config.timeout_s} s"
+                )
             if now > next_watch:
                 next_watch = now + _POLL_S
                 self._sync.check()
@@ -404,6 +446,7 @@ class MooncakeEngine(Transport):
         """Announce our writes downstream as they land while nothing comes from ``up`` (the
         link whose signal is awaited next), so a piece waits for no later one, nor for that
         signal, to go on."""
+
         def idle() -> bool:
             self._retire_landed(window)
             return not window or up.readable(_DRAIN_POLL_S)
@@ -512,7 +555,9 @@ class MooncakeEngine(Transport):
         except BaseException as e:
             box.append(e)
 
-    def recv_buckets(self, next_bucket: NextBucket, landing: Landing | None = None) -> Iterator[tuple[Bucket, torch.Tensor]]:
+    def recv_buckets(
+        self, next_bucket: NextBucket, landing: Landing | None = None
+    ) -> Iterator[tuple[Bucket, torch.Tensor]]:
         # ``landing`` is not used: the upstream writes into our registered slots.
         assert self._up is not None and self._local is not None, "connect() first"
         version = self._sync.version
@@ -536,8 +581,12 @@ class MooncakeEngine(Transport):
                 ahead = None
                 if down is not None:  # bucket k + 1 goes on while the consumer reads bucket k
                     stop, box = threading.Event(), []
-                    ahead = threading.Thread(target=self._relay_ahead, args=(window, k + 1, stop, box),
-                                             name="weightsync-mooncake-relay", daemon=True)
+                    ahead = threading.Thread(
+                        target=self._relay_ahead,
+                        args=(window, k + 1, stop, box),
+                        name="weightsync-mooncake-relay",
+                        daemon=True,
+                    )
                     ahead.start()
                 try:
                     yield bucket, self._local.slot(k)[:n]
@@ -557,7 +606,9 @@ class MooncakeEngine(Transport):
                 up.send(DONE, version, k, 0)  # our slot may be rewritten: nothing reads it now
                 k += 1
             if have >= 0:
-                raise PeerError(f"{up.peer} announced {have} bytes of bucket {k}, which the plan does not hold")
+                raise PeerError(
+                    f"{up.peer} announced {have} bytes of bucket {k}, which the plan does not hold"
+                )
             if down is not None:
                 self._flush(window)
                 for seq in range(max(0, k - SLOTS), k):

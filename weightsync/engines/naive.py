@@ -72,7 +72,9 @@ class NaivePublisher(Publisher):
             self._published = True
             _changed.notify_all()
         specs = source.specs() or []
-        return SyncStats(version, tensors=len(specs), bytes=sum(s.nbytes for s in specs), receivers=len(receivers))
+        return SyncStats(
+            version, tensors=len(specs), bytes=sum(s.nbytes for s in specs), receivers=len(receivers)
+        )
 
     def offer(self, rank: int, version: int | None) -> Offer:
         """Wait for a publication at ``address`` not read yet (of ``version``, if given)."""
@@ -86,7 +88,11 @@ class NaivePublisher(Publisher):
                         return _NaiveOffer(current, self._taken)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    have = "nothing new" if current is None or current.serial == self._taken[0] else f"version {current.version}"
+                    have = (
+                        "nothing new"
+                        if current is None or current.serial == self._taken[0]
+                        else f"version {current.version}"
+                    )
                     want = f"version {version}" if version is not None else "a new version"
                     raise SyncTimeout(
                         f"naive backend: receiver rank {rank} waited {timeout_s:.1f} s at {self.address!r} for {want}, "

@@ -105,7 +105,9 @@ class CollectiveEngine(Transport):
         self._generation = 0
         self._token = ""  # rank 0: the current group's rendezvous token
         self._buffers: list[torch.Tensor] | None = None
-        self._landed_in_failure: int | None = None  # a failed sync (its version) left receives posted into the model
+        self._landed_in_failure: int | None = (
+            None  # a failed sync (its version) left receives posted into the model
+        )
         self._join: Join | None = None  # the sync in progress
 
     # ------------------------------------------------------------------ group
@@ -162,23 +164,41 @@ class CollectiveEngine(Transport):
         self.start(join)
         topology = info.get("topology", "broadcast")
         if topology not in TOPOLOGIES:
-            raise RuntimeError(f"the sender's route {topology!r} is not one of {', '.join(TOPOLOGIES)}: run the same weightsync on both sides")
+            raise RuntimeError(
+                f"the sender's route {topology!r} is not one of {', '.join(TOPOLOGIES)}: run the same weightsync on both sides"
+            )
         key = (info["host"], info["port"], info["group"], join.world_size, join.senders, topology)
         if self._groups and key == self._group_key:
             return
         self._drop_group()
         self.arrange(join, topology)
         store = self._rendezvous(join, info)
-        log.debug("%s joining group %s as rank %d (%s, %s)", join.name, info["group"], join.rank, self.library, topology)
+        log.debug(
+            "%s joining group %s as rank %d (%s, %s)",
+            join.name,
+            info["group"],
+            join.rank,
+            self.library,
+            topology,
+        )
         if not self._chain:
             self._groups[None] = platform.new_process_group(
-                self.library, store, join.rank, join.world_size, self.config.timeout_s, bind_host=join.local_host
+                self.library,
+                store,
+                join.rank,
+                join.world_size,
+                self.config.timeout_s,
+                bind_host=join.local_host,
             )
         for a, b in self._links():
             if join.rank in (a, b):
                 self._groups[(a, b)] = platform.new_process_group(
-                    self.library, dist.PrefixStore(f"link/{a}-{b}", store), (a, b).index(join.rank), 2,
-                    self.config.timeout_s, bind_host=join.local_host,
+                    self.library,
+                    dist.PrefixStore(f"link/{a}-{b}", store),
+                    (a, b).index(join.rank),
+                    2,
+                    self.config.timeout_s,
+                    bind_host=join.local_host,
                 )
         self._group_key = key
 
@@ -190,7 +210,9 @@ class CollectiveEngine(Transport):
         self._trainers = join.senders
         self._replicas = join.world_size - self._trainers
         if self._trainers < 1 or self._replicas < 1:
-            raise RuntimeError(f"{self.name}: {self._trainers} trainer rank(s) and {self._replicas} receiver(s) cannot form a route")
+            raise RuntimeError(
+                f"{self.name}: {self._trainers} trainer rank(s) and {self._replicas} receiver(s) cannot form a route"
+            )
 
     def _trainer_rank(self, share: int) -> int:
         return 0 if share == 0 else self._replicas + share
@@ -233,7 +255,9 @@ class CollectiveEngine(Transport):
         sends it: the whole bucket on a broadcast, pieces of ``CHUNK_BYTES`` on a chain."""
         if not tensor.numel():
             return []
-        pieces = [tensor] if not self._chain or tensor.numel() <= CHUNK_BYTES else torch.split(tensor, CHUNK_BYTES)
+        pieces = (
+            [tensor] if not self._chain or tensor.numel() <= CHUNK_BYTES else torch.split(tensor, CHUNK_BYTES)
+        )
         return [(p, self._share_of(p.numel())) for p in pieces]
 
     def _rendezvous(self, join: Join, info: dict[str, Any]) -> dist.Store:
@@ -254,7 +278,9 @@ class CollectiveEngine(Transport):
                     f"{join.name} (run the same version on both sides)"
                 )
             host = join.sender_host or info["host"]  # the address that reached the sender
-            store = rendezvous.connect(host, int(info["port"]), info["token"], self.config.timeout_s, join.watch)
+            store = rendezvous.connect(
+                host, int(info["port"]), info["token"], self.config.timeout_s, join.watch
+            )
         self._store = store
         return dist.PrefixStore(f"weightsync/{info['group']}", store)
 
@@ -370,7 +396,9 @@ class CollectiveEngine(Transport):
         """Start sending ``tensor`` to rank ``to`` (None: to every rank of the group)."""
         return self._groups[(self.rank, to) if to is not None else None].broadcast(tensor, 0)
 
-    def recv_buckets(self, next_bucket: NextBucket, landing: Landing | None = None) -> Iterator[tuple[Bucket, torch.Tensor]]:
+    def recv_buckets(
+        self, next_bucket: NextBucket, landing: Landing | None = None
+    ) -> Iterator[tuple[Bucket, torch.Tensor]]:
         """Post receives in bucket order (the order the senders send in) up to ``WINDOW``
         ahead; a bucket that needs a buffer waits for a free slot. A slot is free again
         once its bucket was consumed and, where it is forwarded, forwarded."""
@@ -378,7 +406,9 @@ class CollectiveEngine(Transport):
         free = [0, 1]  # buffer slots not holding a posted, handed-out or forwarding bucket
         # Receives posted, in plan order: (bucket, slot, target, its pieces' receives, each
         # with the piece and the rank to forward it to, if any).
-        posted: deque[tuple[Bucket, int | None, torch.Tensor, list[tuple[dist.Work, torch.Tensor, int | None]]]] = deque()
+        posted: deque[
+            tuple[Bucket, int | None, torch.Tensor, list[tuple[dist.Work, torch.Tensor, int | None]]]
+        ] = deque()
         # Forwards on the wire, a bucket's together (its pieces may go to several ranks):
         # (works, slot its bytes are in, or None for a landed bucket).
         forwarding: deque[tuple[list[dist.Work], int | None]] = deque()
@@ -390,7 +420,9 @@ class CollectiveEngine(Transport):
             for forwards in order until one gives a buffer slot back. (A forward of a
             landed bucket holds no slot: waiting for the oldest forward alone may free
             nothing while both slots stay on the wire.)"""
-            while forwarding and (all(w.is_completed() for w in forwarding[0][0]) or (until_free and not free)):
+            while forwarding and (
+                all(w.is_completed() for w in forwarding[0][0]) or (until_free and not free)
+            ):
                 works, slot = forwarding.popleft()
                 for work in works:
                     self._wait(work)
@@ -413,7 +445,9 @@ class CollectiveEngine(Transport):
                     reclaim(until_free=not posted)
                     if not free:
                         if not posted:  # every slot is posted or forwarding, so unreachable
-                            raise RuntimeError(f"{self.name}: no buffer slot for bucket {pending.index} and nothing in flight")
+                            raise RuntimeError(
+                                f"{self.name}: no buffer slot for bucket {pending.index} and nothing in flight"
+                            )
                         return
                     slot = free.pop(0)
                     target = bufs[slot][: pending.nbytes]

@@ -16,7 +16,16 @@ from weightsync.config import backends
 from weightsync.config.backends import builtin_backends, known_backends, register_engine
 from weightsync.engines.base import Engine, EngineUnavailable, Publisher, Transport
 
-__all__ = ["Engine", "EngineUnavailable", "Publisher", "Transport", "register_engine", "get_engine", "known_backends", "builtin_backends"]
+__all__ = [
+    "Engine",
+    "EngineUnavailable",
+    "Publisher",
+    "Transport",
+    "register_engine",
+    "get_engine",
+    "known_backends",
+    "builtin_backends",
+]
 
 
 def get_engine(name: str) -> type[Transport] | type[Publisher]:
@@ -25,7 +34,9 @@ def get_engine(name: str) -> type[Transport] | type[Publisher]:
         raise EngineUnavailable(failed)
     entry = backends.entry(name)
     if entry is None:
-        raise EngineUnavailable(f"backend {name!r} is not registered; known backends: {', '.join(known_backends())}")
+        raise EngineUnavailable(
+            f"backend {name!r} is not registered; known backends: {', '.join(known_backends())}"
+        )
     if isinstance(entry, str):
         module_name, _, attr = entry.partition(":")
         try:

@@ -271,13 +271,17 @@ class StoreClient(_Store):
             sock = socket.create_connection((self._host, self._port), timeout=min(deadline.left(), 30.0))
         except OSError as e:
             raise PeerLost(f"cannot reach the data-plane rendezvous store at {self.address}: {e}") from None
-        channel = Channel(sock, f"the data-plane rendezvous store at {self.address}", max_frame=HELLO_MAX_BYTES)
+        channel = Channel(
+            sock, f"the data-plane rendezvous store at {self.address}", max_frame=HELLO_MAX_BYTES
+        )
         try:
             channel.send({"type": "hello", "token": self._token}, deadline)
             channel.recv(deadline, expect="welcome")
         except HandshakeError as e:  # not a refusal of a version: the data plane failed
             channel.close()
-            raise SyncError(f"the data-plane rendezvous store at {self.address} turned this rank away: {e}") from None
+            raise SyncError(
+                f"the data-plane rendezvous store at {self.address} turned this rank away: {e}"
+            ) from None
         except BaseException:
             channel.close()
             raise
@@ -287,7 +291,9 @@ class StoreClient(_Store):
     def _request(self, op: str, msg: dict[str, Any], wait_s: float = 0.0) -> dict[str, Any]:
         with self._lock:
             if self._closed:
-                raise PeerLost(f"the connection to the data-plane rendezvous store at {self.address} was closed")
+                raise PeerLost(
+                    f"the connection to the data-plane rendezvous store at {self.address} was closed"
+                )
             channel = self._idle.pop() if self._idle else None
         if channel is None:
             channel = self._open()
@@ -304,7 +310,9 @@ class StoreClient(_Store):
             else:
                 self._idle.append(channel)
         if reply["type"] == "error":
-            raise RuntimeError(f"the data-plane rendezvous store at {self.address} refused {op}: {reply.get('message')}")
+            raise RuntimeError(
+                f"the data-plane rendezvous store at {self.address} refused {op}: {reply.get('message')}"
+            )
         return reply
 
     def close(self) -> None:
@@ -324,7 +332,9 @@ def _listen(host: str | None) -> tuple[socket.socket, str]:
     if host is None or host in ("", "::", "0.0.0.0"):
         # The control socket listens on a wildcard address: the user chose every interface.
         if host != "0.0.0.0" and socket.has_dualstack_ipv6():
-            return socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=128), "::"
+            return socket.create_server(
+                ("::", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=128
+            ), "::"
         return socket.create_server(("0.0.0.0", 0), backlog=128), "0.0.0.0"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -405,7 +415,11 @@ class StoreServer:
                 if not crowded:
                     self._pending += 1
             if crowded:
-                log.warning("rendezvous store: refused %s: %d connections have not presented a token yet", where, MAX_PENDING)
+                log.warning(
+                    "rendezvous store: refused %s: %d connections have not presented a token yet",
+                    where,
+                    MAX_PENDING,
+                )
                 conn.close()
                 continue
             threading.Thread(
@@ -422,14 +436,17 @@ class StoreServer:
                 self._pending -= 1
                 pending = False
                 welcome = (
-                    bool(self._token) and isinstance(token, str)
+                    bool(self._token)
+                    and isinstance(token, str)
                     and hmac.compare_digest(token.encode(), self._token.encode())
                 )
                 if welcome:
                     self._members.add(conn)
             if not welcome:
                 log.warning("rendezvous store: rejected %s: wrong or missing group token", where)
-                channel.send({"type": "error", "message": "wrong or missing group token"}, Deadline(1.0, "refusing it"))
+                channel.send(
+                    {"type": "error", "message": "wrong or missing group token"}, Deadline(1.0, "refusing it")
+                )
                 return
             channel.send({"type": "welcome"}, Deadline(HELLO_TIMEOUT_S, "welcoming it"))
             channel.max_frame = MAX_FRAME_BYTES

@@ -199,7 +199,9 @@ def accept_peers(
 class Signals:
     """One neighbour's signal connection: fixed frames, every wait bounded in time."""
 
-    def __init__(self, sock: socket.socket, peer: str, label: int | None, timeout_s: float, watch: Watch) -> None:
+    def __init__(
+        self, sock: socket.socket, peer: str, label: int | None, timeout_s: float, watch: Watch
+    ) -> None:
         """``label``: the peer's receiver rank (what FAIL reports), None for the sender."""
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -108,7 +108,9 @@ class ShmEngine(Transport):
         listener.bind("\0" + self._socket_name)
         listener.listen(max(8, world_size))
         self._listener = listener
-        log.debug("shm ring %s: %d slots of %d bytes on %s", self._socket_name, SLOTS, self._capacity, self.device)
+        log.debug(
+            "shm ring %s: %d slots of %d bytes on %s", self._socket_name, SLOTS, self._capacity, self.device
+        )
 
     def connect(self, join: Join, info: dict[str, Any]) -> None:
         self._version = join.version
@@ -153,7 +155,9 @@ class ShmEngine(Transport):
             for rank, (sock, msg, _) in sorted(peers.items()):
                 socket.send_fds(sock, [ring.pack_message({"slot_bytes": self._capacity})], fds)
                 label = msg.get("label") if isinstance(msg.get("label"), int) else rank - 1
-                self._peers.append(Signals(sock, f"receiver rank {label} (shm)", label, self.config.timeout_s, join.watch))
+                self._peers.append(
+                    Signals(sock, f"receiver rank {label} (shm)", label, self.config.timeout_s, join.watch)
+                )
         except OSError as e:
             for sock, _, _ in peers.values():
                 sock.close()
@@ -170,10 +174,16 @@ class ShmEngine(Transport):
         sock.settimeout(self.config.timeout_s)
         try:
             sock.connect("\0" + str(info["socket"]))
-            sock.sendall(ring.pack_message({
-                "token": str(info["token"]), "generation": int(info["generation"]), "rank": join.rank,
-                "label": join.receiver_rank,
-            }))
+            sock.sendall(
+                ring.pack_message(
+                    {
+                        "token": str(info["token"]),
+                        "generation": int(info["generation"]),
+                        "rank": join.rank,
+                        "label": join.receiver_rank,
+                    }
+                )
+            )
             msg, fds, _flags, _addr = socket.recv_fds(sock, 4 + ring.MAX_MESSAGE, 1)
         except OSError as e:
             sock.close()
@@ -185,7 +195,9 @@ class ShmEngine(Transport):
             if _peer_uid(sock) != os.getuid():
                 raise PeerError("shm: the ring's socket belongs to another user")
             if capacity != int(info["slot_bytes"]):
-                raise PeerError(f"shm: the sender offers slots of {capacity} bytes, its handshake said {info['slot_bytes']}")
+                raise PeerError(
+                    f"shm: the sender offers slots of {capacity} bytes, its handshake said {info['slot_bytes']}"
+                )
             self._capacity = capacity
             size = SLOTS * capacity
             if "device_buffer" in info:
@@ -193,7 +205,9 @@ class ShmEngine(Transport):
             else:
                 if len(fds) != 1:
                     raise PeerError(f"shm: expected the ring's file descriptor, got {len(fds)}")
-                self._memory = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                self._memory = mmap.mmap(
+                    fds[0], size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                )
                 self._ring = torch.frombuffer(self._memory, dtype=torch.uint8)
         except BaseException:
             sock.close()
@@ -224,7 +238,9 @@ class ShmEngine(Transport):
                     break
                 bucket, payload = produced
                 if bucket.nbytes and payload.data_ptr() != slot.data_ptr():
-                    platform.copy_bytes(slot[: bucket.nbytes], payload)  # a bucket sent from its source tensor
+                    platform.copy_bytes(
+                        slot[: bucket.nbytes], payload
+                    )  # a bucket sent from its source tensor
                 platform.synchronize(self.device)
                 for peer in self._peers:
                     peer.send(READY, version, k, bucket.nbytes)
@@ -238,7 +254,9 @@ class ShmEngine(Transport):
             raise
         return sent
 
-    def recv_buckets(self, next_bucket: NextBucket, landing: Landing | None = None) -> Iterator[tuple[Bucket, torch.Tensor]]:
+    def recv_buckets(
+        self, next_bucket: NextBucket, landing: Landing | None = None
+    ) -> Iterator[tuple[Bucket, torch.Tensor]]:
         # ``landing`` is not used: the bytes are already in memory every receiver reads.
         assert self._peers, "connect() first"
         version = self._version
@@ -249,7 +267,9 @@ class ShmEngine(Transport):
                 raise PeerError(f"bucket {k} has {bucket.nbytes} bytes, the sender's slots {self._capacity}")
             nbytes = sender.wait(READY, version, k)
             if nbytes != bucket.nbytes:
-                raise PeerError(f"the sender wrote {nbytes} bytes for bucket {k}, the plan says {bucket.nbytes}")
+                raise PeerError(
+                    f"the sender wrote {nbytes} bytes for bucket {k}, the plan says {bucket.nbytes}"
+                )
             yield bucket, self._slot(k)[:nbytes]
             platform.synchronize(self.device)  # our reads of the slot are complete
             sender.send(DONE, version, k, 0)

@@ -133,20 +133,23 @@ class Result:
         self.status = "passed" if self.checks and all(c.passed for c in self.checks) else "failed"
 
     def to_json(self) -> str:
-        return json.dumps({
-            "tool": "weightsync gpu-check",
-            "format": 1,
-            "status": self.status,
-            "exit_code": self.exit_code,
-            "message": self.message,
-            "started_at": self.started_at,
-            "seconds": round(self.seconds, 1),
-            "options": self.options,
-            "environment": self.environment,
-            "checks": [asdict(c) for c in self.checks],
-            "bench": {"title": self.bench_title, "rows": self.bench_rows},
-            "codec": self.codec,
-        }, indent=2)
+        return json.dumps(
+            {
+                "tool": "weightsync gpu-check",
+                "format": 1,
+                "status": self.status,
+                "exit_code": self.exit_code,
+                "message": self.message,
+                "started_at": self.started_at,
+                "seconds": round(self.seconds, 1),
+                "options": self.options,
+                "environment": self.environment,
+                "checks": [asdict(c) for c in self.checks],
+                "bench": {"title": self.bench_title, "rows": self.bench_rows},
+                "codec": self.codec,
+            },
+            indent=2,
+        )
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -155,22 +158,42 @@ def planned_checks(opts: Options) -> list[Check]:
     dev = opts.test_device
     ceiling = "the d2d-ceiling row and " if dev != "cpu" else ""
     checks = [
-        Check("nccl-multi-rank", "probe",
-              f"{1 + opts.receivers} processes on {dev} build an {_library(opts)} group and broadcast "
-              f"{PROBE_BYTES >> 20} MiB {PROBE_ROUNDS} times: can several ranks share one GPU? "
-              "(where not, the nccl and paired checks are reported blocked)"),
-        Check("pytest-cuda", "tests",
-              f"pytest -m cuda {_rel(TEST_FILE)}: nccl, shm (CUDA IPC), paired between processes on {dev}: 3 versions "
-              "bit-exact, 1 MiB buckets under a 1.4 MB tensor, 3 receivers, host tensors into device buckets with crc32, "
-              "a SIGKILLed receiver failing the sync within its deadline; each test reported as a check",
-              command=f"python -m pytest -m cuda {_rel(TEST_FILE)}" + (f" -k {opts.tests!r}" if opts.tests else "")),
-        Check("bench-shm", "bench", f"{ceiling}the shm row (1 -> {opts.receivers} receivers, "
-              f"{opts.bench_size_mb:g} MiB bf16 LLM-shaped)", command=" ".join(bench_command(opts, "shm"))),
-        Check("bench-nccl", "bench", "the nccl row, the same model" + (", against the same ceiling" if ceiling else ""),
-              command=" ".join(bench_command(opts, "nccl"))),
-        Check("bench-codec", "bench", f"the delta codec on {dev}: encode and apply of an AdamW step of a "
-              f"{codec_size_mb(opts):g} MiB bf16 model against the element-compare floor",
-              command=" ".join(codec_command(opts))),
+        Check(
+            "nccl-multi-rank",
+            "probe",
+            f"{1 + opts.receivers} processes on {dev} build an {_library(opts)} group and broadcast "
+            f"{PROBE_BYTES >> 20} MiB {PROBE_ROUNDS} times: can several ranks share one GPU? "
+            "(where not, the nccl and paired checks are reported blocked)",
+        ),
+        Check(
+            "pytest-cuda",
+            "tests",
+            f"pytest -m cuda {_rel(TEST_FILE)}: nccl, shm (CUDA IPC), paired between processes on {dev}: 3 versions "
+            "bit-exact, 1 MiB buckets under a 1.4 MB tensor, 3 receivers, host tensors into device buckets with crc32, "
+            "a SIGKILLed receiver failing the sync within its deadline; each test reported as a check",
+            command=f"python -m pytest -m cuda {_rel(TEST_FILE)}"
+            + (f" -k {opts.tests!r}" if opts.tests else ""),
+        ),
+        Check(
+            "bench-shm",
+            "bench",
+            f"{ceiling}the shm row (1 -> {opts.receivers} receivers, "
+            f"{opts.bench_size_mb:g} MiB bf16 LLM-shaped)",
+            command=" ".join(bench_command(opts, "shm")),
+        ),
+        Check(
+            "bench-nccl",
+            "bench",
+            "the nccl row, the same model" + (", against the same ceiling" if ceiling else ""),
+            command=" ".join(bench_command(opts, "nccl")),
+        ),
+        Check(
+            "bench-codec",
+            "bench",
+            f"the delta codec on {dev}: encode and apply of an AdamW step of a "
+            f"{codec_size_mb(opts):g} MiB bf16 model against the element-compare floor",
+            command=" ".join(codec_command(opts)),
+        ),
     ]
     return checks if opts.bench else [c for c in checks if c.kind != "bench"]
 
@@ -179,9 +202,23 @@ def bench_command(opts: Options, backend: str) -> list[str]:
     """``weightsync bench`` arguments of one bench check. On a device the shm run also
     measures the d2d-ceiling row (its only alternative there), which bounds nccl too; the
     rehearsal on the CPU leaves out the CPU's alternatives."""
-    cmd = ["weightsync", "bench", "--device", opts.test_device, "--backend", backend, "--receivers", str(opts.receivers),
-           "--size-mb", f"{opts.bench_size_mb:g}", "--repeats", str(opts.bench_repeats), "--bucket-mb",
-           str(opts.bucket_mb), "--json"]
+    cmd = [
+        "weightsync",
+        "bench",
+        "--device",
+        opts.test_device,
+        "--backend",
+        backend,
+        "--receivers",
+        str(opts.receivers),
+        "--size-mb",
+        f"{opts.bench_size_mb:g}",
+        "--repeats",
+        str(opts.bench_repeats),
+        "--bucket-mb",
+        str(opts.bucket_mb),
+        "--json",
+    ]
     if backend != "shm" or opts.device == "cpu":
         cmd.append("--no-alternatives")
     return cmd
@@ -192,8 +229,18 @@ def codec_size_mb(opts: Options) -> float:
 
 
 def codec_command(opts: Options) -> list[str]:
-    return ["weightsync", "bench", "--codec", "--device", opts.test_device, "--size-mb", f"{codec_size_mb(opts):g}",
-            "--repeats", str(max(3, opts.bench_repeats)), "--json"]
+    return [
+        "weightsync",
+        "bench",
+        "--codec",
+        "--device",
+        opts.test_device,
+        "--size-mb",
+        f"{codec_size_mb(opts):g}",
+        "--repeats",
+        str(max(3, opts.bench_repeats)),
+        "--json",
+    ]
 
 
 def _library(opts: Options) -> str:
@@ -213,27 +260,37 @@ def environment(opts: Options) -> dict[str, Any]:
     from weightsync import __version__, platform
 
     env: dict[str, Any] = platform.device_report()
-    env.update({
-        "python": sys.version.split()[0],
-        "executable": sys.executable,
-        "weightsync": __version__,
-        "commit": _git_commit(),
-        "host": socket.gethostname(),
-        "os": pyplatform.platform(),
-        "cpus": os.cpu_count(),
-        "nccl_env": {k: os.environ.get(k) for k in SHARED_GPU_NCCL_ENV},
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "nvidia_smi": _nvidia_smi(),
-    })
+    env.update(
+        {
+            "python": sys.version.split()[0],
+            "executable": sys.executable,
+            "weightsync": __version__,
+            "commit": _git_commit(),
+            "host": socket.gethostname(),
+            "os": pyplatform.platform(),
+            "cpus": os.cpu_count(),
+            "nccl_env": {k: os.environ.get(k) for k in SHARED_GPU_NCCL_ENV},
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "nvidia_smi": _nvidia_smi(),
+        }
+    )
     return env
 
 
 def _git_commit() -> str | None:
     try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return (head + ("+dirty" if dirty else "")) or None
@@ -244,8 +301,17 @@ def _nvidia_smi() -> dict[str, Any] | None:
     if exe is None:
         return None
     out: dict[str, Any] = {}
-    for key, args in (("query", ["--query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem,"
-                                 "temperature.gpu,power.draw,compute_mode", "--format=csv"]), ("full", [])):
+    for key, args in (
+        (
+            "query",
+            [
+                "--query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem,"
+                "temperature.gpu,power.draw,compute_mode",
+                "--format=csv",
+            ],
+        ),
+        ("full", []),
+    ):
         try:
             done = subprocess.run([exe, *args], capture_output=True, text=True, timeout=20)
             out[key] = (done.stdout or done.stderr).strip()
@@ -257,12 +323,16 @@ def _nvidia_smi() -> dict[str, Any] | None:
 def no_cuda_message(env: dict[str, Any]) -> str:
     """Why there is no CUDA device, and what to do."""
     if not env.get("torch_cuda"):
-        return (f"no CUDA device: torch {env.get('torch')} is a CPU build. On a GPU machine install a CUDA build: "
-                "make clean && make gpu-check TORCH=torch==2.13.0 (or GPU_PYTHON=python3 to use an interpreter "
-                "that has one)")
-    return (f"no CUDA device: torch {env.get('torch')} (CUDA {env.get('torch_cuda')}) sees none "
-            f"(platform {env.get('platform')}; CUDA_VISIBLE_DEVICES={env.get('cuda_visible_devices')!r}; "
-            f"WEIGHTSYNC_PLATFORM={os.environ.get('WEIGHTSYNC_PLATFORM')!r}); is the driver there (nvidia-smi)?")
+        return (
+            f"no CUDA device: torch {env.get('torch')} is a CPU build. On a GPU machine install a CUDA build: "
+            "make clean && make gpu-check TORCH=torch==2.13.0 (or GPU_PYTHON=python3 to use an interpreter "
+            "that has one)"
+        )
+    return (
+        f"no CUDA device: torch {env.get('torch')} (CUDA {env.get('torch_cuda')}) sees none "
+        f"(platform {env.get('platform')}; CUDA_VISIBLE_DEVICES={env.get('cuda_visible_devices')!r}; "
+        f"WEIGHTSYNC_PLATFORM={os.environ.get('WEIGHTSYNC_PLATFORM')!r}); is the driver there (nvidia-smi)?"
+    )
 
 
 # ---------------------------------------------------------------------------- steps
@@ -288,8 +358,16 @@ def _run(cmd: list[str], env: dict[str, str], timeout_s: float, log) -> tuple[in
     log.write(f"\n===== $ {' '.join(cmd)}  (timeout {timeout_s:.0f} s)\n")
     log.flush()
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace", env=env,
-                            cwd=str(REPO), start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        env=env,
+        cwd=str(REPO),
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=max(1.0, timeout_s))
         code: int | None = proc.returncode
@@ -323,8 +401,15 @@ def parse_junit(path: str | Path) -> list[Check]:
             if tag == "skipped":
                 blocked = text.startswith("blocked:")
                 status, message = ("blocked" if blocked else "skipped"), text
-        checks.append(Check(name, "test", status=status, seconds=round(float(case.get("time") or 0), 1),
-                            message=message[:2000]))
+        checks.append(
+            Check(
+                name,
+                "test",
+                status=status,
+                seconds=round(float(case.get("time") or 0), 1),
+                message=message[:2000],
+            )
+        )
     return checks
 
 
@@ -338,7 +423,8 @@ def parse_verbose(out: str) -> list[Check]:
     for module, test, status, reason in _VERBOSE.findall(out):
         reason = reason or ""
         state = {"PASSED": "passed", "FAILED": "failed", "ERROR": "failed"}.get(
-            status, "blocked" if reason.startswith("blocked:") else "skipped")
+            status, "blocked" if reason.startswith("blocked:") else "skipped"
+        )
         checks.append(Check(f"{module[:-3]}::{test}", "test", status=state, message=reason))
     return checks
 
@@ -367,7 +453,10 @@ def add_ceiling_ratios(rows: list[dict[str, Any]], device: str) -> None:
 # ---------------------------------------------------------------------------- the run
 def run_checks(opts: Options, log) -> Result:
     t_start = time.monotonic()
-    result = Result(options=asdict(opts), started_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    result = Result(
+        options=asdict(opts),
+        started_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
     for key, value in SHARED_GPU_NCCL_ENV.items():
         os.environ.setdefault(key, value)  # every process started below inherits them
     env = environment(opts)
@@ -385,7 +474,9 @@ def run_checks(opts: Options, log) -> Result:
     # 1. NCCL with several ranks on one GPU
     probe = checks["nccl-multi-rank"]
     t0 = time.monotonic()
-    probe.status, probe.message = probe_nccl(opts.receivers, opts.test_device, timeout_s=min(45.0, max(10.0, left())))
+    probe.status, probe.message = probe_nccl(
+        opts.receivers, opts.test_device, timeout_s=min(45.0, max(10.0, left()))
+    )
     probe.seconds = round(time.monotonic() - t0, 1)
     log.write(f"\n===== nccl-multi-rank probe: {probe.status} {probe.message}\n")
     blocked = None if probe.passed else nccl_blocked_reason(probe.message, env.get("nccl"))
@@ -395,14 +486,31 @@ def run_checks(opts: Options, log) -> Result:
     tests = checks["pytest-cuda"]
     result.checks.append(tests)
     if not TEST_FILE.exists():
-        tests.status, tests.message = "failed", f"{TEST_FILE} not found: run gpu-check from a checkout of weightsync"
+        tests.status, tests.message = (
+            "failed",
+            f"{TEST_FILE} not found: run gpu-check from a checkout of weightsync",
+        )
     elif left() - 80 < 20:
         tests.message = "not run: the time budget (--budget-s) was spent"
     else:
         with tempfile.TemporaryDirectory(prefix="weightsync-gpu-check-") as tmp:
             junit = Path(tmp) / "junit.xml"
-            cmd = [sys.executable, "-m", "pytest", "-m", "cuda", str(TEST_FILE), "-v", "-rfEs", "-p", "no:cacheprovider",
-                   f"--junitxml={junit}", "-o", "junit_family=xunit1", *(["-k", opts.tests] if opts.tests else [])]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-m",
+                "cuda",
+                str(TEST_FILE),
+                "-v",
+                "-rfEs",
+                "-p",
+                "no:cacheprovider",
+                f"--junitxml={junit}",
+                "-o",
+                "junit_family=xunit1",
+                *(["-k", opts.tests] if opts.tests else []),
+            ]
             tests.command = " ".join(cmd[2:])
             # at most 180 s, leaving the bench rows 80 s
             code, out, err, seconds = _run(cmd, _child_env(opts, blocked), min(180.0, left() - 80), log)
@@ -457,14 +565,18 @@ def run_checks(opts: Options, log) -> Result:
         _codec_check(opts, checks["bench-codec"], result, left(), log)
     if result.bench_rows:
         first = result.bench_rows[0]
-        result.bench_title = (f"synthetic llm {opts.bench_size_mb:g} MiB bfloat16, {first['bytes'] / 1e9:.2f} GB in "
-                              f"{first['tensors']} tensors, 1 sender -> {opts.receivers} receivers, every process on "
-                              f"{first.get('device', opts.test_device)}, {opts.bucket_mb} MiB buckets, median of "
-                              f"{opts.bench_repeats} after a warm-up")
+        result.bench_title = (
+            f"synthetic llm {opts.bench_size_mb:g} MiB bfloat16, {first['bytes'] / 1e9:.2f} GB in "
+            f"{first['tensors']} tensors, 1 sender -> {opts.receivers} receivers, every process on "
+            f"{first.get('device', opts.test_device)}, {opts.bucket_mb} MiB buckets, median of "
+            f"{opts.bench_repeats} after a warm-up"
+        )
     result.seconds = time.monotonic() - t_start
     result.decide()
     bad = [c for c in result.checks if not c.passed]
-    result.message = "every check passed" if not bad else f"{len(bad)} of {len(result.checks)} checks did not pass"
+    result.message = (
+        "every check passed" if not bad else f"{len(bad)} of {len(result.checks)} checks did not pass"
+    )
     return result
 
 
@@ -473,8 +585,12 @@ def _codec_check(opts: Options, check: Check, result: Result, left_s: float, log
     if left_s < 20:
         check.message = "not run: the time budget (--budget-s) was spent"
         return
-    code, out, err, seconds = _run([sys.executable, "-m", "weightsync.cli", *codec_command(opts)[1:]],
-                                   _child_env(opts, None), min(150.0, left_s), log)
+    code, out, err, seconds = _run(
+        [sys.executable, "-m", "weightsync.cli", *codec_command(opts)[1:]],
+        _child_env(opts, None),
+        min(150.0, left_s),
+        log,
+    )
     check.seconds = round(seconds, 1)
     try:
         rows = json.loads(out) if code == 0 else []
@@ -482,24 +598,37 @@ def _codec_check(opts: Options, check: Check, result: Result, left_s: float, log
         rows, err = [], f"{err}\nbench output is not JSON: {e}"
     if not rows:
         check.status = "failed"
-        check.message = f"bench {'killed: past its time' if code is None else f'exit code {code}'}\n{_tail(err, 15)}"
+        check.message = (
+            f"bench {'killed: past its time' if code is None else f'exit code {code}'}\n{_tail(err, 15)}"
+        )
         return
     result.codec, check.status, row = rows[0], "passed", rows[0]
-    check.message = (f"encode {row['encode_gbps']:.1f} GB/s ({row['encode_vs_floor']:.2f}x the floor), apply "
-                     f"{row['apply_gbps']:.1f} GB/s ({row['apply_vs_floor']:.2f}x), floor {row['floor_gbps']:.1f} GB/s, "
-                     f"{100 * row['density']:.2f}% changed, wire {100 * row['wire_fraction']:.2f}%")
+    check.message = (
+        f"encode {row['encode_gbps']:.1f} GB/s ({row['encode_vs_floor']:.2f}x the floor), apply "
+        f"{row['apply_gbps']:.1f} GB/s ({row['apply_vs_floor']:.2f}x), floor {row['floor_gbps']:.1f} GB/s, "
+        f"{100 * row['density']:.2f}% changed, wire {100 * row['wire_fraction']:.2f}%"
+    )
 
 
 # ---------------------------------------------------------------------------- the report
 def text_report(result: Result) -> str:
     """The short report people read (``gpu-check.txt``)."""
     env = result.environment
-    lines = [f"weightsync gpu-check: {result.status.upper()} ({result.message})",
-             f"started {result.started_at}, took {result.seconds:.0f} s, exit code {result.exit_code}"]
-    devices = ", ".join(f"{d['name']} (cc {d['capability']}, {d['memory_gib']} GiB, {d['multiprocessors']} SMs)"
-                        for d in env.get("devices", [])) or "no CUDA device"
-    lines.append(f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}, NCCL {env.get('nccl')}), python "
-                 f"{env.get('python')}, weightsync {env.get('weightsync')} {env.get('commit') or ''}".rstrip())
+    lines = [
+        f"weightsync gpu-check: {result.status.upper()} ({result.message})",
+        f"started {result.started_at}, took {result.seconds:.0f} s, exit code {result.exit_code}",
+    ]
+    devices = (
+        ", ".join(
+            f"{d['name']} (cc {d['capability']}, {d['memory_gib']} GiB, {d['multiprocessors']} SMs)"
+            for d in env.get("devices", [])
+        )
+        or "no CUDA device"
+    )
+    lines.append(
+        f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}, NCCL {env.get('nccl')}), python "
+        f"{env.get('python')}, weightsync {env.get('weightsync')} {env.get('commit') or ''}".rstrip()
+    )
     lines.append(f"GPUs: {devices}; {env.get('cpus')} CPUs; host {env.get('host')}")
     smi = (env.get("nvidia_smi") or {}).get("query")
     if smi:
@@ -514,12 +643,17 @@ def text_report(result: Result) -> str:
             first = c.message.strip().splitlines()[0] if c.message.strip() else ""
             lines.append(f"  {c.status:<8} {c.name:<{width}} {c.seconds:6.1f} s  {first[:300]}".rstrip())
     if result.bench_rows:
-        lines += ["", f"bench: {result.bench_title}",
-                  f"  {'row':<20} {'seconds':>9} {'GB/s':>8} {'x ceiling':>9} {'sender RSS MB':>13}"]
+        lines += [
+            "",
+            f"bench: {result.bench_title}",
+            f"  {'row':<20} {'seconds':>9} {'GB/s':>8} {'x ceiling':>9} {'sender RSS MB':>13}",
+        ]
         for r in result.bench_rows:
             ratio = r.get("ratio_to_ceiling")
-            lines.append(f"  {r['backend']:<20} {r['seconds']:>9.4f} {r['gbps']:>8.2f} "
-                         f"{'-' if ratio is None else format(ratio, '.3f'):>9} {r['sender_peak_rss_mb']:>13.0f}")
+            lines.append(
+                f"  {r['backend']:<20} {r['seconds']:>9.4f} {r['gbps']:>8.2f} "
+                f"{'-' if ratio is None else format(ratio, '.3f'):>9} {r['sender_peak_rss_mb']:>13.0f}"
+            )
     lines += ["", f"files: {', '.join(FILES)}"]
     return "\n".join(lines) + "\n"
 
@@ -534,9 +668,11 @@ def write_report(result: Result, out: str | Path) -> tuple[Path, Path]:
 
 
 def dry_run_text(opts: Options) -> str:
-    lines = [f"weightsync gpu-check would run, on {opts.test_device} (budget {opts.budget_s:.0f} s), and write "
-             f"{', '.join(str(Path(opts.out) / f) for f in FILES)}:",
-             "  environment      torch, CUDA, NCCL, the GPU's properties, nvidia-smi"]
+    lines = [
+        f"weightsync gpu-check would run, on {opts.test_device} (budget {opts.budget_s:.0f} s), and write "
+        f"{', '.join(str(Path(opts.out) / f) for f in FILES)}:",
+        "  environment      torch, CUDA, NCCL, the GPU's properties, nvidia-smi",
+    ]
     for c in planned_checks(opts):
         lines.append(f"  {c.name:<16} {c.what}")
         if c.command:
@@ -547,30 +683,68 @@ def dry_run_text(opts: Options) -> str:
 
 # ---------------------------------------------------------------------------- command line
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", metavar="DIR", default="gpu-check-out",
-                   help="directory for gpu-check.json, gpu-check.txt and gpu-check.log (default: gpu-check-out)")
-    p.add_argument("--dry-run", action="store_true", help="list the checks and exit; runs nothing, writes nothing")
-    p.add_argument("--quick", action="store_true", help="a 512 MiB bench model and 1 timed repeat (a smoke run)")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cuda (default); cpu rehearses the same run without a GPU (Gloo, host shared memory), "
-                        "to test this script")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        default="gpu-check-out",
+        help="directory for gpu-check.json, gpu-check.txt and gpu-check.log (default: gpu-check-out)",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="list the checks and exit; runs nothing, writes nothing"
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="a 512 MiB bench model and 1 timed repeat (a smoke run)"
+    )
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda (default); cpu rehearses the same run without a GPU (Gloo, host shared memory), "
+        "to test this script",
+    )
     p.add_argument("--size-mb", type=float, help="bench model size in MiB (default: 4096; --quick 512)")
-    p.add_argument("--repeats", type=int, help="timed syncs per bench row after a warm-up (default: 3; --quick 1)")
+    p.add_argument(
+        "--repeats", type=int, help="timed syncs per bench row after a warm-up (default: 3; --quick 1)"
+    )
     p.add_argument("--bucket-mb", type=int, default=256, help="bench bucket size in MiB (default: 256)")
-    p.add_argument("--receivers", type=int, default=3,
-                   help="receiver processes of the probe and the bench rows (default: 3; the tests use their own)")
-    p.add_argument("-k", dest="tests", metavar="EXPR",
-                   help="run only the cuda tests matching this pytest -k expression (default: all)")
-    p.add_argument("--no-bench", dest="bench", action="store_false", help="no bench rows: the probe and the tests alone")
-    p.add_argument("--budget-s", type=float, default=270.0,
-                   help="seconds for the whole run, shared out among the steps; a step left without time is "
-                        "reported not run (default: 270)")
+    p.add_argument(
+        "--receivers",
+        type=int,
+        default=3,
+        help="receiver processes of the probe and the bench rows (default: 3; the tests use their own)",
+    )
+    p.add_argument(
+        "-k",
+        dest="tests",
+        metavar="EXPR",
+        help="run only the cuda tests matching this pytest -k expression (default: all)",
+    )
+    p.add_argument(
+        "--no-bench", dest="bench", action="store_false", help="no bench rows: the probe and the tests alone"
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=270.0,
+        help="seconds for the whole run, shared out among the steps; a step left without time is "
+        "reported not run (default: 270)",
+    )
 
 
 def options_from(args: argparse.Namespace) -> Options:
-    return Options(out=args.out, dry_run=args.dry_run, quick=args.quick, device=args.device, size_mb=args.size_mb,
-                   repeats=args.repeats, bucket_mb=args.bucket_mb, receivers=args.receivers, budget_s=args.budget_s,
-                   tests=args.tests, bench=args.bench)
+    return Options(
+        out=args.out,
+        dry_run=args.dry_run,
+        quick=args.quick,
+        device=args.device,
+        size_mb=args.size_mb,
+        repeats=args.repeats,
+        bucket_mb=args.bucket_mb,
+        receivers=args.receivers,
+        budget_s=args.budget_s,
+        tests=args.tests,
+        bench=args.bench,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -591,7 +765,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m weightsync.gpucheck", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m weightsync.gpucheck", description=__doc__.split("\n\n")[0]
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

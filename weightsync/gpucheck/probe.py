@@ -23,7 +23,9 @@ def _probe_rank(rank: int, world: int, port: int, device: str, queue, timeout_s:
 
         dev = torch.device(device)
         library = platform.collective_backend("nccl", dev.type)
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
+        store = dist.TCPStore(
+            "127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=timeout_s)
+        )
         group = platform.new_process_group(library, store, rank, world, timeout_s, bind_host="127.0.0.1")
         t = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=dev)
         seconds = []
@@ -52,8 +54,10 @@ def probe_nccl(receivers: int, device: str, timeout_s: float) -> tuple[str, str]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_probe_rank, args=(r, world, port, device, q, timeout_s), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_probe_rank, args=(r, world, port, device, q, timeout_s), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     reports: dict[int, tuple[str, str, float | None]] = {}
@@ -76,16 +80,22 @@ def probe_nccl(receivers: int, device: str, timeout_s: float) -> tuple[str, str]
     if len(reports) == world and all(status == "ok" for status, _, _ in reports.values()):
         seconds = reports[0][2] or 0.0
         rate = f" ({PROBE_BYTES / seconds / 1e9:.1f} GB/s payload)" if seconds else ""
-        return "passed", (f"{world} ranks on {device}: {PROBE_BYTES >> 20} MiB broadcast in "
-                          f"{seconds * 1e3:.1f} ms{rate}, median of {PROBE_ROUNDS - 1}")
+        return "passed", (
+            f"{world} ranks on {device}: {PROBE_BYTES >> 20} MiB broadcast in "
+            f"{seconds * 1e3:.1f} ms{rate}, median of {PROBE_ROUNDS - 1}"
+        )
     timed_out = time.monotonic() >= deadline
     errors = [f"rank {r}: {m}" for r, (s, m, _) in sorted(reports.items()) if s != "ok"]
-    missing = [f"rank {r}: no report (exit code {p.exitcode})" for r, p in enumerate(procs) if r not in reports]
+    missing = [
+        f"rank {r}: no report (exit code {p.exitcode})" for r, p in enumerate(procs) if r not in reports
+    ]
     if timed_out and missing:
         missing.insert(0, f"no result within {timeout_s:.0f} s (hung?)")
     if len(errors) > 1 and len({m for _, (s, m, _) in reports.items() if s != "ok"}) == 1:
-        errors = [f"ranks {', '.join(str(r) for r, (s, _, _) in sorted(reports.items()) if s != 'ok')}: "
-                  f"{next(m for s, m, _ in reports.values() if s != 'ok')}"]
+        errors = [
+            f"ranks {', '.join(str(r) for r, (s, _, _) in sorted(reports.items()) if s != 'ok')}: "
+            f"{next(m for s, m, _ in reports.values() if s != 'ok')}"
+        ]
     return "failed", "; ".join(errors + missing) or f"no result within {timeout_s:.0f} s"
 
 
@@ -95,9 +105,9 @@ def nccl_blocked_reason(probe_message: str, nccl_version: str | None) -> str:
     keys = ("duplicate gpu", "same gpu", "multi_rank")
     said = [line.strip() for line in probe_message.splitlines() if any(k in line.lower() for k in keys)]
     if said:
-        reason = (f"NCCL {nccl_version or '?'} refuses several ranks on one GPU ({said[0][:200]}). NCCL >= 2.30 "
-                  "allows it with NCCL_MULTI_RANK_GPU_ENABLE=1 (set by this run): torch >= 2.14 ships it, or install it "
-                  "under this torch (make gpu-check GPU_NCCL=nvidia-nccl-cu13==2.30.7)")
+        reason = (
+            f"NCCL {nccl_version or '?'} refuses several ranks on one GPU ({said[0][:200]}). NCCL >= 2.30 "
+            "allows it with NCCL_MULTI_RANK_GPU_ENABLE=1 (set by this run): torch >= 2.14 ships it, or install it "
+            "under this torch (make gpu-check GPU_NCCL=nvidia-nccl-cu13==2.30.7)"
+        )
     return reason
-
-

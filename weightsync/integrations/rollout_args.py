@@ -41,34 +41,109 @@ class ArgMapping:
 # skip_server_warmup on, attention_backend "ascend" on NPU) are in ``SGLANG_FIXED``.
 TABLE: tuple[ArgMapping, ...] = (
     ArgMapping("model.path", "model", "model_path", str, None, "model directory or hub id (required)"),
-    ArgMapping("model.trust_remote_code", "trust_remote_code", "trust_remote_code", bool, False,
-               "run the model repository's own code"),
-    ArgMapping("rollout.gpu_memory_utilization", "gpu_memory_utilization", "mem_fraction_static", float, 0.5,
-               "fraction of accelerator memory for weights and KV cache, in (0, 1]"),
-    ArgMapping("rollout.enforce_eager", "enforce_eager", "disable_cuda_graph", bool, True,
-               "no CUDA graphs / compilation"),
-    ArgMapping("rollout.free_cache_engine", None, None, bool, True,
-               "release the KV cache around each weight update (the update call's release_kv_cache)"),
+    ArgMapping(
+        "model.trust_remote_code",
+        "trust_remote_code",
+        "trust_remote_code",
+        bool,
+        False,
+        "run the model repository's own code",
+    ),
+    ArgMapping(
+        "rollout.gpu_memory_utilization",
+        "gpu_memory_utilization",
+        "mem_fraction_static",
+        float,
+        0.5,
+        "fraction of accelerator memory for weights and KV cache, in (0, 1]",
+    ),
+    ArgMapping(
+        "rollout.enforce_eager",
+        "enforce_eager",
+        "disable_cuda_graph",
+        bool,
+        True,
+        "no CUDA graphs / compilation",
+    ),
+    ArgMapping(
+        "rollout.free_cache_engine",
+        None,
+        None,
+        bool,
+        True,
+        "release the KV cache around each weight update (the update call's release_kv_cache)",
+    ),
     ArgMapping("rollout.max_model_len", "max_model_len", "context_length", int, None, "longest sequence"),
-    ArgMapping("rollout.tensor_model_parallel_size", "tensor_parallel_size", "tp_size", int, 1,
-               "devices per replica; the engine's tensor parallel size is this times data_parallel_size"),
-    ArgMapping("rollout.data_parallel_size", "data_parallel_size", "dp_size", int, 1,
-               "attention data parallelism inside one replica"),
-    ArgMapping("rollout.expert_parallel_size", "enable_expert_parallel", "ep_size", int, 1,
-               "expert parallel size (vLLM: on when > 1; its size follows tp x dp)"),
-    ArgMapping("rollout.max_num_seqs", "max_num_seqs", "max_running_requests", int, 1024,
-               "sequences per batch"),
-    ArgMapping("rollout.max_num_batched_tokens", "max_num_batched_tokens", "chunked_prefill_size", int, 8192,
-               "tokens per batch"),
-    ArgMapping("rollout.enable_prefix_caching", "enable_prefix_caching", "disable_radix_cache", bool, True,
-               "reuse KV cache across requests with a common prefix (SGLang: negated)"),
-    ArgMapping("rollout.skip_tokenizer_init", "skip_tokenizer_init", "skip_tokenizer_init", bool, True,
-               "prompts and outputs as token ids (no tokenizer in the engine)"),
-    ArgMapping("rollout.load_format", "load_format", "load_format", str, "dummy",
-               "how the engine loads its first weights; 'dummy' when the trainer syncs them anyway"),
-    ArgMapping("rollout.quantization", "quantization", "quantization", (str, type(None)), None,
-               "quantization method, e.g. 'fp8'; None for none"),
-    ArgMapping("rollout.disable_log_stats", "disable_log_stats", None, bool, True, "no periodic stats logging"),
+    ArgMapping(
+        "rollout.tensor_model_parallel_size",
+        "tensor_parallel_size",
+        "tp_size",
+        int,
+        1,
+        "devices per replica; the engine's tensor parallel size is this times data_parallel_size",
+    ),
+    ArgMapping(
+        "rollout.data_parallel_size",
+        "data_parallel_size",
+        "dp_size",
+        int,
+        1,
+        "attention data parallelism inside one replica",
+    ),
+    ArgMapping(
+        "rollout.expert_parallel_size",
+        "enable_expert_parallel",
+        "ep_size",
+        int,
+        1,
+        "expert parallel size (vLLM: on when > 1; its size follows tp x dp)",
+    ),
+    ArgMapping(
+        "rollout.max_num_seqs", "max_num_seqs", "max_running_requests", int, 1024, "sequences per batch"
+    ),
+    ArgMapping(
+        "rollout.max_num_batched_tokens",
+        "max_num_batched_tokens",
+        "chunked_prefill_size",
+        int,
+        8192,
+        "tokens per batch",
+    ),
+    ArgMapping(
+        "rollout.enable_prefix_caching",
+        "enable_prefix_caching",
+        "disable_radix_cache",
+        bool,
+        True,
+        "reuse KV cache across requests with a common prefix (SGLang: negated)",
+    ),
+    ArgMapping(
+        "rollout.skip_tokenizer_init",
+        "skip_tokenizer_init",
+        "skip_tokenizer_init",
+        bool,
+        True,
+        "prompts and outputs as token ids (no tokenizer in the engine)",
+    ),
+    ArgMapping(
+        "rollout.load_format",
+        "load_format",
+        "load_format",
+        str,
+        "dummy",
+        "how the engine loads its first weights; 'dummy' when the trainer syncs them anyway",
+    ),
+    ArgMapping(
+        "rollout.quantization",
+        "quantization",
+        "quantization",
+        (str, type(None)),
+        None,
+        "quantization method, e.g. 'fp8'; None for none",
+    ),
+    ArgMapping(
+        "rollout.disable_log_stats", "disable_log_stats", None, bool, True, "no periodic stats logging"
+    ),
     ArgMapping("rollout.dtype", "dtype", "dtype", str, "bfloat16", "weight and activation dtype"),
     ArgMapping("rollout.seed", "seed", "random_seed", int, 0, "sampling seed"),
 )
@@ -119,21 +194,32 @@ def resolve(config: Mapping[str, Any]) -> dict[str, Any]:
     values = {m.key: m.default for m in TABLE} | given
     if not values["model.path"]:
         raise RolloutArgsError("model.path is required")
-    for key in ("rollout.tensor_model_parallel_size", "rollout.data_parallel_size", "rollout.expert_parallel_size",
-                "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.max_model_len"):
+    for key in (
+        "rollout.tensor_model_parallel_size",
+        "rollout.data_parallel_size",
+        "rollout.expert_parallel_size",
+        "rollout.max_num_seqs",
+        "rollout.max_num_batched_tokens",
+        "rollout.max_model_len",
+    ):
         if values[key] is not None and values[key] < 1:
             raise RolloutArgsError(f"{key}={values[key]}: must be >= 1")
     util = values["rollout.gpu_memory_utilization"]
     if not 0 < util <= 1:
         raise RolloutArgsError(f"rollout.gpu_memory_utilization={util}: must be in (0, 1]")
-    tp, dp, ep = (values[f"rollout.{k}"] for k in ("tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size"))
+    tp, dp, ep = (
+        values[f"rollout.{k}"]
+        for k in ("tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size")
+    )
     if ep > 1 and ep != tp * dp:
         raise RolloutArgsError(
             f"rollout.expert_parallel_size={ep} contradicts tensor_model_parallel_size x data_parallel_size = "
             f"{tp} x {dp} = {tp * dp}: experts are spread over all of a replica's devices"
         )
     if values["rollout.load_format"] not in _LOAD_FORMATS:
-        raise RolloutArgsError(f"rollout.load_format={values['rollout.load_format']!r}: expected one of {', '.join(_LOAD_FORMATS)}")
+        raise RolloutArgsError(
+            f"rollout.load_format={values['rollout.load_format']!r}: expected one of {', '.join(_LOAD_FORMATS)}"
+        )
     return values
 
 
@@ -173,6 +259,8 @@ def table_markdown() -> str:
     """The mapping as a Markdown table (for the docs)."""
     rows = ["| rollout key | vLLM | SGLang | default | meaning |", "| --- | --- | --- | --- | --- |"]
     for m in TABLE:
-        rows.append(f"| `{m.key}` | {f'`{m.vllm}`' if m.vllm else '-'} | {f'`{m.sglang}`' if m.sglang else '-'} "
-                    f"| `{m.default}` | {m.doc} |")
+        rows.append(
+            f"| `{m.key}` | {f'`{m.vllm}`' if m.vllm else '-'} | {f'`{m.sglang}`' if m.sglang else '-'} "
+            f"| `{m.default}` | {m.doc} |"
+        )
     return "\n".join(rows) + "\n"

@@ -181,8 +181,12 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
         starts listening on the first call; nothing else happens on later calls."""
         node_id, node_ip = _ray_node()
         meta: dict[str, Any] = {
-            "id": self.id, "node_id": node_id, "ip": node_ip, "pid": os.getpid(),
-            "master": self.is_master, "held": self._held,
+            "id": self.id,
+            "node_id": node_id,
+            "ip": node_ip,
+            "pid": os.getpid(),
+            "master": self.is_master,
+            "held": self._held,
         }
         if self.is_master:
             host = self.options.host or node_ip
@@ -205,14 +209,18 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
         """Decide the transport, keep receiver ranks stable, and hand every worker its part."""
         actors, rollouts = metadata[:actor_wg_world_size], metadata[actor_wg_world_size:]
         if len(rollouts) != rollout_world_size:
-            raise ValueError(f"metadata of {len(metadata)} workers for {actor_wg_world_size} actor + {rollout_world_size} rollout")
+            raise ValueError(
+                f"metadata of {len(metadata)} workers for {actor_wg_world_size} actor + {rollout_world_size} rollout"
+            )
         master = actors[0] if actors else None
         if not master or not master.get("master"):
             raise ValueError(
                 "actor rank 0 must be the weightsync sender: construct its engine with is_master=True "
                 "(verl's actor workers do: is_master=(rank == 0))"
             )
-        transport = resolve_transport(master["transport"], master["node_id"], [m["node_id"] for m in rollouts])
+        transport = resolve_transport(
+            master["transport"], master["node_id"], [m["node_id"] for m in rollouts]
+        )
         previous = master["members"].get(transport, {})
         ids = [m["id"] for m in rollouts]
         if len(set(ids)) != len(ids):
@@ -292,8 +300,11 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
             if sender is None or sender.address != topology["address"] or sender.rank != rank:
                 self._close_senders()
                 self._senders[transport] = Sender(
-                    self._configs[transport], topology["address"], num_receivers=1,
-                    rank=rank, num_trainers=topology["trainers"],
+                    self._configs[transport],
+                    topology["address"],
+                    num_receivers=1,
+                    rank=rank,
+                    num_trainers=topology["trainers"],
                 )
         elif self._role == "receiver":
             key = (transport, topology["address"], rank)
@@ -355,7 +366,10 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
                 log.warning(
                     "weightsync: the trainer's step went back to %d while version %d was already sent or held by "
                     "rollout workers (resumed from an older checkpoint?); the trainer is authoritative: sending "
-                    "version %d with force=True", version, newest, version,
+                    "version %d with force=True",
+                    version,
+                    newest,
+                    version,
                 )
             self._version = version
             try:
@@ -386,7 +400,8 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
         blamed = [
             f"receiver rank {r} = rollout worker {by_rank[r]['index']} (pid {by_rank[r]['pid']}, "
             f"node {str(by_rank[r]['node_id'])[:12]}, {by_rank[r]['ip']})"
-            for r in error.ranks if r in by_rank
+            for r in error.ranks
+            if r in by_rank
         ]
         message = (
             f"weightsync ({transport}{', chosen by auto' if self.options.transport == 'auto' else ''}): update to "
@@ -396,7 +411,9 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
         explained = type(error)(message, ranks=error.ranks)
         return explained
 
-    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    async def receive_weights(
+        self, global_steps: int | None = None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` of one version; each tensor is valid until the next item
         (verl's consumers copy them)."""
         if self._role != "receiver":
@@ -414,7 +431,8 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
                 what = global_steps if global_steps is not None else receiver.failed_version
                 raise type(e)(
                     f"weightsync: rollout worker (receiver rank {receiver.rank}, pid {os.getpid()}) failed to "
-                    f"receive version {what}: {e}", ranks=e.ranks,
+                    f"receive version {what}: {e}",
+                    ranks=e.ranks,
                 ) from e
             finally:
                 await asyncio.to_thread(items.close)  # a consumer that stopped early: drain, report

@@ -74,7 +74,7 @@ REMOTE_CONFIG_ENV = "WEIGHTSYNC_ALLOW_REMOTE_CONFIG"
 LOCAL_ONLY_KEYS = {
     "custom_backend_module": "names a module this replica would import",
     "engine_kwargs.disk.path": "names a directory of this replica's file system (weights are read there and "
-                               "acknowledgements written)",
+    "acknowledgements written)",
 }
 
 
@@ -123,7 +123,9 @@ class ReplicaReceiver:
         #: the staging copy of staged updates (``weightsync.integrations.vllm_staging``)
         self.stager = Stager()
 
-    def open(self, address: str, rank: int, overrides: list[str] | dict[str, Any], warm_up: bool = False) -> dict[str, Any]:
+    def open(
+        self, address: str, rank: int, overrides: list[str] | dict[str, Any], warm_up: bool = False
+    ) -> dict[str, Any]:
         """Create the receiver. Idempotent for one address/rank. ``overrides`` come from the
         remote caller: see ``check_remote_overrides``.
 
@@ -132,7 +134,9 @@ class ReplicaReceiver:
         otherwise the receiver connects at the first sync."""
         check_remote_overrides(overrides)
         config = (
-            EngineConfig.from_dict(overrides) if isinstance(overrides, dict) else EngineConfig.from_overrides(list(overrides))
+            EngineConfig.from_dict(overrides)
+            if isinstance(overrides, dict)
+            else EngineConfig.from_overrides(list(overrides))
         )
         if self.receiver is not None and (self.receiver.address, self.receiver.rank) != (address, rank):
             self.receiver.close()
@@ -147,7 +151,9 @@ class ReplicaReceiver:
             reserved = 0
             if plan is not None:  # the first version's landing memory, faulted in now
                 cfg = self.receiver.config
-                reserved = self.pool.reserve(plan, cfg.receive_buckets_in_flight * cfg.bucket_bytes, self.receiver.device)
+                reserved = self.pool.reserve(
+                    plan, cfg.receive_buckets_in_flight * cfg.bucket_bytes, self.receiver.device
+                )
             self.last = {"warm_up_s": time.perf_counter() - t0, "landing_reserved_bytes": reserved}
         return self.status()
 
@@ -207,8 +213,12 @@ class ReplicaReceiver:
         config = self.receiver.config
         allocated = self.pool.allocated_bytes
         result = receive_into(
-            self.receiver, version, reload, pool=self.pool,
-            in_flight_bytes=config.receive_buckets_in_flight * config.bucket_bytes, timeout_s=config.timeout_s,
+            self.receiver,
+            version,
+            reload,
+            pool=self.pool,
+            in_flight_bytes=config.receive_buckets_in_flight * config.bucket_bytes,
+            timeout_s=config.timeout_s,
         )
         error, applied = result.error, result.applied
         stats = self.receiver.last_stats
@@ -292,7 +302,9 @@ def _finalize(model: torch.nn.Module, vllm_config: Any) -> None:
 def tensor_digests(model: torch.nn.Module) -> dict[str, str]:
     """``dtype|shape|blake2b`` of every parameter and buffer of ``model``, by name."""
     out: dict[str, str] = {}
-    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    named = list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers(remove_duplicate=False)
+    )
     for name, t in named:
         data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
         out[name] = f"{t.dtype}|{tuple(t.shape)}|{hashlib.blake2b(data, digest_size=16).hexdigest()}"
@@ -315,7 +327,9 @@ class WeightsyncWorkerExtension:
     ) -> dict[str, Any]:
         """Join the sender at ``address`` as receiver ``rank_offset + this worker's rank``;
         ``warm_up``: join its data plane now, while the trainer runs ``Sender.warm_up``."""
-        return self._weightsync().open(address, rank_offset + int(getattr(self, "rank", 0)), overrides, warm_up)
+        return self._weightsync().open(
+            address, rank_offset + int(getattr(self, "rank", 0)), overrides, warm_up
+        )
 
     def weightsync_receive(self, version: int) -> dict[str, Any]:
         """Receive ``version`` into the running model; return this worker's status."""
@@ -390,7 +404,9 @@ def _engine_classes() -> tuple[type, type, type]:
 
         def __post_init__(self) -> None:
             if self.phase not in UPDATE_PHASES:
-                raise ValueError(f"weightsync: phase={self.phase!r}: expected one of {', '.join(UPDATE_PHASES)}")
+                raise ValueError(
+                    f"weightsync: phase={self.phase!r}: expected one of {', '.join(UPDATE_PHASES)}"
+                )
 
     class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
         """vLLM weight-transfer engine ``weightsync``: one ``update_weights`` call receives a
@@ -401,7 +417,9 @@ def _engine_classes() -> tuple[type, type, type]:
         update_info_cls = WeightsyncUpdateInfo
         supports_draft_weight_update = False
 
-        def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        def __init__(
+            self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
+        ) -> None:
             super().__init__(config, vllm_config, device, model)
             self.state = ReplicaReceiver()
 
@@ -409,7 +427,9 @@ def _engine_classes() -> tuple[type, type, type]:
             import torch.distributed as dist
 
             local = dist.get_rank() if dist.is_initialized() else 0  # this worker in its replica
-            self.state.open(init_info.address, init_info.rank_offset + local, init_info.overrides, init_info.warm_up)
+            self.state.open(
+                init_info.address, init_info.rank_offset + local, init_info.overrides, init_info.warm_up
+            )
 
         def start_weight_update(self) -> None:
             pass
@@ -422,8 +442,13 @@ def _engine_classes() -> tuple[type, type, type]:
 
             def reload(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
                 try:
-                    reload_weights(self.vllm_config, self.model, weights_iterator=weights,
-                                   weights_path=None, is_checkpoint_format=True)
+                    reload_weights(
+                        self.vllm_config,
+                        self.model,
+                        weights_iterator=weights,
+                        weights_path=None,
+                        is_checkpoint_format=True,
+                    )
                 except BaseException:
                     _finalize(self.model, self.vllm_config)
                     raise
@@ -439,7 +464,11 @@ def _engine_classes() -> tuple[type, type, type]:
                     why = "still staging" if status["staging"] else status.get("stage_error") or "not staged"
                     raise RuntimeError(f"weightsync: version {version} is not staged: {why}")
                 return
-            status = self.state.commit(version, reload) if phase == "commit" else self.state.receive(version, reload)
+            status = (
+                self.state.commit(version, reload)
+                if phase == "commit"
+                else self.state.receive(version, reload)
+            )
             if not status["ok"]:
                 raise RuntimeError(f"weightsync: version {version} failed: {status['error']}")
 
@@ -458,7 +487,9 @@ def __getattr__(name: str) -> Any:
         from weightsync.integrations import vllm_trainer
 
         return getattr(vllm_trainer, name)
-    classes = dict(zip(("WeightsyncInitInfo", "WeightsyncUpdateInfo", "WeightsyncTransferEngine"), _engine_classes()))
+    classes = dict(
+        zip(("WeightsyncInitInfo", "WeightsyncUpdateInfo", "WeightsyncTransferEngine"), _engine_classes())
+    )
     if name in classes:
         return classes[name]
     raise AttributeError(name)
@@ -494,14 +525,18 @@ def _idle_waits_for_weightsync_calls() -> None:
             return False
         transfer = getattr(getattr(executor, "vllm_config", None), "weight_transfer_config", None)
         return method.startswith("weightsync_") or (
-            method in _TRANSFER_CALLS and getattr(transfer, "backend", None) == BACKEND_NAME)
+            method in _TRANSFER_CALLS and getattr(transfer, "backend", None) == BACKEND_NAME
+        )
 
     @functools.wraps(original)
     def collective_rpc(self: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
         if not ours(self, method) or kwargs.get("non_block"):
             return original(self, method, *args, **kwargs)
-        waits = [c for mq in getattr(self, "response_mqs", None) or ()
-                 if hasattr(c := getattr(mq, "_spin_condition", None), "busy_loop_s")]
+        waits = [
+            c
+            for mq in getattr(self, "response_mqs", None) or ()
+            if hasattr(c := getattr(mq, "_spin_condition", None), "busy_loop_s")
+        ]
         spins = [c.busy_loop_s for c in waits]
         for c in waits:
             c.busy_loop_s = 0
@@ -539,7 +574,8 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, __name__, "WeightsyncTransferEngine")
     if BACKEND_NAME not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(
-            BACKEND_NAME, "weightsync.integrations.vllm_trainer", "WeightsyncTrainerEngine")
+            BACKEND_NAME, "weightsync.integrations.vllm_trainer", "WeightsyncTrainerEngine"
+        )
     _idle_waits_for_weightsync_calls()
 
 

@@ -153,15 +153,22 @@ class UpdateReport:
 
     def summary(self) -> str:
         if self.phase == "stage":
-            parts = [f"version {self.version} staged in {self.sync_s:.3f} s while generating, {self.gbps:.2f} GB/s"]
+            parts = [
+                f"version {self.version} staged in {self.sync_s:.3f} s while generating, {self.gbps:.2f} GB/s"
+            ]
         else:
             staged = f"staged {self.stage_s:.3f} s, then " if self.phase == "staged" else ""
             load = "load" if self.phase in ("commit", "staged") else "sync"
-            parts = [f"version {self.version}: {staged}paused {self.paused_s:.3f} s (pause {self.pause_s:.3f} s, "
-                     f"{load} {self.sync_s:.3f} s, resume {self.resume_s:.3f} s)"
-                     + (f", {self.gbps:.2f} GB/s" if self.phase == "update" else "")]
+            parts = [
+                f"version {self.version}: {staged}paused {self.paused_s:.3f} s (pause {self.pause_s:.3f} s, "
+                f"{load} {self.sync_s:.3f} s, resume {self.resume_s:.3f} s)"
+                + (f", {self.gbps:.2f} GB/s" if self.phase == "update" else "")
+            ]
         for r in self.replicas:
-            parts.append(f"{r.name}: " + (f"serves version {r.version}" if r.ok else f"FAILED ({r.error}); serves {r.version}"))
+            parts.append(
+                f"{r.name}: "
+                + (f"serves version {r.version}" if r.ok else f"FAILED ({r.error}); serves {r.version}")
+            )
         return "; ".join(parts)
 
 
@@ -227,9 +234,16 @@ class VLLMRollout:
     neither.
     """
 
-    def __init__(self, replicas: list[Replica], config: EngineConfig | list[str], *,
-                 address: str = "127.0.0.1:0", wire_dtype: Any = None, model: Any = None,
-                 initial_version: int | None = None) -> None:
+    def __init__(
+        self,
+        replicas: list[Replica],
+        config: EngineConfig | list[str],
+        *,
+        address: str = "127.0.0.1:0",
+        wire_dtype: Any = None,
+        model: Any = None,
+        initial_version: int | None = None,
+    ) -> None:
         if initial_version is not None and model is None:
             raise ValueError("initial_version needs model: the weights to sync as that version")
         if not replicas:
@@ -239,8 +253,10 @@ class VLLMRollout:
             raise ValueError(f"replica names must be unique, got {names}")
         self.config = config if isinstance(config, EngineConfig) else EngineConfig.from_overrides(config)
         if self.config.backend == "naive":
-            raise ValueError("backend 'naive' hands tensors over inside one process; vLLM workers are other "
-                             "processes: use backend=nccl (Gloo on CPU) or another transport")
+            raise ValueError(
+                "backend 'naive' hands tensors over inside one process; vLLM workers are other "
+                "processes: use backend=nccl (Gloo on CPU) or another transport"
+            )
         self.replicas = list(replicas)
         self._first_rank: dict[str, int] = {}
         rank = 0
@@ -249,7 +265,9 @@ class VLLMRollout:
             rank += r.workers()
         self.sender = Sender(self.config, address, num_receivers=rank, wire_dtype=wire_dtype)
         # A thread per replica's call, and one for the sender's warm-up
-        self._pool = ThreadPoolExecutor(max_workers=len(self.replicas) + 1, thread_name_prefix="weightsync-replica")
+        self._pool = ThreadPoolExecutor(
+            max_workers=len(self.replicas) + 1, thread_name_prefix="weightsync-replica"
+        )
         # The secret never travels over vLLM's RPC (and to_flat masks it): each replica takes
         # it from its own WEIGHTSYNC_SECRET, as the trainer should.
         flat = {k: v for k, v in self.config.to_flat().items() if k != "auth_secret"}
@@ -257,8 +275,18 @@ class VLLMRollout:
         self._paused: set[str] = set()
         # Every worker connects and joins the data plane now, while the sender warms up:
         # the first update pays for neither.
-        calls = [self._pool.submit(r.call, "weightsync_init", self.sender.address, self._first_rank[r.name],
-                                   overrides, True, timeout=self.config.timeout_s * 2 + 30) for r in self.replicas]
+        calls = [
+            self._pool.submit(
+                r.call,
+                "weightsync_init",
+                self.sender.address,
+                self._first_rank[r.name],
+                overrides,
+                True,
+                timeout=self.config.timeout_s * 2 + 30,
+            )
+            for r in self.replicas
+        ]
         calls.append(self._pool.submit(self.sender.warm_up, model))
         # The first failure ends the wait (a replica refusing its configuration does not
         # leave the sender waiting for it until timeout_s).
@@ -268,7 +296,9 @@ class VLLMRollout:
             self.close()
             if failed:
                 raise failed[0].exception()  # type: ignore[misc]
-            raise TimeoutError(f"weightsync_init of the replicas did not return within {self.config.timeout_s * 2 + 40:.0f} s")
+            raise TimeoutError(
+                f"weightsync_init of the replicas did not return within {self.config.timeout_s * 2 + 40:.0f} s"
+            )
         #: the report of the ``initial_version`` sync (None without one)
         self.initial_report: UpdateReport | None = None
         if initial_version is not None:
@@ -279,8 +309,15 @@ class VLLMRollout:
                 raise
 
     # ------------------------------------------------------------------ the update
-    def update(self, source: Any, version: int, *, mode: PauseMode = "keep",
-               release_kv_cache: bool = False, staged: bool | None = None) -> UpdateReport:
+    def update(
+        self,
+        source: Any,
+        version: int,
+        *,
+        mode: PauseMode = "keep",
+        release_kv_cache: bool = False,
+        staged: bool | None = None,
+    ) -> UpdateReport:
         """Bring every replica to ``version`` from ``source``; return the report.
 
         Streamed (``update_mode=stream``, the default): pause every replica, stream the
@@ -300,7 +337,13 @@ class VLLMRollout:
             report = self.commit(version, mode=mode, release_kv_cache=release_kv_cache)
             report.phase, report.stage_s, report.stats = "staged", staging.sync_s, staging.stats
             return report
-        return self._pause_around(version, mode, release_kv_cache, "update", lambda failures: self._stream(source, version, failures))
+        return self._pause_around(
+            version,
+            mode,
+            release_kv_cache,
+            "update",
+            lambda failures: self._stream(source, version, failures),
+        )
 
     def stage(self, source: Any, version: int) -> UpdateReport:
         """Move ``version`` from ``source`` into every worker's staging copy (host memory,
@@ -335,7 +378,9 @@ class VLLMRollout:
             rep = self._report(r, statuses[r.name], failures.get(r.name))
             rep.ok = rep.ok and rep.staged == version
             if not rep.ok and rep.error is None:
-                rep.error = next((s.get("stage_error") for s in statuses[r.name] or () if s.get("stage_error")), None)
+                rep.error = next(
+                    (s.get("stage_error") for s in statuses[r.name] or () if s.get("stage_error")), None
+                )
             report.replicas.append(rep)
         if not report.ok:
             self._raise(report, sync_error, "stage of", "untouched, generating")
@@ -359,22 +404,29 @@ class VLLMRollout:
                 return status
             time.sleep(0.05)
 
-    def commit(self, version: int, *, mode: PauseMode = "keep", release_kv_cache: bool = False) -> UpdateReport:
+    def commit(
+        self, version: int, *, mode: PauseMode = "keep", release_kv_cache: bool = False
+    ) -> UpdateReport:
         """Pause every replica, load the staged ``version`` from host memory through vLLM's
         ``reload_weights``, resume. Refused before pausing anything unless every replica
         holds ``version`` staged and complete. A replica whose load fails is left a mix of
         two versions and paused (as a failed streamed update leaves it); the others serve
         ``version``."""
         _check_mode(mode)
-        missing = [f"replica {rep.name!r} has {'no complete version' if rep.staged is None else f'version {rep.staged}'} staged"
-                   for rep in self.status() if rep.staged != version]
+        missing = [
+            f"replica {rep.name!r} has {'no complete version' if rep.staged is None else f'version {rep.staged}'} staged"
+            for rep in self.status()
+            if rep.staged != version
+        ]
         if missing:
             raise ValueError(f"cannot commit version {version}: " + "; ".join(missing) + " (stage it first)")
 
         def load(failures: dict[str, str]) -> tuple[dict[str, Any], Exception | None]:
             rpc_timeout = self.config.timeout_s * 2 + 30
-            futures = {r.name: self._pool.submit(r.call, "weightsync_commit", version, timeout=rpc_timeout)
-                       for r in self.replicas}
+            futures = {
+                r.name: self._pool.submit(r.call, "weightsync_commit", version, timeout=rpc_timeout)
+                for r in self.replicas
+            }
             statuses = {}
             for r in self.replicas:
                 try:
@@ -386,11 +438,14 @@ class VLLMRollout:
 
         return self._pause_around(version, mode, release_kv_cache, "commit", load)
 
-    def _stream(self, source: Any, version: int, failures: dict[str, str]) -> tuple[dict[str, Any], Exception | None]:
+    def _stream(
+        self, source: Any, version: int, failures: dict[str, str]
+    ) -> tuple[dict[str, Any], Exception | None]:
         """Stream ``version`` into the paused replicas' running models."""
         rpc_timeout = self.config.timeout_s * 2 + 30  # the receiver's own deadlines end first
         futures: dict[str, Future] = {
-            r.name: self._pool.submit(r.call, "weightsync_receive", version, timeout=rpc_timeout) for r in self.replicas
+            r.name: self._pool.submit(r.call, "weightsync_receive", version, timeout=rpc_timeout)
+            for r in self.replicas
         }
         sync_error: Exception | None = None
         try:
@@ -405,8 +460,14 @@ class VLLMRollout:
                 failures[name] = f"{type(e).__name__}: {e}".strip()
         return statuses, sync_error
 
-    def _pause_around(self, version: int, mode: PauseMode, release_kv_cache: bool, phase: str,
-                middle: Callable[[dict[str, str]], tuple[dict[str, Any], Exception | None]]) -> UpdateReport:
+    def _pause_around(
+        self,
+        version: int,
+        mode: PauseMode,
+        release_kv_cache: bool,
+        phase: str,
+        middle: Callable[[dict[str, str]], tuple[dict[str, Any], Exception | None]],
+    ) -> UpdateReport:
         """Pause every replica, run ``middle`` (it fills ``failures``; returns each
         replica's status and the sender's error), resume the replicas left whole."""
         report = UpdateReport(version, phase=phase)
@@ -447,7 +508,9 @@ class VLLMRollout:
             if status is not None and not rep.mixed and r.name in self._paused:
                 try:
                     if release_kv_cache and r.name not in failures:
-                        within(r.restore_kv_cache, self.config.timeout_s, f"restoring the KV cache of {r.name!r}")
+                        within(
+                            r.restore_kv_cache, self.config.timeout_s, f"restoring the KV cache of {r.name!r}"
+                        )
                     within(r.resume, self.config.timeout_s, f"resuming replica {r.name!r}")
                     self._paused.discard(r.name)
                     rep.resumed = True
@@ -463,10 +526,17 @@ class VLLMRollout:
 
     def _raise(self, report: UpdateReport, sync_error: Exception | None, what: str, intact: str) -> None:
         """Raise ``ReplicaUpdateError`` naming every replica that did not end where asked."""
-        bad = [r for r in report.replicas if not r.ok or (r.version != report.version and report.phase != "stage")]
-        lines = [f"replica {r.name!r} (receiver rank {self._first_rank[r.name]}): {r.error or 'not updated'}; "
-                 f"serves {'a mix of versions (kept paused)' if r.mixed else f'version {r.version}'}"
-                 + (f" ({intact})" if intact and not r.mixed else "") for r in bad]
+        bad = [
+            r
+            for r in report.replicas
+            if not r.ok or (r.version != report.version and report.phase != "stage")
+        ]
+        lines = [
+            f"replica {r.name!r} (receiver rank {self._first_rank[r.name]}): {r.error or 'not updated'}; "
+            f"serves {'a mix of versions (kept paused)' if r.mixed else f'version {r.version}'}"
+            + (f" ({intact})" if intact and not r.mixed else "")
+            for r in bad
+        ]
         if sync_error is not None:
             lines.append(f"sender: {self._name_ranks(str(sync_error))}")
         raise ReplicaUpdateError(f"{what} version {report.version} failed: " + "; ".join(lines), report)
@@ -489,7 +559,9 @@ class VLLMRollout:
             version=None if mixed else versions.pop(),
             ok=failure is None and all(s.get("ok", True) for s in status),
             error=failure or "; ".join(errors) or None,
-            failed_version=next((s["failed_version"] for s in status if s.get("failed_version") is not None), None),
+            failed_version=next(
+                (s["failed_version"] for s in status if s.get("failed_version") is not None), None
+            ),
             mixed=mixed,
             seconds=max(s.get("seconds", 0.0) for s in status),
             bytes=sum(s.get("bytes", 0) for s in status),

@@ -86,7 +86,9 @@ class Stager:
         (a session ``Receiver``) takes the store's version state for the sync (stale
         versions, the delta base) and gets ``served`` back afterwards."""
         if self.busy:
-            raise RuntimeError(f"weightsync: version {self._version} is still being staged; wait for it first")
+            raise RuntimeError(
+                f"weightsync: version {self._version} is still being staged; wait for it first"
+            )
         self._version = version
         self.last = {}
 
@@ -132,13 +134,19 @@ class Stager:
             raise RuntimeError(f"weightsync: version {self._version} is still being staged; cannot commit")
         if self.store.state.serving != version:
             held = self.store.state.serving
-            raise RuntimeError(f"weightsync: version {version} is not staged here (staged: "
-                               f"{'none complete' if held is None else f'version {held}'})")
+            raise RuntimeError(
+                f"weightsync: version {version} is not staged here (staged: "
+                f"{'none complete' if held is None else f'version {held}'})"
+            )
         start = time.perf_counter()
         try:
             reload(iter(self.store.items()))
         except BaseException as e:
             served.failed(version, delivered=True)
-            return {"ok": False, "error": f"commit failed: {type(e).__name__}: {e}", "commit_s": time.perf_counter() - start}
+            return {
+                "ok": False,
+                "error": f"commit failed: {type(e).__name__}: {e}",
+                "commit_s": time.perf_counter() - start,
+            }
         served.completed(version)
         return {"ok": True, "error": None, "commit_s": time.perf_counter() - start}

@@ -146,8 +146,9 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
 
     init_info_cls = WeightsyncTrainerInitInfo
 
-    def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True,
-                 config: EngineConfig, sender: Sender) -> None:
+    def __init__(
+        self, *, client: Any, source: Any = None, is_sender: bool = True, config: EngineConfig, sender: Sender
+    ) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.config = config
         self.sender = sender
@@ -159,15 +160,20 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="weightsync-vllm-trainer")
 
     @classmethod
-    def trainer_init(cls, init_info: WeightsyncTrainerInitInfo, *, client: Any,
-                     source: Any = None) -> WeightsyncTrainerEngine:
+    def trainer_init(
+        cls, init_info: WeightsyncTrainerInitInfo, *, client: Any, source: Any = None
+    ) -> WeightsyncTrainerEngine:
         if source is None:
-            raise ValueError("the weightsync trainer engine sends full versions: pass source= "
-                             "(vLLM's ModuleSource(model), a WeightSource, a module or a state dict)")
+            raise ValueError(
+                "the weightsync trainer engine sends full versions: pass source= "
+                "(vLLM's ModuleSource(model), a WeightSource, a module or a state dict)"
+            )
         config = init_info.config()
         if config.backend == "naive":
-            raise ValueError("backend 'naive' hands tensors over inside one process; vLLM workers are other "
-                             "processes: use backend=nccl (Gloo on CPU) or another transport")
+            raise ValueError(
+                "backend 'naive' hands tensors over inside one process; vLLM workers are other "
+                "processes: use backend=nccl (Gloo on CPU) or another transport"
+            )
         engine_cls = get_engine(config.backend)
         all_send = issubclass(engine_cls, Transport) and engine_cls.all_ranks_send
         import torch.distributed as dist
@@ -175,12 +181,21 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         senders = (dist.get_world_size() if dist.is_initialized() else 1) if all_send else 1
         receivers = init_info.world_size - senders
         if receivers < 1:
-            raise ValueError(f"world_size={init_info.world_size}: the {senders} trainer rank(s) that send plus at "
-                             "least one inference worker")
+            raise ValueError(
+                f"world_size={init_info.world_size}: the {senders} trainer rank(s) that send plus at "
+                "least one inference worker"
+            )
         address = f"{init_info.master_address}:{init_info.master_port}"
-        sender = Sender(config, address, num_receivers=receivers, rank=init_info.rank,
-                        num_trainers=senders if all_send else None)
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender, config=config, sender=sender)
+        sender = Sender(
+            config,
+            address,
+            num_receivers=receivers,
+            rank=init_info.rank,
+            num_trainers=senders if all_send else None,
+        )
+        engine = cls(
+            client=client, source=source, is_sender=init_info.is_sender, config=config, sender=sender
+        )
         try:
             engine._rendezvous()
         except BaseException:
@@ -197,22 +212,39 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
             return
         # The secret never travels through vLLM's RPC: each worker takes its own WEIGHTSYNC_SECRET.
         flat = {k: v for k, v in self.config.to_flat().items() if k != "auth_secret"}
-        init_info = {"address": self.sender.address, "rank_offset": 0, "warm_up": True,
-                     "overrides": [f"{k}={'null' if v is None else v}" for k, v in flat.items()]}
+        init_info = {
+            "address": self.sender.address,
+            "rank_offset": 0,
+            "warm_up": True,
+            "overrides": [f"{k}={'null' if v is None else v}" for k, v in flat.items()],
+        }
         budget = self.config.timeout_s
-        calls = [self._pool.submit(within, lambda: self.client.init_weight_transfer_engine(init_info), budget,
-                                   f"init_weight_transfer_engine on {self.where}"),
-                 self._pool.submit(self.sender.warm_up, src)]
+        calls = [
+            self._pool.submit(
+                within,
+                lambda: self.client.init_weight_transfer_engine(init_info),
+                budget,
+                f"init_weight_transfer_engine on {self.where}",
+            ),
+            self._pool.submit(self.sender.warm_up, src),
+        ]
         done, pending = wait(calls, timeout=budget + 10, return_when=FIRST_EXCEPTION)
         failed = [f for f in calls if f in done and f.exception() is not None]
         if failed or pending:
             error = failed[0].exception() if failed else TimeoutError(f"no answer within {budget + 10:.0f} s")
             what = "init_weight_transfer_engine" if not failed or failed[0] is calls[0] else "the warm-up"
-            raise TrainerRoundError(f"weightsync trainer_init: {what} with {self.where} failed: "
-                                    f"{type(error).__name__}: {self._name(str(error))}", version=0,
-                                    ranks=getattr(error, "ranks", None)) from error
-        log.info("weightsync: %d worker(s) of %s joined the sender at %s", self.sender.num_receivers,
-                 self.where, self.sender.address)
+            raise TrainerRoundError(
+                f"weightsync trainer_init: {what} with {self.where} failed: "
+                f"{type(error).__name__}: {self._name(str(error))}",
+                version=0,
+                ranks=getattr(error, "ranks", None),
+            ) from error
+        log.info(
+            "weightsync: %d worker(s) of %s joined the sender at %s",
+            self.sender.num_receivers,
+            self.where,
+            self.sender.address,
+        )
 
     def send_weights(self, version: int | None = None, *, force: bool = False) -> SyncStats:  # type: ignore[override]
         """One round on every trainer rank: ``start_weight_update``, ``update_weights``
@@ -237,15 +269,25 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         try:
             stats = self.sender.send(src, version, force=force)  # each of its waits: timeout_s
         except SyncError as e:
-            self._fail(f"the transfer of version {version} to {self.where} failed: {self._name(str(e))}",
-                       version, e, update)
+            self._fail(
+                f"the transfer of version {version} to {self.where} failed: {self._name(str(e))}",
+                version,
+                e,
+                update,
+            )
         try:
             update.result(timeout=budget)  # the workers confirmed the version: this answer follows
         except Exception as e:
-            self._fail(f"update_weights on {self.where} failed for version {version}: {type(e).__name__}: {e}",
-                       version, e)
-        self._call("finish_weight_update", version,
-                   lambda: self.client.finish_weight_update(weight_version=str(version)))
+            self._fail(
+                f"update_weights on {self.where} failed for version {version}: {type(e).__name__}: {e}",
+                version,
+                e,
+            )
+        self._call(
+            "finish_weight_update",
+            version,
+            lambda: self.client.finish_weight_update(weight_version=str(version)),
+        )
         self.last_stats = stats
         log.info("weightsync: version %d reached %s in %.3f s", version, self.where, time.perf_counter() - t0)
         return stats
@@ -280,8 +322,16 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
     def _round(self, version: int, update_info: dict[str, Any], weight_version: str | None = None) -> None:
         """One vLLM weight-update round of a single ``update_weights`` call."""
         self._call("start_weight_update", version, lambda: self.client.start_weight_update())
-        self._call(f"update_weights ({update_info['phase']})", version, lambda: self.client.update_weights(update_info))
-        self._call("finish_weight_update", version, lambda: self.client.finish_weight_update(weight_version=weight_version))
+        self._call(
+            f"update_weights ({update_info['phase']})",
+            version,
+            lambda: self.client.update_weights(update_info),
+        )
+        self._call(
+            "finish_weight_update",
+            version,
+            lambda: self.client.finish_weight_update(weight_version=weight_version),
+        )
 
     def commit_weights(self, version: int | None = None) -> None:
         """The second half, between the caller's ``/pause`` and ``/resume``: load the staged
@@ -298,18 +348,23 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         try:
             within(fn, self.config.timeout_s, f"{method} on {self.where}")
         except Exception as e:
-            self._fail(f"{method} on {self.where} failed for version {version}: {type(e).__name__}: {e}", version, e)
+            self._fail(
+                f"{method} on {self.where} failed for version {version}: {type(e).__name__}: {e}", version, e
+            )
 
     def _fail(self, message: str, version: int, error: Exception, update: Future | None = None) -> None:
         if update is not None and update.done() and update.exception() is not None:
             message += f" (update_weights: {type(update.exception()).__name__}: {update.exception()})"
-        raise TrainerRoundError(f"weightsync: {message}", version=version,
-                                ranks=getattr(error, "ranks", None)) from error
+        raise TrainerRoundError(
+            f"weightsync: {message}", version=version, ranks=getattr(error, "ranks", None)
+        ) from error
 
     def _name(self, message: str) -> str:
         """``receiver rank N`` in a sender error is worker N of the client's engine(s)."""
         for k in range(self.sender.num_receivers):
-            message = message.replace(f"receiver rank {k} ", f"receiver rank {k} (worker {k} of {self.where}) ")
+            message = message.replace(
+                f"receiver rank {k} ", f"receiver rank {k} (worker {k} of {self.where}) "
+            )
         return message
 
     def shutdown(self) -> None:
@@ -319,5 +374,10 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["TRAINER_BACKEND", "TrainerRoundError", "WeightsyncTrainerEngine", "WeightsyncTrainerInitInfo",
-           "describe_client"]
+__all__ = [
+    "TRAINER_BACKEND",
+    "TrainerRoundError",
+    "WeightsyncTrainerEngine",
+    "WeightsyncTrainerInitInfo",
+    "describe_client",
+]

@@ -26,4 +26,24 @@ from weightsync.receiver.prefetch import PipelineResult, receive_into
 from weightsync.receiver.publication import take
 from weightsync.receiver.receiver import Receiver
 
-__all__ = ["LANDED_AHEAD", "LOOKAHEAD", "LandingPool", "MAX_GROUP_SIZE", "PipelineResult", "PooledAssembler", "Receiver", "agreed_plan", "engine_problem", "following_landings", "landing_sizes", "plan_reader", "receive_into", "session_problem", "stream_reader", "sync_problem", "take", "warmup_problem", "wire_plan"]
+__all__ = [
+    "LANDED_AHEAD",
+    "LOOKAHEAD",
+    "LandingPool",
+    "MAX_GROUP_SIZE",
+    "PipelineResult",
+    "PooledAssembler",
+    "Receiver",
+    "agreed_plan",
+    "engine_problem",
+    "following_landings",
+    "landing_sizes",
+    "plan_reader",
+    "receive_into",
+    "session_problem",
+    "stream_reader",
+    "sync_problem",
+    "take",
+    "warmup_problem",
+    "wire_plan",
+]

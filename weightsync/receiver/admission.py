@@ -60,13 +60,19 @@ def wire_plan(msg: dict[str, Any], config: EngineConfig, max_tensor_bytes: int |
     return plan
 
 
-def warmup_problem(msg: dict[str, Any], config: EngineConfig, max_tensor_bytes: int | None) -> tuple[str | None, Plan | None]:
+def warmup_problem(
+    msg: dict[str, Any], config: EngineConfig, max_tensor_bytes: int | None
+) -> tuple[str | None, Plan | None]:
     """A warm-up that forms the data plane: what is wrong with it, and the plan of the first
     sync when it carries one."""
     problem = session_problem(msg, config)
     size = msg.get("capacity")
-    if problem is None and (not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= config.bucket_bytes):
-        problem = f"capacity {size!r:.40}: expected a byte count from 1 to the bucket size ({config.bucket_bytes})"
+    if problem is None and (
+        not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= config.bucket_bytes
+    ):
+        problem = (
+            f"capacity {size!r:.40}: expected a byte count from 1 to the bucket size ({config.bucket_bytes})"
+        )
     plan = None
     if problem is None and "plan" in msg:  # what the first sync will send (its hash, then)
         try:
@@ -76,7 +82,9 @@ def warmup_problem(msg: dict[str, Any], config: EngineConfig, max_tensor_bytes: 
     return problem, plan
 
 
-def sync_problem(msg: dict[str, Any], expected: int | None, state: VersionState, config: EngineConfig) -> str | None:
+def sync_problem(
+    msg: dict[str, Any], expected: int | None, state: VersionState, config: EngineConfig
+) -> str | None:
     """A sync this receiver must refuse before its plan is read: the session's terms, a
     version that is not the one expected or older than the one held, another verify mode."""
     v = msg.get("version")
@@ -116,8 +124,13 @@ def plan_reader(plan: Plan) -> Callable[[], Bucket | None]:
 
 
 def stream_reader(
-    ch: Any, specs: list[TensorSpec], deadline: Deadline, sink: Any, refused: list[BaseException],
-    bucket_bytes: int, max_tensor_bytes: int | None,
+    ch: Any,
+    specs: list[TensorSpec],
+    deadline: Deadline,
+    sink: Any,
+    refused: list[BaseException],
+    bucket_bytes: int,
+    max_tensor_bytes: int | None,
 ) -> Callable[[], Bucket | None]:
     """Announced buckets, each checked (``StreamedPlan``) before the transport receives
     it; with a sink, each new spec is checked against the model before anything of it
@@ -129,12 +142,16 @@ def stream_reader(
         if msg["type"] == "end":
             mine = plan_hash(specs, bucket_bytes)
             if msg.get("plan_hash") != mine:
-                raise SyncError(f"streamed plan hash: sender {msg.get('plan_hash')}, receiver computed {mine}")
+                raise SyncError(
+                    f"streamed plan hash: sender {msg.get('plan_hash')}, receiver computed {mine}"
+                )
             return None
         try:
             new, bucket = stream.announce(msg.get("tensors"), msg.get("bucket"))
         except ValueError as e:
-            raise ProtocolError(f"{ch.peer} announced a bucket that is refused {deadline.what}: {e}") from None
+            raise ProtocolError(
+                f"{ch.peer} announced a bucket that is refused {deadline.what}: {e}"
+            ) from None
         if sink is not None and not refused:
             try:
                 sink.check(new)

@@ -114,9 +114,13 @@ class LandingPool:
 
     def _in_use(self) -> int:
         self._ranges = [r for r in self._ranges if _use_count(r[2]) > 2]
-        return sum(r[1] for r in self._ranges) + sum(e[0].numel() for e in self._entries() if _use_count(e[0]) > 2)
+        return sum(r[1] for r in self._ranges) + sum(
+            e[0].numel() for e in self._entries() if _use_count(e[0]) > 2
+        )
 
-    def bound(self, limit_bytes: int | None, may_exceed: Callable[[], bool] = lambda: True, wait_s: float = 0.0) -> None:
+    def bound(
+        self, limit_bytes: int | None, may_exceed: Callable[[], bool] = lambda: True, wait_s: float = 0.0
+    ) -> None:
         """Land in an arena of ``limit_bytes`` (None: unbounded, every request from the
         overflow). ``acquire`` waits up to ``wait_s`` for room, and passes the limit at
         once when ``may_exceed()`` is true."""
@@ -129,7 +133,11 @@ class LandingPool:
         none of it is in use; a larger one serves a smaller bound (a delta version)."""
         if self.limit_bytes is None:
             return None
-        size = min(self.limit_bytes, _aligned(self.plan_bytes, self.ALIGN)) if self.plan_bytes else self.limit_bytes
+        size = (
+            min(self.limit_bytes, _aligned(self.plan_bytes, self.ALIGN))
+            if self.plan_bytes
+            else self.limit_bytes
+        )
         arena = self._arena
         if (arena is None or arena.numel() < size or arena.device != device) and not self._ranges:
             self._arena = arena = None  # dropped before its successor is allocated
@@ -166,7 +174,9 @@ class LandingPool:
                 return top
         return (ahead or fits or [None])[0]
 
-    def _from_arena(self, arena: torch.Tensor, nbytes: int, then: int = 0, strict: bool = False) -> torch.Tensor | None:
+    def _from_arena(
+        self, arena: torch.Tensor, nbytes: int, then: int = 0, strict: bool = False
+    ) -> torch.Tensor | None:
         offset = self._gap(nbytes, arena.numel(), then, strict)
         if offset is None:
             return None
@@ -204,9 +214,13 @@ class LandingPool:
     @overload
     def acquire(self, nbytes: int, device: torch.device | None = None, *, then: int = 0) -> torch.Tensor: ...
     @overload
-    def acquire(self, nbytes: int, device: torch.device | None = None, *, wait: bool, then: int = 0) -> torch.Tensor | None: ...
+    def acquire(
+        self, nbytes: int, device: torch.device | None = None, *, wait: bool, then: int = 0
+    ) -> torch.Tensor | None: ...
 
-    def acquire(self, nbytes: int, device: torch.device | None = None, *, wait: bool = True, then: int = 0) -> torch.Tensor | None:
+    def acquire(
+        self, nbytes: int, device: torch.device | None = None, *, wait: bool = True, then: int = 0
+    ) -> torch.Tensor | None:
         """A uint8 tensor of ``nbytes`` in pool memory, the caller's until it lets go of
         every view of it. Bounded (``bound``): waits for room, or with ``wait=False``
         returns None when there is none; raises ``SyncTimeout`` after ``wait_s``.
@@ -229,7 +243,9 @@ class LandingPool:
                         view = self._from_arena(arena, nbytes, soon)  # anywhere, rather than beside it
                 elif self.limit_bytes is None or in_use + nbytes <= self.limit_bytes:
                     view = self._from_overflow(nbytes, device)
-                if view is None and wait and self._may_exceed():  # (not to land ahead: the transport's buffer serves)
+                if (
+                    view is None and wait and self._may_exceed()
+                ):  # (not to land ahead: the transport's buffer serves)
                     view = self._from_overflow(nbytes, device)
                 if view is not None:
                     self.peak_bytes = max(self.peak_bytes, in_use + nbytes)
@@ -243,8 +259,10 @@ class LandingPool:
                     waited_since = now
                 elif now - waited_since > self._wait_s:
                     self.waited_s += now - waited_since
-                    raise SyncTimeout(f"no landing memory for {nbytes} bytes within {self._wait_s:.0f} s: the engine "
-                                      f"held {in_use} of the {self.limit_bytes} bytes allowed")
+                    raise SyncTimeout(
+                        f"no landing memory for {nbytes} bytes within {self._wait_s:.0f} s: the engine "
+                        f"held {in_use} of the {self.limit_bytes} bytes allowed"
+                    )
                 self._released_cond.wait(self.POLL_S)
 
     def released(self) -> None:
@@ -268,7 +286,11 @@ class LandingPool:
                 if arena is not None and self.allocated_bytes != before:
                     arena.zero_()
                 cap = arena.numel() if arena is not None else 0
-                held = [self._from_overflow(size, device) for size in sorted(set(landing_sizes(plan))) if size > cap]
+                held = [
+                    self._from_overflow(size, device)
+                    for size in sorted(set(landing_sizes(plan)))
+                    if size > cap
+                ]
                 for view in held:
                     view.zero_()
         finally:
@@ -288,7 +310,9 @@ class LandingPool:
         small timing differences between versions."""
         with self._lock:
             for size in list(self._by_size):
-                keep = [e for e in self._by_size[size] if e[1] >= self._generation - 1 or _use_count(e[0]) > 2]
+                keep = [
+                    e for e in self._by_size[size] if e[1] >= self._generation - 1 or _use_count(e[0]) > 2
+                ]
                 if keep:
                     self._by_size[size] = keep
                 else:
@@ -301,7 +325,9 @@ class LandingPool:
             self._by_size = {}
             self._arena, self._ranges, self._cursor = None, [], 0
 
-    def assembler(self, specs: Sequence[TensorSpec], device: torch.device, buckets: Sequence[Bucket] = ()) -> PooledAssembler:
+    def assembler(
+        self, specs: Sequence[TensorSpec], device: torch.device, buckets: Sequence[Bucket] = ()
+    ) -> PooledAssembler:
         """For ``Receiver.receive(landing=pool)``; ``buckets``: the plan's, when known
         before the transfer (the landings before a large tensor then keep its room clear)."""
         self.plan_bytes = sum(spec.nbytes for spec in specs)
@@ -340,12 +366,16 @@ def landing_sizes(plan: Plan) -> list[int]:
 LOOKAHEAD = 4
 
 
-def following_landings(tensors: Sequence[TensorSpec], buckets: Sequence[Bucket], lookahead: int = LOOKAHEAD) -> dict[int, int]:
+def following_landings(
+    tensors: Sequence[TensorSpec], buckets: Sequence[Bucket], lookahead: int = LOOKAHEAD
+) -> dict[int, int]:
     """For each bucket that takes pool memory, the largest of the ``lookahead`` landings
     after it."""
     sizes = _landings(tensors, buckets)
-    return {index: max((size for _, size in sizes[k + 1 : k + 1 + lookahead]), default=0)
-            for k, (index, _) in enumerate(sizes)}
+    return {
+        index: max((size for _, size in sizes[k + 1 : k + 1 + lookahead]), default=0)
+        for k, (index, _) in enumerate(sizes)
+    }
 
 
 class PooledAssembler(Assembler):
@@ -359,8 +389,14 @@ class PooledAssembler(Assembler):
     its own two buffers, copied into the pool when unpacked, so the pool does not grow
     with the transport's window."""
 
-    def __init__(self, tensors: Sequence[TensorSpec], device: torch.device, pool: LandingPool, ahead: int = LANDED_AHEAD,
-                 following: dict[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        tensors: Sequence[TensorSpec],
+        device: torch.device,
+        pool: LandingPool,
+        ahead: int = LANDED_AHEAD,
+        following: dict[int, int] | None = None,
+    ) -> None:
         super().__init__(tensors, device, destination=self._pooled, owned=False)
         self.pool = pool
         self.ahead = max(1, ahead)
@@ -383,7 +419,9 @@ class PooledAssembler(Assembler):
         first = bucket.pieces[0] if len(bucket.pieces) == 1 else None
         if first is not None and first.bucket_offset == 0 and first.length:
             return super().landing(bucket)  # one range of one tensor: that range of its buffer
-        return self.pool.acquire(bucket.nbytes, self.device, wait=self._wait, then=self._then)  # packed: its own
+        return self.pool.acquire(
+            bucket.nbytes, self.device, wait=self._wait, then=self._then
+        )  # packed: its own
 
     def landing(self, bucket: Bucket) -> torch.Tensor | None:
         if len(self._targets) >= self.ahead:

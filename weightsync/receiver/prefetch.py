@@ -222,7 +222,9 @@ def receive_into(
     loaded.set()
     thread.join(guard_s)
     if thread.is_alive():
-        log.error("weightsync: the receiving thread of version %s did not end within %.0f s", version, guard_s)
+        log.error(
+            "weightsync: the receiving thread of version %s did not end within %.0f s", version, guard_s
+        )
         result.error = result.error or SyncTimeout(f"the transfer of version {version} did not end")
     handoff.clear()
     pool.bound(None)
@@ -235,6 +237,13 @@ def receive_into(
 
 
 __all__ = [
-    "LANDED_AHEAD", "LOOKAHEAD", "HandshakeError", "LandingPool", "PipelineResult", "PooledAssembler",
-    "following_landings", "landing_sizes", "receive_into",
+    "LANDED_AHEAD",
+    "LOOKAHEAD",
+    "HandshakeError",
+    "LandingPool",
+    "PipelineResult",
+    "PooledAssembler",
+    "following_landings",
+    "landing_sizes",
+    "receive_into",
 ]

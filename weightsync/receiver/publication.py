@@ -18,8 +18,14 @@ from weightsync.stats import SyncStats
 
 
 def take(
-    publisher: Publisher, rank: int, version: int | None, sink: ModuleSink | None, owned: bool,
-    state: VersionState, config: EngineConfig, device: torch.device,
+    publisher: Publisher,
+    rank: int,
+    version: int | None,
+    sink: ModuleSink | None,
+    owned: bool,
+    state: VersionState,
+    config: EngineConfig,
+    device: torch.device,
 ) -> Generator[tuple[str, torch.Tensor], None, SyncStats]:
     """Yield the offered version's tensors (checked against ``sink`` first, where it
     announced its specs), then acknowledge it; returns the sync's stats."""

@@ -22,7 +22,7 @@ import torch
 
 from weightsync import platform
 from weightsync.config.engine import EngineConfig
-from weightsync.delta.receive_stage import ReceiveStage, Incoming
+from weightsync.delta.receive_stage import Incoming, ReceiveStage
 from weightsync.engines.base import Join, Publisher, Transport
 from weightsync.engines.registry import get_engine
 from weightsync.errors import HandshakeError, PeerLost, Rerouted, SyncError, VerificationError, in_context
@@ -177,8 +177,10 @@ class Receiver:
         except SyncError:
             raise
         except Exception as e:
-            raise SyncError(f"receiver rank {self.rank}: joining the data plane of {ch.peer} failed: "
-                            f"{type(e).__name__}: {e}") from e
+            raise SyncError(
+                f"receiver rank {self.rank}: joining the data plane of {ch.peer} failed: "
+                f"{type(e).__name__}: {e}"
+            ) from e
         finally:
             transport.finish(ok=ok)
             if not ok:
@@ -187,10 +189,16 @@ class Receiver:
     def _join(self, ch: Channel, version: int, info: dict[str, Any], capacity_bytes: int) -> Join:
         """This receiver's ``Join`` record for the data plane ``info`` describes."""
         return Join(
-            version=version, rank=int(info["rank"]), world_size=int(info["world_size"]),
-            senders=int(info.get("senders", 1)), capacity=capacity_bytes,
-            name=f"receiver rank {self.rank}", receiver_rank=self.rank,
-            local_host=ch.sock.getsockname()[0], sender_host=ch.sock.getpeername()[0], watch=self._watch_sender,
+            version=version,
+            rank=int(info["rank"]),
+            world_size=int(info["world_size"]),
+            senders=int(info.get("senders", 1)),
+            capacity=capacity_bytes,
+            name=f"receiver rank {self.rank}",
+            receiver_rank=self.rank,
+            local_host=ch.sock.getsockname()[0],
+            sender_host=ch.sock.getpeername()[0],
+            watch=self._watch_sender,
         )
 
     def _watch_sender(self) -> None:
@@ -271,7 +279,10 @@ class Receiver:
         if stats.missing:
             log.warning(
                 "receiver rank %d: %d model tensor(s) not carried by version %s: %s",
-                self.rank, len(stats.missing), stats.version, ", ".join(stats.missing[:8]),
+                self.rank,
+                len(stats.missing),
+                stats.version,
+                ", ".join(stats.missing[:8]),
             )
         return stats
 
@@ -286,7 +297,9 @@ class Receiver:
         """``load_into`` in a worker thread."""
         return await asyncio.to_thread(self.load_into, module, version)
 
-    def _sync(self, version: int | None, sink: ModuleSink | None, owned: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def _sync(
+        self, version: int | None, sink: ModuleSink | None, owned: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         if self._publisher is not None:
             return self._take(self._publisher, version, sink, owned)
         return self._sync_session(version, sink, owned)
@@ -295,11 +308,17 @@ class Receiver:
     def _take(
         self, publisher: Publisher, version: int | None, sink: ModuleSink | None, owned: bool
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        self.last_stats = yield from take(publisher, self.rank, version, sink, owned, self.state, self.config, self.device)
+        self.last_stats = yield from take(
+            publisher, self.rank, version, sink, owned, self.state, self.config, self.device
+        )
 
     # ------------------------------------------------------------------ transport family
     def _sync_session(
-        self, version: int | None, sink: ModuleSink | None, owned: bool, landing: Any = None,
+        self,
+        version: int | None,
+        sink: ModuleSink | None,
+        owned: bool,
+        landing: Any = None,
         settle: Callable[[], None] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """One sync over a session, in phases: the sender's offer, the handshake (plan and
@@ -315,7 +334,9 @@ class Receiver:
                 log.warning("receiver rank %d: %s; taking it again", self.rank, e)
                 version, retake = e.version, True
 
-    def _open(self, version: int | None, sink: ModuleSink | None, retake: bool = False) -> tuple[Channel, int, Plan | None, Incoming, float]:
+    def _open(
+        self, version: int | None, sink: ModuleSink | None, retake: bool = False
+    ) -> tuple[Channel, int, Plan | None, Incoming, float]:
         """Wait for the sender's sync, agree on it and join its data plane; returns the
         channel, the version, its plan (None: streamed), the delta stage's ``Incoming`` and
         when the sync started."""
@@ -347,7 +368,9 @@ class Receiver:
             raise
         except Exception as e:  # a bad engine description, a data plane that cannot be joined
             self._reset()
-            raise SyncError(f"receiver rank {self.rank}: joining the sync from {ch.peer} failed: {type(e).__name__}: {e}") from e
+            raise SyncError(
+                f"receiver rank {self.rank}: joining the sync from {ch.peer} failed: {type(e).__name__}: {e}"
+            ) from e
         return ch, v, plan, incoming, start
 
     def _await_sync(self, ch: Channel, version: int | None) -> tuple[Channel, dict[str, Any]]:
@@ -367,12 +390,18 @@ class Receiver:
                 ch = self._channel
                 assert ch is not None
                 continue
-            if msg["type"] == "reroute":  # idle: it completed the version before the loss, or its sync never came
-                reroute.answer(ch, msg.get("version"), self.state.version == msg.get("version"), self.config.timeout_s)
+            if (
+                msg["type"] == "reroute"
+            ):  # idle: it completed the version before the loss, or its sync never came
+                reroute.answer(
+                    ch, msg.get("version"), self.state.version == msg.get("version"), self.config.timeout_s
+                )
                 continue
             if msg["type"] == "cancel":  # nothing was read: a clean end, the state stays
-                raise HandshakeError(f"receiver rank {self.rank}: the sender cancelled the sync of version "
-                                     f"{msg.get('version')}: {msg.get('message')}")
+                raise HandshakeError(
+                    f"receiver rank {self.rank}: the sender cancelled the sync of version "
+                    f"{msg.get('version')}: {msg.get('message')}"
+                )
             if msg["type"] == "closing":
                 ch = self._join_next_session(ch)
                 continue
@@ -396,14 +425,25 @@ class Receiver:
         agreed on."""
         while True:
             v, plan, incoming = self._accept(msg, version, sink)
-            go = ch.recv(Deadline(self.config.timeout_s, f"for the go of version {v}"), expect=("go", "again"))
+            go = ch.recv(
+                Deadline(self.config.timeout_s, f"for the go of version {v}"), expect=("go", "again")
+            )
             if go["type"] == "go":
                 return v, plan, incoming, msg
             msg = ch.recv(Deadline(self.config.timeout_s, f"for version {v} again"), expect="sync")
 
     def _transfer(
-        self, ch: Channel, v: int, plan: Plan | None, incoming: Incoming, sink: ModuleSink | None, owned: bool,
-        landing: Any, settle: Callable[[], None] | None, start: float, handed: set[str],
+        self,
+        ch: Channel,
+        v: int,
+        plan: Plan | None,
+        incoming: Incoming,
+        sink: ModuleSink | None,
+        owned: bool,
+        landing: Any,
+        settle: Callable[[], None] | None,
+        start: float,
+        handed: set[str],
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The data plane: engine -> plan (merge pieces) -> delta stage -> consumer; then
         verification, the consumer's last step (``settle``) and the acknowledgement."""
@@ -415,12 +455,21 @@ class Receiver:
         specs = incoming.specs
         refused: list[BaseException] = []  # a streamed tensor the sink cannot take (nothing allocated for it)
         next_bucket = (
-            admission.plan_reader(plan) if plan is not None
-            else admission.stream_reader(ch, specs, deadline, sink, refused, self.config.bucket_bytes, self.max_tensor_bytes)
+            admission.plan_reader(plan)
+            if plan is not None
+            else admission.stream_reader(
+                ch, specs, deadline, sink, refused, self.config.bucket_bytes, self.max_tensor_bytes
+            )
         )
-        assembler = incoming.assembler(self.device, sink, owned, landing, plan.buckets if plan is not None else ())
-        keep = owned or landing is not None  # the consumer keeps what it gets: staged entries handed out are copies
-        buckets = transport.recv_buckets(next_bucket, assembler.landing if assembler.destination is not None else None)
+        assembler = incoming.assembler(
+            self.device, sink, owned, landing, plan.buckets if plan is not None else ()
+        )
+        keep = (
+            owned or landing is not None
+        )  # the consumer keeps what it gets: staged entries handed out are copies
+        buckets = transport.recv_buckets(
+            next_bucket, assembler.landing if assembler.destination is not None else None
+        )
         checks = Checks(self.config.verify, f"receiver rank {self.rank}", v)
         received: list[Bucket] = []
         # Buckets may land straight in the model's tensors: then whatever came off the wire
@@ -461,11 +510,18 @@ class Receiver:
                 for _ in buckets:  # keep the transfer going so the sender is not stranded
                     landed = direct
             elif assembler.incomplete or entries != len(specs):
-                lacking = shortfall(specs, plan.buckets if plan is not None else [], (b.index for b in received), assembler.incomplete)
+                lacking = shortfall(
+                    specs,
+                    plan.buckets if plan is not None else [],
+                    (b.index for b in received),
+                    assembler.incomplete,
+                )
                 raise SyncError(f"version {v} ended with {entries} of {len(specs)} tensors: {lacking}")
             sent = checks.sent(ch, deadline)
             if consumer_error is None:
-                problem, items = incoming.finish(sent, checks, stats)  # a relative sync applies its deltas here
+                problem, items = incoming.finish(
+                    sent, checks, stats
+                )  # a relative sync applies its deltas here
                 for name, tensor in items:
                     stats.tensors += 1
                     stats.bytes += tensor.numel() * tensor.element_size()
@@ -485,20 +541,28 @@ class Receiver:
             buckets.close()  # let the transport drop its pending receives now
             cause: Exception = e
             if not isinstance(e, PeerLost) and ch.seems_silent():  # another receiver gave up on it first
-                cause = PeerLost(f"{ch.peer} went silent during the transfer of version {v}: nothing heard for "
-                                 f"{ch.unheard_s():.1f} s (heartbeat_grace_s={ch.grace_s:g}); the data plane then failed: {e}")
+                cause = PeerLost(
+                    f"{ch.peer} went silent during the transfer of version {v}: nothing heard for "
+                    f"{ch.unheard_s():.1f} s (heartbeat_grace_s={ch.grace_s:g}); the data plane then failed: {e}"
+                )
             delivered = incoming.delivered(bool(received) or direct, stats.tensors > 0 or bool(handed))
             if self._reroutable and (rerouted := self._rerouted(ch, v, cause, delivered)) is not None:
                 raise rerouted from e
             self._finish(v, ok=False, message=f"transfer failed: {cause}", broken=True, delivered=delivered)
-            error = in_context(cause, f"receiver rank {self.rank}: transfer of version {v} from {ch.peer} failed")
+            error = in_context(
+                cause, f"receiver rank {self.rank}: transfer of version {v} from {ch.peer} failed"
+            )
             if error is e:
                 raise
             raise error from e
         stats.buckets = len(received)
         stats.transfer_s = time.perf_counter() - t0
-        self._finish(v, ok=problem is None, message=problem,
-                     delivered=incoming.delivered(bool(received) or landed, stats.tensors > 0))
+        self._finish(
+            v,
+            ok=problem is None,
+            message=problem,
+            delivered=incoming.delivered(bool(received) or landed, stats.tensors > 0),
+        )
         stats.seconds = time.perf_counter() - start
         self.last_stats = stats
         if consumer_error is not None:
@@ -534,7 +598,9 @@ class Receiver:
         assert self._channel is not None
         return self._channel
 
-    def _finish(self, version: int, ok: bool, message: str | None, broken: bool = False, delivered: bool = False) -> None:
+    def _finish(
+        self, version: int, ok: bool, message: str | None, broken: bool = False, delivered: bool = False
+    ) -> None:
         assert self._transport is not None
         self._transport.finish(ok=not broken)  # mirrors the sender: only a broken transport rebuilds
         try:
@@ -553,7 +619,9 @@ class Receiver:
             if broken:  # the transport failed: reconnect at the next sync
                 self._reset()
 
-    def _accept(self, msg: dict[str, Any], expected: int | None, sink: ModuleSink | None) -> tuple[int, Plan | None, Incoming]:
+    def _accept(
+        self, msg: dict[str, Any], expected: int | None, sink: ModuleSink | None
+    ) -> tuple[int, Plan | None, Incoming]:
         """Check the sender's sync message (``weightsync.receiver.admission``, then the delta stage);
         reply ready, or error (and raise) naming both values. Returns the version, the plan
         and the delta stage's ``Incoming`` (whether this receiver applies deltas)."""
@@ -566,7 +634,9 @@ class Receiver:
             if problem is None:
                 plan, problem = admission.agreed_plan(msg, self._plan, self.config, self.max_tensor_bytes)
             if problem is None:
-                incoming = self._decoder.accept(msg.get("delta"), plan, sink, self.state, self.max_tensor_bytes)
+                incoming = self._decoder.accept(
+                    msg.get("delta"), plan, sink, self.state, self.max_tensor_bytes
+                )
         except (ValueError, TypeError, KeyError) as e:
             problem = str(e)
         deadline = Deadline(self.config.timeout_s, f"answering the sync of version {v}")

@@ -8,4 +8,16 @@ from weightsync.sender.ranks import TrainerFollower, TrainerPeers
 from weightsync.sender.replies import answers, dead_ranks, explain, gather_done, lost_receivers
 from weightsync.sender.sender import Sender
 
-__all__ = ["Packer", "Sender", "TrainerFollower", "TrainerPeers", "answers", "carriable", "dead_ranks", "explain", "gather_done", "lost_receivers", "producer"]
+__all__ = [
+    "Packer",
+    "Sender",
+    "TrainerFollower",
+    "TrainerPeers",
+    "answers",
+    "carriable",
+    "dead_ranks",
+    "explain",
+    "gather_done",
+    "lost_receivers",
+    "producer",
+]

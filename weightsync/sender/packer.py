@@ -30,7 +30,9 @@ class Packer:
     still pulled in order (materializing a sharded tensor may be collective).
     """
 
-    def __init__(self, source: WeightSource, bucket_bytes: int, plan: Plan | None, announce, sends=None) -> None:
+    def __init__(
+        self, source: WeightSource, bucket_bytes: int, plan: Plan | None, announce, sends=None
+    ) -> None:
         self.items = iter(source.tensors())
         self.plan = plan
         self.announce = announce
@@ -53,11 +55,15 @@ class Packer:
         except Exception as e:
             planned = self.plan.tensors if self.plan is not None else ()
             due = f" (tensor {planned[self.pulled].name!r} was due)" if self.pulled < len(planned) else ""
-            raise SourceFailed(f"the source raised after {self.pulled} tensor(s): {type(e).__name__}: {e}{due}") from e
+            raise SourceFailed(
+                f"the source raised after {self.pulled} tensor(s): {type(e).__name__}: {e}{due}"
+            ) from e
         spec = TensorSpec.of(name, tensor)
         if self.plan is not None:
             if self.pulled >= len(self.plan.tensors):
-                raise SyncError(f"the source yielded tensor {name!r} beyond the {len(self.plan.tensors)} it announced")
+                raise SyncError(
+                    f"the source yielded tensor {name!r} beyond the {len(self.plan.tensors)} it announced"
+                )
             expected = self.plan.tensors[self.pulled]
             if spec != expected:
                 raise SyncError(
@@ -91,11 +97,17 @@ class Packer:
         bucket = self._next_bucket()
         if bucket is None:
             if self.plan is not None and self.pulled < len(self.plan.tensors):
-                raise SyncError(f"the source ended after {self.pulled} of {len(self.plan.tensors)} announced tensors")
+                raise SyncError(
+                    f"the source ended after {self.pulled} of {len(self.plan.tensors)} announced tensors"
+                )
             if self.plan is not None and next(self.items, None) is not None:
-                raise SyncError(f"the source yielded more than the {len(self.plan.tensors)} tensors it announced")
+                raise SyncError(
+                    f"the source yielded more than the {len(self.plan.tensors)} tensors it announced"
+                )
             if self.builder is not None:
-                self.announce({"type": "end", "plan_hash": plan_hash(self.builder.specs, self.builder.bucket_bytes)})
+                self.announce(
+                    {"type": "end", "plan_hash": plan_hash(self.builder.specs, self.builder.bucket_bytes)}
+                )
             return None
         last = self._pull_for(bucket)
         payload = self._direct(bucket, buffer)
@@ -125,7 +137,9 @@ class Packer:
         last = max((p.tensor for p in bucket.pieces), default=-1)
         while self.pulled <= last:  # plan mode: pull what this bucket needs
             if not self._pull():
-                raise SyncError(f"the source ended after {self.pulled} of {len(self._specs)} announced tensors")
+                raise SyncError(
+                    f"the source ended after {self.pulled} of {len(self._specs)} announced tensors"
+                )
         return last
 
     def _release(self, bucket: Bucket) -> None:

@@ -48,7 +48,9 @@ class TrainerPeers:
     def dead(self) -> list[str]:
         return [ch.peer for ch in self.channels.values() if ch.is_dead()]
 
-    def sync_messages(self, msg: dict[str, Any], info: dict[str, Any], first_rank: int) -> list[tuple[Channel, dict]]:
+    def sync_messages(
+        self, msg: dict[str, Any], info: dict[str, Any], first_rank: int
+    ) -> list[tuple[Channel, dict]]:
         """The sync message for each trainer rank: the receivers' (without the plan: they
         computed it themselves) with their own group rank."""
         return [
@@ -66,7 +68,9 @@ class TrainerPeers:
         for i, ch in sorted(self.channels.items()):
             reply = ch.recv(deadline, expect="sent")
             if reply.get("ok") is not True:
-                raise SyncError(f"trainer rank {i} failed to send its share of version {version}: {reply.get('message')}")
+                raise SyncError(
+                    f"trainer rank {i} failed to send its share of version {version}: {reply.get('message')}"
+                )
             for index, value in reply.get("checksums") or []:
                 sums[int(index)] = value
             sent += int(reply.get("bytes") or 0)
@@ -108,12 +112,16 @@ class TrainerFollower:
         if ch is not None and ch.is_dead():
             raise PeerLost(f"{ch.peer} disconnected during the transfer")
 
-    def send_share(self, transport: Transport, src: WeightSource, version: int, plan: Plan, num_receivers: int) -> SyncStats:
+    def send_share(
+        self, transport: Transport, src: WeightSource, version: int, plan: Plan, num_receivers: int
+    ) -> SyncStats:
         """Follow rank 0's sync of ``version`` and send this rank's share."""
         ch = self.connect()
         config = self.config
         stats = SyncStats(version, receivers=num_receivers)
-        msg = ch.recv(Deadline(config.timeout_s, f"for trainer rank 0 to start version {version}"), expect="sync")
+        msg = ch.recv(
+            Deadline(config.timeout_s, f"for trainer rank 0 to start version {version}"), expect="sync"
+        )
         deadline = Deadline(config.timeout_s, f"in the transfer of version {version}")
         problem = None
         if msg.get("version") != version:
@@ -135,10 +143,15 @@ class TrainerFollower:
         try:
             info = msg["engine"]
             join = Join(
-                version=version, rank=int(info["rank"]), world_size=int(info["world_size"]),
-                senders=int(info["senders"]), capacity=capacity(plan, config.bucket_bytes),
-                name=f"trainer rank {self.rank}", local_host=ch.sock.getsockname()[0],
-                sender_host=ch.sock.getpeername()[0], watch=self._watch,
+                version=version,
+                rank=int(info["rank"]),
+                world_size=int(info["world_size"]),
+                senders=int(info["senders"]),
+                capacity=capacity(plan, config.bucket_bytes),
+                name=f"trainer rank {self.rank}",
+                local_host=ch.sock.getsockname()[0],
+                sender_host=ch.sock.getpeername()[0],
+                watch=self._watch,
             )
             transport.connect(join, info)
             packer, produce, sums = producer(
@@ -148,8 +161,12 @@ class TrainerFollower:
             stats.bytes = transport.send_buckets(produce)
             stats.transfer_s = time.perf_counter() - t0
             stats.buckets, stats.tensors = packer.buckets, packer.pulled
-            ch.send({"type": "sent", "ok": True, "bytes": stats.bytes, "checksums": list(sums.items())}, deadline)
-            result = ch.recv(Deadline(config.timeout_s, f"for the outcome of version {version}"), expect="result")
+            ch.send(
+                {"type": "sent", "ok": True, "bytes": stats.bytes, "checksums": list(sums.items())}, deadline
+            )
+            result = ch.recv(
+                Deadline(config.timeout_s, f"for the outcome of version {version}"), expect="result"
+            )
             ok = True
         except Exception as e:
             try:
@@ -157,8 +174,12 @@ class TrainerFollower:
             except SyncError:
                 pass
             self.close()  # connect anew at the next send
-            raise e if isinstance(e, SyncError) else SyncError(
-                f"trainer rank {self.rank}: sending its share of version {version} failed: {e}"
+            raise (
+                e
+                if isinstance(e, SyncError)
+                else SyncError(
+                    f"trainer rank {self.rank}: sending its share of version {version} failed: {e}"
+                )
             ) from e
         finally:
             transport.finish(ok=ok)

@@ -21,7 +21,9 @@ def dead_ranks(channels: dict[int, Channel]) -> list[int]:
     return sorted(dead)
 
 
-def lost_receivers(channels: dict[int, Channel], dead: list[int], what: str, others: tuple[str, ...] | list[str] = ()) -> str:
+def lost_receivers(
+    channels: dict[int, Channel], dead: list[int], what: str, others: tuple[str, ...] | list[str] = ()
+) -> str:
     """The receivers ``dead`` among ``channels`` (and the ``others``, other trainer ranks
     gone), for an error: each closed, or silent and how that was found; where one went
     silent, also which receivers are healthy, so an operator knows whom not to blame."""
@@ -32,7 +34,9 @@ def lost_receivers(channels: dict[int, Channel], dead: list[int], what: str, oth
     return "; ".join(lost)
 
 
-def answers(peers: list[tuple[str, int | None, Channel]], deadline: Deadline, refused: str) -> list[tuple[int | None, dict[str, Any]]]:
+def answers(
+    peers: list[tuple[str, int | None, Channel]], deadline: Deadline, refused: str
+) -> list[tuple[int | None, dict[str, Any]]]:
     """Read every peer's ``ready`` (rank and reply, in order). If any answered with an
     error, tell every peer to abort and raise ``HandshakeError`` naming the refusers."""
     replies, refusals = [], {}
@@ -57,7 +61,9 @@ def answers(peers: list[tuple[str, int | None, Channel]], deadline: Deadline, re
     return replies
 
 
-def gather_done(channels: dict[int, Channel], version: int, timeout_s: float, confirmed: set[int]) -> dict[int, str]:
+def gather_done(
+    channels: dict[int, Channel], version: int, timeout_s: float, confirmed: set[int]
+) -> dict[int, str]:
     """Read every receiver's ``done`` for ``version``: those that confirmed it go into
     ``confirmed``; returns the others' failures (rank -> message). Raises ``PeerLost``
     naming the receivers gone without a word (the others' failures follow from them)."""

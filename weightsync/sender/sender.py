@@ -22,7 +22,7 @@ import torch.distributed as dist
 from weightsync import platform
 from weightsync.config.engine import EngineConfig
 from weightsync.config.keys import SECRET_ENV
-from weightsync.delta.send_stage import SendStage, Outgoing
+from weightsync.delta.send_stage import Outgoing, SendStage
 from weightsync.engines.base import Join, Publisher, Transport
 from weightsync.engines.registry import get_engine
 from weightsync.errors import HandshakeError, PeerLost, RemoteFailure, SyncError
@@ -84,7 +84,9 @@ class Sender:
         self.engine_cls = get_engine(config.backend)
         self._all_send = issubclass(self.engine_cls, Transport) and self.engine_cls.all_ranks_send
         if self._all_send and not 0 <= self.rank < self.num_trainers:
-            raise ValueError(f"rank {self.rank} is not one of the {self.num_trainers} trainer rank(s) (num_trainers)")
+            raise ValueError(
+                f"rank {self.rank} is not one of the {self.num_trainers} trainer rank(s) (num_trainers)"
+            )
         self.wire_dtype = wire_dtype
         self.device = platform.local_device(device)
         self.address = address
@@ -96,7 +98,9 @@ class Sender:
         self._trainers = TrainerPeers(self.num_trainers - 1 if self._all_send else 0)
         self._follower: TrainerFollower | None = None
         self._acked_plan: dict[int, str] = {}  # receiver rank -> plan hash it holds
-        self._encoder = SendStage(config.delta, config.bucket_bytes)  # the delta stage (weightsync.delta.send_stage)
+        self._encoder = SendStage(
+            config.delta, config.bucket_bytes
+        )  # the delta stage (weightsync.delta.send_stage)
         self._confirmed: set[int] = set()  # receivers that confirmed the last sync
         self._rerouting = False  # the failed sync's others wait to take its version again
         self._dropped: set[int] = set()  # lost and dropped (drop_lost_receivers), not added back
@@ -113,7 +117,9 @@ class Sender:
                     "secret is set: anyone who reaches it can join as a receiver (and be handed the weights "
                     "and the data-plane rendezvous token), and receivers cannot tell this sender from an "
                     "impostor. Set %s (or auth_secret) to the same value on the trainer and every rollout "
-                    "process, or listen on a loopback address.", self.address, SECRET_ENV,
+                    "process, or listen on a loopback address.",
+                    self.address,
+                    SECRET_ENV,
                 )
         elif self._all_send:
             self._transport = self.engine_cls(config, self.device)
@@ -206,8 +212,12 @@ class Sender:
             except PartlyConnected as e:
                 accepted = e.connected  # those that came stay connected for the next try
                 if grace is not None:
-                    raise PeerLost("; ".join(f"{silent[r]}, and it did not come back within {grace:.1f} s"
-                                             for r in e.ranks), ranks=e.ranks) from None
+                    raise PeerLost(
+                        "; ".join(
+                            f"{silent[r]}, and it did not come back within {grace:.1f} s" for r in e.ranks
+                        ),
+                        ranks=e.ranks,
+                    ) from None
                 raise
             finally:
                 for key, ch in accepted.items():
@@ -248,9 +258,15 @@ class Sender:
         try:
             info = {**transport.prepare(join), "world_size": join.world_size, "senders": 1}
             deadline = Deadline(self.config.timeout_s, "in the warm-up")
-            msg: dict[str, Any] = {"type": "warmup", "protocol": PROTOCOL_VERSION,
-                                   "bucket_bytes": self.config.bucket_bytes, "capacity": size}
-            if plan is not None:  # receivers may prepare for it (landing memory); the first sync sends its hash
+            msg: dict[str, Any] = {
+                "type": "warmup",
+                "protocol": PROTOCOL_VERSION,
+                "bucket_bytes": self.config.bucket_bytes,
+                "capacity": size,
+            }
+            if (
+                plan is not None
+            ):  # receivers may prepare for it (landing memory); the first sync sends its hash
                 msg |= {"plan": plan.to_wire(), "plan_hash": plan.hash}
             for rank, ch in self._channels.items():
                 ch.send({**msg, "engine": {**info, "rank": self._group_rank(rank)}}, deadline)
@@ -282,8 +298,13 @@ class Sender:
         assert self._server is not None
         wildcard = self._server.host in ("", "0.0.0.0", "::")
         return Join(
-            version=version, rank=0, world_size=self.num_receivers + senders, senders=senders,
-            capacity=capacity_bytes, name="trainer rank 0", local_host=None if wildcard else self._server.host,
+            version=version,
+            rank=0,
+            world_size=self.num_receivers + senders,
+            senders=senders,
+            capacity=capacity_bytes,
+            name="trainer rank 0",
+            local_host=None if wildcard else self._server.host,
             peer_hosts=tuple(self._channels[r].sock.getpeername()[0] for r in sorted(self._channels)),
             watch=self._watch_peers,
         )
@@ -365,7 +386,9 @@ class Sender:
             )
         return self._finish_stats(self._send_session(src, version, plan, force, start), start)
 
-    def _send_session(self, src: WeightSource, version: int, plan: Plan | None, force: bool, start: float) -> SyncStats:
+    def _send_session(
+        self, src: WeightSource, version: int, plan: Plan | None, force: bool, start: float
+    ) -> SyncStats:
         """One sync; with ``drop_lost_receivers``, receivers lost in it leave the members,
         and where the transport routes around them the others take the version again now."""
         dropped: list[int] = []
@@ -384,11 +407,17 @@ class Sender:
                 self._members -= set(e.ranks)
                 self._dropped |= set(e.ranks)
                 if not rerouting:
-                    e.args = (f"{e}; dropped from the receivers (drop_lost_receivers): the next sync goes to "
-                              f"receiver rank(s) {self.receivers}",)
+                    e.args = (
+                        f"{e}; dropped from the receivers (drop_lost_receivers): the next sync goes to "
+                        f"receiver rank(s) {self.receivers}",
+                    )
                     raise
-            log.warning("version %d: receiver rank(s) %s lost and dropped (drop_lost_receivers); the others take "
-                        "it again through a new data plane", version, dropped)
+            log.warning(
+                "version %d: receiver rank(s) %s lost and dropped (drop_lost_receivers); the others take "
+                "it again through a new data plane",
+                version,
+                dropped,
+            )
             try:  # to those of this attempt still connected (one that held it said so at an earlier re-route)
                 others = {r: self._channels[r] for r in again or self._channels if r in self._channels}
                 again = reroute.tell(others, version, dropped, self.config.timeout_s)
@@ -412,7 +441,9 @@ class Sender:
             self._members = members
             self._channels = {r: ch for r, ch in channels.items() if r not in ranks} | self._channels
 
-    def _sync_once(self, src: WeightSource, version: int, plan: Plan | None, force: bool, start: float) -> SyncStats:
+    def _sync_once(
+        self, src: WeightSource, version: int, plan: Plan | None, force: bool, start: float
+    ) -> SyncStats:
         """Trainer rank 0 over a transport, in phases: the delta stage, the handshake, the
         transfer, verification, acknowledgements."""
         transport = self._transport
@@ -443,8 +474,14 @@ class Sender:
             self._verification(out, sums, deadline)
             self._gather_done(version)
             outcome = "ok"
-            log.info("sent version %d: %d tensors, %.1f MB in %d buckets to %d receivers",
-                     version, stats.tensors, stats.bytes / 1e6, stats.buckets, self.num_receivers)
+            log.info(
+                "sent version %d: %d tensors, %.1f MB in %d buckets to %d receivers",
+                version,
+                stats.tensors,
+                stats.bytes / 1e6,
+                stats.buckets,
+                self.num_receivers,
+            )
         except (HandshakeError, RemoteFailure) as e:
             outcome = "refused"
             if went:
@@ -452,14 +489,24 @@ class Sender:
             raise
         except Exception as e:
             error = self._explain(e, f"sync of version {version}")
-            if self._may_reroute(out.plan) and isinstance(error, PeerLost) and set(self._channels) - set(error.ranks):
-                outcome, self._rerouting, lost = "rerouted", True, error.ranks  # the others stay connected for it
+            if (
+                self._may_reroute(out.plan)
+                and isinstance(error, PeerLost)
+                and set(self._channels) - set(error.ranks)
+            ):
+                outcome, self._rerouting, lost = (
+                    "rerouted",
+                    True,
+                    error.ranks,
+                )  # the others stay connected for it
             raise error from e
         finally:
             if outcome == "ok":
                 self._trainers.tell(version, None, self.config.timeout_s)
-            out.finished(time.perf_counter() - start - stats.handshake_s if outcome == "ok" else None,
-                         self._confirmed if outcome != "ok" else set(self._channels))
+            out.finished(
+                time.perf_counter() - start - stats.handshake_s if outcome == "ok" else None,
+                self._confirmed if outcome != "ok" else set(self._channels),
+            )
             transport.finish(ok=outcome not in ("broken", "rerouted"))
             if outcome == "ok" and out.plan is not None:
                 self._acked_plan = {r: out.plan.hash for r in self._channels}
@@ -470,8 +517,12 @@ class Sender:
     def _may_reroute(self, plan: Plan | None) -> bool:
         """Receivers lost in this sync may be routed around in it (the source is then read
         again: it must announce its tensors, a bare iterator could not be)."""
-        return (self.config.drop_lost_receivers and self.engine_cls.reroutes and plan is not None
-                and not self._trainers.count)
+        return (
+            self.config.drop_lost_receivers
+            and self.engine_cls.reroutes
+            and plan is not None
+            and not self._trainers.count
+        )
 
     def _transfer(self, out: Outgoing, stats: SyncStats, deadline: Deadline) -> dict[int, int]:
         """Pack ``out`` by its plan and move it (other trainer ranks send their shares);
@@ -479,7 +530,10 @@ class Sender:
         transport = self._transport
         assert transport is not None
         packer, produce, sums = producer(
-            out.source, self.config.bucket_bytes, out.plan, self.config.verify,
+            out.source,
+            self.config.bucket_bytes,
+            out.plan,
+            self.config.verify,
             announce=lambda m: self._broadcast_msg(m, deadline),
             sends=transport.sends if self._all_send else None,
         )
@@ -502,7 +556,9 @@ class Sender:
         if mode == "off":
             return
         order = [sums[b.index] for b in out.plan.buckets] if out.plan is not None else list(sums.values())
-        self._broadcast_msg({"type": "verify", "mode": mode, "checksums": order, **out.verify_fields(mode)}, deadline)
+        self._broadcast_msg(
+            {"type": "verify", "mode": mode, "checksums": order, **out.verify_fields(mode)}, deadline
+        )
 
     async def send_async(self, source: Any, version: int, **kwargs: Any) -> SyncStats:
         """``send`` in a worker thread, for asyncio controllers."""
@@ -517,7 +573,9 @@ class Sender:
         for ch in self._channels.values():
             ch.send(msg, deadline)
 
-    def _handshake(self, version: int, out: Outgoing, info: dict[str, Any], force: bool) -> tuple[int, Outgoing]:
+    def _handshake(
+        self, version: int, out: Outgoing, info: dict[str, Any], force: bool
+    ) -> tuple[int, Outgoing]:
         """Agree on version, bucket size and plan with every receiver (and trainer rank);
         return how many receivers got the full plan, and what goes. Where the delta stage
         has a receiver's answer call for another offer (a dense section for a receiver

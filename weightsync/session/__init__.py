@@ -31,4 +31,35 @@ from weightsync.session.control import ControlServer, PartlyConnected, connect
 from weightsync.session.reroute import answer, await_word, tell
 from weightsync.stats import SyncStats
 
-__all__ = ["Channel", "ControlServer", "Deadline", "HELLO_MAX_BYTES", "HELLO_TIMEOUT_S", "HandshakeError", "MAX_FRAME_BYTES", "MAX_PENDING_HELLOS", "NONCE_BYTES", "PROTOCOL_VERSION", "PartlyConnected", "PeerLost", "ProtocolError", "RECEIVER_MAX_FRAME_BYTES", "ROLES", "RemoteFailure", "Rerouted", "SyncError", "SyncStats", "SyncTimeout", "VerificationError", "answer", "await_word", "connect", "mac", "new_nonce", "parse_address", "reachable_from_other_hosts", "tell", "verify"]
+__all__ = [
+    "Channel",
+    "ControlServer",
+    "Deadline",
+    "HELLO_MAX_BYTES",
+    "HELLO_TIMEOUT_S",
+    "HandshakeError",
+    "MAX_FRAME_BYTES",
+    "MAX_PENDING_HELLOS",
+    "NONCE_BYTES",
+    "PROTOCOL_VERSION",
+    "PartlyConnected",
+    "PeerLost",
+    "ProtocolError",
+    "RECEIVER_MAX_FRAME_BYTES",
+    "ROLES",
+    "RemoteFailure",
+    "Rerouted",
+    "SyncError",
+    "SyncStats",
+    "SyncTimeout",
+    "VerificationError",
+    "answer",
+    "await_word",
+    "connect",
+    "mac",
+    "new_nonce",
+    "parse_address",
+    "reachable_from_other_hosts",
+    "tell",
+    "verify",
+]

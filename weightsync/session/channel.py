@@ -128,8 +128,12 @@ class Channel:
         for a lost one; a cut link, a host cut off or a frozen machine is."""
         interval = max(1, int(grace_s / 4))
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for name, value in (("TCP_KEEPIDLE", interval), ("TCP_KEEPINTVL", interval),
-                            ("TCP_KEEPCNT", max(1, round(grace_s / interval))), ("TCP_USER_TIMEOUT", int(grace_s * 1000))):
+        for name, value in (
+            ("TCP_KEEPIDLE", interval),
+            ("TCP_KEEPINTVL", interval),
+            ("TCP_KEEPCNT", max(1, round(grace_s / interval))),
+            ("TCP_USER_TIMEOUT", int(grace_s * 1000)),
+        ):
             if hasattr(socket, name):  # Linux; elsewhere the OS's keepalive defaults stay
                 self.sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
         self.grace_s, self._interval_s = grace_s, interval
@@ -199,13 +203,19 @@ class Channel:
         """Read one message; an ``error`` message from the peer raises ``HandshakeError``."""
         (size,) = _HEADER.unpack(self._read(_HEADER.size, deadline))
         if size > self.max_frame:
-            raise ProtocolError(f"{self.peer} sent a {size}-byte frame (limit {self.max_frame}) {deadline.what}")
+            raise ProtocolError(
+                f"{self.peer} sent a {size}-byte frame (limit {self.max_frame}) {deadline.what}"
+            )
         try:
             # Plain data only: extension types are refused, so nothing but msgpack's own
             # types (None, bool, int, float, str, bytes, list, dict) can come out of it.
-            msg = msgpack.unpackb(self._read(size, deadline), raw=False, strict_map_key=True, ext_hook=_no_ext)
+            msg = msgpack.unpackb(
+                self._read(size, deadline), raw=False, strict_map_key=True, ext_hook=_no_ext
+            )
         except Exception as e:  # msgpack raises a variety of errors on hostile input
-            raise ProtocolError(f"{self.peer} sent a malformed message {deadline.what}: {type(e).__name__}: {e}") from None
+            raise ProtocolError(
+                f"{self.peer} sent a malformed message {deadline.what}: {type(e).__name__}: {e}"
+            ) from None
         if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
             raise ProtocolError(f"{self.peer} sent a message without a type {deadline.what}")
         wanted = (expect,) if isinstance(expect, str) else expect
@@ -215,7 +225,9 @@ class Channel:
             raise Rerouted.said(self.peer, msg)
         if msg["type"] in ("error", "abort"):
             raise HandshakeError(f"{self.peer} reported: {msg.get('message', '(no message)')}")
-        raise ProtocolError(f"{self.peer} sent {msg['type']!r} where {' or '.join(wanted)} was expected {deadline.what}")
+        raise ProtocolError(
+            f"{self.peer} sent {msg['type']!r} where {' or '.join(wanted)} was expected {deadline.what}"
+        )
 
     def void_until(self, kind: str) -> dict[str, Any] | None:
         """Without blocking: if a message of type ``kind`` has arrived, drop it and every
@@ -236,7 +248,9 @@ class Channel:
             if size > self.max_frame or end > len(self._inbox):
                 return None  # not all here yet (an oversized one: ``recv`` refuses it)
             try:
-                msg = msgpack.unpackb(bytes(self._inbox[at + _HEADER.size:end]), raw=False, ext_hook=_no_ext)
+                msg = msgpack.unpackb(
+                    bytes(self._inbox[at + _HEADER.size : end]), raw=False, ext_hook=_no_ext
+                )
             except Exception:
                 return None  # malformed: ``recv`` says so
             if isinstance(msg, dict) and msg.get("type") == kind:
@@ -272,7 +286,10 @@ class Channel:
         """A dead peer, for an error: silent (and how found), unreachable (link down), closed."""
         if self.silent:
             return f"{self.peer} went silent {what}: {self.silence()}"
-        if self.error is not None and self.error.errno not in (errno.ECONNRESET, errno.EPIPE):  # not a plain close
+        if self.error is not None and self.error.errno not in (
+            errno.ECONNRESET,
+            errno.EPIPE,
+        ):  # not a plain close
             return f"connection to {self.peer} lost {what}: {self.error.strerror or self.error}"
         return f"{self.peer} disconnected {what}"
 
@@ -281,4 +298,3 @@ class Channel:
             self.sock.close()
         except OSError:
             pass
-

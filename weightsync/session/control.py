@@ -78,7 +78,9 @@ class ControlServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def accept(self, ranks: set[Any], config: EngineConfig, seconds: float | None = None) -> dict[Any, Channel]:
+    def accept(
+        self, ranks: set[Any], config: EngineConfig, seconds: float | None = None
+    ) -> dict[Any, Channel]:
         """Accept peers until every member of ``ranks`` said hello, or the deadline passes
         (``seconds``, default ``timeout_s``).
 
@@ -110,7 +112,8 @@ class ControlServer:
                     raise PartlyConnected(
                         f"{_describe(missing)} never connected to {self.address} within "
                         f"{deadline.seconds:.1f} s ({len(ranks) - len(missing)} of {len(ranks)} connected)",
-                        ranks=[r for role, r in missing if role == "receiver"], connected=connected,
+                        ranks=[r for role, r in missing if role == "receiver"],
+                        connected=connected,
                     )
                 try:  # short waits: greetings finished meanwhile are welcomed promptly
                     self.sock.settimeout(min(0.05, max(0.001, deadline.end - time.monotonic())))
@@ -118,13 +121,17 @@ class ControlServer:
                 except TimeoutError:
                     continue
                 if greeting >= MAX_PENDING_HELLOS:
-                    log.warning("refused %s:%s: %d connections are already saying hello", peer[0], peer[1], greeting)
+                    log.warning(
+                        "refused %s:%s: %d connections are already saying hello", peer[0], peer[1], greeting
+                    )
                     conn.close()
                     continue
                 greeting += 1
                 threading.Thread(
-                    target=_greet, args=(conn, peer, config.backend, secret, results, stop),
-                    name="weightsync-hello", daemon=True,
+                    target=_greet,
+                    args=(conn, peer, config.backend, secret, results, stop),
+                    name="weightsync-hello",
+                    daemon=True,
                 ).start()
         except BaseException:
             for ch in joined.values():
@@ -139,7 +146,9 @@ class ControlServer:
         return _keyed(joined)
 
     @staticmethod
-    def _welcome(item: tuple, ranks: set[tuple[str, int]], joined: dict, secret: bytes | None, session: str) -> None:
+    def _welcome(
+        item: tuple, ranks: set[tuple[str, int]], joined: dict, secret: bytes | None, session: str
+    ) -> None:
         channel, member, server_nonce, client_nonce = item
         problem = None
         if member not in ranks:
@@ -169,8 +178,14 @@ class ControlServer:
         self.sock.close()
 
 
-def _greet(conn: socket.socket, peer: tuple, backend: str, secret: bytes | None, results: queue.Queue,
-           stop: threading.Event) -> None:
+def _greet(
+    conn: socket.socket,
+    peer: tuple,
+    backend: str,
+    secret: bytes | None,
+    results: queue.Queue,
+    stop: threading.Event,
+) -> None:
     """Challenge one new connection and check its hello; put ``(channel, rank, nonces)``
     on ``results`` for the accepting thread, or None if it was rejected."""
     channel = Channel(conn, f"connection from {peer[0]}:{peer[1]}", max_frame=HELLO_MAX_BYTES)
@@ -270,14 +285,21 @@ def connect(
     try:
         server_nonce = challenge.get("nonce")
         if challenge.get("protocol") != PROTOCOL_VERSION:
-            raise HandshakeError(f"protocol version: sender {challenge.get('protocol')!r}, receiver {PROTOCOL_VERSION}")
+            raise HandshakeError(
+                f"protocol version: sender {challenge.get('protocol')!r}, receiver {PROTOCOL_VERSION}"
+            )
         if not isinstance(server_nonce, bytes) or len(server_nonce) != auth.NONCE_BYTES:
             raise HandshakeError(f"the sender at {address} sent no valid challenge")
         secret = config.secret()
         client_nonce = auth.new_nonce()
         hello: dict[str, Any] = {
-            "type": "hello", "protocol": PROTOCOL_VERSION, "rank": rank, "role": role, "backend": config.backend,
-            "pid": os.getpid(), "nonce": client_nonce,
+            "type": "hello",
+            "protocol": PROTOCOL_VERSION,
+            "rank": rank,
+            "role": role,
+            "backend": config.backend,
+            "pid": os.getpid(),
+            "nonce": client_nonce,
         }
         if secret is not None:
             hello["mac"] = auth.mac(secret, "hello", server_nonce, client_nonce, role, rank, config.backend)

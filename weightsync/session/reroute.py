@@ -39,8 +39,10 @@ def tell(channels: dict[int, Channel], version: int, lost: list[int], timeout_s:
 def answer(ch: Channel, version: Any, has: bool, timeout_s: float) -> None:
     """Receiver: tell the sender re-routing ``version`` whether this receiver holds it
     (then it is left out of the retry)."""
-    ch.send({"type": "rerouted", "version": version, "has": has},
-            Deadline(timeout_s, f"answering the re-route of version {version}"))
+    ch.send(
+        {"type": "rerouted", "version": version, "has": has},
+        Deadline(timeout_s, f"answering the re-route of version {version}"),
+    )
 
 
 def await_word(ch: Channel, version: int, cause: Exception, timeout_s: float) -> Rerouted:
@@ -49,7 +51,10 @@ def await_word(ch: Channel, version: int, cause: Exception, timeout_s: float) ->
     when the sender fails the sync instead (it closes the connection) or is gone."""
     if not isinstance(cause, Rerouted):
         deadline = Deadline(timeout_s, f"for the sender's word after version {version} failed here")
-        ch.send({"type": "done", "version": version, "ok": False, "message": f"transfer failed: {cause}"}, deadline)
+        ch.send(
+            {"type": "done", "version": version, "ok": False, "message": f"transfer failed: {cause}"},
+            deadline,
+        )
         cause = Rerouted.said(ch.peer, ch.recv(deadline, expect="reroute"))
     answer(ch, version, False, timeout_s)
     return cause
