@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # multi-GB CUDA build. On a GPU machine: make TORCH=torch==<cuda build> ...
 TORCH  ?= torch==2.13.0
 
-.PHONY: install install-vllm install-mooncake install-verl install-cluster demo demo-vllm test test-fast gpu-check docs clean
+.PHONY: lint install install-vllm install-mooncake install-verl install-cluster demo demo-vllm test test-fast gpu-check docs clean
 
 install: $(VENV)/.installed
 
@@ -77,7 +77,12 @@ install-cluster:
 	dpkg -s $(CLUSTER_DEBS) >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
 		$(SUDO) apt-get install -y --no-install-recommends $(CLUSTER_DEBS); }
 
-test: install-vllm install-mooncake install-verl install-cluster
+# The formatter's and the linter's verdict (pyproject.toml: [tool.ruff]), before any test runs.
+lint: install
+	$(BIN)/ruff format --check weightsync tests
+	$(BIN)/ruff check weightsync tests
+
+test: install-vllm install-mooncake install-verl install-cluster lint
 	@$(CUDA_NOTE)
 	WEIGHTSYNC_REQUIRE_ALL=1 $(BIN)/python -m pytest -q -rs --durations=25 -m "not cuda"
 	WEIGHTSYNC_REQUIRE_ALL=1 $(VERL_BIN)/python -m pytest -q -rs --durations=10 tests/verl

@@ -1,5 +1,9 @@
-"""The house rules that a reader can check without running anything: no module of the
-package over 600 lines, and no import circle inside ``weightsync/``.
+"""The house rules that a reader can check without running anything: the architecture
+(no import circle; the send side and the receive side never import each other; engines take
+their errors from ``errors``, not the session; no module imports another's private name or
+goes through a package's face; at most 12 modules at the top), no module over 800 lines,
+and a README whose "How a sync flows" names only functions that exist. Each rule is also
+run on a small planted package, where it must fail.
 
 Imports are read with ``ast`` from every module, function-level ones included; those under
 ``if TYPE_CHECKING:`` are left out (they never run). Relative imports are resolved, and
@@ -11,10 +15,16 @@ re-exports its submodules, so every submodule would close a circle through it.
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "weightsync"
-MAX_LINES = 600
+MAX_LINES = 800
+MAX_TOP_LEVEL = 12
+README = PACKAGE.parent / "README.md"
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:
@@ -138,20 +148,110 @@ def _path_of(component: list[str], graph: dict[str, set[str]]) -> str:
         seen.add(fresh[0])
 
 
-def test_no_import_circle_inside_the_package():
-    graph = import_graph()
-    assert "weightsync.sender" in graph and "weightsync.engines.base" in graph  # the reader found the package
-    found = circles(graph)
-    assert not found, "import circles inside weightsync/:\n" + "\n".join(_path_of(c, graph) for c in found)
+def _modules(root: Path) -> dict[str, Path]:
+    return {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
 
 
-def test_no_module_over_600_lines():
-    long = {
-        str(p.relative_to(PACKAGE.parent)): n
-        for p in sorted(PACKAGE.rglob("*.py"))
-        if (n := len(p.read_text().splitlines())) > MAX_LINES
+def _from_imports(root: Path):
+    """``(importer, imported module or package, names, line)`` for every ``from X import``
+    and ``import X`` of the package's own modules (the reader of ``import_graph``)."""
+    paths = _modules(root)
+    top = root.name
+    for name, path in paths.items():
+        is_package = path.name == "__init__.py"
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name == top or alias.name.startswith(top + "."):
+                        yield name, alias.name, [], node.lineno
+                continue
+            base = node.module or ""
+            if node.level:
+                package = name.split(".") if is_package else name.split(".")[:-1]
+                package = package[: len(package) - (node.level - 1)]
+                base = ".".join([*package, *([base] if base else [])])
+            if base == top or base.startswith(top + "."):
+                yield name, base, [alias.name for alias in node.names], node.lineno
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _defined(path: Path) -> set[str]:
+    """The names a module defines itself (not those it imports)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                found |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return found
+
+
+def _error_names(root: Path) -> set[str]:
+    errors = root / "errors.py"
+    if not errors.exists():
+        return set()
+    return {n.name for n in ast.parse(errors.read_text()).body if isinstance(n, ast.ClassDef)}
+
+
+def violations(root: Path = PACKAGE) -> dict[str, list[str]]:
+    """Every broken house rule of the package at ``root``: rule -> what breaks it."""
+    top = root.name
+    paths = _modules(root)
+    packages = {m for m, p in paths.items() if p.name == "__init__.py"}
+    errors = _error_names(root)
+    found: dict[str, list[str]] = {
+        "circle": [],
+        "sides": [],
+        "engine errors": [],
+        "private": [],
+        "face": [],
+        "size": [],
+        "top level": [],
     }
-    assert not long, f"modules over {MAX_LINES} lines: {long}"
+    graph = import_graph(root)
+    found["circle"] = [_path_of(c, graph) for c in circles(graph)]
+    sides = (f"{top}.sender", f"{top}.receiver")
+    for importer, base, names, line in _from_imports(root):
+        where = f"{importer}:{line}"
+        targets = [f"{base}.{n}" if f"{base}.{n}" in paths else base for n in names] or [base]
+        for a, b in (sides, sides[::-1]):
+            if _within(importer, a) and any(_within(t, b) for t in targets):
+                found["sides"].append(f"{where} imports {b}")
+        if _within(importer, f"{top}.engines") and _within(base, f"{top}.session"):
+            if caught := sorted(set(names) & errors):
+                found["engine errors"].append(
+                    f"{where} takes {', '.join(caught)} from {base} (use {top}.errors)"
+                )
+        for n, t in zip(names, targets):
+            if t == base and n.startswith("_") and not n.startswith("__") and base != importer:
+                found["private"].append(f"{where} imports {base}.{n}")
+        if importer in packages:  # a face re-exports its own modules
+            continue
+        for n, t in zip(names or [""], targets):
+            if (t in packages and n not in _defined(paths[t])) or t == f"{top}.endpoints":
+                found["face"].append(
+                    f"{where} imports {n or t} through {t} (import from the defining module)"
+                )
+    for name, path in paths.items():
+        if (n := len(path.read_text().splitlines())) > MAX_LINES:
+            found["size"].append(f"{name}: {n} lines")
+    top_level = sorted(p.name for p in root.glob("*.py"))
+    if len(top_level) > MAX_TOP_LEVEL:
+        found["top level"].append(f"{len(top_level)} modules at the top: {', '.join(top_level)}")
+    return found
+
+
+def test_the_package_keeps_the_house_rules():
+    graph = import_graph()
+    assert "weightsync.sender.sender" in graph and "weightsync.engines.base" in graph  # the reader found it
+    broken = {rule: items for rule, items in violations().items() if items}
+    assert not broken, "house rules broken:\n" + "\n".join(
+        f"{r}: {i}" for r, items in broken.items() for i in items
+    )
 
 
 def test_the_reader_sees_function_level_and_relative_imports_and_skips_type_checking(tmp_path):
@@ -170,3 +270,79 @@ def test_the_reader_sees_function_level_and_relative_imports_and_skips_type_chec
     assert graph["pkg.a"] == {"pkg.b"} and graph["pkg.b"] == {"pkg.sub.c"} and graph["pkg.sub.c"] == {"pkg.a"}
     assert graph["pkg.d"] == set() and graph["pkg.e"] == {"pkg.d"}
     assert circles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c"]]
+
+
+def _plant(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "pkg"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    for d in [root, *[p for p in root.rglob("*") if p.is_dir()]]:
+        (d / "__init__.py").touch()
+    return root
+
+
+HEALTHY = {
+    "errors.py": "class SyncError(Exception):\n    pass\n",
+    "plan.py": "def capacity():\n    return 1\n",
+    "session/channel.py": "from pkg.errors import SyncError\n",
+    "sender/sender.py": "from pkg.plan import capacity\nfrom pkg.session.channel import SyncError\n",
+    "receiver/receiver.py": "from pkg.plan import capacity\n",
+    "engines/nccl.py": "from pkg.errors import SyncError\nfrom pkg.session import channel\n",
+}
+
+
+@pytest.mark.parametrize(
+    "rule, planted",
+    [
+        ("circle", {"plan.py": "def capacity():\n    from pkg.sender import sender\n"}),
+        ("sides", {"receiver/receiver.py": "from pkg.sender.sender import capacity\n"}),
+        ("sides", {"sender/sender.py": "def f():\n    from pkg.receiver import receiver\n"}),
+        ("engine errors", {"engines/nccl.py": "from pkg.session.channel import SyncError\n"}),
+        ("private", {"receiver/receiver.py": "from pkg.plan import _hidden\n"}),
+        ("face", {"receiver/receiver.py": "from pkg.session import SyncError\n"}),
+        ("face", {"sender/sender.py": "from pkg.endpoints import Receiver\n"}),
+        ("size", {"plan.py": "x = 1\n" * (MAX_LINES + 1)}),
+        ("top level", {f"m{i}.py": "" for i in range(MAX_TOP_LEVEL)}),
+    ],
+)
+def test_each_rule_fails_on_a_planted_violation(tmp_path, rule, planted):
+    assert not any(violations(_plant(tmp_path / "healthy", HEALTHY)).values())
+    found = violations(_plant(tmp_path / "planted", {**HEALTHY, **planted}))
+    assert found[rule], f"the {rule!r} rule missed {planted}"
+    assert not [r for r, items in found.items() if items and r != rule], found
+
+
+# ------------------------------------------------------------------- the README's sync flow
+def _flow_names() -> list[str]:
+    """The dotted names (``module.function``, ``Class.method``) in backticks in the
+    README's "How a sync flows"."""
+    text = README.read_text()
+    section = text.split("### How a sync flows", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+    return sorted(set(re.findall(r"`([A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)+)(?:\(\))?`", section)))
+
+
+def _resolves(dotted: str) -> bool:
+    """``dotted`` names a module's attribute (a module path relative to ``weightsync``, or
+    a class of a module, then attributes)."""
+    parts = dotted.split(".")
+    for module in [
+        m for m in _modules(PACKAGE) if m.split(".")[-1] == parts[0] or m.endswith("." + parts[0])
+    ]:
+        obj = importlib.import_module(module)
+        if all((obj := getattr(obj, p, None)) is not None for p in parts[1:]):
+            return True
+    for module in _modules(PACKAGE):  # Class.method: a class defined in some module
+        mod_path = _modules(PACKAGE)[module]
+        if f"class {parts[0]}" in mod_path.read_text():
+            obj = getattr(importlib.import_module(module), parts[0], None)
+            if obj is not None and all((obj := getattr(obj, p, None)) is not None for p in parts[1:]):
+                return True
+    return False
+
+
+def test_every_function_the_readme_flow_names_exists():
+    names = _flow_names()
+    assert len(names) >= 15, names  # the reader found the section
+    missing = [n for n in names if not _resolves(n)]
+    assert not missing, f"README's 'How a sync flows' names what does not exist: {missing}"
