@@ -162,3 +162,63 @@ def test_a_needed_byte_no_rank_holds_and_overlapping_holders_are_refused_naming_
     skewed = Layout({"lm_head": Box((1, 0), (2, 4))})
     with pytest.raises(RouteError, match=r"'lm_head'.*overlap"):
         plan_route([spec], [half, skewed], [Layout.whole([spec])])
+
+
+# ------------------------------------------------ real DTensors: FSDP2 and tensor parallelism
+def _report_dtensor_boxes(rank: int, port: int, queue) -> None:
+    """A rank of 2 over Gloo: an FSDP2 model and a column/row-parallel one; for every
+    parameter, whether its local shard is the box ``box_of_dtensor`` names of the full tensor."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from weightsync.sharding.layout import box_of_dtensor
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        fsdp = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))  # 7 and 3 rows: uneven
+        fully_shard(fsdp, mesh=mesh)
+        tp = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 4))
+        parallelize_module(tp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        found = {}
+        for prefix, model in (("fsdp", fsdp), ("tp", tp)):
+            for name, p in model.named_parameters():
+                box = box_of_dtensor(p)
+                whole = p.full_tensor()
+                sliced = whole[tuple(slice(s, s + n) for s, n in zip(box.starts, box.lengths))]
+                local = p.to_local()
+                found[f"{prefix}.{name}"] = (box.to_wire(), torch.equal(local, sliced))
+        queue.put((rank, found))
+    except BaseException as e:
+        queue.put((rank, repr(e)))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_box_of_dtensor_names_each_ranks_local_shard_of_fsdp2_and_tensor_parallel_parameters():
+    from procs import CTX, collect, free_port, start, stop
+
+    queue, port = CTX.Queue(), free_port()
+    procs = [start(_report_dtensor_boxes, rank, port, queue) for rank in range(2)]
+    try:
+        reports = dict(collect(queue, 2, timeout=90))
+    finally:
+        stop(procs)
+    assert all(isinstance(r, dict) for r in reports.values()), reports
+    for rank, found in reports.items():
+        assert len(found) == 8, found
+        wrong = {name: box for name, (box, ok) in found.items() if not ok}
+        assert not wrong, f"rank {rank}: local shards that are not the named box: {wrong}"
+    # the uneven FSDP2 split (3 rows over 2 ranks: 2 and 1) and a row-parallel Shard(1)
+    assert reports[0]["fsdp.1.weight"][1] == [[0, 0], [2, 7]] and reports[1]["fsdp.1.weight"][1] == [
+        [2, 0],
+        [1, 7],
+    ]
+    assert reports[1]["tp.2.weight"][0] == [[0, 3], [4, 2]]
