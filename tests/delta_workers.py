@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 
 import torch
 import workers
@@ -52,12 +53,14 @@ class Model(torch.nn.Module):
         return {s.name: getattr(self, s.name.replace(".", "_")) for s in SPECS}
 
 
-def receiver(address, rank, overrides, todo, queue, mode="load", corrupt_after=None, kill_in=None):
+def receiver(
+    address, rank, overrides, todo, queue, mode="load", corrupt_after=None, kill_in=None, stall_s=0.0
+):
     """Receive each version of ``todo``; report ``(rank, version, digests, held, delta_base)``
     or ``(rank, "error", message, held, torn)``. ``mode``: ``load`` (into a model, by name)
     or ``receive`` (streamed tensors). ``corrupt_after=v``: flip a bit of the model after
     version v (a damaged base). ``kill_in=v``: SIGKILL itself once version v's transfer
-    started (mid-delta)."""
+    started (mid-delta), ``stall_s`` after its first bucket arrived."""
     torch.set_num_threads(1)
     model = Model()
     # load_into takes the model's names: SPECS' names map to buffer names by a dict view.
@@ -66,7 +69,7 @@ def receiver(address, rank, overrides, todo, queue, mode="load", corrupt_after=N
     stager = Stager()
     with Receiver(EngineConfig.from_overrides(overrides), address, rank) as rec:
         if kill_in is not None:
-            _kill_when_receiving(rec, kill_in)
+            _kill_when_receiving(rec, kill_in, stall_s)
         for v in todo:
             try:
                 if mode == "load":
@@ -106,14 +109,16 @@ class _Named(torch.nn.Module):
         return dict(self._state)
 
 
-def _kill_when_receiving(rec, version):
-    """Kill this process as soon as the transport delivers its first bucket of ``version``."""
+def _kill_when_receiving(rec, version, stall_s=0.0):
+    """Kill this process once the transport delivers its first bucket of ``version``
+    (``stall_s`` later: the sync lasts that long before it fails)."""
     transport = rec._transport
     original = transport.recv_buckets
 
     def recv_buckets(next_bucket, landing=None):
         for item in original(next_bucket, landing):
             if rec._receiving == version:
+                time.sleep(stall_s)
                 os.kill(os.getpid(), signal.SIGKILL)
             yield item
 

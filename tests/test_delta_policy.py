@@ -4,6 +4,7 @@ base kept until deltas are probed again (``weightsync/delta/policy.py``). The se
 base and policy run here in-process on the real codec; the transports' side of delta
 syncs is in test_delta_sync.py."""
 
+from dataclasses import dataclass, field
 from unittest import mock
 
 import torch
@@ -60,26 +61,40 @@ def test_the_same_version_goes_as_deltas_where_dense_syncs_are_slow():
     assert all(torch.equal(base.tensors[n].view(torch.int16), t.view(torch.int16)) for n, t in state.items())
 
 
+@dataclass
+class CountingPolicy(delta_policy.DeltaPolicy):
+    """The real policy, noting the verdict of each probe (``go`` follows every probe)."""
+
+    verdicts: list[bool] = field(default_factory=list)
+
+    def go(self, predicted_s: float, probe: delta_policy.Probe) -> bool:
+        went = super().go(predicted_s, probe)
+        self.verdicts.append(went)
+        return went
+
+
 def test_after_a_loss_deltas_are_probed_again_and_the_sync_before_keeps_a_base():
+    """Deltas lose a probe (a probe cannot encode 16 MiB as fast as a 0.1 ms dense sync):
+    the next ``RETRY_AFTER`` syncs rest, whole and unprobed, keeping no base but for the
+    one before the next probe; then a probe (against that base) decides afresh. The real
+    policy decides throughout; ``CountingPolicy`` only notes its probes' verdicts."""
     state = model(0)
-    base = SenderBase()
+    base = SenderBase(policy=CountingPolicy())
     sync(base, state, 1, seconds=1e-4)
-    kept = []
+    probed, kept = {}, []
+    retry = 2 + delta_policy.RETRY_AFTER  # the sync that probes again
     with mock.patch.object(delta_policy, "NOTICE_S", 0.0):
-        for v in range(2, 2 + delta_policy.RETRY_AFTER):
+        for v in range(2, retry + 1):
             step(state, v)
-            assert not sync(base, state, v, seconds=1e-4)
+            before = len(base.policy.verdicts)
+            assert not sync(base, state, v, seconds=1e-4)  # every probe loses here
+            probed[v] = base.policy.verdicts[before:]
             kept.append(base.version is not None)
-        # the syncs that rest keep no base but for the one before the next probe
-        assert kept == [False] * (delta_policy.RETRY_AFTER - 1) + [True]
-        v = 2 + delta_policy.RETRY_AFTER
-        step(state, v)
-        probes = []
-        with mock.patch.object(
-            delta_policy.DeltaPolicy, "go", lambda self, p, probe: probes.append(p) or True
-        ):
-            assert sync(base, state, v, seconds=1e-4)  # probed again (and told to go: deltas)
-        assert len(probes) == 1
+    # version 2 was probed and lost; the syncs after it rest (not one probe) until the retry
+    assert probed == {2: [False], **{v: [] for v in range(3, retry)}, retry: [False]}
+    # the syncs that rest keep no base but for the one before the next probe (the retry lost
+    # again: the rest begins anew, without a base)
+    assert kept == [False] * (delta_policy.RETRY_AFTER - 1) + [True, False]
 
 
 def test_the_receivers_base_digest_counts_in_the_cost_of_a_delta_sync():

@@ -3,8 +3,9 @@ bf16 model arrive bit-exact while only the changed elements travel; receivers wi
 base get the version whole in the same sync; a damaged or lost base means a dense sync for
 that receiver, never garbage. ``delta=on`` (deltas wherever a receiver holds the base):
 whether they pay on a loaded machine is not what these tests ask (``auto``'s choice is
-test_delta_policy.py's)."""
+test_delta_policy.py's), but for one: under ``auto`` a failed sync must not turn deltas off."""
 
+import signal
 import time
 
 import delta_workers
@@ -12,15 +13,21 @@ import pytest
 import workers
 from procs import CTX, collect, start, stop
 
-from weightsync import EngineConfig, Sender
+from weightsync import EngineConfig, Sender, SyncError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 TRANSPORTS = ["nccl", "shm", "paired", pytest.param("mooncake", marks=workers.needs_mooncake)]
 
 
-def overrides(backend, *extra):
-    return [f"backend={backend}", "update_weights_bucket_megabytes=1", "timeout_s=60", "delta=on", *extra]
+def overrides(backend, *extra, delta="on"):
+    return [
+        f"backend={backend}",
+        "update_weights_bucket_megabytes=1",
+        "timeout_s=60",
+        f"delta={delta}",
+        *extra,
+    ]
 
 
 def expect(results, version, payload, ranks):
@@ -149,6 +156,45 @@ def test_a_receiver_killed_mid_delta_gets_the_next_version_whole_and_the_others_
             }
             stats = sender.send(payloads[3], version=4)
             assert expect(collect(q, 3), 4, payloads[3], [0, 1, 2]) == {0: 3, 1: 3, 2: 3}
+        finally:
+            stop(procs)
+
+
+@pytest.mark.timeout(120)
+def test_with_delta_auto_a_failed_sync_measures_nothing_and_the_next_goes_as_deltas():
+    """``delta=auto`` (the rule of weightsync/delta/policy.py: a failed sync measures
+    nothing): version 2 goes as deltas and fails, receiver 1 SIGKILLed 1.5 s after its first
+    bucket. Had the policy taken those seconds for what deltas cost (against a dense sync of
+    milliseconds), deltas would count as lost and version 3 would go whole; it goes to the
+    survivor as deltas, against the base it holds."""
+    ov = overrides("nccl", delta="auto")
+    payloads = delta_workers.versions(3)
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(ov), "127.0.0.1:0", 2) as sender:
+        procs = [
+            start(delta_workers.receiver, sender.address, 0, ov, range(1, 4), q),
+            start(delta_workers.receiver, sender.address, 1, ov, [1, 2], q, "load", None, 2, 1.5),
+        ]
+        try:
+            assert sender.send(payloads[0], version=1).delta_base is None  # no base yet: whole, measured
+            expect(collect(q, 2), 1, payloads[0], [0, 1])
+            t0 = time.monotonic()
+            with pytest.raises(SyncError, match="receiver rank 1") as failure:
+                sender.send(payloads[1], version=2)
+            assert 1.5 < time.monotonic() - t0 < 15 and failure.value.ranks == [1]
+            procs[1].join(timeout=10)
+            assert procs[1].exitcode == -signal.SIGKILL
+            item = q.get(timeout=30)  # the survivor took version 2, or failed it (never torn)
+            if item[1] == "error":
+                assert (item[0], item[3], item[4]) == (0, 1, False), item
+            else:
+                expect([item], 2, payloads[1], [0])
+            held = item[3]
+            sender.remove_receiver(1)
+            stats = sender.send(payloads[2], version=3)
+            assert stats.delta_base == held, "the failed sync turned deltas off"
+            assert stats.wire_bytes < 0.5 * stats.bytes, (stats.wire_bytes, stats.bytes)
+            assert expect(collect(q, 1), 3, payloads[2], [0]) == {0: held}
         finally:
             stop(procs)
 

@@ -112,6 +112,61 @@ def test_every_replica_gets_every_tensor_bit_exact(trainers, receivers):
             stop(procs)
 
 
+@pytest.mark.timeout(120)
+def test_with_drop_lost_receivers_a_lost_receiver_fails_the_sync_and_the_next_goes_to_the_others():
+    """docs/reliability.md, ``paired`` with ``drop_lost_receivers=true`` (2 trainer ranks,
+    2 replicas): receiver 1 exits abruptly after its first tensor of version 2. ``paired``
+    does not route around it (every trainer rank would have to send again in step), so the
+    sync fails on both trainer ranks; trainer rank 0 drops it by itself, and version 3 goes
+    to the other replica bit-exact, both trainer ranks sending, with no ``remove_receiver``."""
+    q = CTX.Queue()
+    trainers, receivers = 2, 2
+    overrides = [*BASE, "drop_lost_receivers=true"]
+    with Sender(
+        EngineConfig.from_overrides(overrides), "127.0.0.1:0", receivers, rank=0, num_trainers=trainers
+    ) as sender:
+        procs = [
+            start(workers.run_receiver, sender.address, 0, overrides, [1, 2, 3], q, None, False, True),
+            start(workers.run_receiver, sender.address, 1, overrides, [1, 2], q, 1, False, True, 2),
+            start(
+                workers.run_paired_trainer, sender.address, 1, trainers, overrides, receivers, [1, 2, 3], q
+            ),
+        ]
+        try:
+            sender.send(workers.make_weights(1), version=1)
+            shares, got = _split_reports(collect(q, 3))
+            assert [s[1] for s in shares] == [1] and sorted((r[0], r[1]) for r in got) == [(0, 1), (1, 1)]
+            t0 = time.monotonic()
+            victim = rf"receiver rank 1 \(pid {procs[1].pid}, 127\.0\.0\.1:\d+\)"
+            with pytest.raises(
+                PeerLost,
+                match=rf"({victim} (disconnected|closed the connection)|connection to {victim} lost).*; "
+                r"dropped from the receivers \(drop_lost_receivers\): the next sync goes to receiver rank\(s\) \[0\]",
+            ) as err:
+                sender.send(workers.make_weights(2), version=2)
+            assert time.monotonic() - t0 < 15  # noticed, not waited out (timeout_s is 30)
+            assert err.value.ranks == [1] and sender.receivers == [0]  # dropped, by the sender itself
+            procs[1].join(timeout=10)
+            assert procs[1].exitcode == 9
+            # Trainer rank 1 saw version 2 fail; the other replica failed it too, or had received
+            # all of it (then it holds it, bit-exact) before the failure.
+            shares, got = _split_reports(collect(q, 2))
+            assert [s[1] for s in shares] == ["error"] and "version 2" in shares[0][2], shares
+            [(rank, version, digests, held)] = got
+            assert rank == 0
+            if version == "error":
+                assert held == 1 and "version 2" in digests, (digests, held)
+            else:
+                assert (version, held, digests) == (2, 2, workers.expected_digests(2))
+            stats = sender.send(workers.make_weights(3), version=3)  # no remove_receiver, on any rank
+            assert stats.receivers == 1
+            shares, got = _split_reports(collect(q, 2))
+            assert [s[1] for s in shares] == [3] and shares[0][2] > 0, shares  # trainer rank 1 sent its share
+            assert got == [(0, 3, workers.expected_digests(3), 3)]
+        finally:
+            stop(procs)
+
+
 def test_a_tensor_larger_than_a_bucket_is_refused_naming_it():
     overrides = ["backend=paired", "update_weights_bucket_megabytes=1", "timeout_s=5"]
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 1) as sender:

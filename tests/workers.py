@@ -462,19 +462,20 @@ class Background:
 
 
 class FailingSource(StateDictSource):
-    """The weights of a version; the iterator raises before yielding tensor ``after`` (the
-    trainer failed mid-transfer), noting when in ``raised_at`` (monotonic)."""
+    """The weights of a version; the iterator raises ``error`` before yielding tensor ``after``
+    (the trainer failed mid-transfer), noting when in ``raised_at`` (monotonic)."""
 
     def __init__(self, state, after):
         super().__init__(state)
         self.after = after
         self.raised_at = None
+        self.error = RuntimeError("the trainer failed mid-transfer")
 
     def tensors(self):
         for i, item in enumerate(super().tensors()):
             if i == self.after:
                 self.raised_at = time.monotonic()
-                raise RuntimeError("the trainer failed mid-transfer")
+                raise self.error
             yield item
 
 

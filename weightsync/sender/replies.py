@@ -91,7 +91,8 @@ def explain(error: Exception, what: str, channels: dict[int, Channel], grace_s: 
     if isinstance(error, SyncError) and error.ranks:
         return error
     if isinstance(error, SourceFailed):  # the trainer's own failure: no peer to wait for
-        return SourceFailed(f"{what} failed: {error}")
+        error.args = (f"{what} failed: {error}",)  # in place: its cause stays the source's exception
+        return error
     grace = time.monotonic() + grace_s
     while not (dead := dead_ranks(channels)) and time.monotonic() < grace:
         time.sleep(0.02)

@@ -499,6 +499,10 @@ class Sender:
                     True,
                     error.ranks,
                 )  # the others stay connected for it
+            # explained in place (a SourceFailed, a peer already named): it keeps its own cause,
+            # for a SourceFailed the source's exception, where `from e` would make it its own
+            if error is e:
+                raise
             raise error from e
         finally:
             if outcome == "ok":
