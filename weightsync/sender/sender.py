@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -285,7 +285,7 @@ class Sender:
             outcome = "refused"
             raise
         except Exception as e:
-            raise self._explain(e, "warm-up") from e
+            self._raise_explained(e, "warm-up")
         finally:
             transport.finish(ok=outcome != "broken")
             if outcome == "broken":
@@ -320,7 +320,7 @@ class Sender:
                 ch.recv(deadline, expect="joined")
         except Exception as e:
             self._drop_receivers()
-            raise self._explain(e, "warm-up") from e
+            self._raise_explained(e, "warm-up")
 
     def _drop_receivers(self, ranks: list[int] | None = None) -> None:
         """Close connections to these receivers (None: to every peer, trainers included)."""
@@ -423,7 +423,7 @@ class Sender:
                 again = reroute.tell(others, version, dropped, self.config.timeout_s)
             except Exception as e:
                 self._drop_receivers()
-                raise self._explain(e, f"re-routing version {version}") from e
+                self._raise_explained(e, f"re-routing version {version}")
             if not again:  # every receiver left had completed it before the loss
                 return SyncStats(version, receivers=self.num_receivers, dropped=dropped)
 
@@ -641,3 +641,11 @@ class Sender:
 
     def _explain(self, error: Exception, what: str) -> Exception:
         return explain(error, what, self._channels, min(2.0, self.config.timeout_s))
+
+    def _raise_explained(self, error: Exception, what: str) -> NoReturn:
+        """Raise ``error`` explained; one explained in place keeps its own cause (never
+        itself)."""
+        explained = self._explain(error, what)
+        if explained is error:
+            raise error
+        raise explained from error
