@@ -98,7 +98,7 @@ class Sender:
         self._trainers = TrainerPeers(self.num_trainers - 1 if self._all_send else 0)
         self._follower: TrainerFollower | None = None
         self._acked_plan: dict[int, str] = {}  # receiver rank -> plan hash it holds
-        self._encoder = SendStage(
+        self._delta_stage = SendStage(
             config.delta, config.bucket_bytes
         )  # the delta stage (weightsync.delta.send_stage)
         self._confirmed: set[int] = set()  # receivers that confirmed the last sync
@@ -453,7 +453,7 @@ class Sender:
         senders = self._trainers.count + 1
         # Before the handshake: the plan of a delta sync depends on what changed.
         try:
-            out = self._encoder.encode(src, plan, version, self.receivers, senders)
+            out = self._delta_stage.encode(src, plan, version, self.receivers, senders)
         except Exception as e:  # the source failed before the handshake: end the receivers' wait
             self.cancel(version, f"{type(e).__name__}: {e}")
             raise

@@ -1,4 +1,6 @@
-"""The control plane: rendezvous, handshake, acknowledgements, deadlines and metrics.
+"""The control plane's channels and protocol: framed msgpack messages, each read and write
+bounded by a deadline, and the exchange of a session (below). The sender's control server
+and a receiver's connect are ``weightsync.session.control``.
 
 The sender (trainer rank 0) listens on one TCP address; each receiver connects and says
 hello with its rank. Messages are msgpack maps in length-prefixed frames: no pickle, a size
