@@ -123,9 +123,10 @@ def test_every_cross_host_transport_is_bit_exact_over_3_versions_on_4_hosts():
 @pytest.mark.mooncake
 def test_deltas_cross_each_link_once_over_every_cross_host_transport_and_arrive_bit_exact():
     """AdamW versions of a bf16 model (256 KiB tensors) with delta=on to 3 receiver hosts: after
-    the dense warm-up only deltas travel, each receiver ends with the sender's bytes (the
-    bench checks), and the encoded bytes leave the trainer's NIC once per sync, not once
-    per receiver (the NIC counters cover the timed delta syncs only)."""
+    the dense warm-up only deltas travel, each receiver holds the sender's bytes after every
+    version (the bench compares their digests per version), and the encoded bytes leave the
+    trainer's NIC once per sync, not once per receiver (the NIC counters cover the timed
+    delta syncs only)."""
     rows = run_bench(
         BenchOptions(
             backends=["nccl", "paired", "mooncake"],
@@ -143,6 +144,7 @@ def test_deltas_cross_each_link_once_over_every_cross_host_transport_and_arrive_
     )
     assert [(r.backend, r.delta) for r in rows] == [("nccl", "on"), ("paired", "on"), ("mooncake", "on")]
     for row in rows:
+        assert row.versions_checked == 3, (row.backend, row.versions_checked)  # each version's bytes
         assert 0 < row.density < 0.1 and row.wire_bytes < 0.1 * row.bytes, (
             row.backend,
             row.density,

@@ -12,8 +12,8 @@ explained) without anyone having to remember it.
 
 What a run must show: where the doc line's comment says ``exit N: message``, that exit
 status and the message; otherwise exit 0, and for ``weightsync demo`` ``demo OK``. The bench
-checks itself that every receiver ends with the sender's bytes (a digest per process) and
-exits 1 otherwise.
+checks itself that every receiver holds the sender's bytes after every version (a digest
+per process and version) and exits 1 otherwise; its rows say how many versions it checked.
 """
 
 from __future__ import annotations
