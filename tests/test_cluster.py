@@ -64,24 +64,56 @@ def reaches(cluster: Cluster, src: int, dst: int) -> bool:
 def test_shaped_nics_cut_heal_and_nothing_left_behind():
     stale = f"wsc{2**22 + 17}-0000-h0"  # a namespace left by a dead run (no such pid)
     subprocess.run(["ip", "netns", "add", stale], check=True)
-    with Cluster(3, [parse_rate("1gbit"), parse_rate("1gbit"), parse_rate("400mbit")]) as cluster:
-        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert stale not in listed  # removed at start
-        before = cluster.counters()
-        fast = rate(cluster, 0, 1)
-        slow = rate(cluster, 0, 2)  # host 2 receives at its own, lower rate
-        assert 0.85 * 125e6 <= fast <= 1.15 * 125e6, fast
-        assert 0.85 * 50e6 <= slow <= 1.15 * 50e6, slow
-        after = cluster.counters()
-        assert after[0]["tx_bytes"] - before[0]["tx_bytes"] >= 120 * 2**20  # both streams left host 0
-        assert after[1]["rx_bytes"] - before[1]["rx_bytes"] >= 60 * 2**20
-        assert reaches(cluster, 0, 1)
-        cluster.cut(1)
-        assert not reaches(cluster, 0, 1) and reaches(cluster, 0, 2)
-        cluster.heal(1)
-        assert reaches(cluster, 0, 1)
-        assert len(ours()) == 4  # the switch and three hosts
-    assert ours() == []
+    outside = subprocess.Popen(["sleep", "600"])  # a process of ours outside the cluster
+    inside, here = None, []
+    try:
+        with Cluster(3, [parse_rate("1gbit"), parse_rate("1gbit"), parse_rate("400mbit")]) as cluster:
+            listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            assert stale not in listed  # removed at start
+            before = cluster.counters()
+            fast = rate(cluster, 0, 1)
+            slow = rate(cluster, 0, 2)  # host 2 receives at its own, lower rate
+            assert 0.85 * 125e6 <= fast <= 1.15 * 125e6, fast
+            assert 0.85 * 50e6 <= slow <= 1.15 * 50e6, slow
+            after = cluster.counters()
+            assert after[0]["tx_bytes"] - before[0]["tx_bytes"] >= 120 * 2**20  # both streams left host 0
+            assert after[1]["rx_bytes"] - before[1]["rx_bytes"] >= 60 * 2**20
+            assert reaches(cluster, 0, 1)
+            cluster.cut(1)
+            assert not reaches(cluster, 0, 1) and reaches(cluster, 0, 2)
+            cluster.heal(1)
+            assert reaches(cluster, 0, 1)
+            assert len(ours()) == 4  # the switch and three hosts
+            # left running on host 2: a child of ours and its own child
+            inside = cluster.popen(2, ["sh", "-c", "sleep 600 & exec sleep 600"])
+            end = time.monotonic() + 10
+            while len(cluster.processes()[cluster.hosts[2].netns]) < 2 and time.monotonic() < end:
+                time.sleep(0.05)
+            left = cluster.processes()
+            here = left[cluster.hosts[2].netns]
+            assert len(here) == 2 and inside.pid in here, left
+            assert all(outside.pid not in pids for pids in left.values()), left
+        assert ours() == []
+        assert inside.wait(timeout=5) == -signal.SIGKILL  # close killed both
+        assert all(gone(pid) for pid in here), here
+        assert outside.poll() is None  # and only what ran inside its namespaces
+    finally:
+        outside.kill()
+        outside.wait()
+        for pid in here:  # should close have left them (they are this test's)
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        if inside is not None:
+            inside.wait(timeout=5)
+
+
+def gone(pid: int) -> bool:
+    """No process ``pid`` runs (none, or a zombie waiting for its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def test_without_iproute2_the_cluster_refuses_naming_what_is_missing():
