@@ -1,8 +1,12 @@
 """The emulated cluster (weightsync.bench.cluster) and every cross-host transport on it:
-shaping within 15% of the set rate, cut and heal, nothing left behind, a clear refusal
-without iproute2; nccl (its chain), paired and mooncake bit-exact over 3 versions on 4
-hosts, and their deltas once per link; the nccl chain with 1, 2 and 7 receivers sending
-the model once out of the trainer's NIC; a receiver killed mid-sync on the chain. Needs root (CI runs as root):
+shaping within 15% of the set rate, cut and heal, nothing left behind (no namespace, no
+process inside one), a clear refusal without iproute2; the deltas of nccl (its chain),
+paired and mooncake once per link and bit-exact after every version on 4 hosts; the nccl
+chain with 2 and 7 receivers sending the model once out of the trainer's NIC; a receiver
+killed mid-sync on the chain, seen at once. Their dense syncs on 4 hosts (bit-exact after
+every version, within the link's ceiling, the model once out of the trainer's NIC) run as
+the README's ``weightsync bench --hosts 4 ...`` line in tests/test_doc_commands.py.
+Needs root (CI runs as root):
 where the cluster cannot be made, these tests fail with the reason, they never skip."""
 
 import os
@@ -129,30 +133,6 @@ def test_without_iproute2_the_cluster_refuses_naming_what_is_missing():
 
 
 @pytest.mark.mooncake
-def test_every_cross_host_transport_is_bit_exact_over_3_versions_on_4_hosts():
-    # The bench checks that every receiver ends with the sender's bytes; 2 timed versions
-    # after the warm-up make 3. 6 MiB buckets of 256 KiB tensors: a chain moves them in pieces.
-    rows = run_bench(
-        BenchOptions(
-            backends=["nccl", "paired", "mooncake"],
-            bucket_mb=[6],
-            receivers=3,
-            size_mb=24,
-            shape="small-tensors",
-            repeats=2,
-            hosts=4,
-            link="1gbit",
-            timeout_s=60,
-        )
-    )
-    assert [r.backend for r in rows] == ["nccl", "paired", "mooncake"]
-    for row in rows:
-        assert row.ratios["ratio_to_link_ceiling"] > 0 and len(row.nic_bytes) == 4
-        # every route sends the model once out of the trainer's NIC, not once per receiver
-        assert row.bytes <= row.nic_bytes[0]["tx_bytes"] < 1.3 * row.bytes, (row.backend, row.nic_bytes)
-
-
-@pytest.mark.mooncake
 def test_deltas_cross_each_link_once_over_every_cross_host_transport_and_arrive_bit_exact():
     """AdamW versions of a bf16 model (256 KiB tensors) with delta=on to 3 receiver hosts: after
     the dense warm-up only deltas travel, each receiver holds the sender's bytes after every
@@ -192,8 +172,10 @@ def test_deltas_cross_each_link_once_over_every_cross_host_transport_and_arrive_
         assert all(n["rx_bytes"] >= row.wire_bytes for n in row.nic_bytes[1:]), (row.backend, row.nic_bytes)
 
 
-@pytest.mark.parametrize("receivers", [1, 2, 7])
+@pytest.mark.parametrize("receivers", [2, 7])
 def test_the_nccl_chain_sends_the_model_once_whatever_the_receivers(receivers):
+    """2 receivers: the shortest chain with a forwarding replica; 7: more than the 3
+    receiver hosts, so replicas share a NIC. (A chain of 1 receiver is a broadcast's route.)"""
     rows = run_bench(
         BenchOptions(
             backends=["nccl"],
