@@ -19,18 +19,22 @@ def on_host(netns, body, *args):
     body(*args)
 
 
-def run_failing_then_recovering_sender(host, overrides, num_receivers, queue):
+def run_failing_then_recovering_sender(host, overrides, num_receivers, queue, go=None):
     """Send version 1 (a receiver dies in it): report ``("failed", seconds, message,
-    ranks)``; then drop receiver 0 and send version 2: report ``("sent", 2)``."""
+    ranks, when)`` (``when``: ``time.monotonic()`` at the failure, a clock every process of
+    this machine shares); then drop receiver 0 and send version 2: report ``("sent", 2)``.
+    ``go``: an event to wait for (once listening) before sending."""
     torch.set_num_threads(1)
     with Sender(EngineConfig.from_overrides(overrides), f"{host}:0", num_receivers) as sender:
         queue.put(("listening", sender.address))
+        if go is not None:
+            go.wait(120)
         t0 = time.monotonic()
         try:
             sender.send(workers.big_weights(1), version=1)
             queue.put(("sent", 1))
         except SyncError as e:
-            queue.put(("failed", time.monotonic() - t0, str(e), e.ranks))
+            queue.put(("failed", time.monotonic() - t0, str(e), e.ranks, time.monotonic()))
         sender.remove_receiver(0)
         sender.send(workers.big_weights(2), version=2)
         queue.put(("sent", 2))

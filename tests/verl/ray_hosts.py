@@ -13,8 +13,9 @@ in the machine's namespace, where it cuts and heals links): ``call(fn, *args)`` 
 calls) and returns its result or raises ``DriverError`` with the driver's traceback.
 
 Teardown ends only what this started: the driver, each ``ray start`` (SIGTERM: it stops the
-node's processes), then by PID whatever still runs in these hosts' namespaces (all of it is
-this cluster's: the namespaces were made for it).
+node's processes), then by PID whatever still runs in these hosts' namespaces
+(``Cluster.kill_processes``: all of it is this cluster's, the namespaces were made for it;
+``Cluster.close`` sweeps them again before it deletes them).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import multiprocessing as mp
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -201,11 +201,7 @@ class RayHosts:
         end = time.monotonic() + 5
         while any(node.poll() is None for node in self.nodes) and time.monotonic() < end:
             time.sleep(0.1)
-        end = time.monotonic() + 10
-        while (
-            self._kill_leftovers() and time.monotonic() < end
-        ):  # until none is left (a killed one takes a moment)
-            time.sleep(0.2)
+        self.cluster.kill_processes(wait_s=10)  # until none is left (a killed one takes a moment)
         for node in self.nodes:
             node.wait(timeout=10)
         self.nodes.clear()
@@ -213,22 +209,6 @@ class RayHosts:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None
 
-    def _kill_leftovers(self) -> int:
-        killed = 0
-        for pids in self.leftovers().values():
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                    killed += 1
-                except ProcessLookupError:
-                    pass
-        return killed
-
-    def leftovers(self) -> dict[str, list[str]]:
-        """PIDs still running in each host's namespace."""
-        out = {}
-        for host in self.cluster.hosts:
-            out[host.netns] = subprocess.run(
-                ["ip", "netns", "pids", host.netns], capture_output=True, text=True
-            ).stdout.split()
-        return out
+    def leftovers(self) -> dict[str, list[int]]:
+        """PIDs still running in each of the cluster's namespaces."""
+        return self.cluster.processes()

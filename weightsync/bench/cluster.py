@@ -18,7 +18,9 @@ A tool of the bench and the tests, not a layer of the library (no engine knows i
 
 Names carry the creating process's PID (``wsc<pid>-...``): at start, namespaces of a
 process that no longer runs are deleted (an earlier run that crashed); at exit, the
-context manager (and an ``atexit`` hook, for an exit without it) deletes what it made.
+context manager (and an ``atexit`` hook, for an exit without it) kills every process still
+running inside the namespaces it made (``processes()``: all of them are its users', started
+there or moved there) and then deletes those namespaces.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -205,10 +209,38 @@ class Cluster:
         )
 
     def close(self) -> None:
-        """Delete every namespace this cluster made (their veths and qdiscs go with them)."""
+        """Kill what still runs inside the namespaces this cluster made, then delete them
+        (their veths and qdiscs go with them)."""
+        self.kill_processes()
         while self._made:
             _run("ip", "netns", "del", self._made.pop(), check=False)
         atexit.unregister(self.close)
+
+    def processes(self) -> dict[str, list[int]]:
+        """The PIDs of the processes inside each namespace this cluster made (``ip netns
+        pids``; this process itself never, wherever its threads are)."""
+        out = {}
+        for netns in self._made:
+            done = _run("ip", "netns", "pids", netns, check=False)
+            out[netns] = [int(p) for p in done.stdout.split() if p.isdigit() and int(p) != os.getpid()]
+        return out
+
+    def kill_processes(self, wait_s: float = 10.0) -> int:
+        """SIGKILL every process inside this cluster's namespaces, until none is left (a
+        killed one takes a moment to go) or ``wait_s`` passed; how many were killed."""
+        killed: set[int] = set()
+        end = time.monotonic() + wait_s
+        while True:
+            pids = [p for found in self.processes().values() for p in found]
+            if not pids or time.monotonic() > end:
+                return len(killed)
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
 
     # ------------------------------------------------------------------ use
     def cut(self, host: int) -> None:

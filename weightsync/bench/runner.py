@@ -123,6 +123,9 @@ class Row:
     #: on an emulated cluster: each host's NIC bytes per timed sync (``tx``, ``rx``; the
     #: warm-up not counted), host 0 first
     nic_bytes: list[dict[str, int]] | None = None
+    #: versions (the warm-up and the timed ones) after which every receiver's digest was
+    #: checked against the sender's (0: a ceiling, which moves no model)
+    versions_checked: int = 0
 
     @property
     def gbps(self) -> float:
@@ -146,6 +149,7 @@ class Row:
             "wire_bytes": self.wire_bytes,
             "density": None if self.density is None else round(self.density, 5),
             "device": self.device,
+            "versions_checked": self.versions_checked,
             **({"phases_s": {k: round(v, 4) for k, v in self.phases.items()}} if self.phases else {}),
             **({"nic_bytes_per_sync": self.nic_bytes} if self.nic_bytes is not None else {}),
             **self.ratios,
@@ -330,6 +334,8 @@ def _run_row(
         procs.append(p)
 
     collective = job.kind in (*ALTERNATIVES, "broadcast-ceiling")  # our own Gloo group
+    if not collective and job.kind not in _SINGLE_PROCESS:  # a Sender's row: its processes' steps
+        job = dataclasses.replace(job, between=ctx.Barrier(expected))
     if job.kind in _SINGLE_PROCESS:
         spawn(memcpy_ceiling, job, q)
     elif collective:
@@ -377,9 +383,7 @@ def _run_row(
                 p.join(timeout=5)
         if job.kind == "safetensors-reload":
             cleanup_disk(job, os.getpid())
-    digests = {r: res["digest"] for r, res in results.items() if "digest" in res}
-    if len(set(digests.values())) > 1:
-        raise BenchError(f"{job.kind}: receivers do not hold the sender's bytes: {digests}")
+    checked = _check_digests(job, results)
     sender = results[0]
     receivers = [
         results[r + 1] for r in range(job.receivers) if r + 1 in results
@@ -405,7 +409,27 @@ def _run_row(
         nic_bytes=None
         if before is None
         else [{k: (a[k] - b[k]) // job.repeats for k in a} for a, b in zip(counters(), before)],
+        versions_checked=checked,
     )
+
+
+def _check_digests(job: Job, results: dict[int, dict[str, Any]]) -> int:
+    """Every process that holds the model reported one digest per version, and at each
+    version all of them agree (the sender's, result 0, against every receiver's); the
+    number of versions checked."""
+    digests = {r: res["digests"] for r, res in sorted(results.items()) if "digests" in res}
+    if not digests:  # the ceilings move bytes that are not a model
+        return 0
+    if 0 not in digests or len(digests) != len(results):
+        raise BenchError(f"{job.kind}: digests from processes {sorted(digests)} of {sorted(results)}")
+    for i, version in enumerate(job.versions):
+        at = {r: d[i] if i < len(d) else None for r, d in digests.items()}
+        if None in at.values() or len(set(at.values())) > 1:
+            raise BenchError(
+                f"{job.kind}: after version {version} the receivers do not hold the sender's bytes "
+                f"(digest by process, 0 the sender): {at}"
+            )
+    return len(job.versions)
 
 
 def _median_or_none(values: list[float | None] | None) -> float | None:

@@ -4,7 +4,10 @@ Every row runs in fresh processes, so each one's peak RSS belongs to that row al
 body reports on a queue: ``("ready", rank, info)`` when peers may join, ``("tick", rank, n)``
 after each timed repetition, and finally ``("result", rank, dict)`` or ``("error", rank, text)``.
 The timed part of a repetition starts when every process is set up and ends when every
-receiver holds the whole version.
+receiver holds the whole version. A result's ``digests`` hold one digest per version of the
+model's bytes after that version (sender and receivers alike): the runner compares each
+version, not only the last. They are taken outside the timed part: every process of a row
+waits for the others (``Job.between``) before the next version starts.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ class Job:
     #: which trainer rank 0 waits (it says ``("warm", 0, 1)``): the counts cover the timed
     #: syncs only (a delta row's warm-up is a dense sync). None: nothing is counted.
     counted: Any = None
+    #: a barrier of every process of a weightsync row, passed between versions once each
+    #: has taken its digest of the last one (a slow digest never counts in a sync's time)
+    between: Any = None
 
     def enter_host(self, key: int) -> None:
         """Move this process onto its emulated host, first thing (threads follow)."""
@@ -73,6 +79,11 @@ class Job:
     @property
     def versions(self) -> range:
         return range(1, self.repeats + 2)
+
+    def next_version(self, version: int) -> None:
+        """After ``version`` (and its digest): wait until every process of the row is there."""
+        if self.between is not None and version < self.versions[-1]:
+            self.between.wait(self.timeout_s)
 
 
 def _rss_mb() -> float:
@@ -117,7 +128,7 @@ def sync_sender(job: Job, queue, rank: int = 0, address: str | None = None) -> N
             state = job.sender_state()
         baseline = _rss_mb()
         config = EngineConfig.from_overrides([f"backend={job.kind}", *job.overrides])
-        seconds, wire, density, phases = [], [], [], []
+        seconds, wire, density, phases, digests = [], [], [], [], []
         with Sender(
             config, address, job.receivers, rank=rank, num_trainers=job.trainers, **job.endpoint_kwargs()
         ) as sender:
@@ -146,12 +157,14 @@ def sync_sender(job: Job, queue, rank: int = 0, address: str | None = None) -> N
                         }
                     )
                     queue.put(("tick", 0, v))
+                digests.append(models.digest(state))
+                job.next_version(v)
             return {
                 "seconds": seconds,
                 "wire_bytes": wire,
                 "density": density,
                 "phases": phases,
-                "digest": models.digest(state),
+                "digests": digests,
                 "buckets": stats.buckets,
                 **_memory(baseline),
             }
@@ -169,10 +182,13 @@ def sync_receiver(job: Job, address: str, rank: int, queue) -> None:
         module = models.module_of(state)
         baseline = _rss_mb()
         config = EngineConfig.from_overrides([f"backend={job.kind}", *job.overrides])
+        digests = []
         with Receiver(config, address, rank, **job.endpoint_kwargs()) as receiver:
             for v in job.versions:
                 receiver.load_into(module, version=v)
-        return {"digest": models.digest(state), **_memory(baseline)}
+                digests.append(models.digest(state))
+                job.next_version(v)
+        return {"digests": digests, **_memory(baseline)}
 
     _guard(queue, rank + 1, body)
 
@@ -217,7 +233,7 @@ def alternative(job: Job, rank: int, where: tuple[int, str] | None, queue) -> No
             flat = torch.zeros(total, dtype=torch.uint8)
         baseline = _rss_mb()
         group = _group(rank, job.receivers + 1, queue, where, job.timeout_s)
-        seconds = []
+        seconds, digests = [], []
         for v in job.versions:
             if sender:
                 models.bump(state, v)
@@ -237,9 +253,11 @@ def alternative(job: Job, rank: int, where: tuple[int, str] | None, queue) -> No
                 seconds.append(time.perf_counter() - t0)
                 if sender:
                     queue.put(("tick", 0, v))
+            if job.kind != "broadcast-ceiling":  # untimed: the next version starts at a barrier
+                digests.append(models.digest(state))
         out: dict[str, Any] = {"seconds": seconds, **_memory(baseline)}
-        if job.kind != "broadcast-ceiling":
-            out["digest"] = models.digest(state)
+        if digests:
+            out["digests"] = digests
         return out
 
     _guard(queue, rank, body)
