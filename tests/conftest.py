@@ -61,26 +61,6 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "mooncake: needs Mooncake Transfer Engine (make install-mooncake)")
 
 
-# Files whose tests build emulated hosts (network namespaces with shaped NICs): with
-# pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) they share one worker with the
-# vLLM tests, so that neither a shaped link's timing nor a replica's two bound cores are
-# measured while the other kind runs; every other test is spread over both workers.
-NAMESPACE_FILES = {"test_cluster.py", "test_partitions.py", "test_vllm_hosts.py"}
-HEAVY_GROUP = "hosts-and-vllm"
-
-
-def _heavy(item) -> bool:
-    if item.path.name in NAMESPACE_FILES or item.get_closest_marker("vllm") is not None:
-        return True
-    return item.path.name == "test_doc_commands.py" and "--hosts" in item.name
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if _heavy(item):
-            item.add_marker(pytest.mark.xdist_group(HEAVY_GROUP))
-
-
 def pytest_runtest_setup(item):
     for marker, (module, install) in OPTIONAL.items():
         if item.get_closest_marker(marker) is None:

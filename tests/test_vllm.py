@@ -245,7 +245,8 @@ def test_delta_sync_reaches_both_replicas_bit_exact(setup, tmp_path, update_mode
     streams full tensors into vLLM's reload; staged, the staging copies are the delta base
     (deltas applied into them in place, no third copy). Versions after the first go
     relative, outputs match the trainer, and after three versions A's weights equal vLLM's
-    own reload of the trainer's checkpoint from disk, bit for bit. (``on``: in this loaded
+    own reload of the trainer's checkpoint from disk into B, bit for bit (B's reload shown to
+    change B first: from the first checkpoint it differs). (``on``: in this loaded
     test process ``auto`` may rightly find deltas slower.)"""
     setup.rollout.close()
     setup.rollout = VLLMRollout(
@@ -265,10 +266,16 @@ def test_delta_sync_reaches_both_replicas_bit_exact(setup, tmp_path, update_mode
                 assert replica_greedy(llm, PROMPTS, NEW) == expected
         # the first update gives both workers their base; the later ones go as deltas
         assert bases == [None, setup.version - 2, setup.version - 1], bases
+        # B got the same deltas as A: first show that B's reload changes it (from the module's
+        # first checkpoint B differs from A), then reload it from the trainer's
         a, b = setup.llms
+        synced = a.collective_rpc("weightsync_digests")[0]
+        assert b.collective_rpc("weightsync_digests")[0] == synced
+        b.collective_rpc("weightsync_reload_from_path", args=(setup.dir,))
+        assert b.collective_rpc("weightsync_digests")[0] != synced, "the reload left B as it was"
         setup.model.save_pretrained(str(tmp_path))
         b.collective_rpc("weightsync_reload_from_path", args=(str(tmp_path),))
-        assert a.collective_rpc("weightsync_digests")[0] == b.collective_rpc("weightsync_digests")[0]
+        assert b.collective_rpc("weightsync_digests")[0] == synced
     finally:
         setup._connect()  # the module's usual rollout (no delta) for the next tests
 
@@ -485,10 +492,10 @@ def _in_thread(fn, *args, **kwargs):
 
 def test_staged_updates_load_while_replicas_generate_and_commit_matches_the_trainer(setup):
     """stage: the version moves into every worker's staging copy while the replicas keep
-    serving the old one (requests sent while the stage's transfer runs complete with the old
-    weights' outputs before it ends); commit pauses only for the local load. Two versions:
-    greedy parity with the trainer after each commit, and the second stage allocates nothing
-    (the staging copy is reused)."""
+    serving the old one (requests sent while the stage's transfer is held under way complete
+    with the old weights' outputs before it goes on); commit pauses only for the local load.
+    Two versions: greedy parity with the trainer after each commit, and the second stage
+    allocates nothing (the staging copy is reused)."""
     from vllm import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
@@ -496,19 +503,22 @@ def test_staged_updates_load_while_replicas_generate_and_commit_matches_the_trai
         old = trainer_greedy(setup.model, PROMPTS, NEW)
         expected = setup.train()
         setup.version += 1
-        source = workers.SlowSource(dict(setup.model.state_dict()), delay_s=0.05)
+        source = workers.HeldSource(dict(setup.model.state_dict()))
         stage, out = _in_thread(setup.rollout.stage, source, setup.version)
-        assert source.started.wait(30)
-        # The stage's transfer is under way (the rollout thread is inside the sender's send,
-        # not using the engines' clients): requests sent now run on the old weights.
+        # The stage's transfer is under way and held there (the rollout thread is inside the
+        # sender's send, not using the engines' clients) until requests sent now returned:
+        # they run on the old weights while it lasts.
+        assert source.holding.wait(30)
         for llm in setup.llms:
             llm.enqueue([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
         served = [
             [list(o.outputs[0].token_ids) for o in llm.wait_for_completion(use_tqdm=False)]
             for llm in setup.llms
         ]
-        assert not source.finished.is_set(), (
-            "the requests waited for the stage: the replicas did not generate"
+        during = not source.finished.is_set() and not source.held_out
+        source.release.set()
+        assert during, (
+            f"the requests waited for the stage ({source.hold_s:g} s held): the replicas did not generate"
         )
         assert served == [old, old]
         stage.join(timeout=60)

@@ -98,17 +98,27 @@ def test_a_replica_host_cut_mid_update_fails_naming_it_and_both_serve_the_next_v
                 _end_with_parent(pid)
 
 
-def _end_with_parent(pid):
-    """End a replica's worker and its engine core (the worker's parent), if still running."""
+def _titled(pid, title):
+    """True if process ``pid`` runs and vLLM titled it ``title`` (its cmdline's start)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if not f.read().startswith(b"VLLM::Worker"):  # gone, and its pid maybe reused
-                return
+            return f.read().startswith(title)
+    except OSError:
+        return False
+
+
+def _end_with_parent(pid):
+    """End a replica's worker and its engine core (the worker's parent), if still running:
+    each only if it is what it should be (a pid gone may have been reused)."""
+    if not _titled(pid, b"VLLM::Worker"):
+        return
+    try:
         with open(f"/proc/{pid}/stat") as f:
             parent = int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return
-    for p in (pid, parent):
+    ours = [pid] + ([parent] if _titled(parent, b"VLLM::EngineCore") else [])
+    for p in ours:
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:

@@ -2,7 +2,7 @@
 compatible server (``--weight-transfer-config '{"backend": "weightsync"}'``) driven only
 through ``WeightTransferTrainerFactory`` and vLLM's ``HTTPVLLMWeightSyncClient``; vLLM's
 ``RayVLLMWeightSyncClient`` over a Ray actor holding an ``LLM``; a trainer restarted at the
-same address; a server killed mid-round.
+same address, after a clean shutdown and after a kill mid-stage; a server killed mid-round.
 
 One server is started for the module (about 45 s on 2 cores); ``server`` starts it anew
 before a test if an earlier one killed it, so the tests do not depend on their order. The
@@ -25,7 +25,7 @@ import requests
 import torch
 import workers
 from procs import CTX, free_port
-from vllm_trainer_proc import send_one_version_and_hold
+from vllm_trainer_proc import send_then_stage_and_hold
 
 from weightsync.demo.vllm import (
     PROMPTS,
@@ -126,20 +126,26 @@ class Server:
             self.proc = subprocess.Popen(
                 argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
-        deadline = time.monotonic() + 180
+        try:
+            self._wait_healthy(180)
+        except BaseException:  # a timeout, an exit, an interrupt: none of its processes is left
+            self.kill()
+            raise
+        self.starts += 1
+        self.version = 0
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited ({self.proc.returncode}): {self._log_tail()}")
             try:
                 if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
+                    return
             except requests.RequestException:
                 pass
             time.sleep(0.5)
-        else:
-            raise RuntimeError(f"the server did not come up within 180 s: {self._log_tail()}")
-        self.starts += 1
-        self.version = 0
+        raise RuntimeError(f"the server did not come up within {timeout:g} s: {self._log_tail()}")
 
     def _log_tail(self) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -149,7 +155,8 @@ class Server:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL the server's whole process group (API server, engine core, worker)."""
+        """SIGKILL the server's whole process group (API server, engine core, worker), also
+        what is left of it once its leader exited (the group keeps the leader's id)."""
         assert self.proc is not None
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -207,10 +214,12 @@ def server(shared_server):
 
 
 def _trainer_init(client, source, port: int = 0, overrides=OVERRIDES):
-    """What a vLLM user writes: an init info, vLLM's factory, vLLM's client and source."""
+    """What a vLLM user writes (docs/vllm.md): an init info, vLLM's factory, vLLM's client and
+    source. The init info comes from ``weightsync.integrations.vllm``, whose import registers
+    the trainer engine with vLLM's factory, in this process as in a trainer's."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from weightsync.integrations.vllm_trainer import WeightsyncTrainerInitInfo
+    from weightsync.integrations.vllm import WeightsyncTrainerInitInfo  # registers the trainer engine
 
     info = WeightsyncTrainerInitInfo(
         master_address="127.0.0.1", master_port=port, world_size=2, rank=0, overrides=overrides
@@ -280,8 +289,8 @@ def test_server_driven_through_vllms_factory_and_http_client_serves_each_version
 def test_staged_rounds_over_http_keep_the_server_generating_until_the_commit_between_pause_and_resume(server):
     """The OpenAI-server path of staged updates, vLLM's HTTP client and routes only:
     ``stage_weights`` while the server generates (a completion sent while the stage's
-    transfer runs returns the old weights' tokens), then ``/pause``, ``commit_weights``,
-    ``/resume``: the new weights and weight_version. A stage whose source fails raises,
+    transfer is held under way returns the old weights' tokens), then ``/pause``,
+    ``commit_weights``, ``/resume``: the new weights and weight_version. A stage whose source fails raises,
     and the server goes on serving the committed weights, unpaused; the next round works."""
     import threading
 
@@ -296,12 +305,16 @@ def test_staged_rounds_over_http_keep_the_server_generating_until_the_commit_bet
     try:
         before, served = server.greedy(), server.weight_version()
         expected = server.train()
-        engine.source = workers.SlowSource(dict(server.model.state_dict()), delay_s=0.05)
+        source = engine.source = workers.HeldSource(dict(server.model.state_dict()))
         stage = threading.Thread(target=engine.stage_weights, args=(server.version + 1,))
         stage.start()
-        assert engine.source.started.wait(30)
-        assert server.greedy() == before  # served while the stage runs, from the old weights
-        assert not engine.source.finished.is_set(), "the completion waited for the stage"
+        # the stage's transfer is under way, held there until the completion returned
+        assert source.holding.wait(30)
+        generated = server.greedy()
+        during = not source.finished.is_set() and not source.held_out
+        source.release.set()
+        assert during, f"the completion waited for the stage ({source.hold_s:g} s held)"
+        assert generated == before  # served while the stage ran, from the old weights
         stage.join(timeout=60)
         assert server.weight_version() == served and server.greedy() == before  # staged only
         t0 = time.perf_counter()
@@ -331,48 +344,14 @@ def test_staged_rounds_over_http_keep_the_server_generating_until_the_commit_bet
         engine.shutdown()
 
 
-def test_a_trainer_killed_mid_stage_leaves_the_server_serving_and_free_for_the_next_trainer(server):
-    """A trainer process staging a version is SIGKILLed while its transfer runs: the server
-    never paused, serves the committed weights and version throughout, and a new trainer at
-    the same address stages and commits the next version (no vLLM round was left open, the
-    worker's stage ended)."""
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm_trainer_proc import stage_slowly
-
-    before, served = server.greedy(), server.weight_version()
-    port = free_port()
-    q = CTX.Queue()
-    proc = CTX.Process(
-        target=stage_slowly, args=(server.url, port, server.dir, server.version + 1, OVERRIDES, q)
-    )
-    proc.start()
-    try:
-        assert q.get(timeout=120) == ("staging", server.version + 1)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join(timeout=30)
-    finally:
-        if proc.is_alive():
-            proc.kill()
-    assert requests.get(f"{server.url}/is_paused", timeout=10).json()["is_paused"] is False
-    assert server.greedy() == before and server.weight_version() == served
-    expected = server.train()
-    engine = _trainer_init(HTTPVLLMWeightSyncClient(server.url), dict(server.model.state_dict()), port)
-    try:
-        engine.stage_weights(server.version + 2)  # after the killed trainer's version
-        assert server.greedy() == before
-        requests.post(f"{server.url}/pause?mode=keep", timeout=60).raise_for_status()
-        engine.commit_weights()
-        requests.post(f"{server.url}/resume", timeout=60).raise_for_status()
-        server.version += 2
-        assert server.greedy() == expected and server.weight_version() == str(server.version)
-    finally:
-        engine.shutdown()
-
-
-def test_a_restarted_trainer_reaches_the_live_server_at_the_same_address(server, tmp_path):
+def test_a_trainer_restarted_at_the_same_address_after_a_clean_shutdown_or_a_kill_mid_stage_reaches_the_live_server(
+    server, tmp_path
+):
     """Trainer 1 (this process) sends and shuts down cleanly; trainer 2, a new process at
-    the same address, sends the next version and is SIGKILLed while it holds the session;
-    trainer 3 (a new engine here, same address) sends the next. The server is never
+    the same address, sends the next version, then is SIGKILLed while it stages another (its
+    transfer held under way): the server never paused and serves trainer 2's version and
+    weights throughout. Trainer 3 (a new engine here, same address) stages and commits the
+    next version: no vLLM round was left open, the worker's stage ended. The server is never
     touched in between; it serves each trainer's weights."""
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
@@ -391,7 +370,7 @@ def test_a_restarted_trainer_reaches_the_live_server_at_the_same_address(server,
     server.version += 1
     q = CTX.Queue()
     trainer = CTX.Process(
-        target=send_one_version_and_hold,
+        target=send_then_stage_and_hold,
         daemon=True,
         args=(server.url, port, str(tmp_path / "step"), server.version, OVERRIDES, q),
     )
@@ -399,21 +378,31 @@ def test_a_restarted_trainer_reaches_the_live_server_at_the_same_address(server,
     try:
         assert q.get(timeout=120) == ("sent", server.version)
         assert server.greedy() == expected
+        assert q.get(timeout=60) == ("staging", server.version + 1)
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.join(timeout=30)
     finally:
-        trainer.kill()
-        trainer.join(timeout=20)
+        if trainer.is_alive():
+            trainer.kill()
+            trainer.join(timeout=20)
+    assert requests.get(f"{server.url}/is_paused", timeout=10).json()["is_paused"] is False
+    assert server.greedy() == expected and server.weight_version() == str(server.version)
 
-    engine = _trainer_init(client, ModuleSource(server.model), port)
+    before, expected = expected, server.train()
+    engine = _trainer_init(client, dict(server.model.state_dict()), port)
     try:
-        expected = server.train()
-        server.version += 1
-        engine.send_weights(version=server.version)
+        engine.stage_weights(server.version + 2)  # after the killed trainer's version
+        assert server.greedy() == before
+        requests.post(f"{server.url}/pause?mode=keep", timeout=60).raise_for_status()
+        engine.commit_weights()
+        requests.post(f"{server.url}/resume", timeout=60).raise_for_status()
+        server.version += 2
         assert server.greedy() == expected and server.weight_version() == str(server.version)
     finally:
         engine.shutdown()
 
 
-def test_ray_client_over_an_actor_holding_an_llm(tmp_path):
+def test_ray_client_over_an_actor_holding_an_llm(tmp_path, monkeypatch):
     """vLLM's RayVLLMWeightSyncClient, as it is, over a Ray actor that is vLLM's ``LLM``
     (``ray.remote(LLM)``) with weightsync as its weight-transfer backend."""
     ray = pytest.importorskip("ray", reason="needs ray (make install-vllm installs it)")
@@ -422,12 +411,16 @@ def test_ray_client_over_an_actor_holding_an_llm(tmp_path):
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 
+    environ = dict(os.environ)
     vllm_environment()
+    for key in set(os.environ) - set(environ):  # this test's settings, undone after it
+        monkeypatch.setenv(key, os.environ.pop(key))
     model_dir = save_tiny_model(str(tmp_path / "model"), seed=5, vocab_size=VOCAB)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(11)
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in os.environ:
+        monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
     try:
         actor = ray.remote(num_cpus=0)(LLM).remote(

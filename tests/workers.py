@@ -479,17 +479,21 @@ class FailingSource(StateDictSource):
             yield item
 
 
-class SlowSource(StateDictSource):
-    """The trainer's weights, ``delay_s`` per tensor (a stage that lasts); ``started`` is
-    set at the first tensor, ``finished`` after the last."""
+class HeldSource(StateDictSource):
+    """The trainer's weights, held after the first ``after`` tensors until ``release`` is set:
+    a transfer kept under way, for as long as the test needs, at most ``hold_s`` (then it
+    goes on, and ``held_out`` says so). ``holding`` is set once it waits, ``finished`` after
+    the last tensor."""
 
-    def __init__(self, state, delay_s):
+    def __init__(self, state, after=3, hold_s=15.0):
         super().__init__(state)
-        self.delay_s, self.started, self.finished = delay_s, threading.Event(), threading.Event()
+        self.after, self.hold_s, self.held_out = after, hold_s, False
+        self.holding, self.release, self.finished = threading.Event(), threading.Event(), threading.Event()
 
     def tensors(self):
-        for item in super().tensors():
-            self.started.set()
+        for i, item in enumerate(super().tensors()):
+            if i == self.after:
+                self.holding.set()
+                self.held_out = not self.release.wait(self.hold_s)
             yield item
-            time.sleep(self.delay_s)
         self.finished.set()

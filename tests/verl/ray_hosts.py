@@ -13,9 +13,9 @@ in the machine's namespace, where it cuts and heals links): ``call(fn, *args)`` 
 calls) and returns its result or raises ``DriverError`` with the driver's traceback.
 
 Teardown ends only what this started: the driver, each ``ray start`` (SIGTERM: it stops the
-node's processes), then by PID whatever still runs in these hosts' namespaces
-(``Cluster.kill_processes``: all of it is this cluster's, the namespaces were made for it;
-``Cluster.close`` sweeps them again before it deletes them).
+node's processes), then by PID whatever still runs in these hosts' namespaces (all of it is
+this cluster's: the namespaces were made for it). What was still running before that sweep
+is kept in ``unended``, for a test to check that Ray's own stop ended everything.
 """
 
 from __future__ import annotations
@@ -37,6 +37,14 @@ CTX = mp.get_context("spawn")
 RAY_PORT = 6379  # each host has its own port space
 
 
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    except OSError:
+        return "(ended)"
+
+
 class DriverError(RuntimeError):
     """A step that failed in the driver; the message holds its traceback."""
 
@@ -56,6 +64,10 @@ def ray_env(token: str) -> dict[str, str]:
         # A cut host must stay a live Ray node for the seconds a test keeps it cut: GCS would
         # declare it dead after 5 missed 3 s health checks and its raylet would exit at the heal.
         "RAY_health_check_failure_threshold": "40",
+        # ``ray start --block`` on SIGTERM first drains its node, up to 30 s (asking the GCS,
+        # which may be stopping too): these nodes serve nothing to drain, so it stops its
+        # processes at once, and close can see whether that ended all of them.
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
     }
 
 
@@ -101,6 +113,10 @@ class RayHosts:
         self.env = {**inherited, **ray_env(secrets.token_hex(16))}
         self.head = f"{cluster.hosts[0].address}:{RAY_PORT}"
         self.nodes: list[subprocess.Popen] = []
+        # after close: the processes still running in the hosts' namespaces (pid and command
+        # line) and the hosts whose ``ray start`` had not exited, once every node was told to
+        # stop and given 10 s, before anything was killed
+        self.unended: dict[str, list[str]] = {}
         self.driver = None
         self.conn = None
         self.tmp: Path | None = None
@@ -196,11 +212,18 @@ class RayHosts:
         for node in self.nodes:
             if node.poll() is None:
                 node.terminate()  # ray start --block stops its node's processes on SIGTERM
-        # A node drains for up to 30 s first; the test needs none of that: what still runs
-        # after a few seconds is killed (by PID: everything in these namespaces is this cluster's)
-        end = time.monotonic() + 5
+        # Without the drain (ray_env) a node stops its processes at once; what still runs
+        # after 10 s is killed (by PID: everything in these namespaces is this cluster's)
+        end = time.monotonic() + 10
         while any(node.poll() is None for node in self.nodes) and time.monotonic() < end:
             time.sleep(0.1)
+        if self.nodes:  # what Ray's own stop left running, seen before the sweep below kills it
+            self.unended = {
+                netns: [f"{pid} {_cmdline(pid)}" for pid in pids]
+                for netns, pids in self.leftovers().items()
+                if pids
+            }
+            self.unended["ray start"] = [f"host {i}" for i, n in enumerate(self.nodes) if n.poll() is None]
         self.cluster.kill_processes(wait_s=10)  # until none is left (a killed one takes a moment)
         for node in self.nodes:
             node.wait(timeout=10)

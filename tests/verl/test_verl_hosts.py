@@ -14,6 +14,7 @@ import pytest
 import ray
 import torch
 import verl_helpers as H
+from cuts import cut_mid_transfer
 from ray_hosts import RayHosts
 from verl.checkpoint_engine import CheckpointEngineManager
 
@@ -35,7 +36,9 @@ def hosts():
     with Cluster(3, RATES) as cluster, RayHosts(cluster, CPUS) as ray_hosts:
         yield ray_hosts
         ray_hosts.close()
-        assert not any(ray_hosts.leftovers().values()), ray_hosts.leftovers()  # every Ray process ended
+        # every Ray process ended by Ray's own stop, before close's sweep killed what was left
+        assert not any(ray_hosts.unended.values()), ray_hosts.unended
+        assert not any(ray_hosts.leftovers().values()), ray_hosts.leftovers()  # and the sweep left nothing
 
 
 @pytest.fixture(scope="module")
@@ -149,15 +152,11 @@ def test_nccl_across_hosts_and_a_rollout_host_cut_mid_update_named_within_the_gr
         assert [host_of(hosts, trainer_ip), *[host_of(hosts, ip) for ip in rollout_ips]] == [0, 1, 2]
         crossing(hosts, 1, trainer_ip, model)
 
-        before = cluster.counters()[2]["rx_bytes"]
-        hosts.submit(failing_step, 2)
-        end = time.monotonic() + 60
-        while cluster.counters()[2]["rx_bytes"] - before < 8 << 20:  # streaming into host 2
-            assert time.monotonic() < end, "the update never reached host 2"
-            time.sleep(0.05)
-        cut = time.monotonic()
-        cluster.cut(2)  # rollout worker 1 (receiver rank 1)
         try:
+            # rollout worker 1 (receiver rank 1), once 8 MiB of the update streamed into host 2
+            cut = cut_mid_transfer(
+                cluster, 2, lambda: hosts.submit(failing_step, 2), arrived=8 << 20, total=model
+            )
             raised, outcome = hosts.result(timeout=TIMEOUT_S + 60)
             assert raised is not None, "verl's manager reported a successful update"
             # Every worker's failure came from weightsync's watch (the survivor: the sender
