@@ -220,3 +220,172 @@ def test_box_of_dtensor_names_each_ranks_local_shard_of_fsdp2_and_tensor_paralle
     boxes = {rank: {name: box for name, (box, _) in found.items()} for rank, found in reports.items()}
     assert boxes[0]["fsdp.1.weight"] == [[0, 0], [2, 7]] and boxes[1]["fsdp.1.weight"] == [[2, 0], [1, 7]]
     assert boxes[1]["tp.2.weight"] == [[0, 3], [4, 2]]
+
+
+# ------------------------------------------------ fragments between real processes
+class _Tiny(torch.nn.Module):
+    """Every kind of tensor a tensor-parallel replica keeps: a vocab-parallel embedding,
+    column- and row-parallel projections (the row-parallel bias replicated), an uneven
+    column split (7 rows over 2 ranks), and a norm no rank splits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.up = torch.nn.Linear(8, 12)
+        self.down = torch.nn.Linear(12, 8)
+        self.head = torch.nn.Linear(8, 7, bias=False)
+
+    def forward(self, ids):
+        h = self.norm(self.embed(ids))
+        return self.head(h + self.down(torch.relu(self.up(h))))
+
+
+def _gather_bytes(data: bytes, world: int) -> list[bytes]:
+    """Every rank's ``data`` (msgpack bytes here), over the default group: no pickle."""
+    import torch.distributed as dist
+
+    size = torch.tensor([len(data)])
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    longest = int(max(s.item() for s in sizes))
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    found = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(found, mine)
+    return [bytes(t[: int(n.item())].tolist()) for t, n in zip(found, sizes)]
+
+
+def _fragments_rank(rank: int, port: int, folder: str, queue) -> None:
+    """Ranks 0-1: an FSDP2 trainer; ranks 2-3: one replica, tensor-parallel over 2 ranks;
+    rank 4: a replica that declares nothing (whole tensors). Three AdamW versions, each
+    moved fragment by fragment over Gloo point-to-point links, pairs in threads."""
+    import msgpack
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate as Rep
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from weightsync.sharding.exchange import receive_fragments, send_fragments
+    from weightsync.sharding.fragments import FragmentLanding, global_specs, layout_of, local_shards
+
+    trainers, world = 2, 5
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        trainer_mesh = DeviceMesh("cpu", [0, 1])  # every rank builds both meshes, in order
+        replica_mesh = DeviceMesh("cpu", [2, 3])
+        torch.manual_seed(0)
+        model = _Tiny()
+        if rank < trainers:
+            fully_shard(model, mesh=trainer_mesh)
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        elif rank < 4:
+            torch.manual_seed(1)  # the replica starts from other weights than the trainer's
+            model = _Tiny()
+            plan = {
+                "embed": RowwiseParallel(input_layouts=Rep()),
+                "up": ColwiseParallel(),
+                "down": RowwiseParallel(),
+                "head": ColwiseParallel(),
+            }
+            parallelize_module(model, replica_mesh, plan)
+        else:
+            torch.manual_seed(2)
+            model = _Tiny()
+        shards = local_shards(model)
+        layout = layout_of(shards, host=f"rank{rank}")
+        layouts = [
+            Layout.from_wire(msgpack.unpackb(b, raw=False))
+            for b in _gather_bytes(msgpack.packb(layout.to_wire()), world)
+        ]
+        specs = global_specs(shards)
+        route = plan_route(specs, layouts[:trainers], layouts[trainers:])
+        hashes = _gather_bytes(route.hash.encode(), world)
+        assert len(set(hashes)) == 1, hashes
+        report = {"route": route.hash, "sent": [], "taken": [], "exact": [], "full_calls": 0}
+        for version in (1, 2, 3):
+            if rank < trainers:
+                ids = torch.arange(6).remainder(10).view(2, 3) + version
+                model(ids).square().mean().backward()
+                optim.step()
+                optim.zero_grad()
+                calls = []
+                original = torch.distributed.tensor.DTensor.full_tensor
+                torch.distributed.tensor.DTensor.full_tensor = lambda self, *a, **k: (
+                    calls.append(1),
+                    original(self, *a, **k),
+                )[1]
+                try:
+                    sent = send_fragments(
+                        route, rank, local_shards(model), 256, lambda d, b: dist.send(b, trainers + d)
+                    )
+                finally:
+                    torch.distributed.tensor.DTensor.full_tensor = original
+                report["full_calls"] += len(calls)
+                report["sent"].append(sent)
+                full = {n: p.full_tensor() for n, p in model.state_dict().items()}  # the check, not the sync
+                if rank == 0:
+                    save_file(full, f"{folder}/v{version}.safetensors")
+            else:
+                me = rank - trainers
+                landing = FragmentLanding(route, me, shards)
+                taken = receive_fragments(route, me, landing, 256, lambda s, b: dist.recv(b, s))
+                report["taken"].append(taken)
+            dist.barrier()
+            if rank >= trainers:
+                expect = load_file(f"{folder}/v{version}.safetensors")
+                state = model.state_dict()
+                got = {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in state.items()}
+                report["exact"].append({n: torch.equal(got[n], expect[n]) for n in expect})
+            dist.barrier()
+        report["kept"] = sum(s.tensor.numel() * s.tensor.element_size() for s in shards.values())
+        report["fragments"] = {
+            "sent": route.sent_bytes().get(rank, 0) if rank < trainers else 0,
+            "received": route.received_bytes().get(rank - trainers, 0) if rank >= trainers else 0,
+        }
+        queue.put((rank, report))
+    except BaseException as e:
+        queue.put((rank, repr(e)))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_fsdp2_shards_reach_a_tensor_parallel_replica_slice_by_slice_and_a_whole_replica_bit_exact(tmp_path):
+    """FSDP2 on 2 trainer ranks -> one replica tensor-parallel over 2 ranks, and one replica
+    that declares nothing, in the same route: three AdamW versions, each trainer rank packing
+    fragments from its local shard (never ``full_tensor``), every rank's kept slices
+    bit-exact against the trainer's saved full tensors, every receiver rank taking exactly
+    the bytes it keeps."""
+    from procs import CTX, collect, free_port, start, stop
+
+    queue, port = CTX.Queue(), free_port()
+    procs = [start(_fragments_rank, rank, port, str(tmp_path), queue) for rank in range(5)]
+    try:
+        reports = dict(collect(queue, 5, timeout=150))
+    finally:
+        stop(procs)
+    assert all(isinstance(r, dict) for r in reports.values()), reports
+    assert len({r["route"] for r in reports.values()}) == 1
+    for rank in (2, 3, 4):
+        report = reports[rank]
+        for version, exact in enumerate(report["exact"], 1):
+            wrong = [n for n, ok in exact.items() if not ok]
+            assert not wrong and len(exact) == 8, f"rank {rank}, version {version}: {wrong}"
+        for taken in report["taken"]:  # exactly its slices, each byte once
+            assert sum(taken.values()) == report["kept"] == report["fragments"]["received"]
+    whole = sum(p.numel() * 4 for p in _Tiny().parameters())
+    assert reports[4]["kept"] == whole and reports[2]["kept"] + reports[3]["kept"] < 1.2 * whole
+    for rank in (0, 1):
+        assert reports[rank]["full_calls"] == 0  # the sync never materializes a full tensor
+        for sent in reports[rank]["sent"]:
+            assert sum(sent.values()) == reports[rank]["fragments"]["sent"]
+    # each trainer rank sends its own shard once to each replica: the two together send
+    # every byte to the whole replica once, and to the tensor-parallel one about once
+    both = [sum(reports[r]["sent"][0].values()) for r in (0, 1)]
+    assert whole * 2 <= sum(both) < 2.2 * whole and max(both) < 0.6 * sum(both)

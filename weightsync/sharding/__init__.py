@@ -1,8 +1,21 @@
-"""Sharded sync (M x N), as data: layouts (which box of each global tensor a rank holds or
-needs, from DTensor placements or declared) and the route planner that turns both sides'
-layouts into fragments, each sent once by one trainer rank to one receiver rank.
+"""Sharded sync (M x N): layouts (which box of each global tensor a rank holds or needs,
+from DTensor placements or declared), the route planner that turns both sides' layouts into
+fragments, each sent once by one trainer rank to one receiver rank, the fragments as tensors
+(packed from local shards, landed in kept slices) and their exchange over point-to-point
+links, every pair at once.
 """
 
+from weightsync.sharding.exchange import PairFailed, receive_fragments, send_fragments
+from weightsync.sharding.fragments import (
+    FragmentLanding,
+    LocalShard,
+    declared_shards,
+    fragment_tensors,
+    global_specs,
+    layout_of,
+    local_shards,
+    pair_plan,
+)
 from weightsync.sharding.layout import (
     Box,
     Layout,
@@ -29,6 +42,9 @@ __all__ = [
     "ROUTE_FORMAT",
     "Box",
     "Fragment",
+    "FragmentLanding",
+    "LocalShard",
+    "PairFailed",
     "Layout",
     "Placement",
     "Replicate",
@@ -38,9 +54,17 @@ __all__ = [
     "box_of_dtensor",
     "boxes_of_placements",
     "chunk",
+    "declared_shards",
+    "fragment_tensors",
+    "global_specs",
+    "layout_of",
+    "local_shards",
     "nic_bytes",
+    "pair_plan",
     "placements_of",
     "plan_route",
+    "receive_fragments",
     "route_hash",
+    "send_fragments",
     "whole_needs",
 ]

@@ -1,0 +1,177 @@
+"""Fragments as tensors: what a trainer rank packs from its local shards, and where a
+receiver rank lands each fragment in the slices it keeps.
+
+A route (``weightsync.sharding.route``) names fragments by global boxes. Here they meet
+real memory:
+
+- ``local_shards`` reads what a rank holds (or keeps) from a module or a state dict: a
+  DTensor's local tensor (``to_local()``, never ``full_tensor()``) with the box its
+  placements give, a plain tensor as the whole box, or declared shards (Megatron-style:
+  the global shape and box of each local tensor).
+- ``pair_plan`` plans the fragments one trainer rank sends one receiver rank as an ordinary
+  transfer plan (``weightsync.plan``): each fragment is a tensor of the box's shape, named
+  after its tensor and box, so the packer, the buckets and the plan hash are the dense
+  sync's own. Both ends build it from the route alone.
+- ``fragment_tensors`` yields a pair's fragments from the sender's local shards: a view of
+  the local tensor, made contiguous only when the box cuts its rows (the packer reads the
+  bytes once either way). No rank materializes a full tensor.
+- ``FragmentLanding`` copies each arriving fragment into the receiver's slice and tells
+  which fragments have not arrived (a receive that ended early leaves the slices torn, and
+  says where).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from weightsync.plan import Plan, TensorSpec, dtype_name, make_plan
+from weightsync.sharding.layout import Box, Layout, box_of_dtensor
+from weightsync.sharding.route import Fragment, Route
+
+try:  # DTensor lives here since torch 2.4
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = ()  # type: ignore[assignment,misc]
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """What one rank holds (or keeps) of one global tensor: ``tensor`` is the box ``box``
+    of the global tensor ``spec``."""
+
+    spec: TensorSpec
+    box: Box
+    tensor: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if tuple(self.tensor.shape) != self.box.lengths:
+            raise ValueError(
+                f"tensor {self.spec.name!r}: the local tensor's shape {tuple(self.tensor.shape)} is not "
+                f"its box's {self.box.lengths}"
+            )
+
+
+def local_shards(obj: torch.nn.Module | Mapping[str, Any]) -> dict[str, LocalShard]:
+    """This rank's shard of every tensor of a module's state dict (or a state dict): a
+    DTensor's local tensor and box, a plain tensor whole. Tied weights count once, under
+    their first name."""
+    if isinstance(obj, torch.nn.Module):
+        items, seen = {}, set()
+        for name, t in obj.state_dict(keep_vars=True).items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                items[name] = t
+    else:
+        items = dict(obj)
+    out = {}
+    for name, t in items.items():
+        t = t.detach()
+        if isinstance(t, DTensor):
+            spec = TensorSpec(name, tuple(t.shape), dtype_name(t.dtype))
+            out[name] = LocalShard(spec, box_of_dtensor(t), t.to_local())
+        else:
+            out[name] = LocalShard(TensorSpec.of(name, t), Box.whole(t.shape), t)
+    return out
+
+
+def declared_shards(shards: Mapping[str, tuple[tuple[int, ...], Box, torch.Tensor]]) -> dict[str, LocalShard]:
+    """Shards a framework declares itself (Megatron-style tensor or pipeline parallelism):
+    ``{name: (global_shape, box, local_tensor)}``."""
+    return {
+        name: LocalShard(TensorSpec(name, tuple(shape), dtype_name(t.dtype)), box, t)
+        for name, (shape, box, t) in shards.items()
+    }
+
+
+def layout_of(shards: Mapping[str, LocalShard], host: str = "") -> Layout:
+    """The layout a rank declares: the box of every tensor it holds or keeps."""
+    return Layout({name: s.box for name, s in shards.items()}, host)
+
+
+def global_specs(shards: Mapping[str, LocalShard]) -> list[TensorSpec]:
+    """The global tensors' specs, in the rank's order (every rank of a mesh has the same)."""
+    return [s.spec for s in shards.values()]
+
+
+def region(tensor: torch.Tensor, box: Box) -> torch.Tensor:
+    """The view of ``tensor`` that ``box`` (in ``tensor``'s own coordinates) covers."""
+    return tensor[tuple(slice(s, s + n) for s, n in zip(box.starts, box.lengths))]
+
+
+def fragment_name(route: Route, fragment: Fragment) -> str:
+    """A fragment's name in its pair's plan: the tensor and its box (``w@[0,4]+[2,4]``)."""
+    box = fragment.box
+    starts, lengths = ",".join(map(str, box.starts)), ",".join(map(str, box.lengths))
+    return f"{route.specs[fragment.tensor].name}@[{starts}]+[{lengths}]"
+
+
+def fragment_spec(route: Route, fragment: Fragment) -> TensorSpec:
+    spec = route.specs[fragment.tensor]
+    return TensorSpec(fragment_name(route, fragment), fragment.box.lengths, spec.dtype)
+
+
+def pair_fragments(route: Route, source: int, dest: int) -> list[Fragment]:
+    """The fragments trainer rank ``source`` sends receiver rank ``dest``, in route order."""
+    return [f for f in route.fragments if f.source == source and f.dest == dest]
+
+
+def pair_plan(route: Route, source: int, dest: int, bucket_bytes: int) -> Plan:
+    """The transfer plan of one pair: its fragments as tensors, in route order."""
+    return make_plan([fragment_spec(route, f) for f in pair_fragments(route, source, dest)], bucket_bytes)
+
+
+def fragment_tensors(
+    route: Route, source: int, dest: int, shards: Mapping[str, LocalShard]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The pair's fragments, in its plan's order, read from trainer rank ``source``'s shards."""
+    for f in pair_fragments(route, source, dest):
+        shard = shards[route.specs[f.tensor].name]
+        if not shard.box.contains(f.box):
+            raise ValueError(
+                f"the route has trainer rank {source} send {fragment_name(route, f)}, "
+                f"outside the {shard.box} it holds"
+            )
+        yield fragment_name(route, f), region(shard.tensor, f.box.within(shard.box))
+
+
+class FragmentLanding:
+    """A receiver rank's side of a route: each fragment copied into the slice it keeps.
+
+    ``shards``: the tensors this rank keeps (views of live parameters, or staging buffers
+    handed to a loader), each the box its layout declared."""
+
+    def __init__(self, route: Route, dest: int, shards: Mapping[str, LocalShard]) -> None:
+        self.route = route
+        self.dest = dest
+        self._targets: dict[str, tuple[Fragment, torch.Tensor]] = {}
+        for f in route.for_dest(dest):
+            shard = shards.get(route.specs[f.tensor].name)
+            if shard is None or not shard.box.contains(f.box):
+                raise ValueError(
+                    f"receiver rank {dest} is routed {fragment_name(route, f)}, which it does not keep"
+                )
+            self._targets[fragment_name(route, f)] = (f, region(shard.tensor, f.box.within(shard.box)))
+        self._landed: set[str] = set()
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one arrived fragment into its slice."""
+        target = self._targets.get(name)
+        if target is None:
+            raise ValueError(
+                f"receiver rank {self.dest} got fragment {name!r}, which its route does not hold"
+            )
+        target[1].copy_(tensor.view(target[1].shape))
+        self._landed.add(name)
+
+    @property
+    def missing(self) -> list[str]:
+        """Fragments routed to this rank that have not landed (empty: every slice is whole)."""
+        return [name for name in self._targets if name not in self._landed]
+
+    def from_source(self, source: int) -> list[str]:
+        """Names of the fragments trainer rank ``source`` sends here, in its plan's order."""
+        return [n for n, (f, _) in self._targets.items() if f.source == source]
