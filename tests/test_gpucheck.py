@@ -4,6 +4,7 @@ and a short rehearsal of the whole run on the CPU."""
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,16 @@ import pytest
 from clirun import weightsync
 
 from weightsync import gpucheck, platform
-from weightsync.bench.runner import BenchOptions, _device, ceiling_of, plan_rows
+from weightsync.bench.runner import (
+    BenchOptions,
+    Row,
+    _add_ratios,
+    _device,
+    ceiling_of,
+    ceiling_repeats,
+    merge_ceiling_runs,
+    plan_rows,
+)
 from weightsync.gpucheck.driver import Check, Options, Result
 
 REPO = Path(__file__).resolve().parent.parent
@@ -225,25 +235,67 @@ def test_a_refused_probe_blocks_the_nccl_tests_and_fails_the_run(monkeypatch, tm
 # ---------------------------------------------------------------------------- the bench on a device
 def test_bench_on_a_device_measures_the_d2d_ceiling_instead_of_the_cpu_alternatives():
     # rows are (kind, bucket MiB, delta setting: None unless --update adamw)
+    # each ceiling runs before every row it bounds and once after the last (issue 46)
     assert plan_rows(BenchOptions(device="cuda:0")) == [
         ("d2d-ceiling", None, None),
         ("nccl", 64, None),
+        ("d2d-ceiling", None, None),
         ("shm", 64, None),
+        ("d2d-ceiling", None, None),
     ]
     assert plan_rows(BenchOptions(device="cuda", alternatives=False, backends=["shm"])) == [("shm", 64, None)]
     assert plan_rows(BenchOptions(device="cuda", backends=["mooncake"])) == [
         ("mooncake", 64, None)
     ]  # no ceiling of its own
-    assert plan_rows(BenchOptions())[:4] == [
+    assert plan_rows(BenchOptions()) == [
         ("per-tensor-broadcast", None, None),
         ("safetensors-reload", None, None),
         ("broadcast-ceiling", None, None),
+        ("nccl", 64, None),
+        ("broadcast-ceiling", None, None),
+        ("memcpy-ceiling", None, None),
+        ("shm", 64, None),
         ("memcpy-ceiling", None, None),
     ]
     assert [ceiling_of(b, "cuda:0") for b in ("nccl", "shm", "paired", "disk")] == ["d2d-ceiling"] * 3 + [
         None
     ]
     assert [ceiling_of(b) for b in ("nccl", "shm")] == ["broadcast-ceiling", "memcpy-ceiling"]
+
+
+def _row(backend, seconds, bucket_mb=None):
+    return Row(backend, bucket_mb, 3, 100, 1, statistics.median(seconds), 1.0, 1.0, 0.0, 0.0, list(seconds))
+
+
+def test_a_ceilings_interleaved_runs_make_one_row_whose_median_and_spread_the_ratios_use():
+    runs = plan_rows(BenchOptions(backends=["nccl", "paired", "shm"], alternatives=True, repeats=1))
+    assert [k for k, _, _ in runs].count("broadcast-ceiling") == 3  # before nccl, before paired, after
+    assert ceiling_repeats(BenchOptions(repeats=1), runs, "broadcast-ceiling") == 2  # 3 runs x 2 >= 5
+    assert ceiling_repeats(BenchOptions(repeats=3), runs, "memcpy-ceiling") == 3  # 2 runs x 3 >= 5
+    rows = merge_ceiling_runs(
+        [
+            _row("broadcast-ceiling", [1.0, 1.1]),
+            _row("nccl", [2.0], 64),
+            _row("broadcast-ceiling", [0.9, 1.0]),
+            _row("memcpy-ceiling", [0.5, 0.5, 0.5]),
+            _row("shm", [1.0], 64),
+            _row("memcpy-ceiling", [0.8, 0.9, 0.3]),
+        ]
+    )
+    assert [(r.backend, r.bucket_mb) for r in rows] == [
+        ("broadcast-ceiling", None),
+        ("memcpy-ceiling", None),
+        ("nccl", 64),
+        ("shm", 64),
+    ]
+    broadcast, memcpy = rows[0], rows[1]
+    assert broadcast.repeats == [1.0, 1.1, 0.9, 1.0] and broadcast.seconds == 1.0
+    assert memcpy.seconds == 0.5 and memcpy.spread > 0.15 >= broadcast.spread
+    _add_ratios(rows)
+    nccl, shm = rows[2].ratios, rows[3].ratios
+    assert nccl["ratio_to_ceiling"] == 0.5 and nccl["ceiling_noisy"] is False
+    assert shm["ratio_to_ceiling"] == 0.5 and shm["ceiling_noisy"] is True
+    assert shm["ceiling_spread"] == round(memcpy.spread, 3)
 
 
 def test_bench_refuses_a_device_this_machine_lacks():

@@ -16,6 +16,15 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _ceiling_cell(r: Row) -> str:
+    """A row's ratio to its ceiling, marked where that ceiling's repeats spread too far; a
+    ceiling row's own spread."""
+    if r.bucket_mb is None:
+        return "-" if r.spread is None else f"spread {r.spread:.0%}"
+    cell = _fmt(r.ratios.get("ratio_to_ceiling"), ".2f")
+    return cell + " (noisy ceiling)" if r.ratios.get("ceiling_noisy") else cell
+
+
 def table(rows: Sequence[Row], title: str):
     """A rich ``Table`` of the rows."""
     from rich.table import Table
@@ -51,7 +60,7 @@ def table(rows: Sequence[Row], title: str):
             ]
         else:
             ratios = [
-                _fmt(r.ratios.get("ratio_to_ceiling"), ".2f"),
+                _ceiling_cell(r),
                 _fmt(r.ratios.get("speedup_vs_per_tensor"), ".1f"),
                 _fmt(r.ratios.get("speedup_vs_disk"), ".1f"),
             ]

@@ -13,6 +13,14 @@ With ``device="cuda"`` every process holds its model and transfer buffers on tha
 (all processes share it); the CPU-only alternatives are left out and the one ceiling is
 ``d2d-ceiling``: one process copying the bytes every receiver needs device to device,
 which bounds every transport between processes on one GPU.
+
+A ceiling is as noisy as the machine: on 2 busy cores one run of the broadcast ceiling
+read 0.64 s and the next 1.26 s. So a ceiling is measured interleaved with the rows it
+bounds (ceiling, row, ceiling, row, ..., ceiling), each time after a warm-up, and its row
+reports the median of every timed repeat (at least ``CEILING_REPEATS``) with their spread:
+the interquartile range over the median. A row's ratio is the ceiling's median over the
+row's median, both of this run; a ceiling whose spread exceeds ``NOISY_SPREAD`` marks its
+rows' ratios as noisy (``ceiling_noisy``).
 """
 
 from __future__ import annotations
@@ -48,6 +56,10 @@ CEILING_OF = {"nccl": "broadcast-ceiling", "paired": "broadcast-ceiling", "shm":
 DEVICE_CEILING = "d2d-ceiling"
 #: rows measured by one process alone (no receivers join)
 _SINGLE_PROCESS = ("memcpy-ceiling", DEVICE_CEILING)
+#: timed repeats a ceiling row reports at least, summed over its interleaved runs
+CEILING_REPEATS = 5
+#: a ceiling whose spread (interquartile range over median) exceeds this makes ratios noisy
+NOISY_SPREAD = 0.15
 
 
 def ceiling_of(backend: str, device: str = "cpu") -> str | None:
@@ -128,6 +140,11 @@ class Row:
     versions_checked: int = 0
 
     @property
+    def spread(self) -> float | None:
+        """Interquartile range of the timed repeats over their median (None: fewer than 4)."""
+        return spread(self.repeats)
+
+    @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
@@ -145,6 +162,7 @@ class Row:
             "sender_overhead_mb": self.sender_overhead_mb,
             "receiver_overhead_mb": self.receiver_overhead_mb,
             "repeats_s": [round(s, 4) for s in self.repeats],
+            "spread": None if self.spread is None else round(self.spread, 3),
             "delta": self.delta,
             "wire_bytes": self.wire_bytes,
             "density": None if self.density is None else round(self.density, 5),
@@ -156,6 +174,14 @@ class Row:
         }
 
 
+def spread(samples: list[float]) -> float | None:
+    """Interquartile range over the median of ``samples`` (None: fewer than 4 samples)."""
+    if len(samples) < 4 or not statistics.median(samples):
+        return None
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return (q3 - q1) / statistics.median(samples)
+
+
 def _specs(opts: BenchOptions) -> list[TensorSpec]:
     if opts.model:
         return models.directory_specs(opts.model)
@@ -163,23 +189,34 @@ def _specs(opts: BenchOptions) -> list[TensorSpec]:
 
 
 def plan_rows(opts: BenchOptions) -> list[tuple[str, int | None, str | None]]:
-    """(kind, bucket MiB, delta) of every row, alternatives first so ratios can be computed;
-    with ``update="adamw"`` each backend runs with ``delta`` off, auto, then on."""
-    rows: list[tuple[str, int | None, str | None]] = []
-    if opts.alternatives:
-        if opts.device == "cpu":  # per-tensor broadcast and the disk reload are CPU paths
-            rows += [(alt, None, None) for alt in ALTERNATIVES]
-        rows += [
-            (c, None, None) for c in dict.fromkeys(ceiling_of(b, opts.device) for b in opts.backends) if c
-        ]
+    """(kind, bucket MiB, delta) of every run, in order: the alternatives first, then the
+    backends' rows, each ceiling run before every row it bounds and once after the last
+    (its runs make one row); with ``update="adamw"`` each backend runs with ``delta`` off,
+    auto, then on."""
+    runs: list[tuple[str, int | None, str | None]] = []
+    if opts.alternatives and opts.device == "cpu":  # per-tensor broadcast and disk reload: CPU paths
+        runs += [(alt, None, None) for alt in ALTERNATIVES]
     deltas: list[str | None] = list(opts.deltas) if opts.update == "adamw" else [None]
-    rows += [
-        (b, mb, d)
-        for b in opts.backends
-        for mb in opts.bucket_mb
-        for d in (deltas if b != "disk" else deltas[:1])
-    ]
-    return rows
+    last: dict[str, int] = {}  # each ceiling: the position after the last row it bounds
+    for b in opts.backends:
+        ceiling = ceiling_of(b, opts.device) if opts.alternatives else None
+        for mb in opts.bucket_mb:
+            for d in deltas if b != "disk" else deltas[:1]:
+                if ceiling:
+                    runs.append((ceiling, None, None))
+                runs.append((b, mb, d))
+                if ceiling:
+                    last[ceiling] = len(runs)
+    for ceiling, at in sorted(last.items(), key=lambda item: -item[1]):  # the closing runs
+        runs.insert(at, (ceiling, None, None))
+    return runs
+
+
+def ceiling_repeats(opts: BenchOptions, runs: list[tuple[str, int | None, str | None]], kind: str) -> int:
+    """Timed repeats of each run of ceiling ``kind``: ``repeats``, or more, so that its runs
+    together give at least ``CEILING_REPEATS``."""
+    count = sum(1 for k, _, _ in runs if k == kind)
+    return max(opts.repeats, -(-CEILING_REPEATS // max(count, 1)))
 
 
 def run_bench(opts: BenchOptions, progress: Callable[[str, int, int], None] | None = None) -> list[Row]:
@@ -242,7 +279,9 @@ def _run_rows(
     device = _device(opts.device)
     specs = _specs(opts)
     planned = plan_rows(opts)
-    total_ticks = len(planned) * opts.repeats
+    ceilings = {k for k, mb, _ in planned if mb is None and k not in ALTERNATIVES}
+    repeats = {k: ceiling_repeats(opts, planned, k) for k in ceilings}
+    total_ticks = sum(repeats.get(k, opts.repeats) for k, _, _ in planned)
     done = 0
     rows: list[Row] = []
     if opts.update not in ("bump", "adamw"):
@@ -271,7 +310,7 @@ def _run_rows(
                 kind,
                 specs,
                 opts.receivers,
-                opts.repeats,
+                repeats.get(kind, opts.repeats),
                 row_overrides[1:],
                 opts.model,
                 opts.work_dir,
@@ -286,9 +325,28 @@ def _run_rows(
             row = _run_row(job, mb, tick, counters)
             row.delta = delta
             rows.append(row)
+    rows = merge_ceiling_runs(rows)
     if netns is None:
         _add_ratios(rows, device)
     return rows
+
+
+def merge_ceiling_runs(rows: list[Row]) -> list[Row]:
+    """The alternatives, then one row per ceiling (every run's timed repeats together,
+    their median its seconds; the other figures are its first run's), then the backends'
+    rows, each group in the order it ran."""
+    first: dict[str, Row] = {}
+    for row in rows:
+        if row.bucket_mb is not None or row.backend in ALTERNATIVES:
+            continue
+        if row.backend in first:
+            first[row.backend].repeats += row.repeats
+        else:
+            first[row.backend] = dataclasses.replace(row, repeats=list(row.repeats))
+    for row in first.values():
+        row.seconds = statistics.median(row.repeats)
+    alternatives = [r for r in rows if r.backend in ALTERNATIVES and r.bucket_mb is None]
+    return [*alternatives, *first.values(), *(r for r in rows if r.bucket_mb is not None)]
 
 
 def _device(device: str) -> str:
@@ -445,8 +503,11 @@ def _add_ratios(rows: list[Row], device: str = "cpu") -> None:
         ceiling = by_kind.get(ceiling_of(row.backend, device) or "")
         per_tensor = by_kind.get("per-tensor-broadcast")
         disk = by_kind.get("safetensors-reload")
+        noisy = ceiling is not None and (ceiling.spread or 0.0) > NOISY_SPREAD
         row.ratios = {
             "ratio_to_ceiling": round(ceiling.seconds / row.seconds, 3) if ceiling else None,
+            "ceiling_spread": None if ceiling is None or ceiling.spread is None else round(ceiling.spread, 3),
+            "ceiling_noisy": noisy if ceiling is not None else None,
             "speedup_vs_per_tensor": round(per_tensor.seconds / row.seconds, 2) if per_tensor else None,
             "speedup_vs_disk": round(disk.seconds / row.seconds, 2) if disk else None,
         }
