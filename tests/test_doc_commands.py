@@ -118,6 +118,7 @@ class NotHere:
 # The bench's LLM shape at its smallest (asked for 64 MiB, it is 149 MiB: a 64 MiB embedding and
 # one layer), one timed sync per row: seconds, not minutes.
 SMALL = "--size-mb 64 --repeats 1"
+TINY = "DIR: the tiny tied Llama made here, 2 MiB buckets, 2 steps"
 
 COMMANDS: dict[str, Run | NotHere] = {
     # README: weightsync demo (the default model and its 64 MiB buckets, as written)
@@ -126,24 +127,55 @@ COMMANDS: dict[str, Run | NotHere] = {
         ("demo --model {model} --bucket-mb 1 --receivers 3",),
         "DIR: a tiny tied Llama made here (its 1.15 MB embedding is split across 1 MiB buckets)",
     ),
-    "weightsync demo --backend naive": Run(timeout=150),
-    "weightsync demo --backend disk": Run(timeout=150),
-    "weightsync demo --backend paired --receivers 3": Run(timeout=150),
-    "weightsync demo --backend mooncake": Run(timeout=150),
-    "weightsync demo --backend shm --receivers 3": Run(timeout=150),
-    "weightsync demo --receivers 3 --set timeout_s=60 --set engine_kwargs.nccl.rebuild_group=true": Run(
-        timeout=150
+    # The other backends and settings on the tiny tied Llama in 2 MiB buckets (paired never
+    # splits a tensor: its 1.15 MB embedding fits), 2 steps: many small buckets, each version
+    # bit-exact. `weightsync demo` above moves the default model, the bench's five-transport
+    # run below the LLM shape through every transport.
+    "weightsync demo --backend naive": Run(
+        ("demo --backend naive --model {model} --bucket-mb 2 --steps 2",), TINY, timeout=150, check="demo"
     ),
-    # README: weightsync bench (1 GiB by default: run at SMALL)
-    "weightsync bench": Run((f"bench {SMALL}",), "--size-mb 64 --repeats 1", timeout=240),
+    "weightsync demo --backend disk": Run(
+        ("demo --backend disk --model {model} --bucket-mb 2 --steps 2",), TINY, timeout=150, check="demo"
+    ),
+    "weightsync demo --backend paired --receivers 3": Run(
+        ("demo --backend paired --receivers 3 --model {model} --bucket-mb 2 --steps 2",),
+        TINY,
+        timeout=150,
+        check="demo",
+    ),
+    "weightsync demo --backend mooncake": Run(
+        ("demo --backend mooncake --model {model} --bucket-mb 2 --steps 2",), TINY, timeout=150, check="demo"
+    ),
+    "weightsync demo --backend shm --receivers 3": Run(
+        ("demo --backend shm --receivers 3 --model {model} --bucket-mb 2 --steps 2",),
+        TINY,
+        timeout=150,
+        check="demo",
+    ),
+    "weightsync demo --receivers 3 --set timeout_s=60 --set engine_kwargs.nccl.rebuild_group=true": Run(
+        (
+            "demo --receivers 3 --set timeout_s=60 --set engine_kwargs.nccl.rebuild_group=true "
+            "--model {model} --bucket-mb 2 --steps 2",
+        ),
+        TINY,
+        timeout=150,
+        check="demo",
+    ),
+    # README: weightsync bench. Its rows (the alternatives, the ceilings, nccl and shm) are
+    # all rows of the five-transport run below, which asserts each of them.
+    "weightsync bench": NotHere(
+        "runs as `weightsync bench --backend mooncake,paired,disk,nccl,shm` below: the same rows "
+        "(alternatives, ceilings, nccl, shm) and the other transports', each row asserted"
+    ),
     "weightsync bench --shape small-tensors": Run(
         (f"bench --shape small-tensors --no-alternatives {SMALL}",),
-        "--no-alternatives --size-mb 64 --repeats 1 (the alternatives run in `weightsync bench`)",
+        "--no-alternatives --size-mb 64 --repeats 1 (the alternatives run in the five-transport line)",
         timeout=240,
     ),
     "weightsync bench --bucket-mb 16,64,256 --plot bench.png": Run(
-        (f"bench --bucket-mb 16,64,256 --plot {{tmp}}/bench.png --no-alternatives {SMALL}",),
-        "the plot into tmp_path; --no-alternatives --size-mb 64 --repeats 1 (the alternatives run in `weightsync bench`)",
+        (f"bench --bucket-mb 16,64,256 --plot {{tmp}}/bench.png --no-alternatives --receivers 1 {SMALL}",),
+        "the plot into tmp_path; --no-alternatives --receivers 1 --size-mb 64 --repeats 1 (the alternatives "
+        "run in the five-transport line)",
         timeout=240,
         check="plot",
     ),
@@ -165,7 +197,9 @@ COMMANDS: dict[str, Run | NotHere] = {
         check="five",
     ),
     "weightsync bench --backend paired --trainers 2": Run(
-        (f"bench --backend paired --trainers 2 {SMALL}",), "--size-mb 64 --repeats 1", timeout=240
+        (f"bench --backend paired --trainers 2 --no-alternatives {SMALL}",),
+        "--no-alternatives --size-mb 64 --repeats 1 (the alternatives run in the five-transport line)",
+        timeout=240,
     ),
     "weightsync bench --hosts 4 --link 1gbit --backend nccl,mooncake,paired --json": Run(
         (
@@ -201,17 +235,14 @@ COMMANDS: dict[str, Run | NotHere] = {
         timeout=120,
         check="codec",
     ),
-    "weightsync bench --rollout vllm --backend nccl,shm": Run(
-        ("bench --rollout vllm --backend nccl,shm --size-mb 16 --repeats 1",),
-        "a 16 MB fp32 Qwen2 model instead of 392 MB, one timed update (about 70 s here)",
-        timeout=240,
-        vllm=True,
-    ),
-    "weightsync bench --rollout vllm --backend nccl --update-mode stream,staged": Run(
-        ("bench --rollout vllm --backend nccl --update-mode stream,staged --size-mb 16 --repeats 1 --json",),
-        "a 16 MB fp32 Qwen2 model, one timed update per mode, --json: a row per mode, the staged one pausing "
-        "only for the local load, its staging copy reused",
-        timeout=240,
+    "weightsync bench --rollout vllm --backend nccl,shm --update-mode stream,staged": Run(
+        (
+            "bench --rollout vllm --backend nccl,shm --update-mode stream,staged --size-mb 16 --repeats 1 --json",
+        ),
+        "a 16 MB fp32 Qwen2 model instead of 392 MB, one timed update per backend and mode, --json: a row "
+        "each, the staged ones pausing only for the local load, their staging copy reused (the replicas "
+        "start once)",
+        timeout=300,
         vllm=True,
         check="modes",
     ),
@@ -428,16 +459,28 @@ def _check_codec(outs, tmp_path):
 
 
 def _check_modes(outs, tmp_path):
-    """A row per update mode; staged: paused only for the commit (no transfer inside the
-    pause), the staging copy one model's bytes per worker and not allocated again, and the
-    replicas generating during a stage."""
+    """A row per backend and update mode, each update against the replicas' reload from
+    disk of the same run; staged: paused only for the commit (no transfer inside the pause),
+    the staging copy one model's bytes per worker and not allocated again, and the replicas
+    generating during a stage."""
     result = json.loads(outs[0].stdout)
-    stream, staged = result["rows"]
-    assert (stream["update_mode"], staged["update_mode"]) == ("stream", "staged")
-    assert staged["stage_s"] > 0 and staged["transfer_s"] > 0 and staged["paused_s"] > 0
-    assert staged["staging_mb"] * 2**20 >= result["model_bytes"] and staged["staging_allocated_mb"] == 0
-    assert staged["gen_during_stage_tokens_per_s"] > 0 and staged["gen_idle_tokens_per_s"] > 0
-    assert "staging_mb" not in stream and all(result["greedy_matches_trainer"].values())
+    rows = result["rows"]
+    assert [(r["backend"], r["update_mode"]) for r in rows] == [
+        (b, m) for b in ("nccl", "shm") for m in ("stream", "staged")
+    ]
+    for stream, staged in (rows[:2], rows[2:]):
+        for row in (stream, staged):
+            assert row["seconds"] > 0 and row["disk_reload_s"] > 0, row
+            assert abs(row["ratio_to_disk_reload"] - row["seconds"] / row["disk_reload_s"]) < 0.01, row
+        assert staged["stage_s"] > 0 and staged["transfer_s"] > 0 and staged["paused_s"] > 0
+        assert staged["staging_mb"] * 2**20 >= result["model_bytes"] and staged["staging_allocated_mb"] == 0
+        assert staged["gen_during_stage_tokens_per_s"] > 0 and staged["gen_idle_tokens_per_s"] > 0
+        assert "staging_mb" not in stream
+    assert all(result["greedy_matches_trainer"].values())
+
+
+def _check_demo(outs, tmp_path):
+    assert "demo OK: 2 syncs to" in outs[0].stdout and "bit-exact" in outs[0].stdout, outs[0].stdout
 
 
 def _check_docs(outs, tmp_path):
@@ -456,6 +499,7 @@ CHECKS = {
     "five": _check_five,
     "hosts": _check_hosts,
     "docs": _check_docs,
+    "demo": _check_demo,
 }
 
 FOUND = doc_commands()

@@ -165,33 +165,14 @@ def test_a_needed_byte_no_rank_holds_and_overlapping_holders_are_refused_naming_
 
 
 # ------------------------------------------------ real DTensors: FSDP2 and tensor parallelism
-def _report_dtensor_boxes(rank: int, port: int, queue) -> None:
-    """A rank of 2 over Gloo: an FSDP2 model and a column/row-parallel one; for every
-    parameter, whether its local shard is the box ``box_of_dtensor`` names of the full tensor."""
+def _gloo_rank(body, rank: int, world: int, port: int, queue, *args) -> None:
+    """A rank of a Gloo world of ``world`` ranks on loopback: puts ``(rank, body(rank, *args))``,
+    or ``(rank, repr(error))``, on ``queue``."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from weightsync.sharding.layout import box_of_dtensor
 
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        mesh = init_device_mesh("cpu", (2,))
-        torch.manual_seed(0)
-        fsdp = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))  # 7 and 3 rows: uneven
-        fully_shard(fsdp, mesh=mesh)
-        tp = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 4))
-        parallelize_module(tp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        found = {}
-        for prefix, model in (("fsdp", fsdp), ("tp", tp)):
-            for name, p in model.named_parameters():
-                box = box_of_dtensor(p)
-                whole = p.full_tensor()
-                sliced = whole[tuple(slice(s, s + n) for s, n in zip(box.starts, box.lengths))]
-                local = p.to_local()
-                found[f"{prefix}.{name}"] = (box.to_wire(), torch.equal(local, sliced))
-        queue.put((rank, found))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        queue.put((rank, body(rank, *args)))
     except BaseException as e:
         queue.put((rank, repr(e)))
         raise
@@ -200,13 +181,39 @@ def _report_dtensor_boxes(rank: int, port: int, queue) -> None:
             dist.destroy_process_group()
 
 
+def _report_dtensor_boxes(rank: int) -> dict:
+    """A rank of 2: an FSDP2 model and a column/row-parallel one; for every parameter,
+    whether its local shard is the box ``box_of_dtensor`` names of the full tensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from weightsync.sharding.layout import box_of_dtensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    fsdp = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))  # 7 and 3 rows: uneven
+    fully_shard(fsdp, mesh=mesh)
+    tp = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 4))
+    parallelize_module(tp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    found = {}
+    for prefix, model in (("fsdp", fsdp), ("tp", tp)):
+        for name, p in model.named_parameters():
+            box = box_of_dtensor(p)
+            whole = p.full_tensor()
+            sliced = whole[tuple(slice(s, s + n) for s, n in zip(box.starts, box.lengths))]
+            local = p.to_local()
+            found[f"{prefix}.{name}"] = (box.to_wire(), torch.equal(local, sliced))
+    return found
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_box_of_dtensor_names_each_ranks_local_shard_of_fsdp2_and_tensor_parallel_parameters():
     from procs import CTX, collect, free_port, start, stop
 
     queue, port = CTX.Queue(), free_port()
-    procs = [start(_report_dtensor_boxes, rank, port, queue) for rank in range(2)]
+    procs = [start(_gloo_rank, _report_dtensor_boxes, rank, 2, port, queue) for rank in range(2)]
     try:
         reports = dict(collect(queue, 2, timeout=90))
     finally:
@@ -256,7 +263,7 @@ def _gather_bytes(data: bytes, world: int) -> list[bytes]:
     return [bytes(t[: int(n.item())].tolist()) for t, n in zip(found, sizes)]
 
 
-def _fragments_rank(rank: int, port: int, folder: str, queue) -> None:
+def _fragments_rank(rank: int, folder: str) -> dict:
     """Ranks 0-1: an FSDP2 trainer; ranks 2-3: one replica, tensor-parallel over 2 ranks;
     rank 4: a replica that declares nothing (whole tensors). Three AdamW versions, each
     moved fragment by fragment over Gloo point-to-point links, pairs in threads."""
@@ -272,86 +279,78 @@ def _fragments_rank(rank: int, port: int, folder: str, queue) -> None:
     from weightsync.sharding.fragments import FragmentLanding, global_specs, layout_of, local_shards
 
     trainers, world = 2, 5
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        trainer_mesh = DeviceMesh("cpu", [0, 1])  # every rank builds both meshes, in order
-        replica_mesh = DeviceMesh("cpu", [2, 3])
-        torch.manual_seed(0)
+    trainer_mesh = DeviceMesh("cpu", [0, 1])  # every rank builds both meshes, in order
+    replica_mesh = DeviceMesh("cpu", [2, 3])
+    torch.manual_seed(0)
+    model = _Tiny()
+    if rank < trainers:
+        fully_shard(model, mesh=trainer_mesh)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    elif rank < 4:
+        torch.manual_seed(1)  # the replica starts from other weights than the trainer's
         model = _Tiny()
-        if rank < trainers:
-            fully_shard(model, mesh=trainer_mesh)
-            optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        elif rank < 4:
-            torch.manual_seed(1)  # the replica starts from other weights than the trainer's
-            model = _Tiny()
-            plan = {
-                "embed": RowwiseParallel(input_layouts=Rep()),
-                "up": ColwiseParallel(),
-                "down": RowwiseParallel(),
-                "head": ColwiseParallel(),
-            }
-            parallelize_module(model, replica_mesh, plan)
-        else:
-            torch.manual_seed(2)
-            model = _Tiny()
-        shards = local_shards(model)
-        layout = layout_of(shards, host=f"rank{rank}")
-        layouts = [
-            Layout.from_wire(msgpack.unpackb(b, raw=False))
-            for b in _gather_bytes(msgpack.packb(layout.to_wire()), world)
-        ]
-        specs = global_specs(shards)
-        route = plan_route(specs, layouts[:trainers], layouts[trainers:])
-        hashes = _gather_bytes(route.hash.encode(), world)
-        assert len(set(hashes)) == 1, hashes
-        report = {"route": route.hash, "sent": [], "taken": [], "exact": [], "full_calls": 0}
-        for version in (1, 2, 3):
-            if rank < trainers:
-                ids = torch.arange(6).remainder(10).view(2, 3) + version
-                model(ids).square().mean().backward()
-                optim.step()
-                optim.zero_grad()
-                calls = []
-                original = torch.distributed.tensor.DTensor.full_tensor
-                torch.distributed.tensor.DTensor.full_tensor = lambda self, *a, **k: (
-                    calls.append(1),
-                    original(self, *a, **k),
-                )[1]
-                try:
-                    sent = send_fragments(
-                        route, rank, local_shards(model), 256, lambda d, b: dist.send(b, trainers + d)
-                    )
-                finally:
-                    torch.distributed.tensor.DTensor.full_tensor = original
-                report["full_calls"] += len(calls)
-                report["sent"].append(sent)
-                full = {n: p.full_tensor() for n, p in model.state_dict().items()}  # the check, not the sync
-                if rank == 0:
-                    save_file(full, f"{folder}/v{version}.safetensors")
-            else:
-                me = rank - trainers
-                landing = FragmentLanding(route, me, shards)
-                taken = receive_fragments(route, me, landing, 256, lambda s, b: dist.recv(b, s))
-                report["taken"].append(taken)
-            dist.barrier()
-            if rank >= trainers:
-                expect = load_file(f"{folder}/v{version}.safetensors")
-                state = model.state_dict()
-                got = {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in state.items()}
-                report["exact"].append({n: torch.equal(got[n], expect[n]) for n in expect})
-            dist.barrier()
-        report["kept"] = sum(s.tensor.numel() * s.tensor.element_size() for s in shards.values())
-        report["fragments"] = {
-            "sent": route.sent_bytes().get(rank, 0) if rank < trainers else 0,
-            "received": route.received_bytes().get(rank - trainers, 0) if rank >= trainers else 0,
+        plan = {
+            "embed": RowwiseParallel(input_layouts=Rep()),
+            "up": ColwiseParallel(),
+            "down": RowwiseParallel(),
+            "head": ColwiseParallel(),
         }
-        queue.put((rank, report))
-    except BaseException as e:
-        queue.put((rank, repr(e)))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        parallelize_module(model, replica_mesh, plan)
+    else:
+        torch.manual_seed(2)
+        model = _Tiny()
+    shards = local_shards(model)
+    layout = layout_of(shards, host=f"rank{rank}")
+    layouts = [
+        Layout.from_wire(msgpack.unpackb(b, raw=False))
+        for b in _gather_bytes(msgpack.packb(layout.to_wire()), world)
+    ]
+    specs = global_specs(shards)
+    route = plan_route(specs, layouts[:trainers], layouts[trainers:])
+    hashes = _gather_bytes(route.hash.encode(), world)
+    assert len(set(hashes)) == 1, hashes
+    report = {"route": route.hash, "sent": [], "taken": [], "exact": [], "full_calls": 0}
+    for version in (1, 2, 3):
+        if rank < trainers:
+            ids = torch.arange(6).remainder(10).view(2, 3) + version
+            model(ids).square().mean().backward()
+            optim.step()
+            optim.zero_grad()
+            calls = []
+            original = torch.distributed.tensor.DTensor.full_tensor
+            torch.distributed.tensor.DTensor.full_tensor = lambda self, *a, **k: (
+                calls.append(1),
+                original(self, *a, **k),
+            )[1]
+            try:
+                sent = send_fragments(
+                    route, rank, local_shards(model), 256, lambda d, b: dist.send(b, trainers + d)
+                )
+            finally:
+                torch.distributed.tensor.DTensor.full_tensor = original
+            report["full_calls"] += len(calls)
+            report["sent"].append(sent)
+            full = {n: p.full_tensor() for n, p in model.state_dict().items()}  # the check, not the sync
+            if rank == 0:
+                save_file(full, f"{folder}/v{version}.safetensors")
+        else:
+            me = rank - trainers
+            landing = FragmentLanding(route, me, shards)
+            taken = receive_fragments(route, me, landing, 256, lambda s, b: dist.recv(b, s))
+            report["taken"].append(taken)
+        dist.barrier()
+        if rank >= trainers:
+            expect = load_file(f"{folder}/v{version}.safetensors")
+            state = model.state_dict()
+            got = {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in state.items()}
+            report["exact"].append({n: torch.equal(got[n], expect[n]) for n in expect})
+        dist.barrier()
+    report["kept"] = sum(s.tensor.numel() * s.tensor.element_size() for s in shards.values())
+    report["fragments"] = {
+        "sent": route.sent_bytes().get(rank, 0) if rank < trainers else 0,
+        "received": route.received_bytes().get(rank - trainers, 0) if rank >= trainers else 0,
+    }
+    return report
 
 
 @pytest.mark.slow
@@ -365,7 +364,7 @@ def test_fsdp2_shards_reach_a_tensor_parallel_replica_slice_by_slice_and_a_whole
     from procs import CTX, collect, free_port, start, stop
 
     queue, port = CTX.Queue(), free_port()
-    procs = [start(_fragments_rank, rank, port, str(tmp_path), queue) for rank in range(5)]
+    procs = [start(_gloo_rank, _fragments_rank, rank, 5, port, queue, str(tmp_path)) for rank in range(5)]
     try:
         reports = dict(collect(queue, 5, timeout=150))
     finally:

@@ -8,6 +8,7 @@ collective among trainer ranks.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -15,10 +16,13 @@ import torch
 
 from weightsync.plan import TensorSpec, dtype_name
 
-try:  # DTensor lives here since torch 2.4
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = ()  # type: ignore[assignment,misc]
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor. Importing ``torch.distributed.tensor`` costs about a
+    second per process, which every receiver and CLI call would pay; a tensor can only be a
+    DTensor once its module was imported, so that is looked up, never imported, here."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def _wire_cast(tensor: torch.Tensor, wire_dtype: torch.dtype | None) -> torch.Tensor:
@@ -65,7 +69,7 @@ class StateDictSource(WeightSource):
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self.state.items():
-            if isinstance(t, DTensor):
+            if is_dtensor(t):
                 t = t.full_tensor()  # a collective: every trainer rank must get here
             yield name, _wire_cast(t.detach(), self.wire_dtype)
 
@@ -105,7 +109,7 @@ class IteratorSource(WeightSource):
             raise RuntimeError("this iterator source was already consumed; pass a new iterator per sync")
         self._used = True
         for name, t in self.items:
-            if isinstance(t, DTensor):
+            if is_dtensor(t):
                 t = t.full_tensor()
             yield name, _wire_cast(t.detach(), self.wire_dtype)
 

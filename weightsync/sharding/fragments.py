@@ -31,11 +31,7 @@ import torch
 from weightsync.plan import Plan, TensorSpec, dtype_name, make_plan
 from weightsync.sharding.layout import Box, Layout, box_of_dtensor
 from weightsync.sharding.route import Fragment, Route
-
-try:  # DTensor lives here since torch 2.4
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = ()  # type: ignore[assignment,misc]
+from weightsync.sources import is_dtensor
 
 
 @dataclass(frozen=True)
@@ -70,7 +66,7 @@ def local_shards(obj: torch.nn.Module | Mapping[str, Any]) -> dict[str, LocalSha
     out = {}
     for name, t in items.items():
         t = t.detach()
-        if isinstance(t, DTensor):
+        if is_dtensor(t):
             spec = TensorSpec(name, tuple(t.shape), dtype_name(t.dtype))
             out[name] = LocalShard(spec, box_of_dtensor(t), t.to_local())
         else:
