@@ -129,6 +129,65 @@ def test_the_same_inputs_built_again_give_the_same_route_and_hash(sync):
         assert (moved.hash == first.hash) == (moved.fragments == first.fragments)
 
 
+def _groups(rank_plan):
+    """Each group of a ``RankPlan``: peer -> (its tensors' specs, its buckets relative to it)."""
+    plan, out = rank_plan.plan, {}
+    bounds = [*rank_plan.starts, len(plan.buckets)]
+    for peer, start, end in zip(rank_plan.peers, bounds, bounds[1:]):
+        buckets = plan.buckets[start:end]
+        first = min((p.tensor for b in buckets for p in b.pieces), default=0)
+        shape = [
+            (b.nbytes, [(p.tensor - first, p.tensor_offset, p.length, p.bucket_offset) for p in b.pieces])
+            for b in buckets
+        ]
+        count = len({p.tensor for b in buckets for p in b.pieces})
+        out[peer] = (list(plan.tensors[first : first + count]), shape)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(syncs(), st.sampled_from([64, 256, 4096]))
+def test_both_ends_of_every_pair_plan_the_same_buckets_and_blocking_sends_never_deadlock(sync, bucket_bytes):
+    """Each trainer rank's plan (a group per receiver rank) and each receiver rank's (a group
+    per trainer rank) hold every fragment once, and the two ends of a pair hold the same
+    buckets in the same order. Moved one bucket at a time, each send waiting for its
+    receive (the strictest a link can be), every rank finishes: the groups' rotated orders
+    leave no circle of ranks each waiting for the next."""
+    from weightsync.sharding.fragments import fragment_name, receiver_plan, trainer_plan
+
+    specs, holders, needs = sync
+    route = plan_route(specs, holders, needs)
+    sources = sorted({f.source for f in route.fragments})
+    dests = sorted({f.dest for f in route.fragments})
+    senders = {s: trainer_plan(route, s, bucket_bytes) for s in sources}
+    takers = {q: receiver_plan(route, q, bucket_bytes) for q in dests}
+    names = sorted(fragment_name(route, f) for f in route.fragments)
+    assert sorted(t.name for rp in senders.values() for t in rp.plan.tensors) == names
+    assert sorted(t.name for rp in takers.values() for t in rp.plan.tensors) == names
+    sent = {s: _groups(rp) for s, rp in senders.items()}
+    taken = {q: _groups(rp) for q, rp in takers.items()}
+    for s in sources:
+        for q, group in sent[s].items():
+            assert taken[q][s] == group, (s, q)
+    # one bucket at a time, rendezvous per pair
+    todo = {("t", s): [rp.peer_of(b.index) for b in rp.plan.buckets] for s, rp in senders.items()}
+    todo |= {("r", q): [rp.peer_of(b.index) for b in rp.plan.buckets] for q, rp in takers.items()}
+    while any(todo.values()):
+        pair = next(
+            (
+                (s, q)
+                for s in sources
+                if todo[("t", s)]
+                for q in [todo[("t", s)][0]]
+                if todo[("r", q)] and todo[("r", q)][0] == s
+            ),
+            None,
+        )
+        assert pair is not None, {k: v[:3] for k, v in todo.items() if v}  # a circle of waits
+        todo[("t", pair[0])].pop(0)
+        todo[("r", pair[1])].pop(0)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(1, 64), min_size=1, max_size=12), st.integers(1, 6))
 def test_replicated_holders_share_the_bytes_within_one_fragment_of_the_balanced_share(sizes, ranks):

@@ -9,12 +9,15 @@ from weightsync.sharding.exchange import PairFailed, receive_fragments, send_fra
 from weightsync.sharding.fragments import (
     FragmentLanding,
     LocalShard,
+    RankPlan,
     declared_shards,
     fragment_tensors,
     global_specs,
     layout_of,
     local_shards,
     pair_plan,
+    receiver_plan,
+    trainer_plan,
 )
 from weightsync.sharding.layout import (
     Box,
@@ -45,6 +48,7 @@ __all__ = [
     "FragmentLanding",
     "LocalShard",
     "PairFailed",
+    "RankPlan",
     "Layout",
     "Placement",
     "Replicate",
@@ -64,7 +68,9 @@ __all__ = [
     "placements_of",
     "plan_route",
     "receive_fragments",
+    "receiver_plan",
     "route_hash",
     "send_fragments",
+    "trainer_plan",
     "whole_needs",
 ]

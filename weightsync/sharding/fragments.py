@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from weightsync.plan import Plan, TensorSpec, dtype_name, make_plan
+from weightsync.plan import Bucket, Piece, Plan, TensorSpec, dtype_name, make_plan
 from weightsync.sharding.layout import Box, Layout, box_of_dtensor
 from weightsync.sharding.route import Fragment, Route
 from weightsync.sources import is_dtensor
@@ -171,3 +171,75 @@ class FragmentLanding:
     def from_source(self, source: int) -> list[str]:
         """Names of the fragments trainer rank ``source`` sends here, in its plan's order."""
         return [n for n, (f, _) in self._targets.items() if f.source == source]
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's whole part of a sharded sync as one ordinary plan: its fragments grouped by
+    peer (the receiver ranks it sends to, or the trainer ranks it takes from). Each group
+    starts a new bucket and is laid out exactly as that pair's own plan (``pair_plan``), so
+    both ends of a pair hold the same buckets in the same order, and a transport needs only
+    ``peer_of(bucket)`` to know which link a bucket travels. ``plan.hash`` covers the
+    fragments; the route's hash, agreed by every rank first, covers who sends what."""
+
+    plan: Plan
+    #: each group's peer rank, in the order the groups come
+    peers: tuple[int, ...]
+    #: each group's first bucket index (the groups' buckets are consecutive)
+    starts: tuple[int, ...]
+
+    def peer_of(self, bucket_index: int) -> int:
+        """The peer rank of the group bucket ``bucket_index`` belongs to."""
+        group = 0
+        for g, start in enumerate(self.starts):
+            if start <= bucket_index:
+                group = g
+        return self.peers[group]
+
+
+def _round(route: Route, source: int, dest: int) -> int:
+    """The round of pair (source, dest) in the order every rank moves its groups in:
+    ``(dest - source) mod K``, K the larger of the two sides' rank counts. A round pairs each
+    trainer rank with at most one receiver rank and the reverse, so the pairs of one round
+    run at once; every rank going through its pairs by (round, source, dest), one total
+    order, the smallest pair not yet done is always the next of both its ends: blocking
+    sends cannot deadlock. (Each rank starting from its own rank's peer, a rotation, can:
+    three trainer and three receiver ranks, each waiting for the next in a circle.)"""
+    ranks = max(
+        max((f.source for f in route.fragments), default=0), max((f.dest for f in route.fragments), default=0)
+    )
+    return (dest - source) % (ranks + 1)
+
+
+def _grouped(route: Route, pairs: list[tuple[int, int]], bucket_bytes: int) -> tuple[Plan, list[int]]:
+    """The pair plans of ``pairs`` (source, dest) one after another as one plan: tensors and
+    buckets renumbered, every bucket of each pair where the pair's own plan puts it."""
+    tensors: list[TensorSpec] = []
+    buckets: list[Bucket] = []
+    starts: list[int] = []
+    for source, dest in pairs:
+        own = pair_plan(route, source, dest, bucket_bytes)
+        starts.append(len(buckets))
+        for b in own.buckets:
+            pieces = tuple(
+                Piece(p.tensor + len(tensors), p.tensor_offset, p.length, p.bucket_offset) for p in b.pieces
+            )
+            buckets.append(Bucket(len(buckets), b.nbytes, pieces))
+        tensors += own.tensors
+    return Plan(bucket_bytes, tuple(tensors), tuple(buckets)), starts
+
+
+def trainer_plan(route: Route, source: int, bucket_bytes: int) -> RankPlan:
+    """Trainer rank ``source``'s part: its fragments for each receiver rank, a group each,
+    in the pairs' order (``_round``)."""
+    dests = sorted({f.dest for f in route.for_source(source)}, key=lambda d: (_round(route, source, d), d))
+    plan, starts = _grouped(route, [(source, d) for d in dests], bucket_bytes)
+    return RankPlan(plan, tuple(dests), tuple(starts))
+
+
+def receiver_plan(route: Route, dest: int, bucket_bytes: int) -> RankPlan:
+    """Receiver rank ``dest``'s part: its fragments from each trainer rank, a group each,
+    in the pairs' order (``_round``)."""
+    sources = sorted({f.source for f in route.for_dest(dest)}, key=lambda t: (_round(route, t, dest), t))
+    plan, starts = _grouped(route, [(s, dest) for s in sources], bucket_bytes)
+    return RankPlan(plan, tuple(sources), tuple(starts))
