@@ -59,7 +59,8 @@ def kill_mid_update(manager, trainer, workers, victim: int, step: int, transport
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", ["nccl", "shm", "auto"])
+# auto picks shm on one Ray node (asserted below): it runs the shm case and proves the choice
+@pytest.mark.parametrize("transport", ["nccl", "auto"])
 def test_manager_updates_bit_exact_as_replicas_join_die_and_leave(transport, model_path, reaper):
     timeout_s = 20
     config = H.checkpoint_engine_config(transport, timeout_s=timeout_s)
