@@ -120,6 +120,12 @@ class NotHere:
 SMALL = "--size-mb 64 --repeats 1"
 TINY = "DIR: the tiny tied Llama made here, 2 MiB buckets, 2 steps"
 
+
+def _tiny(line: str) -> Run:
+    """A demo line run on the tiny tied Llama in 2 MiB buckets, 2 steps, checked bit-exact."""
+    return Run((f"{line} --model {{model}} --bucket-mb 2 --steps 2",), TINY, timeout=150, check="demo")
+
+
 COMMANDS: dict[str, Run | NotHere] = {
     # README: weightsync demo (the default model and its 64 MiB buckets, as written)
     "weightsync demo": Run(timeout=150),
@@ -131,35 +137,13 @@ COMMANDS: dict[str, Run | NotHere] = {
     # splits a tensor: its 1.15 MB embedding fits), 2 steps: many small buckets, each version
     # bit-exact. `weightsync demo` above moves the default model, the bench's five-transport
     # run below the LLM shape through every transport.
-    "weightsync demo --backend naive": Run(
-        ("demo --backend naive --model {model} --bucket-mb 2 --steps 2",), TINY, timeout=150, check="demo"
-    ),
-    "weightsync demo --backend disk": Run(
-        ("demo --backend disk --model {model} --bucket-mb 2 --steps 2",), TINY, timeout=150, check="demo"
-    ),
-    "weightsync demo --backend paired --receivers 3": Run(
-        ("demo --backend paired --receivers 3 --model {model} --bucket-mb 2 --steps 2",),
-        TINY,
-        timeout=150,
-        check="demo",
-    ),
-    "weightsync demo --backend mooncake": Run(
-        ("demo --backend mooncake --model {model} --bucket-mb 2 --steps 2",), TINY, timeout=150, check="demo"
-    ),
-    "weightsync demo --backend shm --receivers 3": Run(
-        ("demo --backend shm --receivers 3 --model {model} --bucket-mb 2 --steps 2",),
-        TINY,
-        timeout=150,
-        check="demo",
-    ),
-    "weightsync demo --receivers 3 --set timeout_s=60 --set engine_kwargs.nccl.rebuild_group=true": Run(
-        (
-            "demo --receivers 3 --set timeout_s=60 --set engine_kwargs.nccl.rebuild_group=true "
-            "--model {model} --bucket-mb 2 --steps 2",
-        ),
-        TINY,
-        timeout=150,
-        check="demo",
+    "weightsync demo --backend naive": _tiny("demo --backend naive"),
+    "weightsync demo --backend disk": _tiny("demo --backend disk"),
+    "weightsync demo --backend paired --receivers 3": _tiny("demo --backend paired --receivers 3"),
+    "weightsync demo --backend mooncake": _tiny("demo --backend mooncake"),
+    "weightsync demo --backend shm --receivers 3": _tiny("demo --backend shm --receivers 3"),
+    "weightsync demo --receivers 3 --set timeout_s=60 --set engine_kwargs.nccl.rebuild_group=true": _tiny(
+        "demo --receivers 3 --set timeout_s=60 --set engine_kwargs.nccl.rebuild_group=true"
     ),
     # README: weightsync bench. Its rows (the alternatives, the ceilings, nccl and shm) are
     # all rows of the five-transport run below, which asserts each of them.

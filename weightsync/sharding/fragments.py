@@ -12,9 +12,9 @@ real memory:
   transfer plan (``weightsync.plan``): each fragment is a tensor of the box's shape, named
   after its tensor and box, so the packer, the buckets and the plan hash are the dense
   sync's own. Both ends build it from the route alone.
-- ``fragment_tensors`` yields a pair's fragments from the sender's local shards: a view of
-  the local tensor, made contiguous only when the box cuts its rows (the packer reads the
-  bytes once either way). No rank materializes a full tensor.
+- ``fragment_tensors`` yields a pair's fragments from the sender's local shards: views of
+  the local tensor, copied into the bucket by the packer (a box that cuts rows is made
+  contiguous first: one copy more). No rank materializes a full tensor.
 - ``FragmentLanding`` copies each arriving fragment into the receiver's slice and tells
   which fragments have not arrived (a receive that ended early leaves the slices torn, and
   says where).
