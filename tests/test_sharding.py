@@ -322,11 +322,11 @@ def _gather_bytes(data: bytes, world: int) -> list[bytes]:
     return [bytes(t[: int(n.item())].tolist()) for t, n in zip(found, sizes)]
 
 
-def _fragments_rank(rank: int, folder: str) -> dict:
-    """Ranks 0-1: an FSDP2 trainer; ranks 2-3: one replica, tensor-parallel over 2 ranks;
-    rank 4: a replica that declares nothing (whole tensors). Three AdamW versions, each
-    moved fragment by fragment over Gloo point-to-point links, pairs in threads."""
-    import msgpack
+def _session_rank(rank: int, folder: str, port: int) -> dict:
+    """Ranks 0-1: an FSDP2 trainer (``Sender``, backend ``sharded``); ranks 2-3: one replica,
+    tensor-parallel over 2 ranks (``Receiver.load_into``: receiver ranks 0-1); rank 4: a
+    receiver that declares nothing (``Receiver.receive``: whole tensors, receiver rank 2).
+    Three AdamW versions through the session."""
     import torch.distributed as dist
     from safetensors.torch import load_file, save_file
     from torch.distributed.device_mesh import DeviceMesh
@@ -334,41 +334,34 @@ def _fragments_rank(rank: int, folder: str) -> dict:
     from torch.distributed.tensor import Replicate as Rep
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from weightsync.sharding.exchange import receive_fragments, send_fragments
-    from weightsync.sharding.fragments import FragmentLanding, global_specs, layout_of, local_shards
+    from weightsync import EngineConfig, Receiver, Sender
+    from weightsync.sharding.fragments import local_shards
 
-    trainers, world = 2, 5
+    trainers = 2
     trainer_mesh = DeviceMesh("cpu", [0, 1])  # every rank builds both meshes, in order
     replica_mesh = DeviceMesh("cpu", [2, 3])
+    config = EngineConfig(backend="sharded", update_weights_bucket_megabytes=1, timeout_s=60)
+    address = f"127.0.0.1:{port}"
     torch.manual_seed(0)
     model = _Tiny()
     if rank < trainers:
         fully_shard(model, mesh=trainer_mesh)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    elif rank < 4:
-        torch.manual_seed(1)  # the replica starts from other weights than the trainer's
-        model = _Tiny()
-        plan = {
-            "embed": RowwiseParallel(input_layouts=Rep()),
-            "up": ColwiseParallel(),
-            "down": RowwiseParallel(),
-            "head": ColwiseParallel(),
-        }
-        parallelize_module(model, replica_mesh, plan)
+        peer = Sender(config, address, num_receivers=3, rank=rank, num_trainers=trainers)
     else:
-        torch.manual_seed(2)
+        torch.manual_seed(rank)  # the replicas start from other weights than the trainer's
         model = _Tiny()
+        if rank < 4:
+            plan = {
+                "embed": RowwiseParallel(input_layouts=Rep()),
+                "up": ColwiseParallel(),
+                "down": RowwiseParallel(),
+                "head": ColwiseParallel(),
+            }
+            parallelize_module(model, replica_mesh, plan)
+        peer = Receiver(config, address, rank=rank - trainers)
     shards = local_shards(model)
-    layout = layout_of(shards, host=f"rank{rank}")
-    layouts = [
-        Layout.from_wire(msgpack.unpackb(b, raw=False))
-        for b in _gather_bytes(msgpack.packb(layout.to_wire()), world)
-    ]
-    specs = global_specs(shards)
-    route = plan_route(specs, layouts[:trainers], layouts[trainers:])
-    hashes = _gather_bytes(route.hash.encode(), world)
-    assert len(set(hashes)) == 1, hashes
-    report = {"route": route.hash, "sent": [], "taken": [], "exact": [], "full_calls": 0}
+    report = {"sent": [], "taken": [], "exact": [], "full_calls": 0}
     for version in (1, 2, 3):
         if rank < trainers:
             ids = torch.arange(6).remainder(10).view(2, 3) + version
@@ -382,21 +375,23 @@ def _fragments_rank(rank: int, folder: str) -> dict:
                 original(self, *a, **k),
             )[1]
             try:
-                sent = send_fragments(
-                    route, rank, local_shards(model), 256, lambda d, b: dist.send(b, trainers + d)
-                )
+                stats = peer.send(model, version)
             finally:
                 torch.distributed.tensor.DTensor.full_tensor = original
             report["full_calls"] += len(calls)
-            report["sent"].append(sent)
+            report["sent"].append(stats.bytes)
             full = {n: p.full_tensor() for n, p in model.state_dict().items()}  # the check, not the sync
             if rank == 0:
                 save_file(full, f"{folder}/v{version}.safetensors")
+        elif rank < 4:
+            stats = peer.load_into(model, version)
+            report["taken"].append(stats.bytes)
         else:
-            me = rank - trainers
-            landing = FragmentLanding(route, me, shards)
-            taken = receive_fragments(route, me, landing, 256, lambda s, b: dist.recv(b, s))
-            report["taken"].append(taken)
+            got = dict(peer.receive(version))
+            model.load_state_dict(got)
+            report["taken"].append(peer.last_stats.bytes)
+            report["names"] = sorted(got)
+        assert peer.version == version if rank >= trainers else True
         dist.barrier()
         if rank >= trainers:
             expect = load_file(f"{folder}/v{version}.safetensors")
@@ -404,46 +399,47 @@ def _fragments_rank(rank: int, folder: str) -> dict:
             got = {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in state.items()}
             report["exact"].append({n: torch.equal(got[n], expect[n]) for n in expect})
         dist.barrier()
+    peer.close()
     report["kept"] = sum(s.tensor.numel() * s.tensor.element_size() for s in shards.values())
-    report["fragments"] = {
-        "sent": route.sent_bytes().get(rank, 0) if rank < trainers else 0,
-        "received": route.received_bytes().get(rank - trainers, 0) if rank >= trainers else 0,
-    }
     return report
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_fsdp2_shards_reach_a_tensor_parallel_replica_slice_by_slice_and_a_whole_replica_bit_exact(tmp_path):
-    """FSDP2 on 2 trainer ranks -> one replica tensor-parallel over 2 ranks, and one replica
-    that declares nothing, in the same route: three AdamW versions, each trainer rank packing
-    fragments from its local shard (never ``full_tensor``), every rank's kept slices
-    bit-exact against the trainer's saved full tensors, every receiver rank taking exactly
-    the bytes it keeps."""
+    """``backend=sharded`` through the session: FSDP2 on 2 trainer ranks -> one replica
+    tensor-parallel over 2 ranks, and one receiver that declares nothing, in the same sync:
+    three AdamW versions, each trainer rank sending fragments of its local shard (never
+    ``full_tensor``), every kept slice bit-exact against the trainer's saved full tensors,
+    every receiver rank taking exactly the bytes it keeps (the whole one: every tensor)."""
     from procs import CTX, collect, free_port, start, stop
 
-    queue, port = CTX.Queue(), free_port()
-    procs = [start(_gloo_rank, _fragments_rank, rank, 5, port, queue, str(tmp_path)) for rank in range(5)]
+    queue, port, address_port = CTX.Queue(), free_port(), free_port()
+    procs = [
+        start(_gloo_rank, _session_rank, rank, 5, port, queue, str(tmp_path), address_port)
+        for rank in range(5)
+    ]
     try:
         reports = dict(collect(queue, 5, timeout=150))
     finally:
         stop(procs)
     assert all(isinstance(r, dict) for r in reports.values()), reports
-    assert len({r["route"] for r in reports.values()}) == 1
     for rank in (2, 3, 4):
         report = reports[rank]
+        assert len(report["exact"]) == 3
         for version, exact in enumerate(report["exact"], 1):
             wrong = [n for n, ok in exact.items() if not ok]
             assert not wrong and len(exact) == 8, f"rank {rank}, version {version}: {wrong}"
-        for taken in report["taken"]:  # exactly its slices, each byte once
-            assert sum(taken.values()) == report["kept"] == report["fragments"]["received"]
     whole = sum(p.numel() * 4 for p in _Tiny().parameters())
+    assert reports[4]["names"] == sorted(n for n, _ in _Tiny().named_parameters())
     assert reports[4]["kept"] == whole and reports[2]["kept"] + reports[3]["kept"] < 1.2 * whole
+    for rank in (2, 3, 4):  # exactly its slices, each byte once
+        assert reports[rank]["taken"] == [reports[rank]["kept"]] * 3, rank
     for rank in (0, 1):
         assert reports[rank]["full_calls"] == 0  # the sync never materializes a full tensor
-        for sent in reports[rank]["sent"]:
-            assert sum(sent.values()) == reports[rank]["fragments"]["sent"]
     # each trainer rank sends its own shard once to each replica: the two together send
     # every byte to the whole replica once, and to the tensor-parallel one about once
-    both = [sum(reports[r]["sent"][0].values()) for r in (0, 1)]
-    assert whole * 2 <= sum(both) < 2.2 * whole and max(both) < 0.6 * sum(both)
+    # (rank 0's figure is every trainer rank's: it counts the others' too)
+    total = reports[0]["sent"][0]
+    assert total == sum(reports[r]["kept"] for r in (2, 3, 4))
+    assert 0.4 * total < reports[1]["sent"][0] < 0.6 * total

@@ -14,6 +14,7 @@ _BUILTIN: dict[str, str] = {
     "nccl": "weightsync.engines.nccl:CollectiveEngine",
     "shm": "weightsync.engines.shm:ShmEngine",
     "paired": "weightsync.engines.paired:PairedEngine",
+    "sharded": "weightsync.engines.sharded:ShardedEngine",
     "disk": "weightsync.engines.disk:DiskPublisher",
     "mooncake": "weightsync.engines.mooncake:MooncakeEngine",
 }

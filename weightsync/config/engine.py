@@ -185,6 +185,12 @@ class EngineConfig(EngineKeys):
                 f"backend={self.backend!r} is not a known backend{suggest(self.backend, known)}; "
                 f"known backends: {', '.join(known)}"
             )
+        if self.backend == "sharded" and (self.delta != "off" or self.verify != "off"):
+            raise ConfigError(
+                f"backend=sharded with delta={self.delta!r}, verify={self.verify!r}: a sharded sync sends "
+                "each rank's own fragments, which neither delta sync nor verify covers yet; set delta=off "
+                "and verify=off"
+            )
         if self.backend == "disk" and not self.engine_kwargs.disk.path:
             raise ConfigError(
                 "engine_kwargs.disk.path='': backend=disk needs a directory shared by the trainer and "

@@ -96,6 +96,12 @@ class Join:
     #: called now and then while the transport waits; raises to abandon the wait (the
     #: session raises when a peer's control connection closed)
     watch: Callable[[], None] | None = None
+    #: ``sharded``: the route's (trainer rank, receiver rank) pairs as group ranks, in the
+    #: one order every rank joins them in (empty for the other transports)
+    links: tuple[tuple[int, int], ...] = ()
+    #: ``sharded``: the group rank at the other end of the link a bucket of this rank's
+    #: plan travels (by bucket index); None for the other transports
+    peer_of: Callable[[int], int] | None = None
 
     def check(self) -> None:
         """Call ``watch`` if there is one."""
@@ -116,6 +122,10 @@ class Transport(ABC):
     #: version again at once (``drop_lost_receivers``): whatever of the failed one may still
     #: write into a receiver's memory writes that version's bytes (``settle``).
     reroutes: ClassVar[bool] = False
+    #: Each rank sends or takes only its own part of the route (``sharded``): the session
+    #: agrees the ranks' layouts and each rank's own plan in the handshake
+    #: (``weightsync.sharding.agreement``) and hands the links over in ``Join``.
+    sharded: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config

@@ -85,6 +85,8 @@ WINDOW = 8
 
 class CollectiveEngine(Transport):
     name = "nccl"
+    #: the routes a sender may name in its handshake
+    topologies: tuple[str, ...] = TOPOLOGIES
     reroutes = True  # a failed group's late receives carry the failed version's bytes (settle)
 
     def __init__(self, config, device) -> None:
@@ -163,11 +165,11 @@ class CollectiveEngine(Transport):
     def connect(self, join: Join, info: dict[str, Any]) -> None:
         self.start(join)
         topology = info.get("topology", "broadcast")
-        if topology not in TOPOLOGIES:
+        if topology not in self.topologies:
             raise RuntimeError(
-                f"the sender's route {topology!r} is not one of {', '.join(TOPOLOGIES)}: run the same weightsync on both sides"
+                f"the sender's route {topology!r} is not one of {', '.join(self.topologies)}: run the same weightsync on both sides"
             )
-        key = (info["host"], info["port"], info["group"], join.world_size, join.senders, topology)
+        key = (info["host"], info["port"], info["group"], join.world_size, join.senders, topology, join.links)
         if self._groups and key == self._group_key:
             return
         self._drop_group()
@@ -238,7 +240,7 @@ class CollectiveEngine(Transport):
             links |= {(j + 1, (j + 1) % self._replicas + 1) for j in range(self._replicas)}
         return sorted(links)
 
-    def _route(self, share: int) -> tuple[int, int | None]:
+    def _route(self, bucket: Bucket, share: int) -> tuple[int, int | None]:
         """Where a piece of share ``share`` comes from, and the rank to forward it to (None:
         nowhere). On a chain, share s comes from trainer rank s to replica d(s), then goes
         around the ring of replicas; the last replica of the ring keeps it."""
@@ -346,9 +348,9 @@ class CollectiveEngine(Transport):
         return self._buffers
 
     # ------------------------------------------------------------------ data
-    def _post_send(self, piece: torch.Tensor) -> dist.Work:
-        """Start moving a piece of this rank's share: to all, or to the replica this rank's
-        chain starts at."""
+    def _post_send(self, bucket: Bucket, piece: torch.Tensor) -> dist.Work:
+        """Start moving a piece of ``bucket`` of this rank's share: to all, or to the replica
+        this rank's chain starts at."""
         return self._send_op(partner(self._share, self._replicas) + 1 if self._chain else None, piece)
 
     def send_buckets(self, produce: Producer) -> int:
@@ -370,7 +372,7 @@ class CollectiveEngine(Transport):
                 packed = payload.data_ptr() == bufs[slot].data_ptr()
                 for piece, share in self._layout(bucket, payload):
                     if share == self._share:  # this rank's pieces (all, but on a chain of shares)
-                        in_flight.append((self._post_send(piece), slot if packed else None))
+                        in_flight.append((self._post_send(bucket, piece), slot if packed else None))
                         sent += piece.numel()
                 if packed:
                     slot = (slot + 1) % 2
@@ -453,7 +455,7 @@ class CollectiveEngine(Transport):
                     target = bufs[slot][: pending.nbytes]
                 works = []
                 for piece, share in self._layout(pending, target):
-                    source, forward = self._route(share)
+                    source, forward = self._route(pending, share)
                     works.append((self._recv_op(source, piece), piece, forward))
                 posted.append((pending, slot, target, works))
                 pending = None

@@ -25,13 +25,22 @@ from weightsync.config.engine import EngineConfig
 from weightsync.delta.receive_stage import Incoming, ReceiveStage
 from weightsync.engines.base import Join, Publisher, Transport
 from weightsync.engines.registry import get_engine
-from weightsync.errors import HandshakeError, PeerLost, Rerouted, SyncError, VerificationError, in_context
+from weightsync.errors import (
+    HandshakeError,
+    PeerLost,
+    ProtocolError,
+    Rerouted,
+    SyncError,
+    VerificationError,
+    in_context,
+)
 from weightsync.plan import Bucket, Plan, capacity, shortfall
 from weightsync.receiver import admission
 from weightsync.receiver.publication import take
 from weightsync.session import reroute
 from weightsync.session.channel import PROTOCOL_VERSION, Channel, Deadline
 from weightsync.session.control import connect
+from weightsync.sharding.agreement import RECEIVER, WHOLE, Agreement, FragmentSink, Part, Reassembly
 from weightsync.sinks import ModuleSink
 from weightsync.state import VersionState
 from weightsync.stats import SyncStats
@@ -97,6 +106,10 @@ class Receiver:
         self._reroutable = False  # the sync in transfer: the sender may route around a lost receiver
         #: the delta stage (``weightsync.delta.receive_stage``): a streaming receiver's base, and each sync's routing
         self._decoder = ReceiveStage(config.delta, rank)
+        # ``sharded``: the route last agreed, and this receiver's part of the sync in progress
+        self._sharded = self._transport is not None and self._transport.sharded
+        self._agreement = Agreement(RECEIVER, config.bucket_bytes)
+        self._part: Part | None = None
 
     @property
     def version(self) -> int | None:
@@ -199,6 +212,8 @@ class Receiver:
             local_host=ch.sock.getsockname()[0],
             sender_host=ch.sock.getpeername()[0],
             watch=self._watch_sender,
+            links=self._part.links if self._part is not None else (),
+            peer_of=self._part.peer_of if self._part is not None else None,
         )
 
     def _watch_sender(self) -> None:
@@ -255,7 +270,29 @@ class Receiver:
         """
         if self._publisher is not None:
             return self._take(self._publisher, version, None, owned)
+        if self._sharded:  # declares nothing: every tensor whole, put together from its fragments
+            if landing is not None or settle is not None:
+                raise ValueError("backend=sharded receives no prefetched landing: use load_into or receive")
+            return self._reassembled(self._sync_session(version, None, owned=False))
         return self._sync_session(version, None, owned, landing=landing, settle=settle)
+
+    def _reassembled(
+        self, fragments: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A sharded sync's fragments as whole tensors (each handed out once complete; the
+        caller owns them)."""
+        whole: Reassembly | None = None
+        for name, tensor in fragments:
+            if whole is None:
+                assert self._part is not None  # agreed before the first fragment
+                whole = Reassembly(self._part)
+            done = whole.put(name, tensor)
+            if done is not None:
+                try:
+                    yield done
+                except BaseException as e:
+                    fragments.throw(e)
+                    raise
 
     def load_into(self, module: torch.nn.Module | ModuleSink, version: int | None = None) -> SyncStats:
         """Receive one version and copy it in place into ``module`` by name (or into a sink's
@@ -266,7 +303,14 @@ class Receiver:
         announced, before anything of it is allocated. Names the module has but the sync did
         not carry are logged and listed in ``stats.missing``.
         """
-        sink = module if isinstance(module, ModuleSink) else ModuleSink(module)
+        if self._sharded:  # the slices this rank keeps (a DTensor's local shard, a plain tensor whole)
+            sink = (
+                module
+                if isinstance(module, FragmentSink)
+                else FragmentSink(getattr(module, "module", module))
+            )
+        else:
+            sink = module if isinstance(module, ModuleSink) else ModuleSink(module)
         items = self._sync(version, sink=sink)
         for name, tensor in items:
             try:
@@ -351,6 +395,8 @@ class Receiver:
             if isinstance(msg.get("version"), int):  # a failed sync's leftovers end before we are ready
                 transport.settle(msg["version"], retake)
             v, plan, incoming, msg = self._handshake(ch, msg, version, sink)
+            if self._sharded and self._part is None:
+                raise ProtocolError(f"{ch.peer} gave the go of version {v} before the route was agreed")
             info, self._reroutable = msg["engine"], msg.get("reroute") is True
             transport.connect(self._join(ch, v, info, capacity(plan, self.config.bucket_bytes)), info)
         except HandshakeError:
@@ -629,9 +675,12 @@ class Receiver:
         v = msg.get("version")
         plan: Plan | None = None
         incoming: Incoming | None = None
+        agreed: dict[str, Any] = {}  # sharded: the ready answer's route or layout
         try:
             problem = admission.sync_problem(msg, expected, self.state, self.config)
-            if problem is None:
+            if problem is None and self._sharded:
+                plan, agreed = self._route_plan(msg, sink)
+            elif problem is None:
                 plan, problem = admission.agreed_plan(msg, self._plan, self.config, self.max_tensor_bytes)
             if problem is None:
                 incoming = self._decoder.accept(
@@ -647,8 +696,24 @@ class Receiver:
         if plan is not None:  # a streamed sync leaves the agreed plan as it was
             self._plan = plan
         # A delta sync without a dense section is offered again with one if we lack its base.
-        self._channel.send({"type": "ready", "dense": incoming.wants_dense}, deadline)
+        self._channel.send({"type": "ready", "dense": incoming.wants_dense, **agreed}, deadline)
         return v, plan, incoming
+
+    def _route_plan(self, msg: dict[str, Any], sink: ModuleSink | None) -> tuple[Plan | None, dict[str, Any]]:
+        """``sharded``: this receiver's plan of the offered route, and what its ready answer
+        says (the route's hash; or its layout, while the offer lacks it: then no plan, and
+        the sender offers the sync again)."""
+        assert self._channel is not None
+        if sink is not None and not isinstance(sink, FragmentSink):
+            raise ValueError("backend=sharded lands fragments: pass the module itself to load_into")
+        own = sink.layout(self._channel.sock.getsockname()[0]) if sink is not None else WHOLE
+        part, fields = self._agreement.answer(msg.get("route"), int(msg["engine"]["rank"]) - 1, own)
+        self._part = part
+        if part is None:
+            return None, fields
+        if sink is not None:
+            sink.bind(part)
+        return part.rank_plan.plan, fields
 
     def _refuse(self, problem: str, deadline: Deadline) -> None:
         """Tell the sender why not, and take its abort off the line."""

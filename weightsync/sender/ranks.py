@@ -22,12 +22,13 @@ from typing import Any
 
 from weightsync.config.engine import EngineConfig
 from weightsync.engines.base import Join, Transport
-from weightsync.errors import HandshakeError, PeerLost, SyncError
+from weightsync.errors import HandshakeError, PeerLost, ProtocolError, SyncError
 from weightsync.plan import Plan, capacity
 from weightsync.sender.packer import producer
 from weightsync.session.channel import Channel, Deadline
 from weightsync.session.control import connect
-from weightsync.sources import WeightSource
+from weightsync.sharding.agreement import TRAINER, Agreement, Part, ShardSource
+from weightsync.sources import IteratorSource, WeightSource
 from weightsync.stats import SyncStats
 
 
@@ -99,6 +100,7 @@ class TrainerFollower:
         self.address = address
         self.rank = rank
         self.channel: Channel | None = None
+        self._agreement: Agreement | None = None  # sharded: the route last agreed
 
     def connect(self) -> Channel:
         """Join rank 0's session (once; again after a failure)."""
@@ -112,33 +114,91 @@ class TrainerFollower:
         if ch is not None and ch.is_dead():
             raise PeerLost(f"{ch.peer} disconnected during the transfer")
 
+    def _problem(self, msg: dict[str, Any], version: int, plan: Plan | None) -> str | None:
+        """What in rank 0's sync message this rank cannot follow, or None."""
+        config = self.config
+        if msg.get("version") != version:
+            return f"trainer rank 0 sends version {msg.get('version')!r}, trainer rank {self.rank} version {version}"
+        if plan is not None and msg.get("plan_hash") != plan.hash:
+            return (
+                f"trainer rank {self.rank} holds other tensors than trainer rank 0 (plan {plan.hash[:12]} vs "
+                f"{str(msg.get('plan_hash'))[:12]}): every rank must pass the same names, shapes and dtypes"
+            )
+        if msg.get("verify") != config.verify or msg.get("bucket_bytes") != config.bucket_bytes:
+            return f"trainer rank {self.rank}'s verify / bucket size differ from trainer rank 0's"
+        return None
+
+    def _refuse(self, ch: Channel, problem: str, deadline: Deadline) -> None:
+        ch.send({"type": "error", "message": problem}, deadline)
+        ch.recv(deadline, expect="abort")
+        raise HandshakeError(problem)
+
+    def _start(self, version: int) -> tuple[Channel, dict[str, Any], Deadline]:
+        ch = self.connect()
+        msg = ch.recv(
+            Deadline(self.config.timeout_s, f"for trainer rank 0 to start version {version}"), expect="sync"
+        )
+        return ch, msg, Deadline(self.config.timeout_s, f"in the transfer of version {version}")
+
     def send_share(
         self, transport: Transport, src: WeightSource, version: int, plan: Plan, num_receivers: int
     ) -> SyncStats:
         """Follow rank 0's sync of ``version`` and send this rank's share."""
-        ch = self.connect()
-        config = self.config
-        stats = SyncStats(version, receivers=num_receivers)
-        msg = ch.recv(
-            Deadline(config.timeout_s, f"for trainer rank 0 to start version {version}"), expect="sync"
-        )
-        deadline = Deadline(config.timeout_s, f"in the transfer of version {version}")
-        problem = None
-        if msg.get("version") != version:
-            problem = f"trainer rank 0 sends version {msg.get('version')!r}, trainer rank {self.rank} version {version}"
-        elif msg.get("plan_hash") != plan.hash:
-            problem = (
-                f"trainer rank {self.rank} holds other tensors than trainer rank 0 (plan {plan.hash[:12]} vs "
-                f"{str(msg.get('plan_hash'))[:12]}): every rank must pass the same names, shapes and dtypes"
-            )
-        elif msg.get("verify") != config.verify or msg.get("bucket_bytes") != config.bucket_bytes:
-            problem = f"trainer rank {self.rank}'s verify / bucket size differ from trainer rank 0's"
-        if problem is not None:
-            ch.send({"type": "error", "message": problem}, deadline)
-            ch.recv(deadline, expect="abort")
-            raise HandshakeError(problem)
+        ch, msg, deadline = self._start(version)
+        if (problem := self._problem(msg, version, plan)) is not None:
+            self._refuse(ch, problem, deadline)
         ch.send({"type": "ready"}, deadline)
         ch.recv(deadline, expect="go")  # an abort raises HandshakeError here
+        return self._send(transport, ch, msg, src, version, plan, num_receivers, deadline)
+
+    def send_part(
+        self, transport: Transport, src: ShardSource, version: int, num_receivers: int
+    ) -> SyncStats:
+        """``sharded``: follow rank 0's sync of ``version``: agree the route (telling rank 0
+        this rank's layout where its offer lacks it), then send this rank's fragments."""
+        ch, msg, deadline = self._start(version)
+        agreement = self._agreement
+        if agreement is None or agreement.bucket_bytes != self.config.bucket_bytes:
+            agreement = self._agreement = Agreement(TRAINER, self.config.bucket_bytes)
+        own = src.layout(ch.sock.getsockname()[0])
+        while True:
+            problem = self._problem(msg, version, None)
+            part = None
+            if problem is None:
+                try:
+                    part, fields = agreement.answer(msg.get("route"), self.rank, own, src.specs())
+                except ValueError as e:
+                    problem = str(e)
+            if problem is not None:
+                self._refuse(ch, problem, deadline)
+            ch.send({"type": "ready", **fields}, deadline)
+            go = ch.recv(deadline, expect=("go", "again"))  # an abort raises HandshakeError here
+            if go["type"] == "go":
+                break
+            msg = ch.recv(deadline, expect="sync")
+        if part is None:
+            raise ProtocolError(
+                f"trainer rank 0 gave the go of version {version} before the route was agreed"
+            )
+        fragments = IteratorSource(part.tensors(src.shards))
+        plan = part.rank_plan.plan
+        return self._send(transport, ch, msg, fragments, version, plan, num_receivers, deadline, part)
+
+    def _send(
+        self,
+        transport: Transport,
+        ch: Channel,
+        msg: dict[str, Any],
+        src: WeightSource,
+        version: int,
+        plan: Plan,
+        num_receivers: int,
+        deadline: Deadline,
+        part: Part | None = None,
+    ) -> SyncStats:
+        """After the go: join the data plane, send this rank's buckets, report, learn the outcome."""
+        config = self.config
+        stats = SyncStats(version, receivers=num_receivers)
         ok = False
         try:
             info = msg["engine"]
@@ -152,13 +212,17 @@ class TrainerFollower:
                 local_host=ch.sock.getsockname()[0],
                 sender_host=ch.sock.getpeername()[0],
                 watch=self._watch,
+                links=part.links if part is not None else (),
+                peer_of=part.peer_of if part is not None else None,
             )
             transport.connect(join, info)
             packer, produce, sums = producer(
                 src, config.bucket_bytes, plan, config.verify, announce=lambda m: None, sends=transport.sends
             )
             t0 = time.perf_counter()
-            stats.bytes = transport.send_buckets(produce)
+            stats.bytes = stats.wire_bytes = transport.send_buckets(produce)
+            if part is not None:  # the fragments' bytes, without the buckets' alignment
+                stats.bytes = part.nbytes()
             stats.transfer_s = time.perf_counter() - t0
             stats.buckets, stats.tensors = packer.buckets, packer.pulled
             ch.send(

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -34,10 +36,14 @@ from weightsync.session import reroute
 from weightsync.session.auth import reachable_from_other_hosts
 from weightsync.session.channel import PROTOCOL_VERSION, Channel, Deadline
 from weightsync.session.control import ControlServer, PartlyConnected
-from weightsync.sources import WeightSource, as_source
+from weightsync.sharding.agreement import RECEIVER, TRAINER, Part, RouteOffer, ShardSource, own_part
+from weightsync.sources import IteratorSource, WeightSource, as_source
 from weightsync.stats import SyncStats
 
 log = logging.getLogger("weightsync")
+
+#: ``sharded``: rounds of the handshake in which ranks may still declare a new layout
+MAX_ROUTE_ROUNDS = 3
 
 
 class Sender:
@@ -83,6 +89,7 @@ class Sender:
         self._num_trainers = num_trainers or (dist.get_world_size() if dist.is_initialized() else 1)
         self.engine_cls = get_engine(config.backend)
         self._all_send = issubclass(self.engine_cls, Transport) and self.engine_cls.all_ranks_send
+        self._sharded = issubclass(self.engine_cls, Transport) and self.engine_cls.sharded
         if self._all_send and not 0 <= self.rank < self.num_trainers:
             raise ValueError(
                 f"rank {self.rank} is not one of the {self.num_trainers} trainer rank(s) (num_trainers)"
@@ -105,6 +112,9 @@ class Sender:
         self._rerouting = False  # the failed sync's others wait to take its version again
         self._dropped: set[int] = set()  # lost and dropped (drop_lost_receivers), not added back
         self._doing = ""  # what the session is in, for messages ("the transfer of version 3")
+        # ``sharded``, rank 0: the layouts heard and the route they make; the sync's own part
+        self._routes: RouteOffer | None = RouteOffer() if self._sharded else None
+        self._part: Part | None = None
         if issubclass(self.engine_cls, Publisher):
             self._publisher = self.engine_cls(config, self.device, address)
         elif self.rank == 0:  # rank 0 runs the session
@@ -247,7 +257,7 @@ class Sender:
         if self._server is None or transport is None:
             return
         self._doing = "the warm-up"
-        if self._trainers.count:
+        if self._trainers.count or self._sharded:  # sharded: the route forms in the first sync
             self._warm_connections_only()
             return
         specs = as_source(source, self.wire_dtype).specs() if source is not None else None
@@ -366,7 +376,11 @@ class Sender:
         ``force`` (a deliberate rollback). Raises ``SyncError`` (naming the peer, with its
         rank in ``.ranks``) on any failure.
         """
-        src = as_source(source, wire_dtype or self.wire_dtype)
+        src = (
+            ShardSource.of(source, wire_dtype or self.wire_dtype)
+            if self._sharded
+            else as_source(source, wire_dtype or self.wire_dtype)
+        )
         start = time.perf_counter()
         self._doing = f"the transfer of version {version}"
         if self._publisher is not None and (self.rank == 0 or self._publisher.colocated):
@@ -375,11 +389,17 @@ class Sender:
             count = sum(1 for _ in src.tensors())  # materializing shards is collective
             return self._finish_stats(SyncStats(version, tensors=count), start)
         specs = src.specs()
-        plan = make_plan(specs, self.config.bucket_bytes) if specs is not None else None
-        carriable(plan, self.config, self.engine_cls, self._all_send)  # before waiting for anyone
+        # sharded: each rank's plan comes from the route, agreed in the handshake
+        plan = make_plan(specs, self.config.bucket_bytes) if specs is not None and not self._sharded else None
+        if not self._sharded:  # a sharded source announces its tensors (ShardSource.of)
+            carriable(plan, self.config, self.engine_cls, self._all_send)  # before waiting for anyone
         self.connect()  # waiting for peers to start is not part of the sync's time
         start = time.perf_counter()
         if self._follower is not None:
+            if isinstance(src, ShardSource):
+                return self._finish_stats(
+                    self._follower.send_part(self._transport, src, version, self.num_receivers), start
+                )
             assert plan is not None
             return self._finish_stats(
                 self._follower.send_share(self._transport, src, version, plan, self.num_receivers), start
@@ -450,6 +470,7 @@ class Sender:
         assert transport is not None and self._server is not None
         stats = SyncStats(version, receivers=self.num_receivers)
         self._confirmed = set()
+        self._part = None
         senders = self._trainers.count + 1
         # Before the handshake: the plan of a delta sync depends on what changed.
         try:
@@ -467,6 +488,13 @@ class Sender:
             info = {**transport.prepare(join), "world_size": join.world_size, "senders": senders}
             stats.plan_sent_to, out = self._handshake(version, out, info, force)
             went = True
+            if self._part is not None:  # sharded: this rank's buckets and the route's links
+                join = dataclasses.replace(
+                    join,
+                    capacity=capacity(out.plan, self.config.bucket_bytes),
+                    links=self._part.links,
+                    peer_of=self._part.peer_of,
+                )
             transport.connect(join, info)
             stats.handshake_s = time.perf_counter() - start  # handshake and group join
             deadline = Deadline(self.config.timeout_s, f"in the transfer of version {version}")
@@ -550,6 +578,9 @@ class Sender:
             stats.wire_bytes += self._trainers.gather_shares(out.version, sums, deadline)
             stats.buckets = len(out.plan.buckets)
             stats.bytes = sum(s.nbytes for s in out.plan.tensors)
+        if self._part is not None:  # every trainer rank's fragments
+            stats.bytes = sum(f.nbytes for f in self._part.route.fragments)
+            stats.tensors = len(self._part.route.fragments)
         out.account(stats)  # a delta sync counts the model's bytes, not the wire's
         return sums
 
@@ -584,14 +615,96 @@ class Sender:
         return how many receivers got the full plan, and what goes. Where the delta stage
         has a receiver's answer call for another offer (a dense section for a receiver
         without the base), it is made again."""
+        rounds = 0
         while True:
             plans_sent, peers, replies, deadline = self._offer(version, out, info, force)
             again = out.again(replies)
+            if (
+                again is None
+                and self._routes is not None
+                and self._route_changed(out, peers, replies, deadline)
+            ):
+                again = out  # the same sync, offered with the route the new layouts make
+                rounds += 1
+                if rounds > MAX_ROUTE_ROUNDS:
+                    self._abort(peers, deadline, f"the ranks' layouts changed in each of {rounds} rounds")
             for _, _, ch in peers:
                 ch.send({"type": "again" if again is not None else "go"}, deadline)
             if again is None:
-                return plans_sent, out
+                return plans_sent, self._own_part(out)
             out = again
+
+    def _layout_host(self) -> str:
+        """The host rank 0's bytes leave from, in its layout (ranks of a host share a NIC)."""
+        assert self._server is not None
+        host = self._server.host
+        return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
+
+    def _route_fields(self, out: Outgoing) -> dict[str, Any]:
+        """``sharded``: the route field of this round's sync messages."""
+        if self._routes is None:
+            return {}
+        src = out.source
+        assert isinstance(src, ShardSource)
+        own = src.layout(self._layout_host())
+        return {"route": self._routes.fields(src.specs(), own, self.receivers, self.num_trainers)}
+
+    def _route_changed(
+        self,
+        out: Outgoing,
+        peers: list[tuple[str, int | None, Channel]],
+        replies: list[tuple[int | None, dict]],
+        deadline: Deadline,
+    ) -> bool:
+        """``sharded``: take the layouts the peers answered with; True when the sync must be
+        offered again with the route they make. Layouts that make no route abort the sync,
+        naming the tensor."""
+        assert self._routes is not None
+        sides = [(RECEIVER, r) for r in sorted(self._channels)] + [
+            (TRAINER, i) for i in sorted(self._trainers.channels)
+        ]
+        answered = [(side, rank, reply) for (side, rank), (_, reply) in zip(sides, replies)]
+        src = out.source
+        assert isinstance(src, ShardSource)
+        try:
+            if not self._routes.take(answered):
+                return False
+            self._routes.route(
+                src.specs(), src.layout(self._layout_host()), self.receivers, self.num_trainers
+            )
+        except ValueError as e:  # a RouteError, or a layout that does not parse
+            reason = f"the layouts of this sync's ranks make no route: {e}"
+            for side, rank in sides:
+                self._routes.forget(side, rank)  # asked again at the next sync
+            self._abort(peers, deadline, reason, e)
+        return True
+
+    def _abort(
+        self,
+        peers: list[tuple[str, int | None, Channel]],
+        deadline: Deadline,
+        reason: str,
+        cause: Exception | None = None,
+    ) -> NoReturn:
+        """End the handshake: every peer told why, ``HandshakeError`` raised."""
+        for _, _, ch in peers:
+            with contextlib.suppress(SyncError):
+                ch.send({"type": "abort", "message": reason}, deadline)
+        raise HandshakeError(reason) from cause
+
+    def _own_part(self, out: Outgoing) -> Outgoing:
+        """``sharded``, after the go: what rank 0 itself sends (its fragments, its plan)."""
+        if self._routes is None:
+            return out
+        src = out.source
+        assert isinstance(src, ShardSource)
+        route = self._routes.route(
+            src.specs(), src.layout(self._layout_host()), self.receivers, self.num_trainers
+        )
+        if route is None:
+            raise RuntimeError("the sharded handshake ended without a route")  # _route_changed prevents it
+        self._part = part = own_part(route, self.num_receivers, self.config.bucket_bytes)
+        return Outgoing(IteratorSource(part.tensors(src.shards)), part.rank_plan.plan, out.version)
 
     def _offer(
         self, version: int, out: Outgoing, info: dict[str, Any], force: bool
@@ -603,6 +716,7 @@ class Sender:
         plan = out.plan
         plans_sent = 0
         msg: dict[str, Any] = {}
+        route = self._route_fields(out)
         for rank, ch in self._channels.items():
             msg = {
                 "type": "sync",
@@ -615,6 +729,7 @@ class Sender:
                 "engine": {**info, "rank": self._group_rank(rank)},
                 "reroute": self._may_reroute(plan),  # after a loss, wait for the sender's word
                 **out.handshake_fields(),
+                **route,
             }
             if plan is not None and self._acked_plan.get(rank) != plan.hash:
                 msg["plan"] = plan.to_wire()  # unchanged plans travel as their hash only

@@ -1,13 +1,12 @@
 """Sharded sync (M x N): layouts (which box of each global tensor a rank holds or needs,
 from DTensor placements or declared), the route planner that turns both sides' layouts into
 fragments, each sent once by one trainer rank to one receiver rank, the fragments as tensors
-(packed from local shards, landed in kept slices) and their exchange over point-to-point
-links, every pair at once.
+(packed from local shards, landed in kept slices), and the route's agreement in a session's
+handshake (``agreement``), which backend ``sharded`` (``weightsync.engines.sharded``) runs.
 """
 
-from weightsync.sharding.exchange import PairFailed, receive_fragments, send_fragments
+from weightsync.sharding.agreement import FragmentSink, ShardSource
 from weightsync.sharding.fragments import (
-    FragmentLanding,
     LocalShard,
     RankPlan,
     declared_shards,
@@ -42,12 +41,12 @@ from weightsync.sharding.route import (
 )
 
 __all__ = [
+    "FragmentSink",
+    "ShardSource",
     "ROUTE_FORMAT",
     "Box",
     "Fragment",
-    "FragmentLanding",
     "LocalShard",
-    "PairFailed",
     "RankPlan",
     "Layout",
     "Placement",
@@ -67,10 +66,8 @@ __all__ = [
     "pair_plan",
     "placements_of",
     "plan_route",
-    "receive_fragments",
     "receiver_plan",
     "route_hash",
-    "send_fragments",
     "trainer_plan",
     "whole_needs",
 ]

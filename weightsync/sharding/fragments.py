@@ -15,9 +15,8 @@ real memory:
 - ``fragment_tensors`` yields a pair's fragments from the sender's local shards: views of
   the local tensor, copied into the bucket by the packer (a box that cuts rows is made
   contiguous first: one copy more). No rank materializes a full tensor.
-- ``FragmentLanding`` copies each arriving fragment into the receiver's slice and tells
-  which fragments have not arrived (a receive that ended early leaves the slices torn, and
-  says where).
+- ``trainer_plan`` / ``receiver_plan`` lay a rank's pairs out as one plan (a group of
+  buckets per peer), in the one order of pairs every rank follows.
 """
 
 from __future__ import annotations
@@ -134,45 +133,6 @@ def fragment_tensors(
         yield fragment_name(route, f), region(shard.tensor, f.box.within(shard.box))
 
 
-class FragmentLanding:
-    """A receiver rank's side of a route: each fragment copied into the slice it keeps.
-
-    ``shards``: the tensors this rank keeps (views of live parameters, or staging buffers
-    handed to a loader), each the box its layout declared."""
-
-    def __init__(self, route: Route, dest: int, shards: Mapping[str, LocalShard]) -> None:
-        self.route = route
-        self.dest = dest
-        self._targets: dict[str, tuple[Fragment, torch.Tensor]] = {}
-        for f in route.for_dest(dest):
-            shard = shards.get(route.specs[f.tensor].name)
-            if shard is None or not shard.box.contains(f.box):
-                raise ValueError(
-                    f"receiver rank {dest} is routed {fragment_name(route, f)}, which it does not keep"
-                )
-            self._targets[fragment_name(route, f)] = (f, region(shard.tensor, f.box.within(shard.box)))
-        self._landed: set[str] = set()
-
-    def put(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy one arrived fragment into its slice."""
-        target = self._targets.get(name)
-        if target is None:
-            raise ValueError(
-                f"receiver rank {self.dest} got fragment {name!r}, which its route does not hold"
-            )
-        target[1].copy_(tensor.view(target[1].shape))
-        self._landed.add(name)
-
-    @property
-    def missing(self) -> list[str]:
-        """Fragments routed to this rank that have not landed (empty: every slice is whole)."""
-        return [name for name in self._targets if name not in self._landed]
-
-    def from_source(self, source: int) -> list[str]:
-        """Names of the fragments trainer rank ``source`` sends here, in its plan's order."""
-        return [n for n, (f, _) in self._targets.items() if f.source == source]
-
-
 @dataclass(frozen=True)
 class RankPlan:
     """One rank's whole part of a sharded sync as one ordinary plan: its fragments grouped by
@@ -209,6 +169,13 @@ def _round(route: Route, source: int, dest: int) -> int:
         max((f.source for f in route.fragments), default=0), max((f.dest for f in route.fragments), default=0)
     )
     return (dest - source) % (ranks + 1)
+
+
+def pairs_in_order(route: Route) -> list[tuple[int, int]]:
+    """Every (trainer rank, receiver rank) pair of the route, in the order every rank takes
+    its pairs in (``_round``): the order links are joined and groups moved."""
+    pairs = {(f.source, f.dest) for f in route.fragments}
+    return sorted(pairs, key=lambda p: (_round(route, *p), *p))
 
 
 def _grouped(route: Route, pairs: list[tuple[int, int]], bucket_bytes: int) -> tuple[Plan, list[int]]:

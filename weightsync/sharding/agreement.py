@@ -1,0 +1,332 @@
+"""The sharded sync's handshake as data: trainer rank 0's offer of a route, each rank's
+answer, and the part each rank then plays.
+
+Trainer rank 0 runs the session (``weightsync.sender``). Every sync message of a sharded
+sync carries a ``route`` field (``RouteOffer.fields``): the global tensors' specs, the
+layout of every rank as far as rank 0 knows it, and the route's hash (None until every
+layout is known). Every other rank, a trainer rank > 0 or a receiver rank, compares the
+layout the offer names for it with its own (``answer``):
+
+- they differ (the first sync, a model that changed, a new member): it answers ready with
+  its layout, and rank 0 offers the sync again with a route that includes it (the
+  handshake's ``again``);
+- they agree: it computes the route itself from the same layouts, checks the hash (a
+  mismatch is refused, naming both hashes) and takes its own ``Part`` of the route.
+
+So every rank holds the same route before a byte moves, and a job whose layouts stay the
+same pays one round per sync, as a dense sync does. Everything here is plain data: no
+socket, no process group.
+
+A receiver's layout is the boxes it keeps (``FragmentSink``: from a module's DTensors or
+plain tensors) or ``"whole"`` (it declared nothing: every tensor whole, reassembled from
+its fragments by ``Reassembly``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from weightsync.plan import TensorSpec
+from weightsync.sharding.fragments import (
+    LocalShard,
+    RankPlan,
+    fragment_name,
+    fragment_tensors,
+    global_specs,
+    layout_of,
+    local_shards,
+    pairs_in_order,
+    receiver_plan,
+    region,
+    trainer_plan,
+)
+from weightsync.sharding.layout import Box, Layout
+from weightsync.sharding.route import Route, RouteError, plan_route
+from weightsync.sinks import ModuleSink
+from weightsync.sources import WeightSource
+
+#: a receiver that declares no layout takes every tensor whole
+WHOLE = "whole"
+TRAINER, RECEIVER = "trainer", "receiver"
+
+# What a rank says it holds or keeps: a layout, or WHOLE (a receiver that declared nothing).
+Declared = Layout | str
+
+
+def _wire(declared: Declared) -> Any:
+    return declared if isinstance(declared, str) else declared.to_wire()
+
+
+def _parse(data: Any, side: str) -> Declared:
+    if data == WHOLE and side == RECEIVER:
+        return WHOLE
+    return Layout.from_wire(data)
+
+
+def _specs(data: Any) -> list[TensorSpec]:
+    if not isinstance(data, list):
+        raise ValueError("the route offer carries no list of tensor specs")
+    return [TensorSpec.from_wire(s) for s in data]
+
+
+def compute(specs: Sequence[TensorSpec], holders: Sequence[Declared], needs: Sequence[Declared]) -> Route:
+    """The route from these layouts (a receiver's ``WHOLE``: every tensor whole)."""
+    trainers = [h if isinstance(h, Layout) else Layout.whole(specs) for h in holders]
+    receivers = [n if isinstance(n, Layout) else Layout.whole(specs) for n in needs]
+    return plan_route(specs, trainers, receivers)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One rank's part of an agreed route: its plan (buckets grouped by peer) and the
+    links of the data plane, as the data-plane group's ranks (trainer rank 0 is 0,
+    receivers 1..N, trainer ranks t > 0 are N + t)."""
+
+    route: Route
+    side: str
+    #: this rank in the route: its trainer rank, or its place among the sync's receivers
+    index: int
+    rank_plan: RankPlan
+    receivers: int
+
+    def group_rank(self, side: str, index: int) -> int:
+        if side == RECEIVER:
+            return index + 1
+        return 0 if index == 0 else self.receivers + index
+
+    @property
+    def links(self) -> tuple[tuple[int, int], ...]:
+        """Every pair of the route as (trainer group rank, receiver group rank), in the one
+        order every rank joins them."""
+        return tuple(
+            (self.group_rank(TRAINER, s), self.group_rank(RECEIVER, d)) for s, d in pairs_in_order(self.route)
+        )
+
+    def peer_of(self, bucket_index: int) -> int:
+        """The group rank at the other end of the link bucket ``bucket_index`` travels."""
+        other = RECEIVER if self.side == TRAINER else TRAINER
+        return self.group_rank(other, self.rank_plan.peer_of(bucket_index))
+
+    def tensors(self, shards: Mapping[str, LocalShard]) -> Iterator[tuple[str, torch.Tensor]]:
+        """A trainer rank's fragments in its plan's order, read from its local shards."""
+        for dest in self.rank_plan.peers:
+            yield from fragment_tensors(self.route, self.index, dest, shards)
+
+    def nbytes(self) -> int:
+        """The fragment bytes this rank sends or takes."""
+        return sum(s.nbytes for s in self.rank_plan.plan.tensors)
+
+
+def _part(route: Route, side: str, index: int, receivers: int, bucket_bytes: int) -> Part:
+    plan = trainer_plan if side == TRAINER else receiver_plan
+    return Part(route, side, index, plan(route, index, bucket_bytes), receivers)
+
+
+class RouteOffer:
+    """Trainer rank 0's side: the layouts it has heard, the route they make."""
+
+    def __init__(self) -> None:
+        self.holders: dict[int, Declared] = {}  # trainer rank -> layout
+        self.needs: dict[int, Declared] = {}  # receiver rank -> layout or WHOLE
+        self._route: tuple[Any, Route] | None = None
+
+    def route(
+        self, specs: Sequence[TensorSpec], own: Layout, receivers: Sequence[int], trainers: int
+    ) -> Route | None:
+        """The route of this sync's members, once every layout is known (else None).
+        Raises ``RouteError`` when the layouts make none (the message names the tensor)."""
+        self.holders[0] = own
+        if any(t not in self.holders for t in range(trainers)) or any(r not in self.needs for r in receivers):
+            return None
+        holders = [self.holders[t] for t in range(trainers)]
+        needs = [self.needs[r] for r in receivers]
+        key = ([s.to_wire() for s in specs], [_wire(h) for h in holders], [_wire(n) for n in needs])
+        if self._route is None or self._route[0] != key:
+            self._route = (key, compute(specs, holders, needs))
+        return self._route[1]
+
+    def fields(
+        self, specs: Sequence[TensorSpec], own: Layout, receivers: Sequence[int], trainers: int
+    ) -> dict[str, Any]:
+        """The ``route`` field of this sync's messages (the same for every peer). Layouts
+        heard earlier that make no route with these specs are asked for again."""
+        try:
+            route = self.route(specs, own, receivers, trainers)
+        except RouteError:
+            self.holders, self.needs, route = {0: own}, {}, None
+        return {
+            "hash": route.hash if route is not None else None,
+            "specs": [s.to_wire() for s in specs],
+            "holders": [_wire(self.holders[t]) if t in self.holders else None for t in range(trainers)],
+            "needs": [_wire(self.needs[r]) if r in self.needs else None for r in receivers],
+        }
+
+    def take(self, replies: Sequence[tuple[str, int, dict[str, Any]]]) -> bool:
+        """Layouts from the answers (side, rank, reply); True when one is new, so the sync
+        is offered again with the route they make."""
+        changed = False
+        for side, rank, reply in replies:
+            if "layout" not in reply:
+                continue
+            book = self.holders if side == TRAINER else self.needs
+            declared = _parse(reply["layout"], side)
+            if book.get(rank) != declared:
+                book[rank] = declared
+                changed = True
+        return changed
+
+    def forget(self, side: str, rank: int) -> None:
+        """A peer left: its layout is asked again if it comes back."""
+        (self.holders if side == TRAINER else self.needs).pop(rank, None)
+
+
+class Agreement:
+    """A trainer rank > 0's or a receiver rank's side: answers offers, keeps the last route
+    it computed (a steady job computes it once)."""
+
+    def __init__(self, side: str, bucket_bytes: int) -> None:
+        self.side = side
+        self.bucket_bytes = bucket_bytes
+        self._route: Route | None = None
+
+    def answer(
+        self, offer: Any, index: int, own: Declared, specs: Sequence[TensorSpec] | None = None
+    ) -> tuple[Part | None, dict[str, Any]]:
+        """This rank's part of the offered route and the fields of its ready answer; no
+        part (and its layout in the answer) while the offer does not name its layout yet.
+        ``specs``: a trainer rank's own global specs, which must be rank 0's. Raises
+        ValueError saying what differs."""
+        if not isinstance(offer, dict):
+            raise ValueError("the sync message carries no route (the sender is not running a sharded sync)")
+        offered = _specs(offer.get("specs"))
+        if specs is not None and list(specs) != offered:
+            theirs = {s.name: s for s in offered}
+            diff = next((s for s in specs if theirs.get(s.name) != s), None)
+            what = f"{diff} vs {theirs.get(diff.name)}" if diff is not None else "other tensor names"
+            raise ValueError(
+                f"trainer rank {index} holds other tensors than trainer rank 0 ({what}): every trainer rank "
+                "must shard the same model"
+            )
+        holders, needs = offer.get("holders"), offer.get("needs")
+        if not isinstance(holders, list) or not isinstance(needs, list):
+            raise ValueError("the route offer carries no layouts")
+        mine = holders if self.side == TRAINER else needs
+        if not 0 <= index < len(mine):
+            raise ValueError(f"{self.side} {index} is not in the route offer ({len(mine)} {self.side} ranks)")
+        if offer.get("hash") is None or mine[index] != _wire(own):
+            return None, {"layout": _wire(own)}
+        if self._route is None or self._route.hash != offer["hash"]:
+            try:
+                route = compute(
+                    offered, [_parse(h, TRAINER) for h in holders], [_parse(n, RECEIVER) for n in needs]
+                )
+            except RouteError as e:
+                raise ValueError(f"the offered layouts make no route: {e}") from e
+            if route.hash != offer["hash"]:
+                raise ValueError(
+                    f"route hash: trainer rank 0 {offer['hash'][:12]}, {self.side} {index} computed "
+                    f"{route.hash[:12]} from the same layouts (run the same weightsync everywhere)"
+                )
+            self._route = route
+        return _part(self._route, self.side, index, len(needs), self.bucket_bytes), {"route": offer["hash"]}
+
+
+class ShardSource(WeightSource):
+    """A trainer rank's source in a sharded sync: its local shards (a DTensor's local
+    tensor, a plain tensor whole, or declared shards), never a gathered tensor. What it
+    sends is decided by the route: ``Part.tensors``."""
+
+    def __init__(self, shards: Mapping[str, LocalShard]) -> None:
+        self.shards = dict(shards)
+
+    @classmethod
+    def of(cls, obj: Any, wire_dtype: torch.dtype | None = None) -> ShardSource:
+        """A module, a state dict (DTensors or plain tensors) or declared shards
+        (``weightsync.sharding.declared_shards``) as a sharded source."""
+        if wire_dtype is not None:
+            raise ValueError(
+                "backend=sharded sends each shard in its own dtype: cast the model (or declare shards of "
+                "the dtype to send) instead of passing wire_dtype"
+            )
+        if isinstance(obj, ShardSource):
+            return obj
+        if isinstance(obj, Mapping) and obj and all(isinstance(v, LocalShard) for v in obj.values()):
+            return cls(obj)
+        if isinstance(obj, (torch.nn.Module, Mapping)):
+            return cls(local_shards(obj))
+        raise TypeError(
+            f"backend=sharded cannot send a {type(obj).__name__}: pass an nn.Module, a state dict or declared "
+            "shards (weightsync.sharding.declared_shards); each rank's layout must be known before the sync"
+        )
+
+    def specs(self) -> list[TensorSpec]:
+        return global_specs(self.shards)
+
+    def layout(self, host: str) -> Layout:
+        return layout_of(self.shards, host)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise RuntimeError("a sharded source is sent by the fragments its route gives it (Part.tensors)")
+
+
+def own_part(route: Route, receivers: int, bucket_bytes: int) -> Part:
+    """Trainer rank 0's part of the route it offered."""
+    return _part(route, TRAINER, 0, receivers, bucket_bytes)
+
+
+class FragmentSink(ModuleSink):
+    """A sharded receiver's sink: the slices of a module (its DTensors' local shards, its
+    plain tensors whole) that this rank keeps. ``layout`` is what it declares; once the
+    route is agreed (``bind``), its targets are the views each routed fragment lands in,
+    by fragment name, so the session checks and lands fragments as it does whole tensors."""
+
+    def __init__(self, module: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
+        self.module = module
+        self.shards = local_shards(module)
+        self.targets = {}
+        self._loaded = set()
+
+    def layout(self, host: str) -> Layout:
+        return layout_of(self.shards, host)
+
+    def bind(self, part: Part) -> None:
+        """Land ``part``'s fragments: each in the view of the slice it covers."""
+        targets = {}
+        for f in part.route.for_dest(part.index):
+            shard = self.shards[part.route.specs[f.tensor].name]
+            targets[fragment_name(part.route, f)] = region(shard.tensor, f.box.within(shard.box))
+        self.targets = targets
+        self._loaded = set()
+
+
+class Reassembly:
+    """A receiver that declared nothing: its fragments put back together into whole
+    tensors, each handed out once its last fragment landed."""
+
+    def __init__(self, part: Part) -> None:
+        route = part.route
+        self._where: dict[str, tuple[TensorSpec, Box]] = {}
+        self._left: dict[str, int] = {}
+        for f in route.for_dest(part.index):
+            spec = route.specs[f.tensor]
+            self._where[fragment_name(route, f)] = (spec, f.box)
+            self._left[spec.name] = self._left.get(spec.name, 0) + 1
+        self._wholes: dict[str, torch.Tensor] = {}
+
+    def put(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """Copy one fragment into its tensor; the tensor, when this was its last fragment."""
+        spec, box = self._where[name]
+        whole = self._wholes.get(spec.name)
+        if whole is None:
+            whole = self._wholes[spec.name] = torch.empty(
+                spec.shape, dtype=spec.torch_dtype, device=tensor.device
+            )
+        region(whole, box).copy_(tensor.view(box.lengths))
+        self._left[spec.name] -= 1
+        if self._left[spec.name]:
+            return None
+        return spec.name, self._wholes.pop(spec.name)
