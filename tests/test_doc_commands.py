@@ -140,6 +140,9 @@ COMMANDS: dict[str, Run | NotHere] = {
     "weightsync demo --backend naive": _tiny("demo --backend naive"),
     "weightsync demo --backend disk": _tiny("demo --backend disk"),
     "weightsync demo --backend paired --receivers 3": _tiny("demo --backend paired --receivers 3"),
+    "weightsync demo --backend sharded --trainers 2 --tp 2": _tiny(
+        "demo --backend sharded --trainers 2 --tp 2"
+    ),
     "weightsync demo --backend mooncake": _tiny("demo --backend mooncake"),
     "weightsync demo --backend shm --receivers 3": _tiny("demo --backend shm --receivers 3"),
     "weightsync demo --receivers 3 --set timeout_s=60 --set engine_kwargs.nccl.rebuild_group=true": _tiny(

@@ -49,6 +49,18 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.add_argument(
+        "--trainers",
+        type=int,
+        default=1,
+        help="--backend sharded: FSDP2 trainer processes, each sending its own shards (default: 1)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="--backend sharded: tensor-parallel ranks per replica, each taking its slices (default: 1)",
+    )
+    p.add_argument(
         "--rollout",
         choices=("process", "vllm"),
         default="process",
@@ -318,11 +330,45 @@ def _vllm_demo_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sharded_demo_command(args: argparse.Namespace) -> int:
+    from weightsync.demo.sharded import ShardedDemoOptions, run_sharded_demo
+
+    if args.trainers < 1 or args.tp < 1 or args.receivers < 1:
+        print("demo: --trainers, --tp and --receivers must be at least 1", file=sys.stderr)
+        return 2
+    opts = ShardedDemoOptions(
+        model=args.model,
+        receivers=args.receivers,
+        steps=args.steps,
+        backend=args.backend,
+        bucket_mb=args.bucket_mb,
+        overrides=args.overrides,
+        address=args.address,
+        seed=args.seed,
+        trainers=args.trainers,
+        tp=args.tp,
+    )
+    try:
+        run_sharded_demo(opts)
+    except Exception as e:  # every failure ends as one readable line and a non-zero exit
+        print(f"demo FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _demo_command(args: argparse.Namespace) -> int:
     from weightsync.demo.plain import DemoOptions, run_demo
 
     if args.rollout == "vllm":
         return _vllm_demo_command(args)
+    if args.backend == "sharded":
+        return _sharded_demo_command(args)
+    if args.trainers != 1 or args.tp != 1:
+        print(
+            "demo: --trainers and --tp shard the trainer and the replicas: use them with --backend sharded",
+            file=sys.stderr,
+        )
+        return 2
     opts = DemoOptions(
         model=args.model,
         receivers=args.receivers,

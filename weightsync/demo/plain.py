@@ -210,7 +210,7 @@ def _run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
                 for receiver, rollout in local:
                     _compare(expected, checksums(rollout), receiver.rank, step)
                 for r, conn in enumerate(conns):
-                    report = _read_report(conn, procs[r], r, config.timeout_s)
+                    report = _read_report(conn, procs[r], f"rollout rank {r}", config.timeout_s)
                     if "error" in report:
                         raise DemoFailed(f"rollout rank {r} failed: {report['error']}")
                     if report["version"] != step:
@@ -244,11 +244,13 @@ def _run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
     return rows
 
 
-def _read_report(conn: Connection, proc: mp.Process, rank: int, timeout_s: float) -> dict[str, Any]:
+def _read_report(conn: Connection, proc: mp.Process, who: str, timeout_s: float) -> dict[str, Any]:
+    """The next JSON report of a demo process (``who``: "rollout rank 1"), or DemoFailed
+    when it exits or stays silent for ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while not conn.poll(0.2):
         if not proc.is_alive() and not conn.poll(0):
-            raise DemoFailed(f"rollout rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+            raise DemoFailed(f"{who} (pid {proc.pid}) exited with code {proc.exitcode}")
         if time.monotonic() > deadline:
-            raise DemoFailed(f"rollout rank {rank} (pid {proc.pid}) sent no report within {timeout_s:.0f} s")
+            raise DemoFailed(f"{who} (pid {proc.pid}) sent no report within {timeout_s:.0f} s")
     return json.loads(conn.recv_bytes())

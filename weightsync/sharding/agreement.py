@@ -289,6 +289,7 @@ class FragmentSink(ModuleSink):
         self.shards = local_shards(module)
         self.targets = {}
         self._loaded = set()
+        self._unrouted: list[str] = []
 
     def layout(self, host: str) -> Layout:
         return layout_of(self.shards, host)
@@ -296,11 +297,20 @@ class FragmentSink(ModuleSink):
     def bind(self, part: Part) -> None:
         """Land ``part``'s fragments: each in the view of the slice it covers."""
         targets = {}
+        routed = set()
         for f in part.route.for_dest(part.index):
-            shard = self.shards[part.route.specs[f.tensor].name]
+            name = part.route.specs[f.tensor].name
+            shard = self.shards[name]
             targets[fragment_name(part.route, f)] = region(shard.tensor, f.box.within(shard.box))
+            routed.add(name)
         self.targets = targets
         self._loaded = set()
+        self._unrouted = [n for n, s in self.shards.items() if n not in routed and s.box.numel]
+
+    def missing(self) -> list[str]:
+        """Kept tensors the sync did not carry (no trainer rank has them), and fragments
+        that did not land."""
+        return self._unrouted + super().missing()
 
 
 class Reassembly:

@@ -1,0 +1,275 @@
+"""``weightsync demo --backend sharded --trainers M --tp T``: a sharded trainer to
+tensor-parallel replicas, each byte sent once by the trainer rank that holds it.
+
+M trainer processes train the demo's model under FSDP2 (``fully_shard``, one Gloo world)
+and sync it after every step with ``backend=sharded``: each sends fragments of its local
+shards only. ``--receivers`` replicas, each T processes of its own Gloo world holding the
+model tensor-parallel (``parallelize_module``: column-parallel q/k/v, gate and up
+projections and the LM head, row-parallel o and down projections, a vocab-parallel
+embedding; norms whole), take only the slices they keep. After every version, trainer rank
+0 writes the full tensors (gathered for the check, not for the sync) and this process
+compares every rank's every kept slice with them, bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from weightsync.demo.plain import (
+    DemoFailed,
+    DemoOptions,
+    _engine_config,
+    _read_report,
+    _send_json,
+    build_model,
+)
+
+# Module suffixes of a Llama/Qwen2-shaped decoder and how a tensor-parallel replica splits them.
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW = ("o_proj", "down_proj")
+
+
+@dataclass
+class ShardedDemoOptions(DemoOptions):
+    trainers: int = 2
+    tp: int = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _digest(t: torch.Tensor) -> str:
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _world(rank: int, size: int, port: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+
+
+def _tp_plan(model: torch.nn.Module) -> dict[str, Any]:
+    """The tensor-parallel plan of a Llama/Qwen2-shaped model, by module name."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, Any] = {}
+    for name, _ in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in _COLUMN:
+            plan[name] = ColwiseParallel()
+        elif leaf in _ROW:
+            plan[name] = RowwiseParallel()
+    plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
+    if not getattr(model.config, "tie_word_embeddings", False):  # tied: the embedding's split
+        plan["lm_head"] = ColwiseParallel()
+    return plan
+
+
+def trainer_main(
+    conn: Connection, opts: ShardedDemoOptions, address: str, rank: int, port: int, folder: str
+) -> None:
+    """Trainer rank ``rank``: FSDP2 training, a sharded sync after every step."""
+    torch.set_num_threads(1)
+    try:
+        import torch.distributed as dist
+        from safetensors.torch import save_file
+        from torch.distributed.fsdp import fully_shard
+
+        from weightsync.sender.sender import Sender
+
+        _world(rank, opts.trainers, port)
+        model = build_model(opts.model, pretrained=True, seed=opts.seed)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(opts.seed)
+        config = _engine_config(opts)
+        with Sender(
+            config, address, opts.receivers * opts.tp, rank=rank, num_trainers=opts.trainers
+        ) as sender:
+            for step in range(1, opts.steps + 1):
+                ids = torch.randint(0, model.config.vocab_size, (4, 64), generator=gen)
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                stats = sender.send(model, version=step)
+                full = {
+                    n: t.full_tensor() for n, t in model.state_dict().items()
+                }  # the check's, after the sync
+                if rank == 0:
+                    save_file({n: t.contiguous() for n, t in full.items()}, f"{folder}/v{step}.safetensors")
+                _send_json(conn, {"rank": rank, "loss": loss.item(), "stats": stats.to_dict()})
+        dist.destroy_process_group()
+    except BaseException as e:
+        _send_json(conn, {"rank": rank, "error": f"{type(e).__name__}: {e}"})
+        raise SystemExit(1) from e
+    finally:
+        conn.close()
+
+
+def rollout_main(
+    conn: Connection, opts: ShardedDemoOptions, address: str, replica: int, tp_rank: int, port: int
+) -> None:
+    """One rank of a tensor-parallel replica: every version into its slices; reports each
+    kept slice's box and digest."""
+    torch.set_num_threads(1)
+    rank = replica * opts.tp + tp_rank
+    try:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from weightsync.receiver.receiver import Receiver
+        from weightsync.sharding.fragments import local_shards
+
+        _world(tp_rank, opts.tp, port)
+        model = build_model(opts.model, pretrained=False, seed=opts.seed + 1000 + rank)
+        parallelize_module(model, init_device_mesh("cpu", (opts.tp,)), _tp_plan(model))
+        model.tie_weights()  # the LM head of a tied model shares the embedding's new parameter
+        with Receiver(_engine_config(opts), address, rank) as receiver:
+            for step in range(1, opts.steps + 1):
+                stats = receiver.load_into(model, version=step)
+                slices = {n: [s.box.to_wire(), _digest(s.tensor)] for n, s in local_shards(model).items()}
+                _send_json(
+                    conn,
+                    {"rank": rank, "version": receiver.version, "stats": stats.to_dict(), "slices": slices},
+                )
+        dist.destroy_process_group()
+    except BaseException as e:
+        _send_json(conn, {"rank": rank, "error": f"{type(e).__name__}: {e}"})
+        raise SystemExit(1) from e
+    finally:
+        conn.close()
+
+
+def _check(folder: str, step: int, report: dict[str, Any]) -> int:
+    """Every slice of a rollout rank's report against the trainer's full tensors; returns
+    the bytes it keeps."""
+    from safetensors import safe_open
+
+    kept = 0
+    with safe_open(f"{folder}/v{step}.safetensors", "pt") as f:
+        names = set(f.keys())
+        for name, (box, digest) in report["slices"].items():
+            if name not in names:
+                raise DemoFailed(
+                    f"rollout rank {report['rank']} keeps {name!r}, which the trainer does not have"
+                )
+            starts, lengths = box
+            expected = f.get_tensor(name)[tuple(slice(s, s + n) for s, n in zip(starts, lengths))]
+            if _digest(expected) != digest:
+                raise DemoFailed(
+                    f"rollout rank {report['rank']}, version {step}: its slice {box} of {name!r} differs from the trainer's"
+                )
+            kept += expected.numel() * expected.element_size()
+    return kept
+
+
+def run_sharded_demo(opts: ShardedDemoOptions, console=None) -> list[dict[str, Any]]:
+    """Run the demo; raise ``DemoFailed`` (or a sync error) on any mismatch or failure."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=None if sys.stdout.isatty() else 100)
+    config = _engine_config(opts)
+    if config.backend != "sharded":
+        raise DemoFailed(
+            f"--trainers / --tp run the sharded demo: use --backend sharded, not {config.backend}"
+        )
+    console.print(
+        f"[bold]weightsync demo[/]: {opts.trainers} FSDP2 trainer ranks -> {opts.receivers} replicas x "
+        f"{opts.tp} tensor-parallel ranks, backend sharded, bucket {opts.bucket_mb} MiB, {opts.steps} steps"
+    )
+    host, _, port = opts.address.rpartition(":")
+    address = f"{host or '127.0.0.1'}:{port if port not in ('', '0') else _free_port()}"
+    ctx = mp.get_context("spawn")
+    procs: list[tuple[str, mp.Process, Connection]] = []
+    rows: list[dict[str, Any]] = []
+    table = Table(title="syncs")
+    for col in ("version", "MB sent", "MB per rollout rank", "setup s", "wire s", "total s", "check"):
+        table.add_column(col, justify="right")
+    with tempfile.TemporaryDirectory(prefix="weightsync-demo-") as folder:
+        try:
+            port_t = _free_port()
+            for r in range(opts.trainers):
+                procs.append(_spawn(ctx, f"trainer rank {r}", trainer_main, opts, address, r, port_t, folder))
+            for replica in range(opts.receivers):
+                port_r = _free_port()
+                for t in range(opts.tp):
+                    procs.append(
+                        _spawn(
+                            ctx,
+                            f"rollout rank {replica * opts.tp + t}",
+                            rollout_main,
+                            opts,
+                            address,
+                            replica,
+                            t,
+                            port_r,
+                        )
+                    )
+            for step in range(1, opts.steps + 1):
+                reports = []
+                with console.status(
+                    f"step {step}: training on {opts.trainers} ranks, then syncing version {step}"
+                ):
+                    for name, proc, conn in procs:
+                        report = _read_report(conn, proc, name, config.timeout_s + 600)
+                        if "error" in report:
+                            raise DemoFailed(f"{name} failed: {report['error']}")
+                        reports.append(report)
+                trainer, rollouts = reports[0], reports[opts.trainers :]
+                kept = []
+                for report in rollouts:
+                    if report["version"] != step:
+                        raise DemoFailed(
+                            f"rollout rank {report['rank']} holds version {report['version']}, expected {step}"
+                        )
+                    kept.append(_check(folder, step, report))
+                stats = trainer["stats"]
+                console.print(f"step {step}: loss {trainer['loss']:.4f}; version {step} in every kept slice")
+                rows.append({"version": step, "trainer": stats, "kept": kept})
+                table.add_row(
+                    str(step),
+                    f"{stats['bytes'] / 1e6:.1f}",
+                    f"{sum(kept) / len(kept) / 1e6:.1f}",
+                    f"{stats['handshake_s']:.3f}",
+                    f"{stats['transfer_s']:.3f}",
+                    f"{stats['seconds']:.3f}",
+                    "bit-exact",
+                )
+            for _, proc, _ in procs:
+                proc.join(timeout=30)
+        finally:
+            for _, proc, _ in procs:  # only our own children, by handle
+                if proc.is_alive():
+                    proc.terminate()
+                    proc.join(timeout=5)
+    console.print(table)
+    console.print(
+        f"demo OK: {len(rows)} syncs to {opts.receivers} receivers, bit-exact: {opts.receivers} replicas x "
+        f"{opts.tp} tensor-parallel ranks, each rank taking only its slices from {opts.trainers} FSDP2 trainer ranks"
+    )
+    return rows
+
+
+def _spawn(ctx, name: str, target, *args) -> tuple[str, mp.Process, Connection]:
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    child.close()
+    return name, proc, parent
