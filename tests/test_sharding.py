@@ -104,8 +104,8 @@ def test_every_destination_byte_arrives_once_from_a_rank_that_holds_it(sync):
         for index, spec in enumerate(specs):
             need = layout.boxes[spec.name]
             count = torch.zeros(need.lengths, dtype=torch.int32)
-            for f in route.fragments:
-                if f.dest == dest and f.tensor == index:
+            for f in route.for_dest(dest):  # from a trainer rank, or along its chain
+                if f.tensor == index:
                     assert holders[f.source].boxes[spec.name].contains(f.box), f  # read only what it holds
                     assert need.contains(f.box), f
                     at = f.box.within(need)
@@ -113,6 +113,22 @@ def test_every_destination_byte_arrives_once_from_a_rank_that_holds_it(sync):
             assert bool((count == 1).all()), (spec.name, dest)
     assert sum(route.received_bytes().values()) == sum(
         layout.boxes[s.name].numel * s.torch_dtype.itemsize for layout in needs for s in specs
+    )
+
+    # ranks that keep the same boxes form a chain: the trainer ranks send its first rank
+    # alone, so each trainer byte leaves its NIC once per distinct layout
+    def kept(layout):
+        return tuple(sorted((n, b) for n, b in layout.boxes.items() if b.numel))
+
+    for chain in route.chains:
+        assert all(kept(needs[d]) == kept(needs[chain[0]]) for d in chain)
+        assert not any(f.dest in chain[1:] for f in route.fragments)
+    distinct = {kept(layout) for layout in needs}
+    assert sum(route.sent_bytes().values()) == sum(
+        dict(boxes)[s.name].numel * s.torch_dtype.itemsize
+        for boxes in distinct
+        for s in specs
+        if s.name in dict(boxes)
     )
 
 
@@ -156,7 +172,7 @@ def test_both_ends_of_every_pair_plan_the_same_buckets_and_blocking_sends_never_
     from weightsync.sharding.fragments import fragment_name, receiver_plan, trainer_plan
 
     specs, holders, needs = sync
-    route = plan_route(specs, holders, needs)
+    route = plan_route(specs, holders, needs, forward=False)  # pairs only: chains pass buckets on
     sources = sorted({f.source for f in route.fragments})
     dests = sorted({f.dest for f in route.fragments})
     senders = {s: trainer_plan(route, s, bucket_bytes) for s in sources}

@@ -200,7 +200,18 @@ def run_sharded_demo(opts: ShardedDemoOptions, console=None) -> list[dict[str, A
     procs: list[tuple[str, mp.Process, Connection]] = []
     rows: list[dict[str, Any]] = []
     table = Table(title="syncs")
-    for col in ("version", "MB sent", "MB per rollout rank", "setup s", "wire s", "total s", "check"):
+    # kept: what every rollout rank holds after the sync, together; sent: what left the
+    # trainer ranks' NICs (less than kept where replicas pass their slices on)
+    for col in (
+        "version",
+        "MB kept",
+        "MB sent",
+        "MB per rollout rank",
+        "setup s",
+        "wire s",
+        "total s",
+        "check",
+    ):
         table.add_column(col, justify="right")
     with tempfile.TemporaryDirectory(prefix="weightsync-demo-") as folder:
         try:
@@ -246,6 +257,7 @@ def run_sharded_demo(opts: ShardedDemoOptions, console=None) -> list[dict[str, A
                 table.add_row(
                     str(step),
                     f"{stats['bytes'] / 1e6:.1f}",
+                    f"{stats['wire_bytes'] / 1e6:.1f}",
                     f"{sum(kept) / len(kept) / 1e6:.1f}",
                     f"{stats['handshake_s']:.3f}",
                     f"{stats['transfer_s']:.3f}",

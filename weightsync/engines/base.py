@@ -102,6 +102,9 @@ class Join:
     #: ``sharded``: the group rank at the other end of the link a bucket of this rank's
     #: plan travels (by bucket index); None for the other transports
     peer_of: Callable[[int], int] | None = None
+    #: ``sharded``: the group rank this receiver passes every bucket on to (the same rank
+    #: of the next replica in its chain), or None
+    forward: int | None = None
 
     def check(self) -> None:
         """Call ``watch`` if there is one."""

@@ -11,8 +11,10 @@ both ends issue its operations in the same order (their pair's plan), and comple
 be polled, so a dead peer is noticed while waiting. Ranks join their links, and move their
 groups of buckets, in one global order of pairs (``weightsync.sharding.fragments``: a round
 pairs each rank with at most one peer), so every pair of a round runs at once and no
-blocking operation waits on a circle. Nothing is forwarded: each byte crosses its
-trainer's NIC and its receiver's NIC once.
+blocking operation waits on a circle. Receiver ranks that keep the same slices (the same
+rank of several replicas) form a chain (``Route.chains``): the first takes the fragments
+from the trainer ranks and each passes every piece on to the next as it arrives, so each
+trainer byte leaves its NIC once.
 """
 
 from __future__ import annotations
@@ -60,4 +62,5 @@ class ShardedEngine(CollectiveEngine):
         return self._send_op(self._peer(bucket), piece)
 
     def _route(self, bucket: Bucket, share: int) -> tuple[int, int | None]:
-        return self._peer(bucket), None
+        assert self._join is not None
+        return self._peer(bucket), self._join.forward

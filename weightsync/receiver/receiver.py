@@ -214,6 +214,7 @@ class Receiver:
             watch=self._watch_sender,
             links=self._part.links if self._part is not None else (),
             peer_of=self._part.peer_of if self._part is not None else None,
+            forward=self._part.forward if self._part is not None else None,
         )
 
     def _watch_sender(self) -> None:

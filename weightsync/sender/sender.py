@@ -579,7 +579,7 @@ class Sender:
             stats.buckets = len(out.plan.buckets)
             stats.bytes = sum(s.nbytes for s in out.plan.tensors)
         if self._part is not None:  # every trainer rank's fragments
-            stats.bytes = sum(f.nbytes for f in self._part.route.fragments)
+            stats.bytes = sum(self._part.route.received_bytes().values())
             stats.tensors = len(self._part.route.fragments)
         out.account(stats)  # a delta sync counts the model's bytes, not the wire's
         return sums

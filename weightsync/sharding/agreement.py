@@ -100,16 +100,31 @@ class Part:
 
     @property
     def links(self) -> tuple[tuple[int, int], ...]:
-        """Every pair of the route as (trainer group rank, receiver group rank), in the one
-        order every rank joins them."""
-        return tuple(
+        """Every link of the route as (from, to) group ranks, in the one order every rank
+        joins them: each (trainer rank, receiver rank) pair, then each chain's hops."""
+        pairs = [
             (self.group_rank(TRAINER, s), self.group_rank(RECEIVER, d)) for s, d in pairs_in_order(self.route)
-        )
+        ]
+        hops = [
+            (self.group_rank(RECEIVER, a), self.group_rank(RECEIVER, b))
+            for chain in self.route.chains
+            for a, b in zip(chain, chain[1:])
+        ]
+        return tuple(pairs + hops)
 
     def peer_of(self, bucket_index: int) -> int:
-        """The group rank at the other end of the link bucket ``bucket_index`` travels."""
+        """The group rank at the other end of the link bucket ``bucket_index`` arrives on
+        (a receiver rank down a chain: the rank before it) or leaves on (a trainer rank)."""
+        if self.side == RECEIVER and (before := self.route.previous_in_chain(self.index)) is not None:
+            return self.group_rank(RECEIVER, before)
         other = RECEIVER if self.side == TRAINER else TRAINER
         return self.group_rank(other, self.rank_plan.peer_of(bucket_index))
+
+    @property
+    def forward(self) -> int | None:
+        """A receiver rank of a chain: the group rank it passes every bucket on to."""
+        after = self.route.next_in_chain(self.index) if self.side == RECEIVER else None
+        return self.group_rank(RECEIVER, after) if after is not None else None
 
     def tensors(self, shards: Mapping[str, LocalShard]) -> Iterator[tuple[str, torch.Tensor]]:
         """A trainer rank's fragments in its plan's order, read from its local shards."""

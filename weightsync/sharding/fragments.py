@@ -206,7 +206,9 @@ def trainer_plan(route: Route, source: int, bucket_bytes: int) -> RankPlan:
 
 def receiver_plan(route: Route, dest: int, bucket_bytes: int) -> RankPlan:
     """Receiver rank ``dest``'s part: its fragments from each trainer rank, a group each,
-    in the pairs' order (``_round``)."""
+    in the pairs' order (``_round``). A rank further down a chain (``Route.chains``) takes
+    the plan of its chain's first rank, every bucket from the rank before it."""
+    dest = route.leader(dest)
     sources = sorted({f.source for f in route.for_dest(dest)}, key=lambda t: (_round(route, t, dest), t))
     plan, starts = _grouped(route, [(s, dest) for s in sources], bucket_bytes)
     return RankPlan(plan, tuple(sources), tuple(starts))

@@ -51,11 +51,38 @@ class Fragment:
 
 @dataclass(frozen=True)
 class Route:
-    """The fragments of a sharded sync, in plan order (tensor, then receiver rank, then box)."""
+    """The fragments of a sharded sync, in plan order (tensor, then receiver rank, then box).
+
+    ``chains``: receiver ranks that keep exactly the same boxes (the same rank of several
+    tensor-parallel replicas), each chain in rank order. Fragments go to a chain's first
+    rank only; each rank of the chain passes every bucket on to the next as it arrives, so
+    a trainer rank's bytes leave its NIC once however many replicas take them."""
 
     specs: tuple[TensorSpec, ...]
     fragments: tuple[Fragment, ...]
     hash: str
+    chains: tuple[tuple[int, ...], ...] = ()
+
+    def leader(self, dest: int) -> int:
+        """The receiver rank whose fragments ``dest`` takes: the first of its chain."""
+        for chain in self.chains:
+            if dest in chain:
+                return chain[0]
+        return dest
+
+    def next_in_chain(self, dest: int) -> int | None:
+        """The receiver rank ``dest`` passes its buckets on to (None: none)."""
+        for chain in self.chains:
+            if dest in chain[:-1]:
+                return chain[chain.index(dest) + 1]
+        return None
+
+    def previous_in_chain(self, dest: int) -> int | None:
+        """The receiver rank ``dest`` takes its buckets from (None: from the trainer ranks)."""
+        for chain in self.chains:
+            if dest in chain[1:]:
+                return chain[chain.index(dest) - 1]
+        return None
 
     def sent_bytes(self) -> dict[int, int]:
         """Bytes each trainer rank sends."""
@@ -65,23 +92,36 @@ class Route:
         return dict(out)
 
     def received_bytes(self) -> dict[int, int]:
-        """Bytes each receiver rank takes."""
+        """Bytes each receiver rank takes (a chain's every rank its first rank's)."""
         out: dict[int, int] = defaultdict(int)
         for f in self.fragments:
             out[f.dest] += f.nbytes
+        for chain in self.chains:
+            for dest in chain[1:]:
+                out[dest] = out.get(chain[0], 0)
         return dict(out)
 
     def for_source(self, rank: int) -> list[Fragment]:
         return [f for f in self.fragments if f.source == rank]
 
     def for_dest(self, rank: int) -> list[Fragment]:
-        return [f for f in self.fragments if f.dest == rank]
+        """The fragments receiver rank ``rank`` takes (from a trainer rank, or along its chain)."""
+        leader = self.leader(rank)
+        return [f for f in self.fragments if f.dest == leader]
 
 
-def route_hash(specs: Sequence[TensorSpec], fragments: Sequence[Fragment]) -> str:
-    """sha256 over the canonical JSON of the specs and the fragments."""
+def route_hash(
+    specs: Sequence[TensorSpec], fragments: Sequence[Fragment], chains: Sequence[Sequence[int]] = ()
+) -> str:
+    """sha256 over the canonical JSON of the specs, the fragments and the chains."""
     canon = json.dumps(
-        [ROUTE_FORMAT, [s.to_wire() for s in specs], [f.to_wire() for f in fragments]], separators=(",", ":")
+        [
+            ROUTE_FORMAT,
+            [s.to_wire() for s in specs],
+            [f.to_wire() for f in fragments],
+            [list(c) for c in chains],
+        ],
+        separators=(",", ":"),
     )
     return hashlib.sha256(canon.encode()).hexdigest()
 
@@ -110,9 +150,26 @@ def _holder_boxes(index: int, spec: TensorSpec, holders: Sequence[Layout]) -> di
     return dict(sorted(by_box.items()))
 
 
-def plan_route(specs: Sequence[TensorSpec], holders: Sequence[Layout], needs: Sequence[Layout]) -> Route:
+def chains_of(needs: Sequence[Layout]) -> tuple[tuple[int, ...], ...]:
+    """Receiver ranks that keep exactly the same boxes (hosts aside), two or more, each
+    group in rank order: the chains of a route that forwards."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for dest, layout in enumerate(needs):
+        boxes = tuple(sorted((n, b) for n, b in layout.boxes.items() if b.numel))
+        if boxes:
+            groups[boxes].append(dest)
+    return tuple(sorted(tuple(g) for g in groups.values() if len(g) > 1))
+
+
+def plan_route(
+    specs: Sequence[TensorSpec], holders: Sequence[Layout], needs: Sequence[Layout], forward: bool = True
+) -> Route:
     """The route from trainer ranks holding ``holders[r]`` to receiver ranks needing
-    ``needs[q]``. A tensor a receiver's layout does not name is not sent to it."""
+    ``needs[q]``. A tensor a receiver's layout does not name is not sent to it. With
+    ``forward``, receiver ranks that keep the same boxes form a chain (``Route.chains``)."""
+    chains = chains_of(needs) if forward else ()
+    followers = {d for chain in chains for d in chain[1:]}
+    needs = [Layout({}, layout.host) if d in followers else layout for d, layout in enumerate(needs)]
     hosts = [layout.host or f"trainer-{rank}" for rank, layout in enumerate(holders)]
     candidates: list[tuple[int, int, Box, list[int], int]] = []
     for index, spec in enumerate(specs):
@@ -147,7 +204,7 @@ def plan_route(specs: Sequence[TensorSpec], holders: Sequence[Layout], needs: Se
         own[source] += nbytes
         chosen.append(Fragment(index, dest, box, source, nbytes))
     fragments = tuple(sorted(chosen))
-    return Route(tuple(specs), fragments, route_hash(specs, fragments))
+    return Route(tuple(specs), fragments, route_hash(specs, fragments, chains), chains)
 
 
 def nic_bytes(route: Route, holders: Sequence[Layout], needs: Sequence[Layout]) -> dict[str, dict[str, int]]:
@@ -157,6 +214,11 @@ def nic_bytes(route: Route, holders: Sequence[Layout], needs: Sequence[Layout]) 
     for f in route.fragments:
         out[holders[f.source].host or f"trainer-{f.source}"]["sent"] += f.nbytes
         out[needs[f.dest].host or f"receiver-{f.dest}"]["received"] += f.nbytes
+    taken = route.received_bytes()
+    for chain in route.chains:  # each rank of a chain passes its bytes on to the next
+        for a, b in zip(chain, chain[1:]):
+            out[needs[a].host or f"receiver-{a}"]["sent"] += taken.get(a, 0)
+            out[needs[b].host or f"receiver-{b}"]["received"] += taken.get(a, 0)
     return dict(out)
 
 
