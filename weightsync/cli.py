@@ -118,7 +118,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "--trainers",
         type=int,
         default=1,
-        help="trainer processes for backends where every trainer rank sends: paired (default: 1)",
+        help="trainer processes for backends where every trainer rank sends: paired, sharded (default: 1)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks per replica: each row has --receivers x --tp receiver processes; "
+        "sharded sends each rank only its slices, the other backends the whole model (default: 1)",
     )
     p.add_argument(
         "--size-mb",
@@ -475,6 +482,7 @@ def _bench_command(args: argparse.Namespace) -> int:
         bucket_mb=args.bucket_mb,
         receivers=args.receivers or 3,
         trainers=args.trainers,
+        tp=args.tp,
         size_mb=args.size_mb or 1024,
         shape=args.shape,
         dtype=args.dtype,

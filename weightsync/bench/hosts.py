@@ -18,7 +18,7 @@ from weightsync.bench.cluster import parse_rate
 
 #: backends that move bytes between hosts (``shm`` needs one host's memory, ``disk`` a
 #: directory both sides see, ``naive`` one process)
-CROSS_HOST = ("nccl", "mooncake", "paired")
+CROSS_HOST = ("nccl", "mooncake", "paired", "sharded")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,15 @@ class Placement:
         if key <= self.receivers:
             return self.receiver_host(key - 1)
         return key - self.receivers
+
+    def sharded_ceiling_s(self, shard_bytes: int, slice_bytes: int) -> float:
+        """The M x N ceiling: the largest trainer shard through a trainer NIC, or the
+        largest set of slices through a receiver host's NIC (times the ranks there)."""
+        per_host: dict[int, int] = {}
+        for r in range(self.receivers):
+            per_host[self.receiver_host(r)] = per_host.get(self.receiver_host(r), 0) + 1
+        inbound = max(slice_bytes * 8 * k / self.rates[h] for h, k in per_host.items())
+        return max(shard_bytes * 8 / self.trainer_link_bps, inbound)
 
     def ceiling_s(self, nbytes: int, trainers: int) -> float:
         """The link ceiling of pushing ``nbytes`` from ``trainers`` trainer hosts."""

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.bench import models
+from weightsync.bench.shards import box_bytes, replica_boxes, trainer_boxes
 from weightsync.bench.workers import (
     Job,
     alternative,
@@ -49,7 +50,7 @@ from weightsync.plan import TensorSpec
 
 ALTERNATIVES = ("per-tensor-broadcast", "safetensors-reload")
 #: backends where every trainer rank sends a share (``--trainers`` applies to them)
-_ALL_RANKS_SEND = ("paired",)
+_ALL_RANKS_SEND = ("paired", "sharded")
 #: the ceiling row that bounds each backend (backends not listed have none measured)
 CEILING_OF = {"nccl": "broadcast-ceiling", "paired": "broadcast-ceiling", "shm": "memcpy-ceiling"}
 #: the ceiling of those backends when the model lives on a device (``--device cuda``)
@@ -78,8 +79,11 @@ class BenchOptions:
     backends: list[str] = field(default_factory=lambda: ["nccl", "shm"])
     bucket_mb: list[int] = field(default_factory=lambda: [64])
     receivers: int = 3
-    #: trainer processes for backends where every trainer rank sends (``paired``)
+    #: trainer processes for backends where every trainer rank sends (``paired``, ``sharded``)
     trainers: int = 1
+    #: tensor-parallel ranks per replica: every row has ``receivers * tp`` receiver
+    #: processes; ``sharded`` sends each only its slices, the others the whole model
+    tp: int = 1
     size_mb: float = 1024
     shape: str = "llm"
     dtype: str = "bfloat16"
@@ -248,17 +252,23 @@ def _run_on_hosts(opts: BenchOptions, progress: Callable[[str, int, int], None] 
         raise ValueError(
             "--hosts emulates hosts with network namespaces on this machine's CPU: leave --device at cpu"
         )
-    placement = Placement.of(opts.hosts, opts.trainers, opts.receivers, opts.link, opts.trainer_link)
+    ranks = opts.receivers * opts.tp
+    placement = Placement.of(opts.hosts, opts.trainers, ranks, opts.link, opts.trainer_link)
     with Cluster(opts.hosts, placement.rates) as cluster:
-        netns = {
-            key: cluster.hosts[placement.host_of(key)].netns for key in range(opts.receivers + opts.trainers)
-        }
+        netns = {key: cluster.hosts[placement.host_of(key)].netns for key in range(ranks + opts.trainers)}
         rows = _run_rows(
             opts, progress, netns=netns, host=cluster.hosts[0].address, counters=cluster.counters
         )
     for row in rows:
         trainers = opts.trainers if row.backend in _ALL_RANKS_SEND else 1
-        ceiling = placement.ceiling_s(row.bytes, trainers)
+        if row.backend == "sharded":  # M x N: the most any one rank moves through its NIC
+            specs = _specs(opts)
+            ceiling = placement.sharded_ceiling_s(
+                max(box_bytes(specs, trainer_boxes(specs, trainers, t)) for t in range(trainers)),
+                max(box_bytes(specs, replica_boxes(specs, opts.tp, r)) for r in range(opts.tp)),
+            )
+        else:
+            ceiling = placement.ceiling_s(row.bytes, trainers)
         row.ratios = {
             "link_ceiling_s": round(ceiling, 4),
             "ratio_to_link_ceiling": round(ceiling / row.seconds, 3),
@@ -309,13 +319,14 @@ def _run_rows(
             job = Job(
                 kind,
                 specs,
-                opts.receivers,
+                opts.receivers * opts.tp,
                 repeats.get(kind, opts.repeats),
                 row_overrides[1:],
                 opts.model,
                 opts.work_dir,
                 opts.timeout_s,
                 trainers=opts.trainers if kind in _ALL_RANKS_SEND else 1,
+                tp=opts.tp,
                 update=opts.update,
                 lr=opts.lr,
                 device=device,

@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 
 from weightsync import platform
-from weightsync.bench import models
+from weightsync.bench import models, shards
 from weightsync.config.engine import EngineConfig
 from weightsync.engines import rendezvous
-from weightsync.plan import TensorSpec
+from weightsync.plan import TensorSpec, as_bytes
+from weightsync.sharding.fragments import region
 
 
 @dataclass
@@ -44,6 +45,8 @@ class Job:
     work_dir: str | None = None
     timeout_s: float = 300.0
     trainers: int = 1  # trainer processes that send (paired); the others' results are keyed receivers + rank
+    #: ``sharded``: tensor-parallel ranks per replica (receiver r is rank r % tp of replica r // tp)
+    tp: int = 1
     update: str = "bump"  # how versions differ: "bump" (every tensor, cheaply) or "adamw" (an RL step)
     lr: float = 1e-6  # the AdamW learning rate of update="adamw"
     device: str = "cpu"  # where every process holds the model (and the transfer buffers, when not "cpu")
@@ -126,6 +129,9 @@ def sync_sender(job: Job, queue, rank: int = 0, address: str | None = None) -> N
             state = updates.tensors
         else:
             state = job.sender_state()
+        source: Any = state
+        if job.kind == "sharded":  # this rank's FSDP2-like shard: views, updated in place
+            source = shards.held(state, shards.trainer_boxes(job.specs, job.trainers, rank))
         baseline = _rss_mb()
         config = EngineConfig.from_overrides([f"backend={job.kind}", *job.overrides])
         seconds, wire, density, phases, digests = [], [], [], [], []
@@ -139,7 +145,7 @@ def sync_sender(job: Job, queue, rank: int = 0, address: str | None = None) -> N
                     updates.step()  # the trainer's step: not part of the sync's time
                 else:
                     models.bump(state, v)
-                stats = sender.send(state, version=v)
+                stats = sender.send(source, version=v)
                 if v == 1 and rank == 0 and job.counted is not None:
                     queue.put(("warm", 0, v))
                     if not job.counted.wait(job.timeout_s):
@@ -177,6 +183,10 @@ def sync_receiver(job: Job, address: str, rank: int, queue) -> None:
 
     job.enter_host(rank + 1)
 
+    if job.kind == "sharded":
+        _guard(queue, rank + 1, lambda: _sharded_receiver(job, address, rank))
+        return
+
     def body() -> dict[str, Any]:
         state = models.zeros(job.specs, job.device)
         module = models.module_of(state)
@@ -191,6 +201,35 @@ def sync_receiver(job: Job, address: str, rank: int, queue) -> None:
         return {"digests": digests, **_memory(baseline)}
 
     _guard(queue, rank + 1, body)
+
+
+def _sharded_receiver(job: Job, address: str, rank: int) -> dict[str, Any]:
+    """Receiver rank ``rank`` of a ``sharded`` row: tensor-parallel rank ``rank % tp`` of
+    its replica, holding only its slices. Each version's slices are compared (untimed) with
+    the same version made here whole; the digest is that version's when all match."""
+    from weightsync.receiver.receiver import Receiver
+    from weightsync.sharding.agreement import FragmentSink
+
+    boxes = shards.replica_boxes(job.specs, job.tp, rank % job.tp)
+    mine = shards.kept(job.specs, boxes, job.device)
+    sink = FragmentSink(mine)
+    baseline = _rss_mb()
+    reference = job.sender_state()
+    config = EngineConfig.from_overrides([f"backend={job.kind}", *job.overrides])
+    digests = []
+    with Receiver(config, address, rank, **job.endpoint_kwargs()) as receiver:
+        for v in job.versions:
+            receiver.load_into(sink, version=v)
+            models.bump(reference, v)
+            # bytes, not values: the bench's arbitrary bytes hold NaNs, which never equal themselves
+            wrong = [
+                n
+                for n, s in mine.items()
+                if not torch.equal(as_bytes(s.tensor), as_bytes(region(reference[n], s.box)))
+            ]
+            digests.append(models.digest(reference) if not wrong else f"slices differ: {wrong[:3]}")
+            job.next_version(v)
+    return {"digests": digests, **_memory(baseline)}
 
 
 # ---------------------------------------------------------------------------- alternatives

@@ -301,7 +301,11 @@ class FragmentSink(ModuleSink):
 
     def __init__(self, module: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
         self.module = module
-        self.shards = local_shards(module)
+        declared = (
+            isinstance(module, Mapping) and module and all(isinstance(v, LocalShard) for v in module.values())
+        )
+        # declared shards (``declared_shards``) as they are; else a module's or state dict's
+        self.shards = dict(module) if declared else local_shards(module)
         self.targets = {}
         self._loaded = set()
         self._unrouted: list[str] = []

@@ -1,0 +1,70 @@
+"""The layouts of ``weightsync bench --backend sharded``: an FSDP2-like trainer and
+tensor-parallel replicas, declared over the bench's synthetic model.
+
+Trainer rank t of M holds ``Shard(0)`` of every tensor (what ``fully_shard`` gives). Rank
+r of a replica of T ranks keeps what a Megatron/vLLM-style tensor-parallel model keeps:
+output rows (``Shard(0)``) of the column-parallel projections, the embedding and the LM
+head, input columns (``Shard(1)``) of the row-parallel ``o_proj`` and ``down_proj``, and
+every 1-D tensor (norms, biases) whole. The M x N link ceiling counts what each rank must
+move through its own NIC at least once: its shard, or its slices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from weightsync.plan import TensorSpec
+from weightsync.sharding.fragments import LocalShard, declared_shards, region
+from weightsync.sharding.layout import Box, Placement, Replicate, Shard, boxes_of_placements
+
+_ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
+
+
+def trainer_boxes(specs: Sequence[TensorSpec], trainers: int, rank: int) -> dict[str, Box]:
+    """Trainer rank ``rank``'s box of every tensor: ``Shard(0)`` over the trainer ranks."""
+    return {s.name: boxes_of_placements(s.shape, (trainers,), (rank,), [Shard(0)]) for s in specs}
+
+
+def _replica_placement(spec: TensorSpec) -> Placement:
+    if len(spec.shape) < 2:
+        return Replicate()
+    return Shard(1) if spec.name.endswith(_ROW_PARALLEL) else Shard(0)
+
+
+def replica_boxes(specs: Sequence[TensorSpec], tp: int, rank: int) -> dict[str, Box]:
+    """Tensor-parallel rank ``rank`` of ``tp``: the box of every tensor it keeps."""
+    return {s.name: boxes_of_placements(s.shape, (tp,), (rank,), [_replica_placement(s)]) for s in specs}
+
+
+def held(state: Mapping[str, torch.Tensor], boxes: Mapping[str, Box]) -> dict[str, LocalShard]:
+    """A trainer rank's shards: views of its boxes of ``state`` (the bench makes each
+    version whole on every trainer rank, so all ranks hold the same bytes; only the boxes
+    are sent)."""
+    return declared_shards(
+        {n: (tuple(state[n].shape), box, region(state[n], box)) for n, box in boxes.items()}
+    )
+
+
+def kept(specs: Sequence[TensorSpec], boxes: Mapping[str, Box], device: str = "cpu") -> dict[str, LocalShard]:
+    """A receiver rank's slices, allocated (zeros) in the shape of its boxes."""
+    shapes = {s.name: s for s in specs}
+    return declared_shards(
+        {
+            n: (shapes[n].shape, box, torch.zeros(box.lengths, dtype=shapes[n].torch_dtype, device=device))
+            for n, box in boxes.items()
+        }
+    )
+
+
+def box_bytes(specs: Sequence[TensorSpec], boxes: Mapping[str, Box]) -> int:
+    return sum(boxes[s.name].numel * s.torch_dtype.itemsize for s in specs)
+
+
+def ceiling_bytes(specs: Sequence[TensorSpec], trainers: int, tp: int) -> int:
+    """The most bytes any one rank must move through its NIC: the largest trainer shard or
+    replica slice set (each rank on a host of its own)."""
+    shards = [box_bytes(specs, trainer_boxes(specs, trainers, t)) for t in range(trainers)]
+    slices = [box_bytes(specs, replica_boxes(specs, tp, r)) for r in range(tp)]
+    return max(shards + slices)
