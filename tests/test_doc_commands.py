@@ -205,6 +205,16 @@ COMMANDS: dict[str, Run | NotHere] = {
         SMALL,
         timeout=240,
     ),
+    "weightsync bench --hosts 6 --trainers 2 --tp 2 --receivers 2 --link 1gbit --size-mb 256 --backend sharded,nccl --json": Run(
+        (
+            "bench --hosts 6 --trainers 2 --tp 2 --receivers 2 --link 1gbit --size-mb 64 --backend sharded,nccl "
+            "--json --repeats 2",
+        ),
+        "--size-mb 64 (the smallest LLM shape, 149 MiB) --repeats 2: each trainer NIC sends its shard once, each "
+        "receiver NIC takes its slices once, bit-exact after each of the 3 versions",
+        timeout=240,
+        check="sharded",
+    ),
     "weightsync bench --device cuda --size-mb 4096": NotHere(
         "needs a CUDA GPU: `make gpu-check` runs the --device cuda bench rows (weightsync/gpucheck/driver.py)"
     ),
@@ -409,6 +419,29 @@ def _check_hosts(outs, tmp_path):
         assert r["bytes"] <= nic[0]["tx_bytes"] < 1.3 * r["bytes"], (r["backend"], nic)
 
 
+def _check_sharded(outs, tmp_path):
+    """M x N on 6 emulated hosts: 2 FSDP2-like trainer ranks, 2 replicas of 2 tensor-parallel
+    ranks. Each trainer host sends its shard once (replicas pass slices along their chain),
+    each receiver host takes its slices once; whole tensors through one NIC (nccl) are slower."""
+    from weightsync.bench import models
+    from weightsync.bench.shards import box_bytes, replica_boxes, trainer_boxes
+
+    rows = {r["backend"]: r for r in json.loads(outs[0].stdout)}
+    assert sorted(rows) == ["nccl", "sharded"]
+    specs = models.synthetic_specs("llm", 64, "bfloat16")
+    shard = [box_bytes(specs, trainer_boxes(specs, 2, t)) for t in range(2)]
+    slices = [box_bytes(specs, replica_boxes(specs, 2, r)) for r in range(2)]
+    row = rows["sharded"]
+    assert (row["receivers"], row["versions_checked"]) == (4, 3), row
+    nic = row["nic_bytes_per_sync"]
+    for t in range(2):  # hosts 0-1: the trainer ranks
+        assert shard[t] <= nic[t]["tx_bytes"] < 1.05 * shard[t], (t, nic[t], shard[t])
+    for r in range(4):  # hosts 2-5: receiver r, tensor-parallel rank r % 2
+        assert slices[r % 2] <= nic[2 + r]["rx_bytes"] < 1.05 * slices[r % 2], (r, nic[2 + r], slices)
+    assert 0.3 <= row["ratio_to_link_ceiling"] <= 1.05, row["ratio_to_link_ceiling"]
+    assert row["seconds"] < 0.8 * rows["nccl"]["seconds"], (row["seconds"], rows["nccl"]["seconds"])
+
+
 def _check_adamw(outs, tmp_path):
     """Per backend, rows with delta off, auto and on; AdamW at lr 1e-6 changes a few percent;
     ``speedup_vs_dense`` against that backend's own ``off`` row; ``auto`` not far behind the
@@ -485,6 +518,7 @@ CHECKS = {
     "json": _check_json,
     "five": _check_five,
     "hosts": _check_hosts,
+    "sharded": _check_sharded,
     "docs": _check_docs,
     "demo": _check_demo,
 }
