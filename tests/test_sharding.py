@@ -459,3 +459,62 @@ def test_fsdp2_shards_reach_a_tensor_parallel_replica_slice_by_slice_and_a_whole
     total = reports[0]["sent"][0]
     assert total == sum(reports[r]["kept"] for r in (2, 3, 4))
     assert 0.4 * total < reports[1]["sent"][0] < 0.6 * total
+
+
+SHARDED = ["backend=sharded", "update_weights_bucket_megabytes=1", "timeout_s=30"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_whole_holders_share_the_sends_and_a_trainer_rank_dying_mid_transfer_is_named():
+    """Two trainer ranks that each hold every whole tensor (what verl hands a backend) and
+    three receivers that declare nothing (one chain): each trainer rank sends about half,
+    every receiver gets every tensor bit-exact. Trainer rank 1 crashing mid-transfer fails
+    the sync on rank 0 naming it, within seconds (timeout_s is 30); receivers keep version 1
+    or say the sync of version 2 failed; with a new trainer rank 1, version 3 is exact."""
+    import time
+
+    import workers
+    from procs import CTX, collect, start, stop
+
+    from weightsync import EngineConfig, Sender, SyncError
+
+    q = CTX.Queue()
+    receivers = 3
+    with Sender(
+        EngineConfig.from_overrides(SHARDED), "127.0.0.1:0", receivers, rank=0, num_trainers=2
+    ) as sender:
+        procs = [
+            start(workers.run_receiver, sender.address, r, SHARDED, [1, 2, 3], q, None, False, True)
+            for r in range(receivers)
+        ]
+        procs.append(
+            start(workers.run_sharded_backend_trainer, sender.address, 1, 2, SHARDED, receivers, [1, 2], q, 2)
+        )
+        try:
+            stats = sender.send(workers.make_weights(1), version=1)
+            reports = collect(q, receivers + 1)
+            (trainer,) = [r for r in reports if isinstance(r[0], tuple)]
+            model = sum(t.numel() * t.element_size() for t in workers.make_weights(1).values())
+            assert stats.bytes == receivers * model  # every receiver took every tensor once
+            assert 0.3 * model < trainer[2] < 0.7 * model, (trainer, model)  # rank 1's share
+            for rank, version, digests, held in (r for r in reports if not isinstance(r[0], tuple)):
+                assert (version, held, digests) == (1, 1, workers.expected_digests(1)), rank
+            t0 = time.monotonic()
+            with pytest.raises(SyncError, match="trainer rank 1") as err:
+                sender.send(workers.make_weights(2), version=2)
+            assert time.monotonic() - t0 < 15, err.value  # noticed, not waited out
+            for rank, version, digests, held in collect(q, receivers):
+                if version == "error":  # failed it: keeps version 1 (torn where slices landed)
+                    assert held == 1 and "version 2" in digests, (rank, digests)
+                else:
+                    assert (version, held, digests) == (2, 2, workers.expected_digests(2))
+            procs.append(
+                start(workers.run_sharded_backend_trainer, sender.address, 1, 2, SHARDED, receivers, [3], q)
+            )
+            sender.send(workers.make_weights(3), version=3)
+            reports = collect(q, receivers + 1)
+            for rank, version, digests, held in (r for r in reports if not isinstance(r[0], tuple)):
+                assert (version, held, digests) == (3, 3, workers.expected_digests(3)), rank
+        finally:
+            stop(procs)

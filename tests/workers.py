@@ -338,6 +338,35 @@ def run_paired_trainer(
         traceback.print_exc()
 
 
+def run_sharded_backend_trainer(
+    address, rank, num_trainers, overrides, num_receivers, versions, queue, die_in_version=None
+):
+    """Trainer rank > 0 of ``sharded``, holding every whole tensor (as verl hands them):
+    send its part of each version, report as ``run_paired_trainer`` does; in
+    ``die_in_version``, exit abruptly after its third fragment (a crash mid-transfer)."""
+    from weightsync.sharding.agreement import Part
+
+    torch.set_num_threads(1)
+    fragments = Part.tensors
+
+    def dying(part, shards):
+        for i, item in enumerate(fragments(part, shards)):
+            if i == 3:
+                os._exit(9)
+            yield item
+
+    config = EngineConfig.from_overrides(overrides)
+    with Sender(config, address, num_receivers, rank=rank, num_trainers=num_trainers) as sender:
+        for v in versions:
+            Part.tensors = dying if v == die_in_version else fragments
+            try:
+                stats = sender.send(make_weights(v), version=v)
+            except SyncError as e:
+                queue.put((("trainer", rank), "error", f"{type(e).__name__}: {e}", None))
+                continue
+            queue.put((("trainer", rank), v, stats.bytes, stats.buckets))
+
+
 def slow_weights(version, queue, after=12):
     """``big_weights`` yielded one by one, stalling for a minute after ``after`` tensors
     (reported on ``queue`` as ``("writing", pid)``): a writer to kill mid-write."""

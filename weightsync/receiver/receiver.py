@@ -287,10 +287,14 @@ class Receiver:
             if whole is None:
                 assert self._part is not None  # agreed before the first fragment
                 whole = Reassembly(self._part)
-            done = whole.put(name, tensor)
-            if done is not None:
+                done = [*whole.empty, whole.put(name, tensor)]
+            else:
+                done = [whole.put(name, tensor)]
+            for item in done:
+                if item is None:
+                    continue
                 try:
-                    yield done
+                    yield item
                 except BaseException as e:
                     fragments.throw(e)
                     raise

@@ -24,6 +24,7 @@ its fragments by ``Reassembly``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -345,6 +346,10 @@ class Reassembly:
             self._where[fragment_name(route, f)] = (spec, f.box)
             self._left[spec.name] = self._left.get(spec.name, 0) + 1
         self._wholes: dict[str, torch.Tensor] = {}
+        #: tensors without elements: no fragment carries them, yet they are the model's
+        self.empty = [
+            (s.name, torch.empty(s.shape, dtype=s.torch_dtype)) for s in route.specs if not math.prod(s.shape)
+        ]
 
     def put(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         """Copy one fragment into its tensor; the tensor, when this was its last fragment."""
