@@ -350,7 +350,7 @@ def test_verl_adapter_kwargs():
     assert parse_verl_kwargs(None).transport == "nccl"
     with pytest.raises(
         ConfigError,
-        match=r"transport='nccll': allowed values are nccl, shm, paired, mooncake, disk, auto \(did you mean 'nccl'\?\)",
+        match=r"transport='nccll': allowed values are nccl, shm, paired, sharded, mooncake, disk, auto \(did you mean 'nccl'\?\)",
     ):
         parse_verl_kwargs({"transport": "nccll"})
     with pytest.raises(

@@ -153,7 +153,7 @@ async def one_update(engines, step: int | None, trainer_weights, expect_version:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("transport, actors", [("paired", 2), ("disk", 2), ("nccl", 2)])
+@pytest.mark.parametrize("transport, actors", [("paired", 2), ("sharded", 2), ("disk", 2), ("nccl", 2)])
 def test_other_transports_and_several_actor_ranks(transport, actors, tmp_path):
     new = adapter.WeightsyncCheckpointEngine
     extra = {"engine_kwargs": {"disk": {"path": str(tmp_path)}}} if transport == "disk" else {}
@@ -169,7 +169,8 @@ def test_other_transports_and_several_actor_ranks(transport, actors, tmp_path):
         roles = [e.describe()["role"] for e in engines]
         assert (
             roles
-            == (["sender"] * actors if transport == "paired" else ["sender", "drain"]) + ["receiver"] * 2
+            == (["sender"] * actors if transport in ("paired", "sharded") else ["sender", "drain"])
+            + ["receiver"] * 2
         )
     finally:
         for e in engines:

@@ -14,7 +14,9 @@ from weightsync.config.keys import PREFIX, ConfigError, EngineKwargs, all_keys, 
 #: values of ``engine_kwargs.weightsync.transport``: weightsync backends that carry weights
 #: between processes, or ``auto`` (``shm`` when every rollout worker is on the trainer's Ray
 #: node, else ``nccl``)
-VERL_TRANSPORTS = ("nccl", "shm", "paired", "mooncake", "disk", "auto")
+#: transports where every actor rank sends (over ``nccl``'s kind of two-rank groups)
+ALL_RANKS_SEND = ("paired", "sharded")
+VERL_TRANSPORTS = ("nccl", "shm", "paired", "sharded", "mooncake", "disk", "auto")
 
 #: keys verl's own engines take that weightsync's backend of the same name does not read
 VERL_ONLY_KWARGS = {
@@ -47,10 +49,10 @@ VERL_KEYS = (
         "nccl",
         "The weightsync backend that carries the weights: `nccl` (broadcast; NCCL, HCCL on "
         "Ascend, Gloo on CPU), `shm` (every rollout worker on the trainer's node), `paired`, "
-        "`mooncake`, `disk` (needs `engine_kwargs.disk.path`), or `auto`: `shm` when every rollout "
+        "`sharded` (every actor rank sends a balanced share of verl's whole tensors), `mooncake`, `disk` (needs `engine_kwargs.disk.path`), or `auto`: `shm` when every rollout "
         "worker runs on the trainer's Ray node (decided by Ray node id at every update), else `nccl`.",
         "承载权重的 weightsync 后端：`nccl`（广播；NCCL，昇腾上为 HCCL，CPU 上为 Gloo）、`shm`"
-        "（所有推理 worker 与训练端在同一节点）、`paired`、`mooncake`、`disk`（需要 "
+        "（所有推理 worker 与训练端在同一节点）、`paired`、`sharded`（每个 actor rank 发送 verl 所给完整张量中均衡的一份）、`mooncake`、`disk`（需要 "
         "`engine_kwargs.disk.path`），或 `auto`：所有推理 worker 都在训练端所在的 Ray 节点上时用 `shm`"
         "（每次更新时按 Ray 节点 ID 判断），否则用 `nccl`。",
         VERL_TRANSPORTS,
@@ -124,7 +126,8 @@ def read_verl(items: Iterable[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], 
     and notes on what was read differently from the file's face.
 
     Hydra's ``_target_`` is dropped; of ``engine_kwargs`` only the entry of the configured
-    backend counts (verl hands a backend only its own; ``paired`` also reads ``nccl``'s),
+    backend counts (verl hands a backend only its own; ``paired`` and ``sharded`` also read
+    ``nccl``'s),
     the others are ignored with a note, as are keys only verl's own engines take. With
     ``backend: weightsync`` (weightsync's verl adapter) the weightsync configuration is
     ``engine_kwargs.weightsync``: its ``transport`` is the backend.
@@ -163,7 +166,7 @@ def read_verl(items: Iterable[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], 
             )
         readers: set[str] = set()
     else:
-        readers = {backend} | ({"nccl"} if backend == "paired" else set())
+        readers = {backend} | ({"nccl"} if backend in ALL_RANKS_SEND else set())
     groups = {f.name for f in dataclasses.fields(EngineKwargs)}
     for name, entries in kwargs.items():
         if name not in readers:

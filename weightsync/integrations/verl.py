@@ -49,7 +49,7 @@ import torch
 from weightsync.config.backends import VERL_BACKEND
 from weightsync.config.engine import EngineConfig
 from weightsync.config.keys import ConfigError
-from weightsync.config.verl import VerlOptions, parse_verl_kwargs
+from weightsync.config.verl import ALL_RANKS_SEND, VerlOptions, parse_verl_kwargs
 from weightsync.errors import SyncError
 from weightsync.receiver.receiver import Receiver
 from weightsync.sender.sender import Sender
@@ -133,7 +133,7 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
         bucket_size: bucket size in bytes (verl passes ``update_weights_bucket_megabytes << 20``).
         is_master: True on actor rank 0, the sender; rollout workers pass nothing.
         **engine_kwargs: ``engine_kwargs.weightsync``: ``transport`` (``nccl`` default,
-            ``shm``, ``paired``, ``mooncake``, ``disk`` or ``auto``), ``host`` (what the sender
+            ``shm``, ``paired``, ``sharded``, ``mooncake``, ``disk`` or ``auto``), ``host`` (what the sender
             binds and advertises; default: the node IP Ray reports) and any weightsync key
             (``timeout_s``, ``verify``, ``auth_secret``, ``engine_kwargs.nccl.group_name``, ...).
     """
@@ -241,9 +241,9 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
             "members": assignment,
             "workers": workers,
             "held": max(held) if held else None,
-            "trainers": actor_wg_world_size if transport == "paired" else 1,
+            "trainers": actor_wg_world_size if transport in ALL_RANKS_SEND else 1,
         }
-        if transport == "paired":  # every actor rank sends a share
+        if transport in ALL_RANKS_SEND:  # every actor rank sends a share
             actor_ranks = list(range(actor_wg_world_size))
         else:  # actor rank 0 sends, the others only drain their generator
             actor_ranks = [0] + [-1] * (actor_wg_world_size - 1)
@@ -272,7 +272,7 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
             self._members[topology["transport"]] = dict(topology["members"])  # reported by prepare
         elif self.id in topology["members"]:
             self._role = "receiver"
-        elif rank >= 0:  # paired: actor rank > 0 sends its share, joining rank 0's session
+        elif rank >= 0:  # paired, sharded: actor rank > 0 sends its share, joining rank 0's session
             self._role = "sender"
         else:  # an actor rank that only walks its generator
             self._role = "drain"
@@ -288,7 +288,7 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
         transport, rank = topology["transport"], self.rank
         if self._role == "sender" and self.is_master:
             sender = self._senders[transport]
-            if transport == "paired":  # its rank 0 waits for every other actor rank
+            if transport in ALL_RANKS_SEND:  # its rank 0 waits for every other actor rank
                 sender.num_trainers = topology["trainers"]
             wanted = set(topology["members"].values())
             for r in sorted(wanted - set(sender.receivers)):  # add first: a sync needs a receiver
@@ -373,7 +373,9 @@ class WeightsyncCheckpointEngine(CheckpointEngine):
                 )
             self._version = version
             try:
-                if transport == "paired":  # its plan needs the tensors up front, the same on every rank
+                # paired plans the tensors up front, the same on every rank; sharded declares
+                # them as every rank's layout (each holds every whole tensor: a balanced share each)
+                if transport in ALL_RANKS_SEND:
                     source: Any = await asyncio.to_thread(lambda: dict(_sync_iter(weights, loop)))
                 else:
                     source = _sync_iter(weights, loop)
