@@ -65,14 +65,16 @@ def drifting_weights(version: int) -> dict[str, torch.Tensor]:
     return weights
 
 
-def run_commanded_sender(host, overrides, num_receivers, commands, queue, weights="big_weights"):
+def run_commanded_sender(host, overrides, num_receivers, commands, queue, weights="big_weights", trainers=1):
     """A sender that sends each version the test asks for (``("send", v)`` on ``commands``;
     ``("remove", rank)`` drops a receiver, ``("add", rank)`` takes one back; None ends):
     reports ``("sending", v)`` as it starts, then ``("sent", v, seconds, dropped)`` or
-    ``("failed", v, seconds, message, ranks)``."""
+    ``("failed", v, seconds, message, ranks)``. ``trainers``: trainer ranks in all (the
+    others run ``run_following_trainer``)."""
     torch.set_num_threads(1)
     make = getattr(workers, weights, None) or globals()[weights]
-    with Sender(EngineConfig.from_overrides(overrides), f"{host}:0", num_receivers) as sender:
+    config = EngineConfig.from_overrides(overrides)
+    with Sender(config, f"{host}:0", num_receivers, rank=0, num_trainers=trainers) as sender:
         queue.put(("listening", sender.address))
         while (command := commands.get(timeout=300)) is not None:
             kind, arg = command
@@ -87,6 +89,20 @@ def run_commanded_sender(host, overrides, num_receivers, commands, queue, weight
                 queue.put(("sent", arg, time.monotonic() - t0, stats.dropped))
             except SyncError as e:
                 queue.put(("failed", arg, time.monotonic() - t0, str(e), e.ranks))
+
+
+def run_following_trainer(address, rank, trainers, overrides, num_receivers, versions, queue, weights):
+    """Trainer rank ``rank`` > 0 (``sharded``, ``paired``): send each version as rank 0 runs
+    it, going on after a failure (rank 0 decides what comes next); reports nothing."""
+    torch.set_num_threads(1)
+    make = getattr(workers, weights, None) or globals()[weights]
+    config = EngineConfig.from_overrides(overrides)
+    with Sender(config, address, num_receivers, rank=rank, num_trainers=trainers) as sender:
+        for v in versions:
+            try:
+                sender.send(make(v), version=v)
+            except SyncError as e:
+                queue.put(("trainer", rank, v, str(e)))
 
 
 def run_quiet_listener(host, queue, commands):

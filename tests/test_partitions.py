@@ -50,6 +50,7 @@ class Partition:
         overrides=(),
         bodies=None,
         weights="partition_weights",
+        trainers=1,
     ):
         self.overrides = [
             f"backend={backend}",
@@ -61,8 +62,15 @@ class Partition:
         self.n = receivers
         self.bodies = bodies or {}  # rank -> process body (default: workers.run_resilient_receiver)
         self.weights = weights  # what the trainer sends: a function of cluster_workers
-        self.cluster = Cluster(receivers + 1, [parse_rate("1gbit")] * receivers + [parse_rate("250mbit")])
+        self.trainers = trainers  # trainer ranks > 0 on the hosts after the receivers'
+        rates = (
+            [parse_rate("1gbit")] * receivers
+            + [parse_rate("250mbit")]
+            + [parse_rate("1gbit")] * (trainers - 1)
+        )
+        self.cluster = Cluster(receivers + trainers, rates)
         self.reports, self.received, self.commands = CTX.Queue(), CTX.Queue(), CTX.Queue()
+        self.followers = CTX.Queue()  # trainer ranks > 0: what they failed (rank 0 reports the outcome)
         self.arrivals = queue.Queue()  # (receiver report, time.monotonic() when it came)
         self.procs = []
 
@@ -80,10 +88,27 @@ class Partition:
                 self.commands,
                 self.reports,
                 self.weights,
+                self.trainers,
             )
         )
         kind, address = self.reports.get(timeout=60)
         assert kind == "listening"
+        self.procs += [
+            start(
+                cluster_workers.on_host,
+                self.cluster.hosts[self.n + t].netns,
+                cluster_workers.run_following_trainer,
+                address,
+                t,
+                self.trainers,
+                self.overrides,
+                self.n,
+                self.versions,
+                self.followers,
+                self.weights,
+            )
+            for t in range(1, self.trainers)
+        ]
         self.procs += [
             start(
                 cluster_workers.on_host,
@@ -214,6 +239,31 @@ def test_the_trainer_host_cut_mid_sync_fails_every_receiver_in_the_grace_and_the
         assert (kind, version, sorted(ranks)) == ("failed", 2, [0, 1]), message
         p.cluster.heal(0)
         p.send(3)  # the same receiver processes reconnect by themselves
+        p.sent(3)
+        p.exact(3)
+
+
+def test_a_sharded_trainer_rank_host_cut_mid_sync_is_named_within_the_grace_and_the_next_version_is_exact():
+    """``sharded`` with 2 trainer ranks, each holding every whole tensor (a balanced share
+    each), receivers chained: trainer rank 1's host cut once receiver 0 took 16 MiB of
+    version 2. Trainer rank 0 fails the sync naming trainer rank 1 within the grace; both
+    receivers fail cleanly and keep version 1; after the heal, version 3 is exact."""
+    with Partition("sharded", trainers=2) as p:
+        p.send(1)
+        p.sent(1)
+        p.exact(1)
+        cut = p.cut_mid_sync(2, 3, watch=(1,))  # hosts: 0 trainer rank 0, 1-2 receivers, 3 trainer rank 1
+        report = p.outcome()
+        failed = time.monotonic()
+        assert report[:2] == ("failed", 2), report
+        assert "trainer rank 1" in report[3] and "went silent" in report[3], report[3]
+        assert failed - cut < GRACE_S + 3 < TIMEOUT_S, failed - cut  # the grace, not the deadline
+        for report, at in p.receipts().values():
+            _, status, error, held, attempted, torn = report
+            assert (status, held, attempted) == ("error", 1, 2), report
+            assert at - cut < GRACE_S + 3, (at - cut, error)
+        p.cluster.heal(3)
+        p.send(3)
         p.sent(3)
         p.exact(3)
 
