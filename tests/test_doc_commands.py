@@ -215,6 +215,17 @@ COMMANDS: dict[str, Run | NotHere] = {
         timeout=240,
         check="sharded",
     ),
+    "weightsync estimate --hosts 6 --trainers 2 --tp 2 --receivers 2 --link 1gbit --size-mb 256 --backend sharded,nccl": Run(
+        timeout=120, check="estimate"
+    ),
+    "weightsync estimate --cluster docs/clusters/vllm-qwen3-235b-2x8-h100.yaml --size-gb 438 --backend nccl,sharded": Run(
+        timeout=120
+    ),
+    "weightsync estimate --calibrate": Run(
+        ("estimate --calibrate --calibration {tmp}/calibration.json",),
+        "--calibration in the test's directory (not the home directory's cache)",
+        check="calibrate",
+    ),
     "weightsync bench --device cuda --size-mb 4096": NotHere(
         "needs a CUDA GPU: `make gpu-check` runs the --device cuda bench rows (weightsync/gpucheck/driver.py)"
     ),
@@ -442,6 +453,16 @@ def _check_sharded(outs, tmp_path):
     assert row["seconds"] < 0.8 * rows["nccl"]["seconds"], (row["seconds"], rows["nccl"]["seconds"])
 
 
+def _check_estimate(outs, tmp_path):
+    out = outs[0].stdout
+    assert "sharded" in out and "nccl" in out and "host5 NIC 0" in out, out
+
+
+def _check_calibrate(outs, tmp_path):
+    saved = json.loads((tmp_path / "calibration.json").read_text())
+    assert saved["memcpy_bps"] > 1e8 and saved["source"].startswith("measured on"), saved
+
+
 def _check_adamw(outs, tmp_path):
     """Per backend, rows with delta off, auto and on; AdamW at lr 1e-6 changes a few percent;
     ``speedup_vs_dense`` against that backend's own ``off`` row; ``auto`` not far behind the
@@ -519,6 +540,8 @@ CHECKS = {
     "five": _check_five,
     "hosts": _check_hosts,
     "sharded": _check_sharded,
+    "estimate": _check_estimate,
+    "calibrate": _check_calibrate,
     "docs": _check_docs,
     "demo": _check_demo,
 }

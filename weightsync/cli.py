@@ -1,15 +1,20 @@
-"""The ``weightsync`` command line: ``demo``, ``bench``, ``config`` and ``gpu-check``."""
+"""The ``weightsync`` command line: ``demo``, ``bench``, ``estimate``, ``config`` and ``gpu-check``."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
+from pathlib import Path
 
 from weightsync.config.engine import EngineConfig
 from weightsync.config.keys import DELTA_MODES, UPDATE_MODES, ConfigError
 from weightsync.config.reference import docs_markdown
+
+#: where ``weightsync estimate --calibrate`` saves this machine's costs, and reads them from
+CALIBRATION_FILE = Path("~/.cache/weightsync/calibration.json").expanduser()
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
@@ -235,6 +240,61 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="draw GB/s against bucket size per backend")
 
 
+def _add_estimate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "estimate",
+        help="predict a sync's seconds and each NIC's bytes on a cluster you describe",
+        description=(
+            "Predict one sync per backend on a cluster described by a YAML file (--cluster, docs/estimate.md) "
+            "or by the flags of `weightsync bench --hosts` (each rank on a host of its own), from the route "
+            "the real sync would take: bytes through each NIC, the bottleneck, seconds, and the link ceiling."
+        ),
+    )
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--cluster", metavar="FILE", help="a cluster file (YAML; docs/estimate.md)")
+    where.add_argument("--hosts", type=int, help="hosts, as for `weightsync bench --hosts` (default: 4)")
+    p.add_argument("--trainers", type=int, default=1, help="--hosts: trainer ranks (default: 1)")
+    p.add_argument(
+        "--tp", type=int, default=1, help="--hosts: tensor-parallel ranks per replica (default: 1)"
+    )
+    p.add_argument("--receivers", type=int, default=3, help="--hosts: replicas (default: 3)")
+    p.add_argument("--link", default="1gbit", help="--hosts: every NIC's rate (default: 1gbit)")
+    p.add_argument(
+        "--trainer-link", default=None, help="--hosts: the trainer hosts' NIC rate (default: --link)"
+    )
+    p.add_argument("--bucket-mb", type=int, default=64, help="--hosts: bucket size in MiB (default: 64)")
+    p.add_argument("--model", metavar="DIR", help="the *.safetensors weights of DIR (their specs only)")
+    p.add_argument("--size-mb", type=float, default=1024, help="synthetic model size in MiB (default: 1024)")
+    p.add_argument(
+        "--size-gb", type=float, default=None, help="synthetic model size in GiB (instead of --size-mb)"
+    )
+    p.add_argument(
+        "--shape", choices=("llm", "small-tensors"), default="llm", help="synthetic model (default: llm)"
+    )
+    p.add_argument(
+        "--dtype", default=None, help="synthetic model dtype (default: the cluster's, or bfloat16)"
+    )
+    p.add_argument(
+        "--backend",
+        type=_csv(str),
+        default=["nccl", "paired", "mooncake", "sharded"],
+        help="comma-separated backends (default: nccl,paired,mooncake,sharded)",
+    )
+    p.add_argument(
+        "--calibration",
+        metavar="FILE",
+        default=str(CALIBRATION_FILE),
+        help=f"this machine's costs, as --calibrate saves them (default: {CALIBRATION_FILE}; "
+        "documented defaults where absent)",
+    )
+    p.add_argument(
+        "--calibrate", action="store_true", help="measure this machine's costs, save them, print them"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the estimates as a JSON list instead of a table"
+    )
+
+
 def _add_config(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "config",
@@ -281,9 +341,85 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_demo(sub)
     _add_bench(sub)
+    _add_estimate(sub)
     _add_config(sub)
     _add_gpu_check(sub)
     return parser
+
+
+def _estimate_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from weightsync.bench import models
+    from weightsync.estimate import BACKENDS, Calibration, Cluster, calibrate, predict
+
+    if args.calibrate:
+        measured = calibrate()
+        measured.save(args.calibration)
+        print(json.dumps(dataclasses.asdict(measured), indent=2))
+        print(f"saved to {args.calibration}", file=sys.stderr)
+        return 0
+    if not _allowed("--backend", args.backend, BACKENDS):
+        return 2
+    try:
+        if args.cluster:
+            cluster = Cluster.from_yaml(args.cluster)
+        else:
+            cluster = Cluster.of_flags(
+                args.hosts or 4,
+                args.trainers,
+                args.receivers,
+                args.link,
+                args.trainer_link,
+                args.tp,
+                args.bucket_mb,
+            )
+        dtype = args.dtype or cluster.dtype
+        size_mb = args.size_gb * 1024 if args.size_gb is not None else args.size_mb
+        specs = (
+            models.directory_specs(args.model)
+            if args.model
+            else models.synthetic_specs(args.shape, size_mb, dtype)
+        )
+        calibration = Calibration.load(args.calibration)
+        estimates = [predict(cluster, specs, b, calibration) for b in args.backend]
+    except (ValueError, OSError, KeyError) as e:
+        print(f"estimate: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([e.to_dict() for e in estimates], indent=2))
+        return 0
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    console.print(
+        f"{len(cluster.trainers)} trainer rank(s), {cluster.replicas} replica(s) x {cluster.tp} rank(s) on "
+        f"{len(cluster.hosts)} host(s); model {sum(s.nbytes for s in specs) / 1e9:.2f} GB; costs: {calibration.source}"
+    )
+    table = Table(title="one sync, predicted")
+    for col in (
+        "backend",
+        "route",
+        "seconds",
+        "ceiling s",
+        "x ceiling",
+        "bottleneck",
+        "busiest NIC MB out / in",
+    ):
+        table.add_column(col, justify="left" if col in ("backend", "route", "bottleneck") else "right")
+    for e in estimates:
+        tx = max((v["tx"] for v in e.nic_bytes.values()), default=0)
+        rx = max((v["rx"] for v in e.nic_bytes.values()), default=0)
+        table.add_row(
+            e.backend,
+            e.route,
+            f"{e.seconds:.3f}",
+            f"{e.ceiling_s:.3f}",
+            f"{e.ceiling_s / e.seconds:.2f}",
+            e.bottleneck,
+            f"{tx / 1e6:.1f} / {rx / 1e6:.1f}",
+        )
+    console.print(table)
+    return 0
 
 
 def _config_command(args: argparse.Namespace) -> int:
@@ -546,6 +682,8 @@ def main(argv: list[str] | None = None) -> int:
         return _config_command(args)
     if args.command == "bench":
         return _bench_command(args)
+    if args.command == "estimate":
+        return _estimate_command(args)
     if args.command == "gpu-check":
         from weightsync.gpucheck.driver import run
 

@@ -1,0 +1,159 @@
+"""The cluster a prediction is for: hosts and their links, where each rank runs.
+
+A ``Cluster`` places M trainer ranks and R replicas of T tensor-parallel ranks on hosts.
+Each host has ``devices`` slots, ``nics`` NICs of ``nic_bps`` each (a rank uses NIC
+``slot % nics`` of its host: one NIC per GPU on a GPU server, one per host on the emulated
+cluster) and an intra-host link of ``intra_bps`` (NVLink, or memory) between its ranks.
+Two ways to describe one:
+
+- ``Cluster.of_flags``: the flags of ``weightsync bench --hosts`` (each rank on a host of
+  its own, trainer ranks on hosts 0..M-1, receiver ranks dealt over the others), so a
+  prediction and a measured row describe the same cluster;
+- ``Cluster.from_yaml``: a file (docs/estimate.md)::
+
+      device: gpu                # gpu (NCCL pipelines a broadcast) or cpu (Gloo)
+      bucket_mb: 1024
+      dtype: bfloat16
+      hosts:
+        - {name: train, count: 2, devices: 8, nics: 8, nic: 400gbit, intra: 900GBps}
+        - {name: infer, count: 2, devices: 8, nics: 8, nic: 400gbit, intra: 900GBps}
+      trainer: {host: train, ranks: 16}
+      replicas: {host: infer, count: 2, tp: 8}
+
+Trainer ranks and receiver ranks may share a host group (colocated: the bytes between a
+trainer rank and a receiver rank of one host cross its intra-host link).
+
+Everything here is plain data: no process, no socket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from weightsync.bench.cluster import parse_rate
+from weightsync.bench.hosts import Placement
+
+
+def rate(text: str | float) -> float:
+    """Bits per second from ``400gbit``, ``25Gbit``, or from bytes per second: ``900GBps``
+    (a capital B and ``ps``: NVLink and memory are quoted in bytes)."""
+    if isinstance(text, str) and text.strip().endswith("Bps"):
+        return parse_rate(text.strip()[:-3].lower() + "bit") * 8
+    return parse_rate(text)
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    devices: int
+    nics: int
+    nic_bps: float
+    intra_bps: float
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Hosts, and the host and slot of every trainer rank and receiver rank."""
+
+    hosts: tuple[Host, ...]
+    trainers: tuple[tuple[int, int], ...]  # trainer rank -> (host, slot)
+    receivers: tuple[tuple[int, int], ...]  # receiver rank (replica r, tp rank k: r * tp + k) -> (host, slot)
+    tp: int
+    bucket_bytes: int
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+
+    @property
+    def replicas(self) -> int:
+        return len(self.receivers) // self.tp
+
+    def nic(self, where: tuple[int, int]) -> tuple[int, int]:
+        """The NIC a rank at (host, slot) sends and receives through."""
+        host, slot = where
+        return host, slot % self.hosts[host].nics
+
+    @classmethod
+    def of_flags(
+        cls,
+        hosts: int,
+        trainers: int,
+        receivers: int,
+        link: str,
+        trainer_link: str | None = None,
+        tp: int = 1,
+        bucket_mb: int = 64,
+        dtype: str = "bfloat16",
+    ) -> Cluster:
+        """``weightsync bench --hosts``' cluster: ``receivers`` replicas of ``tp`` ranks."""
+        placement = Placement.of(hosts, trainers, receivers * tp, link, trainer_link)
+        intra = 8 * 10e9  # ranks sharing a host share its memory (the bench deals them so only when it must)
+        table = tuple(Host(f"host{h}", 1 << 10, 1, placement.rates[h], intra) for h in range(hosts))
+        slots: dict[int, int] = {}
+
+        def place(host: int) -> tuple[int, int]:
+            slots[host] = slots.get(host, -1) + 1
+            return host, slots[host]
+
+        trainer_at = tuple(place(t) for t in range(trainers))
+        receiver_at = tuple(place(placement.receiver_host(q)) for q in range(receivers * tp))
+        return cls(table, trainer_at, receiver_at, tp, bucket_mb << 20, dtype, "cpu")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Cluster:
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a cluster file is a map (docs/estimate.md)")
+        return cls.from_dict(data, str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "cluster") -> Cluster:
+        hosts: list[Host] = []
+        groups: dict[str, list[int]] = {}
+        for group in data.get("hosts") or []:
+            name = str(group["name"])
+            for _ in range(int(group.get("count", 1))):
+                groups.setdefault(name, []).append(len(hosts))
+                devices = int(group.get("devices", 1))
+                hosts.append(
+                    Host(
+                        f"{name}{len(groups[name]) - 1}",
+                        devices,
+                        int(group.get("nics", 1)),
+                        rate(group.get("nic", "1gbit")),
+                        rate(group.get("intra", "100GBps")),
+                    )
+                )
+        if not hosts:
+            raise ValueError(f"{where}: no hosts")
+
+        def deal(group: str, count: int, what: str) -> list[tuple[int, int]]:
+            if group not in groups:
+                raise ValueError(
+                    f"{where}: {what} on host group {group!r}, which is not among {sorted(groups)}"
+                )
+            slots = [(h, s) for h in groups[group] for s in range(hosts[h].devices)]
+            if count > len(slots):
+                raise ValueError(f"{where}: {count} {what} do not fit the {len(slots)} devices of {group!r}")
+            return slots[:count]
+
+        trainer = data.get("trainer") or {}
+        replicas = data.get("replicas") or {}
+        tp = int(replicas.get("tp", 1))
+        names = list(groups)
+        trainer_at = deal(str(trainer.get("host", names[0])), int(trainer.get("ranks", 1)), "trainer ranks")
+        receiver_at = deal(
+            str(replicas.get("host", names[-1])), int(replicas.get("count", 1)) * tp, "receiver ranks"
+        )
+        return cls(
+            tuple(hosts),
+            tuple(trainer_at),
+            tuple(receiver_at),
+            tp,
+            int(data.get("bucket_mb", 1024)) << 20,
+            str(data.get("dtype", "bfloat16")),
+            str(data.get("device", "gpu")),
+        )
