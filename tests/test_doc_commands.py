@@ -435,7 +435,7 @@ def _check_sharded(outs, tmp_path):
     ranks. Each trainer host sends its shard once (replicas pass slices along their chain),
     each receiver host takes its slices once; whole tensors through one NIC (nccl) are slower."""
     from weightsync.bench import models
-    from weightsync.bench.shards import box_bytes, replica_boxes, trainer_boxes
+    from weightsync.sharding.typical import box_bytes, replica_boxes, trainer_boxes
 
     rows = {r["backend"]: r for r in json.loads(outs[0].stdout)}
     assert sorted(rows) == ["nccl", "sharded"]

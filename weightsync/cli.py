@@ -352,7 +352,9 @@ def _estimate_command(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from weightsync.bench import models
-    from weightsync.estimate import BACKENDS, Calibration, Cluster, calibrate, predict
+    from weightsync.estimate.cluster import Cluster
+    from weightsync.estimate.predict import Calibration, calibrate, predict
+    from weightsync.estimate.routes import BACKENDS
 
     if args.calibrate:
         measured = calibrate()

@@ -37,27 +37,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from weightsync.estimate.cluster import parse_rate  # noqa: F401 (the rates this cluster's NICs take)
+
 SUBNET = "10.213.0"  # a private /24, only ever inside namespaces made here
 PREFIX = "wsc"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-")
 _CLONE_NEWNET = 0x40000000
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
 class ClusterUnavailable(RuntimeError):
     """This machine cannot host an emulated cluster (not root, no iproute2, no netns)."""
-
-
-def parse_rate(text: str | float) -> float:
-    """A link rate in bits per second: ``1gbit``, ``10Gbit``, ``500mbit``, or a number."""
-    if isinstance(text, int | float):
-        return float(text)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|b)?(/s)?\s*", text.lower())
-    if not m or (m.group(3) not in (None, "bit")):
-        raise ValueError(
-            f"link rate {text!r}: expected a number of bits per second such as 1gbit, 400mbit, 25gbit"
-        )
-    return float(m.group(1)) * _UNITS[m.group(2)]
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:

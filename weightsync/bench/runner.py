@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.bench import models
-from weightsync.bench.shards import box_bytes, replica_boxes, trainer_boxes
 from weightsync.bench.workers import (
     Job,
     alternative,
@@ -51,6 +50,9 @@ from weightsync.plan import TensorSpec
 ALTERNATIVES = ("per-tensor-broadcast", "safetensors-reload")
 #: backends where every trainer rank sends a share (``--trainers`` applies to them)
 _ALL_RANKS_SEND = ("paired", "sharded")
+#: backends that move bytes between hosts (``shm`` needs one host's memory, ``disk`` a
+#: directory both sides see, ``naive`` one process)
+CROSS_HOST = ("nccl", "mooncake", "paired", "sharded")
 #: the ceiling row that bounds each backend (backends not listed have none measured)
 CEILING_OF = {"nccl": "broadcast-ceiling", "paired": "broadcast-ceiling", "shm": "memcpy-ceiling"}
 #: the ceiling of those backends when the model lives on a device (``--device cuda``)
@@ -241,7 +243,8 @@ def _run_on_hosts(opts: BenchOptions, progress: Callable[[str, int, int], None] 
     """Every row on an emulated cluster (``weightsync.bench.cluster``), made for the run
     and deleted after it; each row gets its link ceiling and its NICs' bytes."""
     from weightsync.bench.cluster import Cluster
-    from weightsync.bench.hosts import CROSS_HOST, Placement
+    from weightsync.estimate.cluster import Cluster as Layout
+    from weightsync.estimate.predict import ceiling_s, predict
 
     others = [b for b in opts.backends if b not in CROSS_HOST]
     if others:
@@ -252,26 +255,31 @@ def _run_on_hosts(opts: BenchOptions, progress: Callable[[str, int, int], None] 
         raise ValueError(
             "--hosts emulates hosts with network namespaces on this machine's CPU: leave --device at cpu"
         )
-    ranks = opts.receivers * opts.tp
-    placement = Placement.of(opts.hosts, opts.trainers, ranks, opts.link, opts.trainer_link)
-    with Cluster(opts.hosts, placement.rates) as cluster:
-        netns = {key: cluster.hosts[placement.host_of(key)].netns for key in range(ranks + opts.trainers)}
+
+    # where each process runs and what each NIC can carry: the same description
+    # ``weightsync estimate`` predicts from, so every row is set against its prediction
+    def layout(bucket_mb: int | None) -> Layout:
+        return Layout.of_flags(
+            opts.hosts, opts.trainers, opts.receivers, opts.link, opts.trainer_link, opts.tp, bucket_mb or 64
+        )
+
+    placed = layout(None)
+    with Cluster(opts.hosts, placed.rates) as cluster:
+        netns = {
+            key: cluster.hosts[placed.host_of(key)].netns
+            for key in range(opts.receivers * opts.tp + opts.trainers)
+        }
         rows = _run_rows(
             opts, progress, netns=netns, host=cluster.hosts[0].address, counters=cluster.counters
         )
+    specs = _specs(opts)
     for row in rows:
-        trainers = opts.trainers if row.backend in _ALL_RANKS_SEND else 1
-        if row.backend == "sharded":  # M x N: the most any one rank moves through its NIC
-            specs = _specs(opts)
-            ceiling = placement.sharded_ceiling_s(
-                max(box_bytes(specs, trainer_boxes(specs, trainers, t)) for t in range(trainers)),
-                max(box_bytes(specs, replica_boxes(specs, opts.tp, r)) for r in range(opts.tp)),
-            )
-        else:
-            ceiling = placement.ceiling_s(row.bytes, trainers)
+        ceiling = ceiling_s(placed, specs, row.backend)
+        predicted = predict(layout(row.bucket_mb), specs, row.backend).seconds
         row.ratios = {
             "link_ceiling_s": round(ceiling, 4),
             "ratio_to_link_ceiling": round(ceiling / row.seconds, 3),
+            "predicted_s": round(predicted, 4),  # weightsync estimate's, for the same flags
         }
     _add_dense_ratios(rows)
     return rows

@@ -25,10 +25,11 @@ import torch
 import torch.distributed as dist
 
 from weightsync import platform
-from weightsync.bench import models, shards
+from weightsync.bench import models
 from weightsync.config.engine import EngineConfig
 from weightsync.engines import rendezvous
 from weightsync.plan import TensorSpec, as_bytes
+from weightsync.sharding import typical as shards
 from weightsync.sharding.fragments import region
 
 

@@ -78,13 +78,13 @@ def checksums(module: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def _engine_config(opts: DemoOptions) -> EngineConfig:
+def engine_config(opts: DemoOptions) -> EngineConfig:
     return EngineConfig.from_overrides(
         [f"backend={opts.backend}", f"update_weights_bucket_megabytes={opts.bucket_mb}", *opts.overrides]
     )
 
 
-def _send_json(conn: Connection, obj: dict[str, Any]) -> None:
+def send_json(conn: Connection, obj: dict[str, Any]) -> None:
     conn.send_bytes(json.dumps(obj).encode())  # JSON, not pickle, even between our own processes
 
 
@@ -92,12 +92,12 @@ def rollout_main(conn: Connection, opts: DemoOptions, address: str, rank: int) -
     """A rollout process: receive every version into its own model and report checksums."""
     torch.set_num_threads(1)
     try:
-        config = _engine_config(opts)
+        config = engine_config(opts)
         model = build_model(opts.model, pretrained=False, seed=opts.seed + 1000 + rank)
         with Receiver(config, address, rank) as receiver:
             for step in range(1, opts.steps + 1):
                 stats = receiver.load_into(model, version=step)
-                _send_json(
+                send_json(
                     conn,
                     {
                         "rank": rank,
@@ -107,7 +107,7 @@ def rollout_main(conn: Connection, opts: DemoOptions, address: str, rank: int) -
                     },
                 )
     except BaseException as e:  # report, then fail: the trainer turns this into its error
-        _send_json(conn, {"rank": rank, "error": f"{type(e).__name__}: {e}"})
+        send_json(conn, {"rank": rank, "error": f"{type(e).__name__}: {e}"})
         raise SystemExit(1) from e
     finally:
         conn.close()
@@ -150,7 +150,7 @@ def _run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
 
     # Piped output gets 100 columns rather than rich's 80, so the table stays readable.
     console = console or Console(width=None if sys.stdout.isatty() else 100)
-    config = _engine_config(opts)
+    config = engine_config(opts)
     colocated = config.backend == "naive"
     console.print(
         f"[bold]weightsync demo[/]: 1 trainer -> {opts.receivers} rollout "
@@ -210,7 +210,7 @@ def _run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
                 for receiver, rollout in local:
                     _compare(expected, checksums(rollout), receiver.rank, step)
                 for r, conn in enumerate(conns):
-                    report = _read_report(conn, procs[r], f"rollout rank {r}", config.timeout_s)
+                    report = read_report(conn, procs[r], f"rollout rank {r}", config.timeout_s)
                     if "error" in report:
                         raise DemoFailed(f"rollout rank {r} failed: {report['error']}")
                     if report["version"] != step:
@@ -244,7 +244,7 @@ def _run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
     return rows
 
 
-def _read_report(conn: Connection, proc: mp.Process, who: str, timeout_s: float) -> dict[str, Any]:
+def read_report(conn: Connection, proc: mp.Process, who: str, timeout_s: float) -> dict[str, Any]:
     """The next JSON report of a demo process (``who``: "rollout rank 1"), or DemoFailed
     when it exits or stays silent for ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

@@ -27,10 +27,10 @@ import torch
 from weightsync.demo.plain import (
     DemoFailed,
     DemoOptions,
-    _engine_config,
-    _read_report,
-    _send_json,
     build_model,
+    engine_config,
+    read_report,
+    send_json,
 )
 
 # Module suffixes of a Llama/Qwen2-shaped decoder and how a tensor-parallel replica splits them.
@@ -96,7 +96,7 @@ def trainer_main(
         fully_shard(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(opts.seed)
-        config = _engine_config(opts)
+        config = engine_config(opts)
         with Sender(
             config, address, opts.receivers * opts.tp, rank=rank, num_trainers=opts.trainers
         ) as sender:
@@ -112,10 +112,10 @@ def trainer_main(
                 }  # the check's, after the sync
                 if rank == 0:
                     save_file({n: t.contiguous() for n, t in full.items()}, f"{folder}/v{step}.safetensors")
-                _send_json(conn, {"rank": rank, "loss": loss.item(), "stats": stats.to_dict()})
+                send_json(conn, {"rank": rank, "loss": loss.item(), "stats": stats.to_dict()})
         dist.destroy_process_group()
     except BaseException as e:
-        _send_json(conn, {"rank": rank, "error": f"{type(e).__name__}: {e}"})
+        send_json(conn, {"rank": rank, "error": f"{type(e).__name__}: {e}"})
         raise SystemExit(1) from e
     finally:
         conn.close()
@@ -140,17 +140,17 @@ def rollout_main(
         model = build_model(opts.model, pretrained=False, seed=opts.seed + 1000 + rank)
         parallelize_module(model, init_device_mesh("cpu", (opts.tp,)), _tp_plan(model))
         model.tie_weights()  # the LM head of a tied model shares the embedding's new parameter
-        with Receiver(_engine_config(opts), address, rank) as receiver:
+        with Receiver(engine_config(opts), address, rank) as receiver:
             for step in range(1, opts.steps + 1):
                 stats = receiver.load_into(model, version=step)
                 slices = {n: [s.box.to_wire(), _digest(s.tensor)] for n, s in local_shards(model).items()}
-                _send_json(
+                send_json(
                     conn,
                     {"rank": rank, "version": receiver.version, "stats": stats.to_dict(), "slices": slices},
                 )
         dist.destroy_process_group()
     except BaseException as e:
-        _send_json(conn, {"rank": rank, "error": f"{type(e).__name__}: {e}"})
+        send_json(conn, {"rank": rank, "error": f"{type(e).__name__}: {e}"})
         raise SystemExit(1) from e
     finally:
         conn.close()
@@ -185,7 +185,7 @@ def run_sharded_demo(opts: ShardedDemoOptions, console=None) -> list[dict[str, A
     from rich.table import Table
 
     console = console or Console(width=None if sys.stdout.isatty() else 100)
-    config = _engine_config(opts)
+    config = engine_config(opts)
     if config.backend != "sharded":
         raise DemoFailed(
             f"--trainers / --tp run the sharded demo: use --backend sharded, not {config.backend}"
@@ -239,7 +239,7 @@ def run_sharded_demo(opts: ShardedDemoOptions, console=None) -> list[dict[str, A
                     f"step {step}: training on {opts.trainers} ranks, then syncing version {step}"
                 ):
                     for name, proc, conn in procs:
-                        report = _read_report(conn, proc, name, config.timeout_s + 600)
+                        report = read_report(conn, proc, name, config.timeout_s + 600)
                         if "error" in report:
                             raise DemoFailed(f"{name} failed: {report['error']}")
                         reports.append(report)

@@ -28,12 +28,24 @@ Everything here is plain data: no process, no socket.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from weightsync.bench.cluster import parse_rate
-from weightsync.bench.hosts import Placement
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_rate(text: str | float) -> float:
+    """A link rate in bits per second: ``1gbit``, ``10Gbit``, ``500mbit``, or a number."""
+    if isinstance(text, int | float):
+        return float(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|b)?(/s)?\s*", text.lower())
+    if not m or (m.group(3) not in (None, "bit")):
+        raise ValueError(
+            f"link rate {text!r}: expected a number of bits per second such as 1gbit, 400mbit, 25gbit"
+        )
+    return float(m.group(1)) * _UNITS[m.group(2)]
 
 
 def rate(text: str | float) -> float:
@@ -66,6 +78,19 @@ class Cluster:
     device: str = "cpu"
 
     @property
+    def rates(self) -> list[float]:
+        """Each host's NIC rate, bits/s."""
+        return [h.nic_bps for h in self.hosts]
+
+    def host_of(self, key: int) -> int:
+        """The host of a bench process by its result key: 0 trainer rank 0, 1..N the
+        receiver ranks, N+t trainer rank t."""
+        receivers = len(self.receivers)
+        if key == 0 or key > receivers:
+            return self.trainers[0 if key == 0 else key - receivers][0]
+        return self.receivers[key - 1][0]
+
+    @property
     def replicas(self) -> int:
         return len(self.receivers) // self.tp
 
@@ -86,10 +111,19 @@ class Cluster:
         bucket_mb: int = 64,
         dtype: str = "bfloat16",
     ) -> Cluster:
-        """``weightsync bench --hosts``' cluster: ``receivers`` replicas of ``tp`` ranks."""
-        placement = Placement.of(hosts, trainers, receivers * tp, link, trainer_link)
+        """``weightsync bench --hosts``' cluster: trainer rank t on host t, the ``receivers``
+        replicas of ``tp`` ranks dealt round-robin over the other hosts, one NIC each."""
+        ranks = receivers * tp
+        if hosts < trainers + 1:
+            raise ValueError(
+                f"--hosts {hosts}: {trainers} trainer host(s) and at least one receiver host are needed"
+            )
+        trainer_bps, link_bps = parse_rate(trainer_link or link), parse_rate(link)
         intra = 8 * 10e9  # ranks sharing a host share its memory (the bench deals them so only when it must)
-        table = tuple(Host(f"host{h}", 1 << 10, 1, placement.rates[h], intra) for h in range(hosts))
+        table = tuple(
+            Host(f"host{h}", 1 << 10, 1, trainer_bps if h < trainers else link_bps, intra)
+            for h in range(hosts)
+        )
         slots: dict[int, int] = {}
 
         def place(host: int) -> tuple[int, int]:
@@ -97,7 +131,7 @@ class Cluster:
             return host, slots[host]
 
         trainer_at = tuple(place(t) for t in range(trainers))
-        receiver_at = tuple(place(placement.receiver_host(q)) for q in range(receivers * tp))
+        receiver_at = tuple(place(trainers + q % (hosts - trainers)) for q in range(ranks))
         return cls(table, trainer_at, receiver_at, tp, bucket_mb << 20, dtype, "cpu")
 
     @classmethod

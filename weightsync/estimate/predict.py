@@ -29,6 +29,7 @@ from weightsync.engines.ring import CHUNK_BYTES
 from weightsync.estimate.cluster import Cluster
 from weightsync.estimate.routes import flows_of, layer_unit, route_of
 from weightsync.plan import TensorSpec
+from weightsync.sharding.typical import box_bytes, replica_boxes, trainer_boxes
 
 
 @dataclass
@@ -157,8 +158,6 @@ def predict(
 def ceiling_s(cluster: Cluster, specs: Sequence[TensorSpec], backend: str) -> float:
     """The physical limit of a sync: the fewest bytes each NIC must carry once, whatever the
     route, over its nominal rate (the bench's link ceiling)."""
-    from weightsync.bench.shards import box_bytes, replica_boxes, trainer_boxes
-
     model = sum(s.nbytes for s in specs)
     need: dict[tuple[int, int], int] = defaultdict(int)  # NIC -> bytes into it at least
     send: dict[tuple[int, int], int] = defaultdict(int)  # NIC -> bytes out of it at least

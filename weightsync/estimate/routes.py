@@ -4,7 +4,7 @@ Nothing here is a separate formula for a backend: ``nccl``'s chain and ``paired`
 are walked through the engines' own ``arrange`` / ``_layout`` / ``_route`` (each receiver
 rank asking, piece by piece in plan order, where the piece comes from, as it does in a
 sync), ``sharded``'s fragments and chains come from the planner (``plan_route``) over the
-layouts a sync would declare (``weightsync.bench.shards``: FSDP2 trainer ranks,
+layouts a sync would declare (``weightsync.sharding.typical``: FSDP2 trainer ranks,
 tensor-parallel replicas), and the plan is ``make_plan``'s. What is modelled rather than
 walked: Gloo's broadcast (rank 0 sends each receiver the model), NCCL's (a pipelined ring:
 walked as the chain), ``mooncake``'s chain (sender, then receivers in rank order, as its
@@ -18,13 +18,13 @@ from collections.abc import Sequence
 
 import torch
 
-from weightsync.bench.shards import replica_boxes, trainer_boxes
 from weightsync.config.engine import EngineConfig
 from weightsync.engines.base import Join
 from weightsync.estimate.cluster import Cluster
 from weightsync.plan import Plan, TensorSpec, make_plan
 from weightsync.sharding.layout import Layout
 from weightsync.sharding.route import plan_route
+from weightsync.sharding.typical import replica_boxes, trainer_boxes
 
 #: a rank: ("trainer", t) or ("receiver", q)
 Key = tuple[str, int]

@@ -1,12 +1,12 @@
-"""The layouts of ``weightsync bench --backend sharded``: an FSDP2-like trainer and
-tensor-parallel replicas, declared over the bench's synthetic model.
+"""Typical layouts, declared over any model's specs: an FSDP2-like trainer and
+tensor-parallel replicas (``weightsync bench --backend sharded`` syncs them,
+``weightsync estimate`` predicts them).
 
 Trainer rank t of M holds ``Shard(0)`` of every tensor (what ``fully_shard`` gives). Rank
 r of a replica of T ranks keeps what a Megatron/vLLM-style tensor-parallel model keeps:
 output rows (``Shard(0)``) of the column-parallel projections, the embedding and the LM
 head, input columns (``Shard(1)``) of the row-parallel ``o_proj`` and ``down_proj``, and
-every 1-D tensor (norms, biases) whole. The M x N link ceiling counts what each rank must
-move through its own NIC at least once: its shard, or its slices.
+every 1-D tensor (norms, biases) whole.
 """
 
 from __future__ import annotations
@@ -60,11 +60,3 @@ def kept(specs: Sequence[TensorSpec], boxes: Mapping[str, Box], device: str = "c
 
 def box_bytes(specs: Sequence[TensorSpec], boxes: Mapping[str, Box]) -> int:
     return sum(boxes[s.name].numel * s.torch_dtype.itemsize for s in specs)
-
-
-def ceiling_bytes(specs: Sequence[TensorSpec], trainers: int, tp: int) -> int:
-    """The most bytes any one rank must move through its NIC: the largest trainer shard or
-    replica slice set (each rank on a host of its own)."""
-    shards = [box_bytes(specs, trainer_boxes(specs, trainers, t)) for t in range(trainers)]
-    slices = [box_bytes(specs, replica_boxes(specs, tp, r)) for r in range(tp)]
-    return max(shards + slices)
