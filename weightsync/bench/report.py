@@ -34,7 +34,7 @@ def table(rows: Sequence[Row], title: str):
     links = any(r.nic_bytes is not None for r in rows)
     cols = ["backend", "bucket MiB", "seconds", "GB/s", "sender peak MB (+over)", "receiver peak MB (+over)"]
     cols += (
-        ["link ceiling s", "x link ceiling", "NIC MB out per sync (host 0, 1, ...)"]
+        ["link ceiling s", "x link ceiling", "predicted s", "NIC MB out per sync (host 0, 1, ...)"]
         if links
         else ["x ceiling", "x per-tensor", "x disk"]
     )
@@ -56,6 +56,7 @@ def table(rows: Sequence[Row], title: str):
             ratios = [
                 _fmt(r.ratios.get("link_ceiling_s"), ".3f"),
                 _fmt(r.ratios.get("ratio_to_link_ceiling"), ".2f"),
+                _fmt(r.ratios.get("predicted_s"), ".3f"),  # weightsync estimate's, same flags
                 nics,
             ]
         else:
