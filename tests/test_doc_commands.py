@@ -201,9 +201,12 @@ COMMANDS: dict[str, Run | NotHere] = {
         check="hosts",
     ),
     "weightsync bench --hosts 5 --trainers 2 --trainer-link 1gbit --link 4gbit --backend nccl,paired": Run(
-        (f"bench --hosts 5 --trainers 2 --trainer-link 1gbit --link 4gbit --backend nccl,paired {SMALL}",),
-        SMALL,
+        (
+            f"bench --hosts 5 --trainers 2 --trainer-link 1gbit --link 4gbit --backend nccl,paired --json {SMALL}",
+        ),
+        SMALL + " --json: each row within 20% of weightsync estimate's prediction",
         timeout=240,
+        check="hosts5",
     ),
     "weightsync bench --hosts 6 --trainers 2 --tp 2 --receivers 2 --link 1gbit --size-mb 256 --backend sharded,nccl --json": Run(
         (
@@ -428,6 +431,18 @@ def _check_hosts(outs, tmp_path):
         assert 0.3 <= r["ratio_to_link_ceiling"] <= 1.05, (r["backend"], r["ratio_to_link_ceiling"])
         # every route sends the model once out of the trainer's NIC, not once per receiver
         assert r["bytes"] <= nic[0]["tx_bytes"] < 1.3 * r["bytes"], (r["backend"], nic)
+    _check_predicted(rows)
+
+
+def _check_predicted(rows):
+    """``weightsync estimate``'s prediction for the same flags (each --hosts row carries it)
+    within 20% of the measured seconds (docs/estimate.md)."""
+    for r in rows:
+        assert abs(r["predicted_s"] / r["seconds"] - 1) <= 0.2, (r["backend"], r["seconds"], r["predicted_s"])
+
+
+def _check_hosts5(outs, tmp_path):
+    _check_predicted(json.loads(outs[0].stdout))
 
 
 def _check_sharded(outs, tmp_path):
@@ -451,6 +466,7 @@ def _check_sharded(outs, tmp_path):
         assert slices[r % 2] <= nic[2 + r]["rx_bytes"] < 1.05 * slices[r % 2], (r, nic[2 + r], slices)
     assert 0.3 <= row["ratio_to_link_ceiling"] <= 1.05, row["ratio_to_link_ceiling"]
     assert row["seconds"] < 0.8 * rows["nccl"]["seconds"], (row["seconds"], rows["nccl"]["seconds"])
+    _check_predicted(rows.values())
 
 
 def _check_estimate(outs, tmp_path):
@@ -540,6 +556,7 @@ CHECKS = {
     "five": _check_five,
     "hosts": _check_hosts,
     "sharded": _check_sharded,
+    "hosts5": _check_hosts5,
     "estimate": _check_estimate,
     "calibrate": _check_calibrate,
     "docs": _check_docs,

@@ -38,9 +38,9 @@ class Calibration:
 
     #: payload over nominal rate on a NIC (TCP on 1 Gbit/s here: 114-119 MB/s of 125)
     wire_efficiency: float = 0.95
-    #: a sync's fixed seconds: handshake, group join reuse, acknowledgements (bench phases
-    #: here: 0.003-0.04 s handshake, 0.07-0.09 s after the last byte)
-    sync_overhead_s: float = 0.08
+    #: a sync's fixed seconds beyond its wire time and pipeline fill: handshake and
+    #: acknowledgements (0.00-0.03 s measured on the emulated cluster: BENCHMARKS.md)
+    sync_overhead_s: float = 0.03
     #: bytes per second one process copies in memory (``shm``, one host's ranks)
     memcpy_bps: float = 8e9
     #: where the figures come from
