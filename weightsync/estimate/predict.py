@@ -17,6 +17,7 @@ each rank's own shard or slices), over its nominal rate.
 from __future__ import annotations
 
 import json
+import socket
 import statistics
 import time
 from collections import defaultdict
@@ -69,8 +70,9 @@ def calibrate(nbytes: int = 256 << 20, repeats: int = 5) -> Calibration:
         t0 = time.perf_counter()
         dst.copy_(src)
         seconds.append(time.perf_counter() - t0)
-    host = __import__("socket").gethostname()
-    return Calibration(memcpy_bps=nbytes / statistics.median(seconds[1:]), source=f"measured on {host}")
+    return Calibration(
+        memcpy_bps=nbytes / statistics.median(seconds[1:]), source=f"measured on {socket.gethostname()}"
+    )
 
 
 @dataclass
