@@ -481,20 +481,20 @@ def _sharded_demo_command(args: argparse.Namespace) -> int:
     if args.trainers < 1 or args.tp < 1 or args.receivers < 1:
         print("demo: --trainers, --tp and --receivers must be at least 1", file=sys.stderr)
         return 2
-    opts = ShardedDemoOptions(
-        model=args.model,
-        receivers=args.receivers,
-        steps=args.steps,
-        backend=args.backend,
-        bucket_mb=args.bucket_mb,
-        overrides=args.overrides,
-        address=args.address,
-        seed=args.seed,
-        trainers=args.trainers,
-        tp=args.tp,
+    return _demo_run(
+        run_sharded_demo, ShardedDemoOptions(**_demo_kwargs(args), trainers=args.trainers, tp=args.tp)
     )
+
+
+def _demo_kwargs(args: argparse.Namespace) -> dict:
+    """What every plain-process demo takes from the command line."""
+    keys = ("model", "receivers", "steps", "backend", "bucket_mb", "overrides", "address", "seed")
+    return {k: getattr(args, k) for k in keys}
+
+
+def _demo_run(run, opts) -> int:
     try:
-        run_sharded_demo(opts)
+        run(opts)
     except Exception as e:  # every failure ends as one readable line and a non-zero exit
         print(f"demo FAILED: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -514,22 +514,7 @@ def _demo_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    opts = DemoOptions(
-        model=args.model,
-        receivers=args.receivers,
-        steps=args.steps,
-        backend=args.backend,
-        bucket_mb=args.bucket_mb,
-        overrides=args.overrides,
-        address=args.address,
-        seed=args.seed,
-    )
-    try:
-        run_demo(opts)
-    except Exception as e:  # every failure ends as one readable line and a non-zero exit
-        print(f"demo FAILED: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return _demo_run(run_demo, DemoOptions(**_demo_kwargs(args)))
 
 
 def _vllm_bench_command(args: argparse.Namespace) -> int:

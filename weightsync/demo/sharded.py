@@ -13,11 +13,13 @@ compares every rank's every kept slice with them, bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing as mp
 import socket
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -55,6 +57,18 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
+@contextlib.contextmanager
+def _reported(conn: Connection, rank: int) -> Iterator[None]:
+    """A demo process's body: any failure reported to this process's parent, then exit 1."""
+    try:
+        yield
+    except BaseException as e:
+        send_json(conn, {"rank": rank, "error": f"{type(e).__name__}: {e}"})
+        raise SystemExit(1) from e
+    finally:
+        conn.close()
+
+
 def _world(rank: int, size: int, port: int) -> None:
     import torch.distributed as dist
 
@@ -84,7 +98,7 @@ def trainer_main(
 ) -> None:
     """Trainer rank ``rank``: FSDP2 training, a sharded sync after every step."""
     torch.set_num_threads(1)
-    try:
+    with _reported(conn, rank):
         import torch.distributed as dist
         from safetensors.torch import save_file
         from torch.distributed.fsdp import fully_shard
@@ -114,11 +128,6 @@ def trainer_main(
                     save_file({n: t.contiguous() for n, t in full.items()}, f"{folder}/v{step}.safetensors")
                 send_json(conn, {"rank": rank, "loss": loss.item(), "stats": stats.to_dict()})
         dist.destroy_process_group()
-    except BaseException as e:
-        send_json(conn, {"rank": rank, "error": f"{type(e).__name__}: {e}"})
-        raise SystemExit(1) from e
-    finally:
-        conn.close()
 
 
 def rollout_main(
@@ -128,7 +137,7 @@ def rollout_main(
     kept slice's box and digest."""
     torch.set_num_threads(1)
     rank = replica * opts.tp + tp_rank
-    try:
+    with _reported(conn, rank):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import parallelize_module
@@ -149,11 +158,6 @@ def rollout_main(
                     {"rank": rank, "version": receiver.version, "stats": stats.to_dict(), "slices": slices},
                 )
         dist.destroy_process_group()
-    except BaseException as e:
-        send_json(conn, {"rank": rank, "error": f"{type(e).__name__}: {e}"})
-        raise SystemExit(1) from e
-    finally:
-        conn.close()
 
 
 def _check(folder: str, step: int, report: dict[str, Any]) -> int:
