@@ -69,13 +69,15 @@ def build_model(model: str | None, *, pretrained: bool, seed: int) -> torch.nn.M
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
+def tensor_digest(t: torch.Tensor) -> str:
+    """A digest of one tensor's bytes (a view's: only the elements it covers)."""
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
 def checksums(module: torch.nn.Module) -> dict[str, str]:
     """A digest of every tensor's bytes, by state-dict name (tied names included)."""
-    out = {}
-    for name, t in module.state_dict().items():
-        data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-        out[name] = hashlib.blake2b(data, digest_size=16).hexdigest()
-    return out
+    return {name: tensor_digest(t) for name, t in module.state_dict().items()}
 
 
 def engine_config(opts: DemoOptions) -> EngineConfig:

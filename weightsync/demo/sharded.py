@@ -14,7 +14,6 @@ compares every rank's every kept slice with them, bit for bit.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import multiprocessing as mp
 import socket
 import sys
@@ -33,6 +32,7 @@ from weightsync.demo.plain import (
     engine_config,
     read_report,
     send_json,
+    tensor_digest,
 )
 
 # Module suffixes of a Llama/Qwen2-shaped decoder and how a tensor-parallel replica splits them.
@@ -50,11 +50,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _digest(t: torch.Tensor) -> str:
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 @contextlib.contextmanager
@@ -152,7 +147,9 @@ def rollout_main(
         with Receiver(engine_config(opts), address, rank) as receiver:
             for step in range(1, opts.steps + 1):
                 stats = receiver.load_into(model, version=step)
-                slices = {n: [s.box.to_wire(), _digest(s.tensor)] for n, s in local_shards(model).items()}
+                slices = {
+                    n: [s.box.to_wire(), tensor_digest(s.tensor)] for n, s in local_shards(model).items()
+                }
                 send_json(
                     conn,
                     {"rank": rank, "version": receiver.version, "stats": stats.to_dict(), "slices": slices},
@@ -175,7 +172,7 @@ def _check(folder: str, step: int, report: dict[str, Any]) -> int:
                 )
             starts, lengths = box
             expected = f.get_tensor(name)[tuple(slice(s, s + n) for s, n in zip(starts, lengths))]
-            if _digest(expected) != digest:
+            if tensor_digest(expected) != digest:
                 raise DemoFailed(
                     f"rollout rank {report['rank']}, version {step}: its slice {box} of {name!r} differs from the trainer's"
                 )

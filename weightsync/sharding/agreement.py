@@ -258,6 +258,8 @@ class ShardSource(WeightSource):
 
     def __init__(self, shards: Mapping[str, LocalShard]) -> None:
         self.shards = dict(shards)
+        self._specs = global_specs(self.shards)
+        self._layouts: dict[str, Layout] = {}  # by host: asked for in every round of a handshake
 
     @classmethod
     def of(cls, obj: Any, wire_dtype: torch.dtype | None = None) -> ShardSource:
@@ -280,10 +282,12 @@ class ShardSource(WeightSource):
         )
 
     def specs(self) -> list[TensorSpec]:
-        return global_specs(self.shards)
+        return self._specs
 
     def layout(self, host: str) -> Layout:
-        return layout_of(self.shards, host)
+        if host not in self._layouts:
+            self._layouts[host] = layout_of(self.shards, host)
+        return self._layouts[host]
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         raise RuntimeError("a sharded source is sent by the fragments its route gives it (Part.tensors)")
