@@ -20,6 +20,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 # pins torch==2.13.0+cpu; its torchvision/torchaudio/torchcodec break imports beside CPU
 # torch, so they go again (pip uninstall of an absent package is a no-op). Ray, pinned, for
 # vLLM's RayVLLMWeightSyncClient in tests/test_vllm_trainer.py (vLLM does not require it).
+# PEFT (the lora extra) for the LoRA syncs into vLLM's LoRA manager (tests/test_vllm_lora.py).
 install-vllm: $(VENV)/.installed-vllm
 RAY := ray==2.60.0
 # TCMalloc, which vLLM's CPU guide preloads into its processes (start_replica does).
@@ -28,7 +29,7 @@ VLLM_DEBS := libtcmalloc-minimal4
 $(VENV)/.installed-vllm: $(VENV)/.installed
 	dpkg -s $(VLLM_DEBS) >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
 		$(SUDO) apt-get install -y --no-install-recommends $(VLLM_DEBS); }
-	$(BIN)/pip install --quiet "$(TORCH)" -e ".[test,vllm]" "$(RAY)"
+	$(BIN)/pip install --quiet "$(TORCH)" -e ".[test,vllm,lora]" "$(RAY)"
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 

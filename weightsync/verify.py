@@ -8,8 +8,9 @@ reconstructs instead (``weightsync.delta.receive_stage``).
 
 from __future__ import annotations
 
+import hashlib
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +35,18 @@ def _host_bytes(t: torch.Tensor) -> memoryview:
     if flat.device.type != "cpu":
         flat = flat.cpu()
     return memoryview(flat.numpy())
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """A digest of one tensor's bytes (a view's: only the elements it covers)."""
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def named_digests(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """``dtype|shape|digest`` of each tensor, by name: equal only for the same bytes read
+    as the same dtype and shape."""
+    return {name: f"{t.dtype}|{tuple(t.shape)}|{tensor_digest(t)}" for name, t in named}
 
 
 class Checks:

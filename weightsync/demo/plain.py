@@ -8,7 +8,6 @@ which checks every tensor bit-exact against the trainer's checksums.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import multiprocessing as mp
 import sys
@@ -24,6 +23,7 @@ from weightsync.config.scratch import scratch_overrides
 from weightsync.receiver.receiver import Receiver
 from weightsync.sender.sender import Sender
 from weightsync.stats import SyncStats
+from weightsync.verify import tensor_digest
 
 # The embedded default: a Qwen2-shaped model of about 44M parameters (fp32: 178 MB), built
 # from this config with random weights; nothing is downloaded.
@@ -67,12 +67,6 @@ def build_model(model: str | None, *, pretrained: bool, seed: int) -> torch.nn.M
         if pretrained:
             return AutoModelForCausalLM.from_pretrained(model, local_files_only=True, dtype=torch.float32)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    """A digest of one tensor's bytes (a view's: only the elements it covers)."""
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def checksums(module: torch.nn.Module) -> dict[str, str]:

@@ -32,8 +32,8 @@ from weightsync.demo.plain import (
     engine_config,
     read_report,
     send_json,
-    tensor_digest,
 )
+from weightsync.verify import tensor_digest
 
 # Module suffixes of a Llama/Qwen2-shaped decoder and how a tensor-parallel replica splits them.
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")

@@ -40,11 +40,10 @@ refused from that caller unless the replica's own environment sets
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,11 +52,13 @@ import torch
 from weightsync.config.engine import EngineConfig
 from weightsync.config.keys import ConfigError, canonical_key, flatten, parse_overrides
 from weightsync.errors import HandshakeError
-from weightsync.integrations.vllm_staging import Stager
+from weightsync.integrations.vllm_lora import AdapterSlots
+from weightsync.integrations.vllm_staging import Reload, Stager
 from weightsync.receiver.landing import LandingPool
 from weightsync.receiver.prefetch import receive_into
 from weightsync.receiver.receiver import Receiver
 from weightsync.state import VersionState
+from weightsync.verify import named_digests
 
 log = logging.getLogger("weightsync.vllm")
 
@@ -65,8 +66,6 @@ log = logging.getLogger("weightsync.vllm")
 BACKEND_NAME = "weightsync"
 #: ``update_weights(update_info={"phase": ...})`` of the weight-transfer engine
 UPDATE_PHASES = ("stream", "stage", "staged", "commit")
-
-Reload = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 
 #: Set to 1 in a replica's environment to let the remote caller choose the keys below.
 REMOTE_CONFIG_ENV = "WEIGHTSYNC_ALLOW_REMOTE_CONFIG"
@@ -122,6 +121,10 @@ class ReplicaReceiver:
         self.pool = LandingPool()
         #: the staging copy of staged updates (``weightsync.integrations.vllm_staging``)
         self.stager = Stager()
+        #: LoRA syncs: the adapter's tensors arrive here, then load into vLLM's LoRA manager
+        #: (``weightsync.integrations.vllm_lora``); its version state is the adapters'
+        self.adapter_stager = Stager()
+        self.adapter_state = VersionState()
 
     def open(
         self, address: str, rank: int, overrides: list[str] | dict[str, Any], warm_up: bool = False
@@ -177,9 +180,32 @@ class ReplicaReceiver:
     def _open_receiver(self) -> Receiver:
         if self.receiver is None:
             raise RuntimeError("weightsync receiver not initialized: call weightsync_init first")
-        if self.stager.busy:
+        if self.stager.busy or self.adapter_stager.busy:
             raise RuntimeError("weightsync: a version is being staged; wait for it (weightsync_staged) first")
         return self.receiver
+
+    def stage_adapter(self, version: int) -> dict[str, Any]:
+        """Start receiving the LoRA adapter of ``version`` in the background; return at once."""
+        self.adapter_stager.begin(self._open_receiver(), version, self.state)
+        return self.adapter_status()
+
+    def adapter_status(self, wait_s: float = 0.0) -> dict[str, Any]:
+        """The adapter stage's status (``staging`` while it runs), after waiting up to ``wait_s``."""
+        self.adapter_stager.wait(wait_s)
+        return {
+            "rank": self.receiver.rank if self.receiver is not None else None,
+            "pid": os.getpid(),
+            "adapter_version": self.adapter_state.serving,
+            **self.adapter_stager.status(),
+            **self.adapter_stager.last,
+        }
+
+    def load_adapter(self, version: int, load: Reload) -> dict[str, Any]:
+        """Load the staged adapter of ``version`` through ``load``; the status (``ok``, ``error``)."""
+        self._open_receiver()
+        # an adapter is built whole before vLLM's manager is touched: a failed load changes nothing
+        result = self.adapter_stager.commit(version, load, self.adapter_state, atomic=True)
+        return {**self.adapter_status(), **result}
 
     def stage(self, version: int) -> dict[str, Any]:
         """Start receiving ``version`` into the staging copy in the background (the engine
@@ -301,14 +327,9 @@ def _finalize(model: torch.nn.Module, vllm_config: Any) -> None:
 
 def tensor_digests(model: torch.nn.Module) -> dict[str, str]:
     """``dtype|shape|blake2b`` of every parameter and buffer of ``model``, by name."""
-    out: dict[str, str] = {}
-    named = list(model.named_parameters(remove_duplicate=False)) + list(
-        model.named_buffers(remove_duplicate=False)
+    return named_digests(
+        [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     )
-    for name, t in named:
-        data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-        out[name] = f"{t.dtype}|{tuple(t.shape)}|{hashlib.blake2b(data, digest_size=16).hexdigest()}"
-    return out
 
 
 class WeightsyncWorkerExtension:
@@ -358,6 +379,42 @@ class WeightsyncWorkerExtension:
     def weightsync_digests(self) -> dict[str, str]:
         """Digests of the running model's parameters and buffers, as vLLM holds them."""
         return tensor_digests(self.model_runner.get_model())
+
+    def _adapters(self) -> AdapterSlots:
+        slots = getattr(self, "_weightsync_adapters", None)
+        if slots is None:
+            slots = self._weightsync_adapters = AdapterSlots(self)
+        return slots
+
+    def weightsync_lora_limits(self) -> dict[str, Any]:
+        """This engine's LoRA limits (``max_loras``, ``max_lora_rank``, ``max_cpu_loras``)."""
+        return self._adapters().limits()
+
+    def weightsync_lora_check_base(self, digests: dict[str, str]) -> dict[str, Any]:
+        """Check the trainer's base weights (their ``named_digests``) against this replica's
+        checkpoint; raises naming the tensors that differ."""
+        return self._adapters().check_base(digests)
+
+    def weightsync_stage_adapter(self, version: int) -> dict[str, Any]:
+        """Start receiving the LoRA adapter of ``version`` while the engine serves; returns at once."""
+        return self._weightsync().stage_adapter(version)
+
+    def weightsync_adapter_status(self, wait_s: float = 0.0) -> dict[str, Any]:
+        """The adapter stage's status, after waiting up to ``wait_s`` for it."""
+        return self._weightsync().adapter_status(wait_s)
+
+    def weightsync_load_adapter(
+        self, version: int, name: str, lora_id: int, config: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Load the staged adapter of ``version`` into vLLM's LoRA manager as ``name`` in slot
+        ``lora_id`` (replacing what the slot held); this worker's status."""
+        slots = self._adapters()
+        figures: dict[str, Any] = {}
+
+        def load(tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+            figures.update(slots.load(name, lora_id, config, list(tensors)))
+
+        return {**self._weightsync().load_adapter(version, load), **figures}
 
     def weightsync_reload_from_path(self, path: str) -> float:
         """vLLM's own reload from a weights directory on disk; returns its seconds (the

@@ -21,6 +21,13 @@ Staged updates (``stage`` + ``commit``, or ``update(..., staged=True)``, or the
 ``update_mode=staged`` key) move the version into a host copy per worker while the replicas
 keep generating (``weightsync.integrations.vllm_staging``), then pause only for the local
 load: a transfer that fails never touches what the replicas serve.
+
+LoRA-only updates (``update(peft_model, version, lora=True)``) move only the adapter's
+tensors, staged while the replicas generate, then load them from memory into each worker's
+LoRA manager (``weightsync.integrations.vllm_lora``) without pausing anything; the report's
+``lora_request`` is the ``LoRARequest`` to generate with. The adapters of the last
+``lora_keep`` versions stay loaded beside the new one, so requests that hold them finish
+with them.
 """
 
 from __future__ import annotations
@@ -119,6 +126,8 @@ class ReplicaReport:
     #: host bytes of its workers' staging copies, and how much of it the last stage allocated
     staging_bytes: int = 0
     staging_allocated_bytes: int = 0
+    #: the version of the LoRA adapter it serves (LoRA updates), if any
+    adapter: int | None = None
 
 
 @dataclass
@@ -139,9 +148,13 @@ class UpdateReport:
     stage_s: float = 0.0
     stats: SyncStats | None = None
     replicas: list[ReplicaReport] = field(default_factory=list)
+    #: a LoRA update's ``vllm.lora.request.LoRARequest``: generate with it
+    lora_request: Any = None
 
     @property
     def ok(self) -> bool:
+        if self.phase == "lora":
+            return bool(self.replicas) and all(r.ok and r.adapter == self.version for r in self.replicas)
         if self.phase == "stage":
             return bool(self.replicas) and all(r.ok and r.staged == self.version for r in self.replicas)
         return bool(self.replicas) and all(r.ok and r.version == self.version for r in self.replicas)
@@ -152,6 +165,16 @@ class UpdateReport:
         return self.stats.bytes / self.sync_s / 1e9 if self.stats is not None and self.sync_s > 0 else 0.0
 
     def summary(self) -> str:
+        if self.phase == "lora":
+            name = getattr(self.lora_request, "lora_name", None)
+            return (
+                f"LoRA adapter version {self.version} ({name}) loaded in {self.sync_s:.3f} s, nothing paused; "
+                + "; ".join(
+                    f"{r.name}: "
+                    + ("serves it" if r.ok else f"FAILED ({r.error}); serves adapter {r.adapter}")
+                    for r in self.replicas
+                )
+            )
         if self.phase == "stage":
             parts = [
                 f"version {self.version} staged in {self.sync_s:.3f} s while generating, {self.gbps:.2f} GB/s"
@@ -228,6 +251,11 @@ class VLLMRollout:
             the first time: 2.7x a steady update at 392 MB in BENCHMARKS.md), which the
             first training step's update would otherwise pay. A failure raises
             ``ReplicaUpdateError``.
+        lora_keep: LoRA updates keep the adapters of this many earlier versions loaded
+            beside the new one (requests holding them finish with them); 0 replaces the
+            adapter in place. The replicas need ``max_loras`` and ``max_cpu_loras`` of at
+            least ``lora_keep + 1`` (checked at the first LoRA update).
+        lora_name: LoRA updates name each version's adapter ``{lora_name}-v{version}``.
 
     Creating it connects every worker and forms the data plane (``weightsync_init`` with
     ``warm_up`` while the sender runs ``Sender.warm_up``), so the first update pays for
@@ -243,7 +271,16 @@ class VLLMRollout:
         wire_dtype: Any = None,
         model: Any = None,
         initial_version: int | None = None,
+        lora_keep: int = 1,
+        lora_name: str = "weightsync-lora",
     ) -> None:
+        if lora_keep < 0:
+            raise ValueError(f"lora_keep={lora_keep}: expected 0 (in place) or more earlier versions kept")
+        self.lora_keep, self.lora_name = lora_keep, lora_name
+        #: whether the replicas' base weights are known to be the trainer's: sent here as
+        #: ``initial_version``, or checked by digest at the first LoRA update
+        self._lora_base_ok = initial_version is not None
+        self._lora_loads = 0  # LoRA versions loaded: the next one's slot
         if initial_version is not None and model is None:
             raise ValueError("initial_version needs model: the weights to sync as that version")
         if not replicas:
@@ -317,6 +354,7 @@ class VLLMRollout:
         mode: PauseMode = "keep",
         release_kv_cache: bool = False,
         staged: bool | None = None,
+        lora: bool = False,
     ) -> UpdateReport:
         """Bring every replica to ``version`` from ``source``; return the report.
 
@@ -330,7 +368,13 @@ class VLLMRollout:
         continues them after the resume, ``abort`` drops them, ``wait`` lets them finish
         first. Raises ``ReplicaUpdateError`` (naming every failed replica) if any replica
         does not end on ``version``.
+
+        ``lora=True``: ``source`` is a PEFT model (or a ``weightsync.lora.LoRAAdapter``) and
+        only its LoRA adapter moves (``update_lora``); ``mode`` and ``staged`` do not apply,
+        nothing is paused.
         """
+        if lora:
+            return self.update_lora(source, version)
         _check_mode(mode)
         if self.config.update_mode == "staged" if staged is None else staged:
             staging = self.stage(source, version)
@@ -344,6 +388,131 @@ class VLLMRollout:
             "update",
             lambda failures: self._stream(source, version, failures),
         )
+
+    def update_lora(self, source: Any, version: int) -> UpdateReport:
+        """Load the LoRA adapter of ``source`` (a PEFT model or ``LoRAAdapter``) as
+        ``version`` into every replica, from memory, while they generate; the report's
+        ``lora_request`` is the ``LoRARequest`` to generate with.
+
+        The adapter's tensors are staged in every worker (the engine keeps stepping), then
+        each worker builds vLLM's adapter from them and puts it in the next of
+        ``lora_keep + 1`` slots (the adapter of version N - lora_keep - 1 leaves). The first
+        LoRA update checks the replicas' LoRA limits and, unless the base weights were sent
+        as ``initial_version``, that every replica's checkpoint holds the trainer's base
+        weights (by digest; a mismatch is refused before any adapter moves). A failure
+        raises ``ReplicaUpdateError``; a replica whose load failed serves its previous adapters.
+        """
+        from vllm.lora.request import LoRARequest
+
+        from weightsync.lora import lora_adapter
+
+        adapter = lora_adapter(source)
+        self._check_lora(adapter, None if self._lora_base_ok else source)
+        self._lora_base_ok = True
+        report = UpdateReport(version, phase="lora")
+        slot = 1 + self._lora_loads % (self.lora_keep + 1)
+        name = f"{self.lora_name}-v{version}"
+        failures: dict[str, str] = {}
+        t0 = time.perf_counter()
+        for r in self.replicas:
+            try:
+                r.call("weightsync_stage_adapter", version, timeout=self.config.timeout_s)
+            except Exception as e:
+                failures[r.name] = f"staging the adapter did not start: {type(e).__name__}: {e}"
+        sync_error: Exception | None = None
+        if failures:
+            self.sender.cancel(version, "; ".join(failures.values()))
+        else:
+            try:
+                report.stats = self.sender.send(adapter.tensors, version)
+            except Exception as e:
+                sync_error = e
+        statuses = {r.name: self._adapter_staged(r, failures) for r in self.replicas}
+        for r in self.replicas:  # load where the whole adapter arrived
+            status = statuses[r.name]
+            if r.name in failures or not status or any(s.get("staged") != version for s in status):
+                failures.setdefault(
+                    r.name,
+                    next(
+                        (s["stage_error"] for s in status or () if s.get("stage_error")), "adapter not staged"
+                    ),
+                )
+                continue
+            try:
+                statuses[r.name] = r.call(
+                    "weightsync_load_adapter",
+                    version,
+                    name,
+                    slot,
+                    adapter.config,
+                    timeout=self.config.timeout_s,
+                )
+            except Exception as e:
+                failures[r.name] = f"{type(e).__name__}: {e}".strip()
+        report.sync_s = time.perf_counter() - t0
+        for r in self.replicas:
+            status = statuses.get(r.name) or []
+            versions = {s.get("adapter_version") for s in status}
+            error = failures.get(r.name) or next((s["error"] for s in status if s.get("error")), None)
+            report.replicas.append(
+                ReplicaReport(
+                    r.name,
+                    version=None,
+                    ok=error is None and versions == {version},
+                    error=error,
+                    adapter=versions.pop() if len(versions) == 1 else None,
+                    bytes=sum(s.get("stage_bytes", 0) for s in status),
+                    seconds=max(
+                        (s.get("stage_s", 0.0) + s.get("lora_load_s", 0.0) for s in status), default=0.0
+                    ),
+                )
+            )
+        if not report.ok:
+            self._raise(report, sync_error, "LoRA update to", "its previous adapters")
+        self._lora_loads += 1
+        report.lora_request = LoRARequest(name, slot, lora_path=f"weightsync://{name}")
+        log.info("%s", report.summary())
+        return report
+
+    def _check_lora(self, adapter: Any, base: Any) -> None:
+        """The replicas' LoRA limits against ``adapter`` and ``lora_keep``; with ``base``, the
+        trainer's base weights against every replica's checkpoint."""
+        from weightsync.lora import base_weights
+        from weightsync.verify import named_digests
+
+        need = self.lora_keep + 1
+        for r in self.replicas:
+            for limits in r.call("weightsync_lora_limits", timeout=self.config.timeout_s):
+                short = [k for k in ("max_loras", "max_cpu_loras") if (limits.get(k) or need) < need]
+                if short:
+                    raise ValueError(
+                        f"replica {r.name!r}: {', '.join(f'{k}={limits[k]}' for k in short)}, but lora_keep="
+                        f"{self.lora_keep} keeps {need} adapters loaded: start it with max_loras >= {need} "
+                        f"(and max_cpu_loras >= {need}), or lower lora_keep"
+                    )
+                if adapter.rank > limits["max_lora_rank"]:
+                    raise ValueError(
+                        f"replica {r.name!r}: the adapter's rank {adapter.rank} is above its max_lora_rank "
+                        f"{limits['max_lora_rank']}"
+                    )
+        if base is None:
+            return
+        digests = named_digests(base_weights(base))
+        for r in self.replicas:
+            r.call("weightsync_lora_check_base", digests, timeout=self.config.timeout_s * 4 + 60)
+
+    def _adapter_staged(self, replica: Replica, failures: dict[str, str]) -> list[dict[str, Any]] | None:
+        """The replica's adapter status once its workers' stage ended (polled, as ``_staged``)."""
+        deadline = time.monotonic() + self.config.timeout_s * 2 + 30
+        while True:
+            try:
+                status = replica.call("weightsync_adapter_status", 0.0, timeout=self.config.timeout_s)
+            except Exception as e:
+                failures.setdefault(replica.name, f"{type(e).__name__}: {e}".strip())
+                return None
+            if not any(s.get("staging") for s in status) or time.monotonic() > deadline:
+                return status
+            time.sleep(0.01)
 
     def stage(self, source: Any, version: int) -> UpdateReport:
         """Move ``version`` from ``source`` into every worker's staging copy (host memory,
@@ -526,14 +695,19 @@ class VLLMRollout:
 
     def _raise(self, report: UpdateReport, sync_error: Exception | None, what: str, intact: str) -> None:
         """Raise ``ReplicaUpdateError`` naming every replica that did not end where asked."""
+        lora = report.phase == "lora"
         bad = [
             r
             for r in report.replicas
-            if not r.ok or (r.version != report.version and report.phase != "stage")
+            if not r.ok or (r.version != report.version and report.phase not in ("stage", "lora"))
         ]
         lines = [
             f"replica {r.name!r} (receiver rank {self._first_rank[r.name]}): {r.error or 'not updated'}; "
-            f"serves {'a mix of versions (kept paused)' if r.mixed else f'version {r.version}'}"
+            + (
+                f"serves adapter version {r.adapter}"
+                if lora
+                else f"serves {'a mix of versions (kept paused)' if r.mixed else f'version {r.version}'}"
+            )
             + (f" ({intact})" if intact and not r.mixed else "")
             for r in bad
         ]

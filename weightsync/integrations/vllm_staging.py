@@ -127,9 +127,12 @@ class Stager:
         state = self.store.state
         return {"staging": self.busy, "staged": state.serving, "stage_version": self._version, **self.last}
 
-    def commit(self, version: int, reload: Reload, served: VersionState) -> dict[str, Any]:
+    def commit(
+        self, version: int, reload: Reload, served: VersionState, *, atomic: bool = False
+    ) -> dict[str, Any]:
         """Load the staged ``version`` into the running model through ``reload``; the
-        served state follows (complete, or a mix if the load raised after starting)."""
+        served state follows (complete, or a mix if the load raised after starting, unless
+        ``atomic``: a ``reload`` that changes nothing when it raises)."""
         if self.busy:
             raise RuntimeError(f"weightsync: version {self._version} is still being staged; cannot commit")
         if self.store.state.serving != version:
@@ -142,7 +145,7 @@ class Stager:
         try:
             reload(iter(self.store.items()))
         except BaseException as e:
-            served.failed(version, delivered=True)
+            served.failed(version, delivered=not atomic)
             return {
                 "ok": False,
                 "error": f"commit failed: {type(e).__name__}: {e}",

@@ -1,0 +1,126 @@
+"""LoRA adapters on a vLLM worker: each version lands from memory into vLLM's LoRA manager.
+
+vLLM 0.32 loads an adapter only from a directory (``LoRARequest.lora_path``, read by the
+worker's ``WorkerLoRAManager._load_adapter``). A LoRA sync writes no file: the adapter's
+tensors arrive into a staging store (``Stager``, in the background while the engine
+generates), then ``AdapterSlots.load`` builds vLLM's ``LoRAModel`` from them
+(``LoRAModel.from_lora_tensors``, the same constructor its directory loader ends in), and
+adds it to the worker's adapter manager under the id the trainer chose, pinned: vLLM's LRU
+never evicts it, so a request that names it never makes vLLM look for ``lora_path`` on disk.
+The ids rotate over ``keep + 1`` slots (``VLLMRollout``'s ``lora_keep``): loading version N
+replaces only the adapter of version N - keep - 1, and requests still holding an adapter of
+the last ``keep`` versions finish with it.
+
+The new adapter is built completely (and checked against the engine's LoRA limits) before
+the manager is touched, so a load that fails leaves the previous adapters serving.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from weightsync.verify import named_digests
+
+
+class AdapterSlots:
+    """The LoRA adapters weightsync loaded into one vLLM worker."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.loaded: dict[int, str] = {}  # lora id -> the adapter name it holds now
+
+    def _manager(self) -> Any:
+        runner = self.worker.model_runner
+        manager = getattr(runner, "lora_manager", None)
+        if manager is None:
+            raise RuntimeError(
+                "weightsync: this vLLM replica was started without LoRA: start it with "
+                "enable_lora=True (and max_loras >= lora_keep + 1) for a LoRA sync"
+            )
+        return manager
+
+    def limits(self) -> dict[str, Any]:
+        """The engine's LoRA limits (``max_loras``, ``max_lora_rank``, ``max_cpu_loras``)."""
+        config = self._manager().lora_config
+        return {
+            "max_loras": config.max_loras,
+            "max_lora_rank": config.max_lora_rank,
+            "max_cpu_loras": config.max_cpu_loras,
+        }
+
+    def check_base(self, trainer: dict[str, str]) -> dict[str, Any]:
+        """Hold the checkpoint this replica loaded against the trainer's base weights
+        (``named_digests`` of ``weightsync.lora.base_weights``): every tensor of the
+        checkpoint's safetensors files must have the trainer's bytes. Raises ``ValueError``
+        naming the tensors that differ or that the trainer lacks."""
+        from safetensors import safe_open
+
+        t0 = time.perf_counter()
+        root = Path(self.worker.vllm_config.model_config.model)
+        files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
+        if not files:
+            raise ValueError(
+                f"weightsync: LoRA sync without the base weights, but this replica's model {str(root)!r} "
+                "has no safetensors files to check the trainer's base against; send the base once "
+                "(VLLMRollout(..., model=..., initial_version=...)) instead"
+            )
+        mine: dict[str, str] = {}
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                names = f.keys()  # a safetensors handle is not iterable
+                mine.update(named_digests((name, f.get_tensor(name)) for name in names))
+        differ = sorted(n for n in mine if trainer.get(n) != mine[n])
+        if differ:
+            shown = ", ".join(
+                f"{n} ({'missing on the trainer' if n not in trainer else f'trainer {trainer[n]}, replica {mine[n]}'})"
+                for n in differ[:3]
+            )
+            raise ValueError(
+                f"weightsync: the trainer's base model is not the checkpoint this replica loaded "
+                f"({root}): {len(differ)} of {len(mine)} tensors differ: {shown}"
+                + (" ..." if len(differ) > 3 else "")
+            )
+        return {"base_tensors_checked": len(mine), "base_check_s": time.perf_counter() - t0}
+
+    def load(
+        self, name: str, lora_id: int, config: dict[str, Any], tensors: list[tuple[str, Any]]
+    ) -> dict[str, Any]:
+        """Build the adapter from ``tensors`` (PEFT names; copied, the staging store is reused)
+        and put it in slot ``lora_id`` in place of what that slot held, pinned."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        t0 = time.perf_counter()
+        manager = self._manager()
+        helper = PEFTHelper.from_dict(
+            {**config, "vllm_max_position_embeddings": manager.max_position_embeddings}
+        )
+        helper.validate_legal(manager.lora_config)  # rank and features, before anything changes
+        adapters = manager._adapter_manager
+        model = adapters.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        lora = LoRAModel.from_lora_tensors(
+            lora_id,
+            {n: t.clone() for n, t in tensors},
+            helper,
+            device="cpu",
+            dtype=manager.lora_config.lora_dtype,
+            model_vocab_size=manager.vocab_size,
+            weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        )
+        known = set(adapters.supported_lora_modules) | {
+            m for packed in adapters.packed_modules_mapping.values() for m in packed
+        }
+        unknown = sorted({m.rsplit(".", 1)[-1] for m in lora.loras} - known)
+        if unknown:
+            raise ValueError(
+                f"weightsync: adapter {name!r} targets modules this model has no LoRA layer for: {unknown}"
+            )
+        adapters.remove_adapter(lora_id)  # the slot's previous adapter (version N - keep - 1)
+        adapters.add_adapter(lora)
+        adapters.pin_adapter(lora_id)
+        self.loaded[lora_id] = name
+        return {"lora_id": lora_id, "lora_name": name, "lora_load_s": time.perf_counter() - t0}
