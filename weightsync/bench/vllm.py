@@ -86,6 +86,10 @@ class VLLMBenchOptions:
     #: the replicas on the others; 0: one host, loopback
     hosts: int = 0
     link: str = "1gbit"
+    #: > 0: the replicas serve LoRA too, and each backend gets a ``lora`` row: a PEFT adapter
+    #: of this rank (every linear layer) updated ``repeats`` times, against that backend's
+    #: full-model update of the same replicas in the same run
+    lora_rank: int = 0
 
 
 def _rss(pid: int) -> dict[str, float]:
@@ -188,6 +192,57 @@ def _generation(llm: Any, prompts: list[list[int]], during: Any = None) -> dict[
     }
 
 
+def _lora_row(
+    opts: VLLMBenchOptions, rollout: Any, model: torch.nn.Module, step: int, full: dict[str, Any], say: Any
+) -> dict[str, Any]:
+    """LoRA-only updates through ``rollout`` (whose replicas serve ``model`` as synced): a
+    PEFT adapter of ``opts.lora_rank`` on a copy of ``model``, changed before each of
+    ``repeats + 1`` updates (the first not timed); the last one's greedy output checked
+    against the trainer's merged model."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from weightsync.demo.vllm import LORA_TARGETS, PROMPTS, replica_greedy, trainer_greedy
+
+    peft_model = get_peft_model(
+        copy.deepcopy(model),
+        LoraConfig(r=opts.lora_rank, lora_alpha=2 * opts.lora_rank, target_modules=LORA_TARGETS),
+    )
+    adapter_bytes = sum(p.nbytes for n, p in peft_model.named_parameters() if ".lora_" in n)
+    updates, wire = [], []
+    for i in range(opts.repeats + 1):
+        g = torch.Generator().manual_seed(step + i)
+        with torch.no_grad():  # a training step's worth of change to every adapter tensor
+            for name, p in peft_model.named_parameters():
+                if ".lora_" in name:
+                    p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 1e-2)
+        t0 = time.perf_counter()
+        report = rollout.update(peft_model, step + 1 + i, lora=True)
+        updates.append(time.perf_counter() - t0)
+        wire.append(report.stats.bytes)
+        say(f"{full['backend']} lora update {i}: {updates[-1]:.4f} s, {report.stats.bytes / 1e6:.3f} MB")
+    merged = trainer_greedy(copy.deepcopy(peft_model).merge_and_unload(), PROMPTS, 8)
+    llms = [getattr(r, "llm", None) for r in rollout.replicas]
+    greedy = all(replica_greedy(llm, PROMPTS, 8, report.lora_request) == merged for llm in llms if llm)
+    seconds = statistics.median(updates[1:])
+    return {
+        "backend": full["backend"],
+        "update_mode": "lora",
+        "bucket_mb": opts.bucket_mb,
+        "lora_rank": opts.lora_rank,
+        "bytes": adapter_bytes,
+        "wire_bytes": max(wire),
+        "first_s": round(updates[0], 4),
+        "seconds": round(seconds, 4),
+        "repeats_s": [round(u, 4) for u in updates[1:]],
+        "paused_s": 0.0,
+        "full_update_s": full["seconds"],
+        "ratio_to_full_update": round(seconds / full["seconds"], 4),
+        "greedy_matches_trainer": greedy,
+    }
+
+
 def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, Any]:
     """Run the bench (see the module docstring); with ``opts.hosts``, on an emulated cluster,
     from a thread that enters each host's namespace (the process's own thread stays where
@@ -247,7 +302,8 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
                 from weightsync.bench.cluster import enter
 
                 enter(cluster.hosts[1 + i % (len(cluster.hosts) - 1)].netns)
-            llms.append(start_replica(model_dir, max_model_len=128))
+            lora = dict(enable_lora=True, max_loras=2, max_lora_rank=opts.lora_rank) if opts.lora_rank else {}
+            llms.append(start_replica(model_dir, max_model_len=128, **lora))
         if cluster is not None:
             enter(cluster.hosts[0].netns)
             address = f"{cluster.hosts[0].address}:0"
@@ -440,6 +496,9 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
                         **generation,
                     }
                 )
+                if opts.lora_rank and mode == opts.modes[0]:
+                    rows.append(_lora_row(opts, rollout, model, step, rows[-1], say))
+                    step += opts.repeats + 1
             finally:
                 rollout.close()
         save_s, reload_s = statistics.median(saves), statistics.median(reloads)

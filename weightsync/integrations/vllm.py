@@ -200,9 +200,14 @@ class ReplicaReceiver:
             **self.adapter_stager.last,
         }
 
-    def load_adapter(self, version: int, load: Reload) -> dict[str, Any]:
-        """Load the staged adapter of ``version`` through ``load``; the status (``ok``, ``error``)."""
+    def load_adapter(self, version: int, load: Reload, wait_s: float = 0.0) -> dict[str, Any]:
+        """Wait up to ``wait_s`` for the adapter stage, then load the staged adapter of
+        ``version`` through ``load``; the status (``ok``, ``error``)."""
+        self.adapter_stager.wait(wait_s)
         self._open_receiver()
+        if self.adapter_stager.store.state.serving != version:  # the stage failed: say why
+            error = self.adapter_stager.last.get("stage_error") or f"adapter version {version} was not staged"
+            return {**self.adapter_status(), "ok": False, "error": error}
         # an adapter is built whole before vLLM's manager is touched: a failed load changes nothing
         result = self.adapter_stager.commit(version, load, self.adapter_state, atomic=True)
         return {**self.adapter_status(), **result}
@@ -404,9 +409,10 @@ class WeightsyncWorkerExtension:
         return self._weightsync().adapter_status(wait_s)
 
     def weightsync_load_adapter(
-        self, version: int, name: str, lora_id: int, config: dict[str, Any]
+        self, version: int, name: str, lora_id: int, config: dict[str, Any], wait_s: float = 0.0
     ) -> dict[str, Any]:
-        """Load the staged adapter of ``version`` into vLLM's LoRA manager as ``name`` in slot
+        """Wait up to ``wait_s`` for the adapter stage of ``version`` (called once the sender
+        sent it: it ends at once), then load it into vLLM's LoRA manager as ``name`` in slot
         ``lora_id`` (replacing what the slot held); this worker's status."""
         slots = self._adapters()
         figures: dict[str, Any] = {}
@@ -414,7 +420,7 @@ class WeightsyncWorkerExtension:
         def load(tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
             figures.update(slots.load(name, lora_id, config, list(tensors)))
 
-        return {**self._weightsync().load_adapter(version, load), **figures}
+        return {**self._weightsync().load_adapter(version, load, wait_s), **figures}
 
     def weightsync_reload_from_path(self, path: str) -> float:
         """vLLM's own reload from a weights directory on disk; returns its seconds (the

@@ -427,26 +427,25 @@ class VLLMRollout:
                 report.stats = self.sender.send(adapter.tensors, version)
             except Exception as e:
                 sync_error = e
-        statuses = {r.name: self._adapter_staged(r, failures) for r in self.replicas}
-        for r in self.replicas:  # load where the whole adapter arrived
-            status = statuses[r.name]
-            if r.name in failures or not status or any(s.get("staged") != version for s in status):
-                failures.setdefault(
-                    r.name,
-                    next(
-                        (s["stage_error"] for s in status or () if s.get("stage_error")), "adapter not staged"
-                    ),
-                )
-                continue
+        # each worker waits for its stage to end (the sender is done: at once), then loads
+        calls = {
+            r.name: self._pool.submit(
+                r.call,
+                "weightsync_load_adapter",
+                version,
+                name,
+                slot,
+                adapter.config,
+                self.config.timeout_s,
+                timeout=self.config.timeout_s * 2 + 30,
+            )
+            for r in self.replicas
+            if r.name not in failures
+        }
+        statuses: dict[str, Any] = {}
+        for r in self.replicas:
             try:
-                statuses[r.name] = r.call(
-                    "weightsync_load_adapter",
-                    version,
-                    name,
-                    slot,
-                    adapter.config,
-                    timeout=self.config.timeout_s,
-                )
+                statuses[r.name] = calls[r.name].result() if r.name in calls else None
             except Exception as e:
                 failures[r.name] = f"{type(e).__name__}: {e}".strip()
         report.sync_s = time.perf_counter() - t0
@@ -500,19 +499,6 @@ class VLLMRollout:
         digests = named_digests(base_weights(base))
         for r in self.replicas:
             r.call("weightsync_lora_check_base", digests, timeout=self.config.timeout_s * 4 + 60)
-
-    def _adapter_staged(self, replica: Replica, failures: dict[str, str]) -> list[dict[str, Any]] | None:
-        """The replica's adapter status once its workers' stage ended (polled, as ``_staged``)."""
-        deadline = time.monotonic() + self.config.timeout_s * 2 + 30
-        while True:
-            try:
-                status = replica.call("weightsync_adapter_status", 0.0, timeout=self.config.timeout_s)
-            except Exception as e:
-                failures.setdefault(replica.name, f"{type(e).__name__}: {e}".strip())
-                return None
-            if not any(s.get("staging") for s in status) or time.monotonic() > deadline:
-                return status
-            time.sleep(0.01)
 
     def stage(self, source: Any, version: int) -> UpdateReport:
         """Move ``version`` from ``source`` into every worker's staging copy (host memory,
