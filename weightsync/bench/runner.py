@@ -46,6 +46,7 @@ from weightsync.bench.workers import (
 )
 from weightsync.config.scratch import scratch_overrides
 from weightsync.plan import TensorSpec
+from weightsync.platform import process_context, start_process
 
 ALTERNATIVES = ("per-tensor-broadcast", "safetensors-reload")
 #: backends where every trainer rank sends a share (``--trainers`` applies to them)
@@ -396,7 +397,7 @@ def _run_row(
     """One row's processes, run to the end. ``counters``: the NICs' byte counters (an
     emulated cluster), read after the warm-up and after the last sync: ``Row.nic_bytes``
     covers the timed syncs only."""
-    ctx = mp.get_context("spawn")
+    ctx = process_context(["weightsync.bench.workers"])
     q = ctx.Queue()
     before: list[dict[str, int]] | None = None
     if counters is not None:
@@ -406,9 +407,7 @@ def _run_row(
     expected = 1 if job.kind in _SINGLE_PROCESS else job.receivers + job.trainers
 
     def spawn(target, *args) -> None:
-        p = ctx.Process(target=target, args=(*args,), daemon=True)
-        p.start()
-        procs.append(p)
+        procs.append(start_process(ctx, target, *args))
 
     collective = job.kind in (*ALTERNATIVES, "broadcast-ceiling")  # our own Gloo group
     if not collective and job.kind not in _SINGLE_PROCESS:  # a Sender's row: its processes' steps

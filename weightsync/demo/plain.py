@@ -20,6 +20,7 @@ import torch
 
 from weightsync.config.engine import EngineConfig
 from weightsync.config.scratch import scratch_overrides
+from weightsync.platform import process_context, start_process
 from weightsync.receiver.receiver import Receiver
 from weightsync.sender.sender import Sender
 from weightsync.stats import SyncStats
@@ -180,11 +181,10 @@ def _run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
                         )
                     )
             else:
-                ctx = mp.get_context("spawn")
+                ctx = process_context(["weightsync.demo.plain"])
                 for r in range(opts.receivers):
                     parent, child = ctx.Pipe(duplex=False)
-                    p = ctx.Process(target=rollout_main, args=(child, opts, sender.address, r), daemon=True)
-                    p.start()
+                    p = start_process(ctx, rollout_main, child, opts, sender.address, r)
                     child.close()
                     procs.append(p)
                     conns.append(parent)

@@ -33,6 +33,7 @@ from weightsync.demo.plain import (
     read_report,
     send_json,
 )
+from weightsync.platform import process_context, start_process
 from weightsync.verify import tensor_digest
 
 # Module suffixes of a Llama/Qwen2-shaped decoder and how a tensor-parallel replica splits them.
@@ -197,7 +198,7 @@ def run_sharded_demo(opts: ShardedDemoOptions, console=None) -> list[dict[str, A
     )
     host, _, port = opts.address.rpartition(":")
     address = f"{host or '127.0.0.1'}:{port if port not in ('', '0') else _free_port()}"
-    ctx = mp.get_context("spawn")
+    ctx = process_context(["weightsync.demo.sharded"])
     procs: list[tuple[str, mp.Process, Connection]] = []
     rows: list[dict[str, Any]] = []
     table = Table(title="syncs")
@@ -282,7 +283,6 @@ def run_sharded_demo(opts: ShardedDemoOptions, console=None) -> list[dict[str, A
 
 def _spawn(ctx, name: str, target, *args) -> tuple[str, mp.Process, Connection]:
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
-    proc.start()
+    proc = start_process(ctx, target, child, *args)
     child.close()
     return name, proc, parent
