@@ -1,16 +1,14 @@
 """Soak: 50 consecutive syncs with changing weights to 3 receivers, all bit-exact, with no
 growth in open descriptors, threads, shared-memory descriptors or memory beyond a bound."""
 
-import multiprocessing as mp
-
 import pytest
 import workers
+from procs import CTX, start
 
 from weightsync import EngineConfig, Sender
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-CTX = mp.get_context("spawn")
 SYNCS = 50
 # Bounds on growth between the first sync and the last (after warm-up): descriptors and
 # threads must not grow at all beyond noise; memory may wobble with the allocator, so its
@@ -36,15 +34,8 @@ def test_fifty_syncs_to_three_receivers_stay_exact_and_flat(backend, verify):
     trainer = workers.Small(seed=3)
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 3) as sender:
         procs = [
-            CTX.Process(
-                target=workers.run_soak_receiver,
-                args=(sender.address, r, overrides, versions, q),
-                daemon=True,
-            )
-            for r in range(3)
+            start(workers.run_soak_receiver, sender.address, r, overrides, versions, q) for r in range(3)
         ]
-        for p in procs:
-            p.start()
         try:
             usage = {}
             for v in versions:
