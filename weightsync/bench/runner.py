@@ -399,6 +399,7 @@ def _run_row(
     covers the timed syncs only."""
     ctx = process_context(["weightsync.bench.workers"])
     q = ctx.Queue()
+    job = dataclasses.replace(job, driver_pid=os.getpid())
     before: list[dict[str, int]] | None = None
     if counters is not None:
         job = dataclasses.replace(job, counted=ctx.Event())
@@ -458,7 +459,7 @@ def _run_row(
                 p.kill()
                 p.join(timeout=5)
         if job.kind == "safetensors-reload":
-            cleanup_disk(job, os.getpid())
+            cleanup_disk(job)
     checked = _check_digests(job, results)
     sender = results[0]
     receivers = [

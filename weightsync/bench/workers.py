@@ -62,6 +62,8 @@ class Job:
     #: a barrier of every process of a weightsync row, passed between versions once each
     #: has taken its digest of the last one (a slow digest never counts in a sync's time)
     between: Any = None
+    #: the driver's process id: the disk path's files carry it (cleaned up after the row)
+    driver_pid: int = 0
 
     def enter_host(self, key: int) -> None:
         """Move this process onto its emulated host, first thing (threads follow)."""
@@ -311,14 +313,14 @@ def _disk_round(job: Job, state: dict[str, torch.Tensor], version: int, sender: 
     from safetensors.torch import save_file
 
     directory = Path(job.work_dir or tempfile.gettempdir())
-    path = directory / f"weightsync-bench-{os.getppid()}-v{version}.safetensors"
+    path = directory / f"weightsync-bench-{job.driver_pid}-v{version}.safetensors"
     if sender:
         tmp = path.with_suffix(".tmp")
         save_file(state, str(tmp))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)  # readers never see a partial file
-        _remove_stale(directory, version)
+        _remove_stale(directory, job.driver_pid, version)
     _barrier(group)
     if not sender:
         with safe_open(str(path), framework="pt") as f:
@@ -326,13 +328,13 @@ def _disk_round(job: Job, state: dict[str, torch.Tensor], version: int, sender: 
                 t.copy_(f.get_tensor(name))
 
 
-def _remove_stale(directory: Path, version: int) -> None:
-    old = directory / f"weightsync-bench-{os.getppid()}-v{version - 1}.safetensors"
+def _remove_stale(directory: Path, driver_pid: int, version: int) -> None:
+    old = directory / f"weightsync-bench-{driver_pid}-v{version - 1}.safetensors"
     old.unlink(missing_ok=True)
 
 
-def cleanup_disk(job: Job, parent_pid: int) -> None:
-    for path in Path(job.work_dir or tempfile.gettempdir()).glob(f"weightsync-bench-{parent_pid}-v*"):
+def cleanup_disk(job: Job) -> None:
+    for path in Path(job.work_dir or tempfile.gettempdir()).glob(f"weightsync-bench-{job.driver_pid}-v*"):
         path.unlink(missing_ok=True)
 
 
