@@ -189,9 +189,8 @@ class ReplicaReceiver:
         self.adapter_stager.begin(self._open_receiver(), version, self.state)
         return self.adapter_status()
 
-    def adapter_status(self, wait_s: float = 0.0) -> dict[str, Any]:
-        """The adapter stage's status (``staging`` while it runs), after waiting up to ``wait_s``."""
-        self.adapter_stager.wait(wait_s)
+    def adapter_status(self) -> dict[str, Any]:
+        """The adapter stage's status (``staging`` while it runs) and the adapter version served."""
         return {
             "rank": self.receiver.rank if self.receiver is not None else None,
             "pid": os.getpid(),
@@ -403,10 +402,6 @@ class WeightsyncWorkerExtension:
     def weightsync_stage_adapter(self, version: int) -> dict[str, Any]:
         """Start receiving the LoRA adapter of ``version`` while the engine serves; returns at once."""
         return self._weightsync().stage_adapter(version)
-
-    def weightsync_adapter_status(self, wait_s: float = 0.0) -> dict[str, Any]:
-        """The adapter stage's status, after waiting up to ``wait_s`` for it."""
-        return self._weightsync().adapter_status(wait_s)
 
     def weightsync_load_adapter(
         self, version: int, name: str, lora_id: int, config: dict[str, Any], wait_s: float = 0.0

@@ -135,7 +135,8 @@ class UpdateReport:
     """Timing and outcome of one ``VLLMRollout.update``, ``stage`` or ``commit``."""
 
     version: int
-    #: "update" (streamed), "stage", "commit", or "staged" (an update as stage + commit)
+    #: "update" (streamed), "stage", "commit", "staged" (an update as stage + commit), or
+    #: "lora" (a LoRA adapter only)
     phase: str = "update"
     pause_s: float = 0.0
     #: the transfer (streamed update, stage) or the local load (commit)
