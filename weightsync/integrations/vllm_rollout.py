@@ -413,21 +413,10 @@ class VLLMRollout:
         report = UpdateReport(version, phase="lora")
         slot = 1 + self._lora_loads % (self.lora_keep + 1)
         name = f"{self.lora_name}-v{version}"
-        failures: dict[str, str] = {}
         t0 = time.perf_counter()
-        for r in self.replicas:
-            try:
-                r.call("weightsync_stage_adapter", version, timeout=self.config.timeout_s)
-            except Exception as e:
-                failures[r.name] = f"staging the adapter did not start: {type(e).__name__}: {e}"
-        sync_error: Exception | None = None
-        if failures:
-            self.sender.cancel(version, "; ".join(failures.values()))
-        else:
-            try:
-                report.stats = self.sender.send(adapter.tensors, version)
-            except Exception as e:
-                sync_error = e
+        failures, sync_error = self._stage_and_send(
+            "weightsync_stage_adapter", adapter.tensors, version, report
+        )
         # each worker waits for its stage to end (the sender is done: at once), then loads
         calls = {
             r.name: self._pool.submit(
@@ -513,21 +502,8 @@ class VLLMRollout:
         the delta base: later stages apply deltas into them.
         """
         report = UpdateReport(version, phase="stage")
-        failures: dict[str, str] = {}
         t0 = time.perf_counter()
-        for r in self.replicas:
-            try:
-                r.call("weightsync_stage", version, timeout=self.config.timeout_s)
-            except Exception as e:
-                failures[r.name] = f"staging did not start: {type(e).__name__}: {e}"
-        sync_error: Exception | None = None
-        if failures:  # the others wait for a sync that will not come: end their wait
-            self.sender.cancel(version, "; ".join(failures.values()))
-        else:
-            try:
-                report.stats = self.sender.send(source, version)
-            except Exception as e:
-                sync_error = e
+        failures, sync_error = self._stage_and_send("weightsync_stage", source, version, report)
         statuses = {r.name: self._staged(r, failures) for r in self.replicas}
         report.sync_s = time.perf_counter() - t0
         for r in self.replicas:
@@ -542,6 +518,27 @@ class VLLMRollout:
             self._raise(report, sync_error, "stage of", "untouched, generating")
         log.info("%s", report.summary())
         return report
+
+    def _stage_and_send(
+        self, method: str, source: Any, version: int, report: UpdateReport
+    ) -> tuple[dict[str, str], Exception | None]:
+        """Start a background stage (``method``) in every replica, then send ``version``
+        (its stats into ``report``); the replicas whose stage did not start, and the
+        sender's error."""
+        failures: dict[str, str] = {}
+        for r in self.replicas:
+            try:
+                r.call(method, version, timeout=self.config.timeout_s)
+            except Exception as e:
+                failures[r.name] = f"staging did not start: {type(e).__name__}: {e}"
+        if failures:  # the others wait for a sync that will not come: end their wait
+            self.sender.cancel(version, "; ".join(failures.values()))
+            return failures, None
+        try:
+            report.stats = self.sender.send(source, version)
+        except Exception as e:
+            return failures, e
+        return failures, None
 
     def _staged(self, replica: Replica, failures: dict[str, str]) -> list[dict[str, Any]] | None:
         """The replica's status once its workers' stage ended (polled: a call that waited in
