@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # multi-GB CUDA build. On a GPU machine: make TORCH=torch==<cuda build> ...
 TORCH  ?= torch==2.13.0
 
-.PHONY: lint install install-vllm install-mooncake install-verl install-cluster demo demo-vllm test test-fast gpu-check docs clean
+.PHONY: lint install install-vllm install-mooncake install-verl install-cluster install-test install-main demo demo-vllm test test-fast gpu-check docs clean
 
 install: $(VENV)/.installed
 
@@ -83,7 +83,16 @@ lint: install
 	$(BIN)/ruff format --check weightsync tests
 	$(BIN)/ruff check weightsync tests
 
-test: install-vllm install-mooncake install-verl install-cluster lint
+# Everything make test needs. verl's environment is its own venv and needs no Debian
+# package: it installs beside the main one (-j2); the main one's steps stay in order, one pip
+# and one apt-get at a time (-j1).
+install-test:
+	$(MAKE) -j2 install-main install-verl
+
+install-main:
+	$(MAKE) -j1 install-vllm install-mooncake install-cluster
+
+test: install-test lint
 	@$(CUDA_NOTE)
 	WEIGHTSYNC_REQUIRE_ALL=1 $(BIN)/python -m pytest -q -rs --durations=25 -m "not cuda"
 	WEIGHTSYNC_REQUIRE_ALL=1 $(VERL_BIN)/python -m pytest -q -rs --durations=10 tests/verl
