@@ -5,6 +5,7 @@ modules once (``weightsync.platform.process_context``): real processes, each wit
 of the moment it starts, without a fresh interpreter's 1.2-1.4 s of imports each.
 """
 
+import os
 import socket
 
 from weightsync.platform import process_context, start_process
@@ -32,3 +33,17 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a killed child of another process lingers as a zombie
+    until reaped: that is not running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False

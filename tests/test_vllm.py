@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 import workers
+from procs import alive
 
 from weightsync import EngineConfig, Sender
 from weightsync.bench.vllm import _cpu_s, _stat
@@ -89,7 +90,7 @@ class Setup:
     def ready(self) -> None:
         """Before each test: every replica alive (one killed by an earlier test is started
         anew), and both serving the trainer's current weights as a new version."""
-        dead = [name for name, pid in zip(REPLICAS, self.pids) if not _alive(pid)]
+        dead = [name for name, pid in zip(REPLICAS, self.pids) if not alive(pid)]
         for name in dead:
             _shutdown(self.llms[list(REPLICAS).index(name)])
             self._start(name)
@@ -393,7 +394,7 @@ def test_replica_killed_during_a_sync_fails_fast_naming_it_and_the_other_keeps_s
 
         def tensors(self):
             os.kill(victim, signal.SIGKILL)
-            while _alive(victim):
+            while alive(victim):
                 time.sleep(0.05)
             yield from super().tensors()
 
@@ -460,7 +461,7 @@ def test_a_source_failing_mid_stream_leaves_both_replicas_mixed_and_paused_until
         runners.append(threading.Thread(target=run, args=(i, llm), daemon=True))
         runners[-1].start()
     time.sleep(3)
-    assert all(t.is_alive() for t in runners) and not done, "a replica serving a mix of versions generated"
+    assert all(t.isalive() for t in runners) and not done, "a replica serving a mix of versions generated"
 
     setup.version = served + 2
     report = setup.rollout.update(setup.model, setup.version)
@@ -569,15 +570,3 @@ def test_a_stage_whose_source_fails_leaves_every_replica_serving_and_unpaused(se
     assert report.ok and report.phase == "staged" and report.stage_s > 0, report.summary()
     for llm in setup.llms:
         assert replica_greedy(llm, PROMPTS, NEW) == expected
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a killed child of another process lingers as a zombie until reaped
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False

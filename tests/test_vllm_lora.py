@@ -9,9 +9,13 @@ output under the update's ``LoRARequest`` must equal the trainer's merged model'
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import time
 
 import pytest
 import torch
+from procs import alive
 
 from weightsync.demo.vllm import (
     PROMPTS,
@@ -23,7 +27,8 @@ from weightsync.demo.vllm import (
     vllm_environment,
 )
 from weightsync.integrations.vllm_rollout import LLMReplica, ReplicaUpdateError, VLLMRollout
-from weightsync.lora import base_weights, lora_adapter
+from weightsync.lora import LoRAAdapter, base_weights, lora_adapter
+from weightsync.sources import StateDictSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(240)]
 
@@ -151,3 +156,47 @@ def test_a_failed_adapter_load_leaves_the_previous_adapter_serving(replica):
         with pytest.raises(ReplicaUpdateError, match=r"replica 'A' .*DoRA.*serves adapter version 11"):
             rollout.update(bad, 12, lora=True)
         assert _generate(llm, good) == expected
+
+
+@pytest.mark.mooncake
+def test_a_replica_killed_mid_update_is_named_at_once_and_the_other_serves_the_new_adapter(replica):
+    """Two replicas, mooncake with drop_lost_receivers: B's worker is SIGKILLed after the
+    handshake, before the adapter's first tensor. The update raises within seconds naming
+    B (its rank), and A serves the new adapter: the report's LoRARequest gives the merged
+    model's outputs there."""
+    model_dir, a = replica
+    b = start_replica(model_dir, max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8)
+    victim = b.collective_rpc("weightsync_status")[0]["pid"]
+    try:
+        model = _peft(model_dir, 8, TARGETS)
+        overrides = ["backend=mooncake", "drop_lost_receivers=true", "timeout_s=60"]
+        with VLLMRollout([LLMReplica(a, "A"), LLMReplica(b, "B")], overrides) as rollout:
+            rollout.update(model, 31, lora=True)  # the first one checks the base: a PEFT model's
+            expected = _train(model, seed=21)
+            adapter = lora_adapter(model)
+
+            class KillingSource(StateDictSource):
+                """The adapter; B's worker killed on the first pass, after the handshake, before
+                the first tensor (the sender sends the version again to the others)."""
+
+                def tensors(self):
+                    if alive(victim):
+                        os.kill(victim, signal.SIGKILL)
+                        while alive(victim):
+                            time.sleep(0.05)
+                    yield from super().tensors()
+
+            t0 = time.monotonic()
+            with pytest.raises(ReplicaUpdateError, match=r"replica 'B' \(receiver rank 1\)") as info:
+                rollout.update(LoRAAdapter(KillingSource(adapter.tensors), adapter.config), 32, lora=True)
+            assert time.monotonic() - t0 < 15  # the lost connection named B, no deadline did
+            report = info.value.report
+            ra, rb = report.replicas
+            assert (ra.name, ra.ok, ra.adapter) == ("A", True, 32), ra
+            assert (rb.name, rb.ok) == ("B", False), rb
+            assert _generate(a, report.lora_request) == expected
+    finally:
+        try:
+            b.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass

@@ -30,12 +30,13 @@ LORA_MARK = ".lora_"
 class LoRAAdapter:
     """One version of a LoRA adapter: its tensors and its config.
 
-    ``tensors``: PEFT checkpoint names -> tensors (the ``adapter_model.safetensors`` names).
+    ``tensors``: PEFT checkpoint names -> tensors (the ``adapter_model.safetensors`` names),
+    or any source ``Sender.send`` takes that yields them (a ``WeightSource``).
     ``config``: PEFT's ``LoraConfig`` as JSON-safe data (``r``, ``lora_alpha``,
     ``target_modules`` ...), what vLLM reads from ``adapter_config.json``.
     """
 
-    tensors: dict[str, torch.Tensor]
+    tensors: Mapping[str, torch.Tensor] | Any
     config: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -44,7 +45,10 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
+        """The adapter's bytes (of a mapping; a source's from its specs)."""
+        if isinstance(self.tensors, Mapping):
+            return sum(t.nbytes for t in self.tensors.values())
+        return sum(spec.nbytes for spec in self.tensors.specs() or ())
 
     def describe(self) -> str:
         """Rank, alpha and target modules, for messages."""

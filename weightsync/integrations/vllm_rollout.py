@@ -408,6 +408,12 @@ class VLLMRollout:
         from weightsync.lora import lora_adapter
 
         adapter = lora_adapter(source)
+        if not self._lora_base_ok and adapter is source:
+            raise ValueError(
+                "the first LoRA update checks the trainer's base weights against the replicas' checkpoint: "
+                "pass the PEFT model (a LoRAAdapter carries no base), or send the base once as "
+                "VLLMRollout(..., model=dict(weightsync.lora.base_weights(peft_model)), initial_version=0)"
+            )
         self._check_lora(adapter, None if self._lora_base_ok else source)
         self._lora_base_ok = True
         report = UpdateReport(version, phase="lora")
@@ -456,10 +462,11 @@ class VLLMRollout:
                     ),
                 )
             )
+        if any(r.ok for r in report.replicas):  # the replicas that serve it: generate with it there
+            self._lora_loads += 1
+            report.lora_request = LoRARequest(name, slot, lora_path=f"weightsync://{name}")
         if not report.ok:
             self._raise(report, sync_error, "LoRA update to", "its previous adapters")
-        self._lora_loads += 1
-        report.lora_request = LoRARequest(name, slot, lora_path=f"weightsync://{name}")
         log.info("%s", report.summary())
         return report
 
