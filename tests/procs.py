@@ -1,8 +1,9 @@
 """Starting and stopping the child processes of the multi-process tests.
 
 Children start from a fork server that imported torch, weightsync and the tests' worker
-modules once (``weightsync.platform.process_context``): real processes, each with the caller's environment
-of the moment it starts, without a fresh interpreter's 1.2-1.4 s of imports each.
+modules once (``weightsync.platform.process_context``): real processes, each with the
+caller's environment of the moment it starts, without a fresh interpreter's 1.2-1.4 s of
+imports each.
 """
 
 import os

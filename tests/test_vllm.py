@@ -461,7 +461,7 @@ def test_a_source_failing_mid_stream_leaves_both_replicas_mixed_and_paused_until
         runners.append(threading.Thread(target=run, args=(i, llm), daemon=True))
         runners[-1].start()
     time.sleep(3)
-    assert all(t.isalive() for t in runners) and not done, "a replica serving a mix of versions generated"
+    assert all(t.is_alive() for t in runners) and not done, "a replica serving a mix of versions generated"
 
     setup.version = served + 2
     report = setup.rollout.update(setup.model, setup.version)
