@@ -520,6 +520,12 @@ def _demo_command(args: argparse.Namespace) -> int:
 
     if args.rollout == "vllm":
         return _vllm_demo_command(args)
+    if args.lora_rank:
+        print(
+            "demo: --lora-rank syncs a LoRA adapter into vLLM replicas: use it with --rollout vllm",
+            file=sys.stderr,
+        )
+        return 2
     if args.backend == "sharded":
         return _sharded_demo_command(args)
     if args.trainers != 1 or args.tp != 1:
@@ -615,6 +621,12 @@ def _bench_command(args: argparse.Namespace) -> int:
         return _codec_bench_command(args)
     if args.rollout == "vllm":
         return _vllm_bench_command(args)
+    if args.lora_rank:
+        print(
+            "bench: --lora-rank measures LoRA updates of vLLM replicas: use it with --rollout vllm",
+            file=sys.stderr,
+        )
+        return 2
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
