@@ -53,7 +53,9 @@ from weightsync.config.engine import EngineConfig
 from weightsync.config.keys import ConfigError, canonical_key, flatten, parse_overrides
 from weightsync.errors import HandshakeError
 from weightsync.integrations.vllm_lora import AdapterSlots
+from weightsync.integrations.vllm_slices import Slices, derive_slices
 from weightsync.integrations.vllm_staging import Reload, Stager
+from weightsync.plan import TensorSpec
 from weightsync.receiver.landing import LandingPool
 from weightsync.receiver.prefetch import receive_into
 from weightsync.receiver.receiver import Receiver
@@ -125,6 +127,16 @@ class ReplicaReceiver:
         #: (``weightsync.integrations.vllm_lora``); its version state is the adapters'
         self.adapter_stager = Stager()
         self.adapter_state = VersionState()
+        #: ``backend=sharded``: the boxes this worker keeps (``learn_slices``)
+        self.slices: Slices | None = None
+
+    def learn_slices(
+        self, specs: list[TensorSpec], model: torch.nn.Module, vllm_config: Any
+    ) -> dict[str, Any]:
+        """Derive (or keep, for the same specs) the boxes this worker keeps; their summary."""
+        if self.slices is None or self.slices.specs != tuple(specs):
+            self.slices = derive_slices(model, vllm_config, specs)
+        return {**self.slices.summary(), "boxes": {n: b.to_wire() for n, b in self.slices.boxes.items()}}
 
     def open(
         self, address: str, rank: int, overrides: list[str] | dict[str, Any], warm_up: bool = False
@@ -416,6 +428,15 @@ class WeightsyncWorkerExtension:
             figures.update(slots.load(name, lora_id, config, list(tensors)))
 
         return {**self._weightsync().load_adapter(version, load, wait_s), **figures}
+
+    def weightsync_slices(self, specs: list[Any]) -> dict[str, Any]:
+        """Learn which box of each checkpoint tensor (``specs``: ``TensorSpec.to_wire()``
+        items) this worker keeps, by a dry run of its model's loaders
+        (``weightsync.integrations.vllm_slices``); a ``backend=sharded`` sync then brings only
+        those. Returns the boxes, the tensors taken whole and why, and the bytes kept."""
+        return self._weightsync().learn_slices(
+            [TensorSpec.from_wire(s) for s in specs], self.model_runner.get_model(), self.vllm_config
+        )
 
     def weightsync_reload_from_path(self, path: str) -> float:
         """vLLM's own reload from a weights directory on disk; returns its seconds (the
