@@ -43,7 +43,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,7 @@ from weightsync.plan import TensorSpec
 from weightsync.receiver.landing import LandingPool
 from weightsync.receiver.prefetch import receive_into
 from weightsync.receiver.receiver import Receiver
+from weightsync.sharding.layout import Box
 from weightsync.state import VersionState
 from weightsync.verify import named_digests
 
@@ -127,16 +128,32 @@ class ReplicaReceiver:
         #: (``weightsync.integrations.vllm_lora``); its version state is the adapters'
         self.adapter_stager = Stager()
         self.adapter_state = VersionState()
-        #: ``backend=sharded``: the boxes this worker keeps (``learn_slices``)
+        #: ``backend=sharded``: the boxes this worker keeps, and how to derive them from the
+        #: running model (set by whoever holds the worker; used only while nothing else uses
+        #: the model: in ``learn_slices`` and streamed syncs, not in a stage)
         self.slices: Slices | None = None
+        self.derive: Callable[[list[TensorSpec]], Slices] | None = None
+        self._may_derive = False
 
-    def learn_slices(
-        self, specs: list[TensorSpec], model: torch.nn.Module, vllm_config: Any
-    ) -> dict[str, Any]:
+    def learn_slices(self, specs: list[TensorSpec]) -> dict[str, Any]:
         """Derive (or keep, for the same specs) the boxes this worker keeps; their summary."""
-        if self.slices is None or self.slices.specs != tuple(specs):
-            self.slices = derive_slices(model, vllm_config, specs)
+        self._may_derive = True
+        try:
+            self._needs(specs)
+        finally:
+            self._may_derive = False
+        assert self.slices is not None
         return {**self.slices.summary(), "boxes": {n: b.to_wire() for n, b in self.slices.boxes.items()}}
+
+    def _needs(self, specs: Sequence[TensorSpec]) -> dict[str, Box] | None:
+        """``Receiver.needs``: the boxes this worker keeps of the offered tensors; None (every
+        tensor whole) where they are not known and cannot be derived now."""
+        if self.slices is None or self.slices.specs != tuple(specs):
+            if self.derive is None or not self._may_derive:
+                log.info("weightsync: the slices of these tensors are not known yet: taking them whole")
+                return None
+            self.slices = self.derive(list(specs))
+        return self.slices.boxes
 
     def open(
         self, address: str, rank: int, overrides: list[str] | dict[str, Any], warm_up: bool = False
@@ -159,6 +176,7 @@ class ReplicaReceiver:
         if self.receiver is None:
             self.receiver = Receiver(config, address, rank)
             self.receiver.state = self.state  # one version state for the weights this worker serves
+            self.receiver.needs = self._needs
         if warm_up:
             t0 = time.perf_counter()
             self.receiver.warm_up()
@@ -254,14 +272,19 @@ class ReplicaReceiver:
         start = time.perf_counter()
         config = self.receiver.config
         allocated = self.pool.allocated_bytes
-        result = receive_into(
-            self.receiver,
-            version,
-            reload,
-            pool=self.pool,
-            in_flight_bytes=config.receive_buckets_in_flight * config.bucket_bytes,
-            timeout_s=config.timeout_s,
-        )
+        self._may_derive = True  # the engine waits for this call: the model is ours
+        try:
+            result = receive_into(
+                self.receiver,
+                version,
+                reload,
+                # sharded: tensors are put together from fragments (their boxes only)
+                pool=None if self.receiver.sharded else self.pool,
+                in_flight_bytes=config.receive_buckets_in_flight * config.bucket_bytes,
+                timeout_s=config.timeout_s,
+            )
+        finally:
+            self._may_derive = False
         error, applied = result.error, result.applied
         stats = self.receiver.last_stats
         if error is not None:
@@ -287,6 +310,12 @@ class ReplicaReceiver:
             "landing_wait_s": result.landing_wait_s,
             "landing_copied_bytes": result.landing_copied_bytes,
         }
+        if self.receiver.sharded:
+            slices = self.slices.summary() if self.slices is not None else {"kept_bytes": None}
+            self.last |= {
+                "kept_bytes": slices["kept_bytes"],
+                "whole_tensors": slices.get("whole_tensors", {}),
+            }
         return self.status()
 
 
@@ -357,6 +386,7 @@ class WeightsyncWorkerExtension:
         state = getattr(self, "_weightsync_state", None)
         if state is None:
             state = self._weightsync_state = ReplicaReceiver()
+            state.derive = lambda specs: derive_slices(self.model_runner.get_model(), self.vllm_config, specs)
         return state
 
     def weightsync_init(
@@ -434,9 +464,7 @@ class WeightsyncWorkerExtension:
         items) this worker keeps, by a dry run of its model's loaders
         (``weightsync.integrations.vllm_slices``); a ``backend=sharded`` sync then brings only
         those. Returns the boxes, the tensors taken whole and why, and the bytes kept."""
-        return self._weightsync().learn_slices(
-            [TensorSpec.from_wire(s) for s in specs], self.model_runner.get_model(), self.vllm_config
-        )
+        return self._weightsync().learn_slices([TensorSpec.from_wire(s) for s in specs])
 
     def weightsync_reload_from_path(self, path: str) -> float:
         """vLLM's own reload from a weights directory on disk; returns its seconds (the
@@ -501,6 +529,7 @@ def _engine_classes() -> tuple[type, type, type]:
         ) -> None:
             super().__init__(config, vllm_config, device, model)
             self.state = ReplicaReceiver()
+            self.state.derive = lambda specs: derive_slices(self.model, self.vllm_config, specs)
 
         def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
             import torch.distributed as dist

@@ -128,6 +128,10 @@ class ReplicaReport:
     staging_allocated_bytes: int = 0
     #: the version of the LoRA adapter it serves (LoRA updates), if any
     adapter: int | None = None
+    #: bytes each worker (tensor-parallel rank) received in the update
+    worker_bytes: list[int] = field(default_factory=list)
+    #: ``backend=sharded``: the bytes of the slices each worker keeps (its loaders' boxes)
+    worker_kept_bytes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -257,6 +261,15 @@ class VLLMRollout:
             adapter in place. The replicas need ``max_loras`` and ``max_cpu_loras`` of at
             least ``lora_keep + 1`` (checked at the first LoRA update).
         lora_name: LoRA updates name each version's adapter ``{lora_name}-v{version}``.
+        num_trainers: trainer ranks that send (``backend=sharded``, ``paired``): this object is
+            trainer rank 0; every other rank sends its shards in step with a
+            ``Sender(config, rollout.sender.address, rollout.num_receivers, rank=r,
+            num_trainers=M)``. By default the world size of ``torch.distributed`` (1 without).
+
+    ``backend=sharded`` with tensor-parallel replicas: each worker takes only the slices its
+    own loaders keep (``weightsync.integrations.vllm_slices``: learned here when ``model``
+    is given, else at the first streamed update), straight from the trainer ranks that hold
+    them.
 
     Creating it connects every worker and forms the data plane (``weightsync_init`` with
     ``warm_up`` while the sender runs ``Sender.warm_up``), so the first update pays for
@@ -274,6 +287,7 @@ class VLLMRollout:
         initial_version: int | None = None,
         lora_keep: int = 1,
         lora_name: str = "weightsync-lora",
+        num_trainers: int | None = None,
     ) -> None:
         if lora_keep < 0:
             raise ValueError(f"lora_keep={lora_keep}: expected 0 (in place) or more earlier versions kept")
@@ -301,7 +315,11 @@ class VLLMRollout:
         for r in self.replicas:
             self._first_rank[r.name] = rank
             rank += r.workers()
-        self.sender = Sender(self.config, address, num_receivers=rank, wire_dtype=wire_dtype)
+        #: every worker is a receiver rank: replica r's TP rank k is ``_first_rank[r] + k``
+        self.num_receivers = rank
+        self.sender = Sender(
+            self.config, address, num_receivers=rank, rank=0, num_trainers=num_trainers, wire_dtype=wire_dtype
+        )
         # A thread per replica's call, and one for the sender's warm-up
         self._pool = ThreadPoolExecutor(
             max_workers=len(self.replicas) + 1, thread_name_prefix="weightsync-replica"
@@ -337,6 +355,14 @@ class VLLMRollout:
             raise TimeoutError(
                 f"weightsync_init of the replicas did not return within {self.config.timeout_s * 2 + 40:.0f} s"
             )
+        #: ``backend=sharded``: each worker's slices, by replica (``weightsync_slices``'s summary)
+        self.slices: dict[str, list[dict[str, Any]]] = {}
+        if model is not None and getattr(self.sender.engine_cls, "sharded", False):
+            try:
+                self.learn_slices(model)
+            except BaseException:
+                self.close()
+                raise
         #: the report of the ``initial_version`` sync (None without one)
         self.initial_report: UpdateReport | None = None
         if initial_version is not None:
@@ -345,6 +371,30 @@ class VLLMRollout:
             except BaseException:
                 self.close()
                 raise
+
+    def learn_slices(self, model: Any) -> dict[str, list[dict[str, Any]]]:
+        """``backend=sharded``: have every worker derive the slices it keeps of ``model``'s
+        tensors (a dry run of its loaders, ``weightsync.integrations.vllm_slices``); by
+        replica, each worker's boxes, bytes kept and the tensors it takes whole, and why."""
+        from weightsync.sharding.agreement import ShardSource
+
+        specs = [s.to_wire() for s in ShardSource.of(model).specs()]
+        futures = {
+            r.name: self._pool.submit(r.call, "weightsync_slices", specs, timeout=self.config.timeout_s)
+            for r in self.replicas
+        }
+        self.slices = {name: fut.result() for name, fut in futures.items()}
+        for name, workers in self.slices.items():
+            for rank, w in enumerate(workers):
+                if w["whole_tensors"]:
+                    log.info(
+                        "replica %s TP rank %d takes %d tensor(s) whole: %s",
+                        name,
+                        rank,
+                        len(w["whole_tensors"]),
+                        w["whole_tensors"],
+                    )
+        return self.slices
 
     # ------------------------------------------------------------------ the update
     def update(
@@ -733,6 +783,8 @@ class VLLMRollout:
             staged=staged.pop() if len(staged := {s.get("staged") for s in status}) == 1 else None,
             staging_bytes=sum(s.get("staging_bytes", 0) for s in status),
             staging_allocated_bytes=sum(s.get("staging_allocated_bytes", 0) for s in status),
+            worker_bytes=[s.get("bytes", 0) for s in status],
+            worker_kept_bytes=[s["kept_bytes"] for s in status if s.get("kept_bytes") is not None],
         )
 
     def _name_ranks(self, message: str) -> str:
@@ -740,7 +792,8 @@ class VLLMRollout:
         for r in self.replicas:
             first = self._first_rank[r.name]
             for k in range(first, first + r.workers()):
-                message = message.replace(f"receiver rank {k} ", f"receiver rank {k} (replica {r.name!r}) ")
+                where = f"replica {r.name!r}" + (f", TP rank {k - first}" if r.workers() > 1 else "")
+                message = message.replace(f"receiver rank {k} ", f"receiver rank {k} ({where}) ")
         return message
 
     # ------------------------------------------------------------------ state

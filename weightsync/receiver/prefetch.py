@@ -126,7 +126,7 @@ def receive_into(
     version: int,
     reload: Reload,
     *,
-    pool: LandingPool,
+    pool: LandingPool | None,
     in_flight_bytes: int,
     timeout_s: float,
 ) -> PipelineResult:
@@ -136,7 +136,9 @@ def receive_into(
     engine finalizes its reload); a loader that raises (or stops early) stops the transfer
     and the sender is told."""
     result = PipelineResult()
-    handoff = _Handoff(in_flight_bytes, on_get=pool.released)
+    handoff = (
+        _Handoff(in_flight_bytes, on_get=pool.released) if pool is not None else _Handoff(in_flight_bytes)
+    )
     loaded = threading.Event()
     load_error: list[BaseException | None] = [None]
     stop: list[BaseException | None] = [None]  # set by the loader side: throw this into the sync
@@ -149,11 +151,13 @@ def receive_into(
         if load_error[0] is not None:
             raise load_error[0]
 
-    pool.next_version()
     # Landing memory in use stays within the in-flight bound, passed only when the loader
     # waits with nothing queued (the engine holds what it needs to complete a layer) or
-    # has stopped (the receiving thread must get on to stopping the transfer).
-    pool.bound(in_flight_bytes, lambda: handoff.starved() or stop[0] is not None, timeout_s)
+    # has stopped (the receiving thread must get on to stopping the transfer). Without a
+    # pool (``backend=sharded``) tensors are put together from fragments in memory of their own.
+    if pool is not None:
+        pool.next_version()
+        pool.bound(in_flight_bytes, lambda: handoff.starved() or stop[0] is not None, timeout_s)
     items = receiver.receive(version, landing=pool, settle=settle)
 
     def receiving() -> None:
@@ -227,12 +231,13 @@ def receive_into(
         )
         result.error = result.error or SyncTimeout(f"the transfer of version {version} did not end")
     handoff.clear()
-    pool.bound(None)
     result.queued_peak_bytes = handoff.peak_bytes
-    result.landing_peak_bytes = pool.peak_bytes
-    result.landing_wait_s = pool.waited_s
-    result.landing_copied_bytes = pool.copied_bytes
-    pool.trim()
+    if pool is not None:
+        pool.bound(None)
+        result.landing_peak_bytes = pool.peak_bytes
+        result.landing_wait_s = pool.waited_s
+        result.landing_copied_bytes = pool.copied_bytes
+        pool.trim()
     return result
 
 

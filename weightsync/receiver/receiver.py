@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,13 +34,22 @@ from weightsync.errors import (
     VerificationError,
     in_context,
 )
-from weightsync.plan import Bucket, Plan, capacity, shortfall
+from weightsync.plan import Bucket, Plan, TensorSpec, capacity, shortfall
 from weightsync.receiver import admission
 from weightsync.receiver.publication import take
 from weightsync.session import reroute
 from weightsync.session.channel import PROTOCOL_VERSION, Channel, Deadline
 from weightsync.session.control import connect
-from weightsync.sharding.agreement import RECEIVER, WHOLE, Agreement, FragmentSink, Part, Reassembly
+from weightsync.sharding.agreement import (
+    RECEIVER,
+    WHOLE,
+    Agreement,
+    FragmentSink,
+    Part,
+    Reassembly,
+    offered_specs,
+)
+from weightsync.sharding.layout import Box, Layout
 from weightsync.sinks import ModuleSink
 from weightsync.state import VersionState
 from weightsync.stats import SyncStats
@@ -110,6 +119,16 @@ class Receiver:
         self._sharded = self._transport is not None and self._transport.sharded
         self._agreement = Agreement(RECEIVER, config.bucket_bytes)
         self._part: Part | None = None
+        #: ``sharded``, ``receive`` (no module to land in): what this receiver keeps of the
+        #: offered tensors, as a box per tensor name (a name left out is not needed); None,
+        #: or a hook that answers None, declares nothing: every tensor whole. An inference
+        #: engine's worker sets it (``weightsync.integrations.vllm_slices``).
+        self.needs: Callable[[Sequence[TensorSpec]], Mapping[str, Box] | None] | None = None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this receiver's backend routes fragments (``backend=sharded``)."""
+        return self._sharded
 
     @property
     def version(self) -> int | None:
@@ -271,10 +290,10 @@ class Receiver:
         """
         if self._publisher is not None:
             return self._take(self._publisher, version, None, owned)
-        if self._sharded:  # declares nothing: every tensor whole, put together from its fragments
-            if landing is not None or settle is not None:
+        if self._sharded:  # each tensor put together from its fragments: whole, or the boxes of ``needs``
+            if landing is not None:
                 raise ValueError("backend=sharded receives no prefetched landing: use load_into or receive")
-            return self._reassembled(self._sync_session(version, None, owned=False))
+            return self._reassembled(self._sync_session(version, None, owned=False, settle=settle))
         return self._sync_session(version, None, owned, landing=landing, settle=settle)
 
     def _reassembled(
@@ -711,7 +730,12 @@ class Receiver:
         assert self._channel is not None
         if sink is not None and not isinstance(sink, FragmentSink):
             raise ValueError("backend=sharded lands fragments: pass the module itself to load_into")
-        own = sink.layout(self._channel.sock.getsockname()[0]) if sink is not None else WHOLE
+        host = self._channel.sock.getsockname()[0]
+        own: Layout | str = WHOLE
+        if sink is not None:
+            own = sink.layout(host)
+        elif self.needs is not None and (boxes := self.needs(offered_specs(msg.get("route")))) is not None:
+            own = Layout(dict(boxes), host)
         part, fields = self._agreement.answer(msg.get("route"), int(msg["engine"]["rank"]) - 1, own)
         self._part = part
         if part is None:

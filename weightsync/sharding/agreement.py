@@ -74,6 +74,13 @@ def _specs(data: Any) -> list[TensorSpec]:
     return [TensorSpec.from_wire(s) for s in data]
 
 
+def offered_specs(offer: Any) -> list[TensorSpec]:
+    """The global tensors' specs of a route offer (the ``route`` field of a sync message)."""
+    if not isinstance(offer, dict):
+        raise ValueError("the sync message carries no route (the sender is not running a sharded sync)")
+    return _specs(offer.get("specs"))
+
+
 def compute(specs: Sequence[TensorSpec], holders: Sequence[Declared], needs: Sequence[Declared]) -> Route:
     """The route from these layouts (a receiver's ``WHOLE``: every tensor whole)."""
     trainers = [h if isinstance(h, Layout) else Layout.whole(specs) for h in holders]
