@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from weightsync import EngineConfig, Receiver, Sender, SyncError
-from weightsync.plan import as_bytes
+from weightsync.plan import TensorSpec, as_bytes
 from weightsync.sources import StateDictSource
 
 # The mooncake-transfer-engine-non-cuda wheel (make install-mooncake) runs over TCP here.
@@ -526,3 +526,39 @@ class HeldSource(StateDictSource):
                 self.held_out = not self.release.wait(self.hold_s)
             yield item
         self.finished.set()
+
+
+def tp_version_weights(model_dir: str, version: int) -> dict[str, torch.Tensor]:
+    """Version ``version`` of a saved model's weights, the same in every process: the
+    checkpoint plus seeded noise large enough to change greedy outputs."""
+    from safetensors.torch import load_file
+
+    state = load_file(os.path.join(model_dir, "model.safetensors"))
+    g = torch.Generator().manual_seed(2000 + version)
+    return {n: state[n] + torch.randn(state[n].shape, generator=g) * 0.1 for n in sorted(state)}
+
+
+def run_fsdp_like_trainer(
+    address, rank, num_trainers, overrides, num_receivers, model_dir, versions, queue, go=None
+):
+    """Trainer rank ``rank`` > 0 of a ``sharded`` sync into vLLM replicas, holding
+    ``Shard(0)`` of every tensor as FSDP2 would (``typical.trainer_boxes``): sends only its
+    shards of each version; waits for ``go`` (an Event) before each send if given."""
+    from weightsync.sharding.typical import held, trainer_boxes
+
+    torch.set_num_threads(1)
+    config = EngineConfig.from_overrides(overrides)
+    with Sender(config, address, num_receivers, rank=rank, num_trainers=num_trainers) as sender:
+        for v in versions:
+            state = tp_version_weights(model_dir, v)
+            shards = held(
+                state, trainer_boxes([TensorSpec.of(n, t) for n, t in state.items()], num_trainers, rank)
+            )
+            if go is not None:
+                go.wait(60)
+            try:
+                stats = sender.send(shards, version=v)
+            except SyncError as e:
+                queue.put((rank, v, f"{type(e).__name__}: {e}"))
+                continue
+            queue.put((rank, v, stats.bytes))

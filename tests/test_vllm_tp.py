@@ -1,0 +1,184 @@
+"""A real vLLM (CPU build) replica with tensor parallelism 2, fed by ``backend=sharded``:
+each worker learns the slices it keeps from its own loaders (a dry run) and takes only
+those, from the trainer ranks that hold them.
+
+One replica (two workers, a core each) is started for the module; the last test kills one
+of its workers. Without vLLM, conftest.py skips them (marker ``vllm``), or fails them in CI.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+
+import pytest
+import torch
+import workers
+from procs import CTX, alive, free_port, start, stop
+
+from weightsync.demo.vllm import PROMPTS, replica_greedy, save_tiny_model, start_replica, trainer_greedy
+from weightsync.integrations.vllm_rollout import LLMReplica, ReplicaUpdateError, VLLMRollout
+from weightsync.plan import TensorSpec
+from weightsync.sharding.agreement import ShardSource
+from weightsync.sharding.layout import Box
+from weightsync.sharding.typical import held, trainer_boxes
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(240)]
+
+TP = 2
+NEW = 6
+TIMEOUT_S = 60
+DETECT_S = 10
+OVERRIDES = ["backend=sharded", "update_weights_bucket_megabytes=1", f"timeout_s={TIMEOUT_S}"]
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory):
+    """The demo's default model (2 query heads, 1 k/v head: fewer k/v heads than TP ranks)
+    in one replica of 2 workers, each bound to a core as vLLM's CPU build wants."""
+    from transformers import AutoModelForCausalLM
+
+    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "PYTHONPATH")}
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    here = os.path.dirname(__file__)  # the planted extension, for vLLM's worker processes
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, saved["PYTHONPATH"]) if p)
+    model_dir = save_tiny_model(str(tmp_path_factory.mktemp("tp") / "model"), seed=3)
+    llm = start_replica(
+        model_dir,
+        max_model_len=128,
+        tensor_parallel_size=TP,
+        gpu_memory_utilization=0.5,  # vLLM checks each worker's share of one NUMA node's memory
+        worker_extension_cls="vllm_planted.PlantedExtension",
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    yield llm, model, model_dir
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def vllm_boxes(spec: TensorSpec, rank: int, config) -> Box:
+    """What vLLM's Qwen2 keeps on TP rank ``rank``, worked out here from the model's config
+    (independently of the dry run): column-parallel rows, row-parallel columns, k/v heads
+    replicated when there are fewer than TP ranks, the vocabulary padded to 64 and split."""
+    shape, name = spec.shape, spec.name
+    whole = Box.whole(shape)
+
+    def rows(start: int, n: int) -> Box:
+        return Box((start, *[0] * (len(shape) - 1)), (n, *shape[1:]))
+
+    def cols(start: int, n: int) -> Box:
+        return Box((0, start), (shape[0], n))
+
+    head = config.hidden_size // config.num_attention_heads
+    if name.endswith(("q_proj.weight", "q_proj.bias", "gate_proj.weight", "up_proj.weight")):
+        part = shape[0] // TP
+        return rows(rank * part, part)
+    if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+        kv = config.num_key_value_heads
+        if kv >= TP:
+            return rows(rank * shape[0] // TP, shape[0] // TP)
+        return rows((rank // (TP // kv)) * head, head)  # each rank's one head, replicated
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        part = shape[1] // TP
+        return cols(rank * part, part)
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        padded = math.ceil(shape[0] / 64) * 64
+        per = padded // TP
+        start = min(rank * per, shape[0])
+        return rows(start, min(per, shape[0] - start))
+    return whole  # norms
+
+
+def shards_of(state, rank: int, trainers: int):
+    return held(state, trainer_boxes([TensorSpec.of(n, t) for n, t in state.items()], trainers, rank))
+
+
+def test_each_worker_takes_only_its_slices_from_two_trainer_ranks_and_serves_the_trainers_weights(replica):
+    llm, model, model_dir = replica
+    address = f"127.0.0.1:{free_port()}"
+    versions = [1, 2, 3]
+    results = CTX.Queue()
+    peer = start(workers.run_fsdp_like_trainer, address, 1, 2, OVERRIDES, TP, model_dir, versions, results)
+    try:
+        with VLLMRollout([LLMReplica(llm, "tp")], OVERRIDES, address=address, num_trainers=2) as rollout:
+            state = workers.tp_version_weights(model_dir, versions[0])
+            slices = rollout.learn_slices(shards_of(state, 0, 2))["tp"]
+            specs = ShardSource.of(shards_of(state, 0, 2)).specs()
+            # the dry run's boxes are vLLM's own slicing, tensor by tensor, on both ranks
+            for rank, worker in enumerate(slices):
+                assert worker["whole_tensors"] == {}
+                for spec in specs:
+                    got = Box.from_wire(worker["boxes"][spec.name])
+                    assert got == vllm_boxes(spec, rank, model.config), (rank, spec.name)
+            for v in versions:
+                state = workers.tp_version_weights(model_dir, v)
+                report = rollout.update(shards_of(state, 0, 2), v)
+                assert report.ok, report.summary()
+                model.load_state_dict(state)
+                assert replica_greedy(llm, PROMPTS, NEW) == trainer_greedy(model, PROMPTS, NEW), v
+                (rep,) = report.replicas
+                # each worker received exactly the bytes of the slices it keeps
+                assert rep.worker_bytes == rep.worker_kept_bytes == [w["kept_bytes"] for w in slices]
+                peer_v = results.get(timeout=30)
+                assert peer_v[:2] == (1, v) and isinstance(peer_v[2], int), peer_v
+            whole = sum(s.nbytes for s in specs)
+            # both workers together: the model once, plus k/v and norms that both keep
+            assert sum(rep.worker_bytes) < 1.25 * whole, (rep.worker_bytes, whole)
+    finally:
+        stop([peer])
+
+
+def test_a_loader_step_that_no_box_describes_takes_that_tensor_whole_and_still_matches(replica):
+    llm, model, model_dir = replica
+    planted = "model.layers.0.mlp.down_proj.weight"
+    llm.collective_rpc("plant_unreducible_load", args=(planted,))
+    with VLLMRollout([LLMReplica(llm, "tp")], OVERRIDES) as rollout:
+        state = workers.tp_version_weights(model_dir, 4)
+        slices = rollout.learn_slices(state)["tp"]
+        for worker in slices:
+            assert list(worker["whole_tensors"]) == [planted], worker["whole_tensors"]
+            assert "mul" in worker["whole_tensors"][planted]
+            assert worker["boxes"][planted] == Box.whole(state[planted].shape).to_wire()
+        report = rollout.update(state, 4)
+        assert report.ok, report.summary()
+        model.load_state_dict(state)
+        assert replica_greedy(llm, PROMPTS, NEW) == trainer_greedy(model, PROMPTS, NEW)
+        (rep,) = report.replicas
+        assert rep.worker_bytes == [w["kept_bytes"] for w in slices]
+
+
+def test_a_worker_killed_mid_update_is_named_with_its_tp_rank_and_the_replica_stays_paused(replica):
+    llm, model, model_dir = replica
+    state = workers.tp_version_weights(model_dir, 5)
+    with VLLMRollout([LLMReplica(llm, "tp")], OVERRIDES) as rollout:
+        rollout.update(state, 5)
+        victim = llm.collective_rpc("weightsync_status")[1]["pid"]
+
+        class KillingShards(dict):
+            """The trainer's shards; TP rank 1's worker is killed once the route is agreed,
+            as the first fragment is read."""
+
+            def __getitem__(self, name):
+                if alive(victim):
+                    os.kill(victim, signal.SIGKILL)
+                    while alive(victim):
+                        time.sleep(0.05)
+                return super().__getitem__(name)
+
+        source = ShardSource.of(workers.tp_version_weights(model_dir, 6))
+        source.shards = KillingShards(source.shards)
+        t0 = time.monotonic()
+        with pytest.raises(ReplicaUpdateError, match=r"receiver rank 1 \(replica 'tp', TP rank 1\)") as info:
+            rollout.update(source, 6)
+        assert time.monotonic() - t0 < DETECT_S
+        (rep,) = info.value.report.replicas
+        assert not rep.ok and not rep.resumed and rep.version != 6
