@@ -18,7 +18,14 @@ import torch
 import workers
 from procs import CTX, alive, free_port, start, stop
 
-from weightsync.demo.vllm import PROMPTS, replica_greedy, save_tiny_model, start_replica, trainer_greedy
+from weightsync.demo.vllm import (
+    PROMPTS,
+    replica_greedy,
+    save_tiny_model,
+    start_replica,
+    trainer_greedy,
+    vllm_environment,
+)
 from weightsync.integrations.vllm_rollout import LLMReplica, ReplicaUpdateError, VLLMRollout
 from weightsync.plan import TensorSpec
 from weightsync.sharding.agreement import ShardSource
@@ -44,12 +51,12 @@ def replica(tmp_path_factory):
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     here = os.path.dirname(__file__)  # the planted extension, for vLLM's worker processes
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, saved["PYTHONPATH"]) if p)
+    vllm_environment()
     model_dir = save_tiny_model(str(tmp_path_factory.mktemp("tp") / "model"), seed=3)
     llm = start_replica(
         model_dir,
         max_model_len=128,
         tensor_parallel_size=TP,
-        gpu_memory_utilization=0.5,  # vLLM checks each worker's share of one NUMA node's memory
         worker_extension_cls="vllm_planted.PlantedExtension",
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -121,13 +128,18 @@ def test_each_worker_takes_only_its_slices_from_two_trainer_ranks_and_serves_the
                     assert got == vllm_boxes(spec, rank, model.config), (rank, spec.name)
             for v in versions:
                 state = workers.tp_version_weights(model_dir, v)
-                report = rollout.update(shards_of(state, 0, 2), v)
+                # version 3 staged: the slices land in a compact staging copy while the replica serves
+                report = rollout.update(shards_of(state, 0, 2), v, staged=v == 3)
                 assert report.ok, report.summary()
                 model.load_state_dict(state)
                 assert replica_greedy(llm, PROMPTS, NEW) == trainer_greedy(model, PROMPTS, NEW), v
                 (rep,) = report.replicas
                 # each worker received exactly the bytes of the slices it keeps
-                assert rep.worker_bytes == rep.worker_kept_bytes == [w["kept_bytes"] for w in slices]
+                kept = [w["kept_bytes"] for w in slices]
+                if v == 3:
+                    assert report.phase == "staged" and rep.staging_bytes == sum(kept)
+                else:
+                    assert rep.worker_bytes == rep.worker_kept_bytes == kept
                 peer_v = results.get(timeout=30)
                 assert peer_v[:2] == (1, v) and isinstance(peer_v[2], int), peer_v
             whole = sum(s.nbytes for s in specs)

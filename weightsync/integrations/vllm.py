@@ -244,7 +244,7 @@ class ReplicaReceiver:
     def stage(self, version: int) -> dict[str, Any]:
         """Start receiving ``version`` into the staging copy in the background (the engine
         keeps serving its weights); return the status at once."""
-        self.stager.begin(self._open_receiver(), version, self.state)
+        self.stager.begin(self._open_receiver(), version, self.state, self.slices)
         return self.status()
 
     def staged(self, wait_s: float) -> dict[str, Any]:

@@ -21,13 +21,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from weightsync.integrations.vllm_slices import Slices
 from weightsync.plan import TensorSpec, dtype_from_name, dtype_name
 from weightsync.platform import host_empty
+from weightsync.sharding.agreement import FragmentSink
+from weightsync.sharding.reads import in_full_shape
+from weightsync.sharding.typical import kept
 from weightsync.sinks import ModuleSink
 from weightsync.state import VersionState
 
@@ -68,11 +72,30 @@ class StagingStore(ModuleSink):
         return [(n, t) for n, t in self.targets.items() if id(t) in self._loaded]
 
 
+class SliceStore:
+    """``backend=sharded``: the staging copy of the boxes this worker keeps (``Slices``),
+    compact, landed by fragment; a commit hands each tensor to the loader in its full
+    shape, the box holding the staged bytes (``in_full_shape``)."""
+
+    def __init__(self, slices: Slices) -> None:
+        self.slices = slices
+        self.sink = FragmentSink(kept(slices.specs, slices.boxes))
+        self.bytes = slices.kept_bytes()
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for spec in self.slices.specs:
+            box = self.slices.boxes[spec.name]
+            yield spec.name, in_full_shape(spec, box, self.sink.shards[spec.name].tensor)
+
+
 class Stager:
     """One worker's staging: a background stage at a time, then a commit."""
 
     def __init__(self) -> None:
         self.store = StagingStore()
+        #: ``backend=sharded``: the slices' staging copy (kept while the slices stay the same)
+        self.slice_store: SliceStore | None = None
+        self._sliced = False  # whether the last stage went to ``slice_store``
         self._thread: threading.Thread | None = None
         self._version: int | None = None  # the version being (or last) staged
         self.last: dict[str, Any] = {}
@@ -81,14 +104,25 @@ class Stager:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def begin(self, receiver: Any, version: int, served: VersionState) -> None:
+    def begin(self, receiver: Any, version: int, served: VersionState, slices: Slices | None = None) -> None:
         """Start receiving ``version`` into the store in a background thread. ``receiver``
         (a session ``Receiver``) takes the store's version state for the sync (stale
-        versions, the delta base) and gets ``served`` back afterwards."""
+        versions, the delta base) and gets ``served`` back afterwards. ``slices``: what
+        this worker keeps, for a ``backend=sharded`` receiver (required there)."""
         if self.busy:
             raise RuntimeError(
                 f"weightsync: version {self._version} is still being staged; wait for it first"
             )
+        self._sliced = bool(getattr(receiver, "sharded", False))
+        if self._sliced:
+            if slices is None:
+                raise RuntimeError(
+                    "weightsync: backend=sharded stages only the slices this worker keeps, and they are not "
+                    "known yet: learn them first (weightsync_slices; VLLMRollout does at construction when "
+                    "given model=, or at the first streamed update)"
+                )
+            if self.slice_store is None or self.slice_store.slices is not slices:
+                self.slice_store = SliceStore(slices)
         self._version = version
         self.last = {}
 
@@ -99,7 +133,8 @@ class Stager:
             receiver.state = self.store.state
             self.store.start()
             try:
-                stats = receiver.load_into(self.store, version)
+                sink = self.slice_store.sink if self._sliced and self.slice_store else self.store
+                stats = receiver.load_into(sink, version)
             except BaseException as e:  # reported by ``result``, never raised in the thread
                 error, stats = e, None
                 log.warning("weightsync: staging version %s failed: %s", version, e)
@@ -110,7 +145,9 @@ class Stager:
                 "stage_error": None if error is None else f"{type(error).__name__}: {error}",
                 "stage_bytes": stats.bytes if stats is not None else 0,
                 "stage_s": time.perf_counter() - start,
-                "staging_bytes": self.store.bytes,
+                "staging_bytes": self.slice_store.bytes
+                if self._sliced and self.slice_store
+                else self.store.bytes,
                 "staging_allocated_bytes": self.store.allocated_bytes - allocated,
             }
 
@@ -143,7 +180,9 @@ class Stager:
             )
         start = time.perf_counter()
         try:
-            reload(iter(self.store.items()))
+            reload(
+                self.slice_store.items() if self._sliced and self.slice_store else iter(self.store.items())
+            )
         except BaseException as e:
             served.failed(version, delivered=not atomic)
             return {

@@ -225,3 +225,14 @@ def dry_run(spec: TensorSpec, load: Callable[[torch.Tensor], Any]) -> tuple[Box,
     if box is None:
         return whole, "the loader read nothing of it"
     return box, None
+
+
+def in_full_shape(spec: TensorSpec, box: Box, part: torch.Tensor) -> torch.Tensor:
+    """What a loader whose reads are ``box`` takes for ``spec``: a tensor of the full shape
+    whose box holds ``part`` (the rest is never read: left uninitialized, so on the CPU its
+    pages are not even touched)."""
+    if box == Box.whole(spec.shape):
+        return part.view(spec.shape)
+    full = torch.empty(spec.shape, dtype=part.dtype, device=part.device)
+    full[tuple(slice(s, s + n) for s, n in zip(box.starts, box.lengths))].copy_(part.view(box.lengths))
+    return full
