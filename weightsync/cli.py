@@ -34,7 +34,11 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--receivers", type=int, default=2, help="rollout processes (default: 2)")
     p.add_argument("--steps", type=int, default=3, help="training steps, one sync each (default: 3)")
-    p.add_argument("--backend", default="nccl", help="transfer backend (default: nccl; Gloo on CPU)")
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="transfer backend (default: nccl, Gloo on CPU; sharded with --trainers or --tp above 1)",
+    )
     p.add_argument(
         "--bucket-mb",
         type=int,
@@ -57,13 +61,14 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "--trainers",
         type=int,
         default=1,
-        help="--backend sharded: FSDP2 trainer processes, each sending its own shards (default: 1)",
+        help="FSDP2 trainer ranks, each sending its own shards (backend sharded; default: 1)",
     )
     p.add_argument(
         "--tp",
         type=int,
         default=1,
-        help="--backend sharded: tensor-parallel ranks per replica, each taking its slices (default: 1)",
+        help="tensor-parallel ranks per replica, each taking only its slices (backend sharded; with --rollout "
+        "vllm, learned from the workers' own loaders; default: 1)",
     )
     p.add_argument(
         "--rollout",
@@ -480,6 +485,9 @@ def _vllm_demo_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         mode=args.pause_mode,
         lora_rank=args.lora_rank,
+        backend=args.backend,
+        tp=args.tp,
+        trainers=args.trainers,
     )
     try:
         run_vllm_demo(opts)
@@ -492,9 +500,6 @@ def _vllm_demo_command(args: argparse.Namespace) -> int:
 def _sharded_demo_command(args: argparse.Namespace) -> int:
     from weightsync.demo.sharded import ShardedDemoOptions, run_sharded_demo
 
-    if args.trainers < 1 or args.tp < 1 or args.receivers < 1:
-        print("demo: --trainers, --tp and --receivers must be at least 1", file=sys.stderr)
-        return 2
     return _demo_run(
         run_sharded_demo, ShardedDemoOptions(**_demo_kwargs(args), trainers=args.trainers, tp=args.tp)
     )
@@ -518,7 +523,21 @@ def _demo_run(run, opts) -> int:
 def _demo_command(args: argparse.Namespace) -> int:
     from weightsync.demo.plain import DemoOptions, run_demo
 
+    if args.trainers < 1 or args.tp < 1 or args.receivers < 1:
+        print("demo: --trainers, --tp and --receivers must be at least 1", file=sys.stderr)
+        return 2
+    if args.backend is None:  # shards on either side: each byte from its holder to its keeper
+        args.backend = "sharded" if args.trainers > 1 or args.tp > 1 else "nccl"
     if args.rollout == "vllm":
+        if args.trainers > 1 and args.backend != "sharded":
+            print(
+                f"demo: --trainers {args.trainers} sends each FSDP2 rank's shards: use --backend sharded",
+                file=sys.stderr,
+            )
+            return 2
+        if args.lora_rank and (args.trainers > 1 or args.tp > 1):
+            print("demo: --lora-rank runs with one trainer and replicas without --tp", file=sys.stderr)
+            return 2
         return _vllm_demo_command(args)
     if args.lora_rank:
         print(

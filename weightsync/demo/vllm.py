@@ -12,16 +12,21 @@ a replica synced by weightsync.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
+import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from weightsync.demo.plain import DemoFailed
+from weightsync.demo.plain import DemoFailed, read_report, send_json
+from weightsync.platform import process_context, start_process
 
 # A tiny Qwen2-shaped model (about 0.6M parameters) when no --model is given; the CPU
 # attention backend of vLLM needs a head size that is a multiple of 32.
@@ -54,12 +59,21 @@ class VLLMDemoOptions:
     max_model_len: int = 128
     #: > 0: LoRA-only updates of a PEFT adapter of this rank (``run_vllm_lora_demo``)
     lora_rank: int = 0
+    backend: str = "nccl"
+    #: tensor-parallel workers per replica (``backend=sharded``: each takes only its slices)
+    tp: int = 1
+    #: trainer ranks (FSDP2 over Gloo, ``backend=sharded``): this process is rank 0
+    trainers: int = 1
 
 
-def vllm_environment() -> None:
+def vllm_environment(tp: int = 1) -> None:
     """Defaults that keep CPU vLLM small and quiet here; the caller's settings win."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per replica
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # replicas share the cores
+    # One replica's workers: nothing bound (replicas share the cores); tensor-parallel
+    # workers: a core each, as vLLM's CPU build wants (more workers than cores share them)
+    cores = os.cpu_count() or 1
+    bind = "|".join(str(k % cores) for k in range(tp)) if tp > 1 else "nobind"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
     # ... so their OpenMP threads must sleep at a barrier, not spin: a spinning one holds the
     # core another replica's thread needs (two replicas loading at once on 2 cores took
     # 0.45-1.25 s, 0.21-0.27 s passive). OpenMP reads it when it starts: it takes effect in
@@ -185,7 +199,7 @@ def _start_replicas(
 
 def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
     """Run the demo; raise ``DemoFailed`` (or a sync error) on any mismatch or failure."""
-    vllm_environment()
+    vllm_environment(opts.tp)
     from rich.console import Console
     from rich.table import Table
     from transformers import AutoModelForCausalLM
@@ -198,16 +212,20 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
     hf_logging.set_verbosity_error()
     console = console or Console(width=None if sys.stdout.isatty() else 100)
     config = EngineConfig.from_overrides(
-        ["backend=nccl", f"update_weights_bucket_megabytes={opts.bucket_mb}", *opts.overrides]
+        [f"backend={opts.backend}", f"update_weights_bucket_megabytes={opts.bucket_mb}", *opts.overrides]
     )
+    if opts.trainers > 1 and config.backend != "sharded":
+        raise DemoFailed(f"--trainers {opts.trainers} sends each rank's FSDP2 shards: use --backend sharded")
     workdir = tempfile.mkdtemp(prefix="weightsync-vllm-demo-")
     model_dir = opts.model or save_tiny_model(os.path.join(workdir, "model"), seed=opts.seed)
     torch.manual_seed(opts.seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
     vocab = model.config.vocab_size
     n_params = sum(p.numel() for p in model.parameters())
+    trainer = "1 trainer" if opts.trainers == 1 else f"{opts.trainers} FSDP2 trainer ranks"
+    tp = f" x {opts.tp} tensor-parallel workers" if opts.tp > 1 else ""
     console.print(
-        f"[bold]weightsync demo --rollout vllm[/]: 1 trainer -> {opts.replicas} vLLM replicas, backend "
+        f"[bold]weightsync demo --rollout vllm[/]: {trainer} -> {opts.replicas} vLLM replicas{tp}, backend "
         f"{config.backend}, bucket {opts.bucket_mb} MiB, {opts.steps} steps, pause mode {opts.mode}"
     )
     console.print(
@@ -216,97 +234,260 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
     if any(t >= vocab for p in PROMPTS for t in p):
         raise DemoFailed(f"the model's vocabulary ({vocab}) is too small for the demo prompts")
     max_len = min(opts.max_model_len, getattr(model.config, "max_position_embeddings", opts.max_model_len))
+    model_bytes = sum(t.nbytes for t in model.state_dict().values())
 
     if opts.lora_rank:
         return run_vllm_lora_demo(opts, console, config, model_dir, model, max_len)
-    llms = _start_replicas(opts, console, model_dir, max_len)
+    llms = _start_replicas(
+        opts, console, model_dir, max_len, **({"tensor_parallel_size": opts.tp} if opts.tp > 1 else {})
+    )
     replicas = [LLMReplica(llm, f"replica{i}") for i, llm in enumerate(llms)]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(opts.seed)
+    host, _, port = opts.address.rpartition(":")
+    address = opts.address if port not in ("", "0") or opts.trainers == 1 else f"{host}:{_free_port()}"
 
     table = Table(title="updates")
-    for col in ("version", "MB", "pause s", "sync s", "resume s", "GB/s", *[r.name for r in replicas]):
+    for col in (
+        "version",
+        "MB",
+        "MB per worker",
+        "pause s",
+        "sync s",
+        "resume s",
+        *[r.name for r in replicas],
+    ):
         table.add_column(col, justify="right")
     reports = []
-    t0 = time.perf_counter()
-    # initial_version=0: every replica serves the trainer's weights from here on, and vLLM's
-    # slower first reload is paid now, not by the first training step's update
-    with VLLMRollout(replicas, config, address=opts.address, model=model, initial_version=0) as rollout:
-        console.print(
-            f"rollout ready in {time.perf_counter() - t0:.2f} s: every worker joined, version 0 "
-            f"synced in {rollout.initial_report.sync_s:.3f} s"
-        )
-        before = [replica_greedy(llm, PROMPTS, opts.new_tokens) for llm in llms]
-        for step in range(1, opts.steps + 1):
-            target = torch.randint(0, vocab, (opts.new_tokens,), generator=gen).tolist()
-            t0 = time.perf_counter()
-            loss, iters = train_until_changed(
-                model, optimizer, target, trainer_greedy(model, PROMPTS, opts.new_tokens), opts.new_tokens
-            )
-            console.print(
-                f"step {step}: {iters} training iterations, loss {loss:.4f} "
-                f"({time.perf_counter() - t0:.1f} s); updating to version {step}"
-            )
-            report = rollout.update(model, version=step, mode=opts.mode)
-            expected = trainer_greedy(model, PROMPTS, opts.new_tokens)
-            verdicts = []
-            for i, (llm, rep) in enumerate(zip(llms, report.replicas)):
-                got = replica_greedy(llm, PROMPTS, opts.new_tokens)
-                if rep.version != step:
-                    raise DemoFailed(f"{rep.name} reports version {rep.version}, expected {step}")
-                if got != expected:
-                    raise DemoFailed(
-                        f"{rep.name}, version {step}: greedy output {got} != trainer's {expected}"
-                    )
-                if got == before[i]:
-                    raise DemoFailed(
-                        f"{rep.name}, version {step}: output did not change with the update: {got}"
-                    )
-                before[i] = got
-                verdicts.append("parity OK")
-                console.print(
-                    f"  version {step} {rep.name}: parity OK ({len(PROMPTS)} prompts x {opts.new_tokens} tokens)"
-                )
-            stats = report.stats
-            console.print(
-                f"  version {step}: pause {report.pause_s:.3f} s, sync {report.sync_s:.3f} s, "
-                f"resume {report.resume_s:.3f} s, {report.gbps:.3f} GB/s"
-            )
-            table.add_row(
-                str(step),
-                f"{stats.bytes / 1e6:.2f}",
-                f"{report.pause_s:.3f}",
-                f"{report.sync_s:.3f}",
-                f"{report.resume_s:.3f}",
-                f"{report.gbps:.3f}",
-                *verdicts,
-            )
-            reports.append(report)
-
-        # The baseline: vLLM's own reload of the same weights from a directory on disk.
-        disk = os.path.join(workdir, f"version{opts.steps}")
+    with _trainer_ranks(opts, model, model_dir, address, opts.replicas * opts.tp) as peers:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(opts.seed)
         t0 = time.perf_counter()
-        model.save_pretrained(disk)
-        save_s = time.perf_counter() - t0
-        reload_s = llms[0].collective_rpc("weightsync_reload_from_path", args=(disk,))[0]
-        if len(llms) > 1:
-            a, b = (llm.collective_rpc("weightsync_digests")[0] for llm in llms[:2])
-            if a != b:
-                bad = [n for n in a if a[n] != b.get(n)]
-                raise DemoFailed(
-                    f"weights reloaded from disk differ from weights synced by weightsync: {bad[:4]}"
+        # initial_version=0: every replica serves the trainer's weights from here on, and vLLM's
+        # slower first reload is paid now, not by the first training step's update
+        with VLLMRollout(
+            replicas, config, address=address, model=model, initial_version=0, num_trainers=opts.trainers
+        ) as rollout:
+            peers.reported(0)
+            console.print(
+                f"rollout ready in {time.perf_counter() - t0:.2f} s: every worker joined, version 0 "
+                f"synced in {rollout.initial_report.sync_s:.3f} s"
+            )
+            for name, workers in rollout.slices.items():
+                for rank, w in enumerate(workers):
+                    whole = f"; taken whole: {', '.join(w['whole_tensors'])}" if w["whole_tensors"] else ""
+                    console.print(
+                        f"  {name} TP rank {rank}: keeps {w['kept_bytes'] / 1e6:.3f} MB of the "
+                        f"{model_bytes / 1e6:.3f} MB model ({w['sliced_tensors']} tensors sliced, learned from "
+                        f"its loaders in {w['derive_s']:.3f} s){whole}"
+                    )
+            before = [replica_greedy(llm, PROMPTS, opts.new_tokens) for llm in llms]
+            for step in range(1, opts.steps + 1):
+                target = torch.randint(0, vocab, (opts.new_tokens,), generator=gen).tolist()
+                t0 = time.perf_counter()
+                loss, iters = train_until_changed(
+                    model, optimizer, target, trainer_greedy(model, PROMPTS, opts.new_tokens), opts.new_tokens
                 )
+                console.print(
+                    f"step {step}: {iters} training iterations, loss {loss:.4f} "
+                    f"({time.perf_counter() - t0:.1f} s); updating to version {step}"
+                )
+                report = rollout.update(model, version=step, mode=opts.mode)
+                peers.reported(step)
+                expected = trainer_greedy(model, PROMPTS, opts.new_tokens)
+                verdicts = []
+                for i, (llm, rep) in enumerate(zip(llms, report.replicas)):
+                    got = replica_greedy(llm, PROMPTS, opts.new_tokens)
+                    if rep.version != step:
+                        raise DemoFailed(f"{rep.name} reports version {rep.version}, expected {step}")
+                    if got != expected:
+                        raise DemoFailed(
+                            f"{rep.name}, version {step}: greedy output {got} != trainer's {expected}"
+                        )
+                    if got == before[i]:
+                        raise DemoFailed(
+                            f"{rep.name}, version {step}: output did not change with the update: {got}"
+                        )
+                    if rep.worker_kept_bytes and rep.worker_bytes != rep.worker_kept_bytes:
+                        raise DemoFailed(
+                            f"{rep.name}, version {step}: its workers received {rep.worker_bytes} bytes, "
+                            f"their slices are {rep.worker_kept_bytes}"
+                        )
+                    before[i] = got
+                    verdicts.append("parity OK")
+                    console.print(
+                        f"  version {step} {rep.name}: parity OK ({len(PROMPTS)} prompts x {opts.new_tokens} "
+                        f"tokens), each worker received {_mb(rep.worker_bytes)} MB"
+                    )
+                console.print(
+                    f"  version {step}: pause {report.pause_s:.3f} s, sync {report.sync_s:.3f} s, "
+                    f"resume {report.resume_s:.3f} s"
+                )
+                table.add_row(
+                    str(step),
+                    f"{sum(r.bytes for r in report.replicas) / 1e6:.2f}",
+                    _mb(report.replicas[0].worker_bytes),
+                    f"{report.pause_s:.3f}",
+                    f"{report.sync_s:.3f}",
+                    f"{report.resume_s:.3f}",
+                    *verdicts,
+                )
+                reports.append(report)
+            baseline = _reload_baseline(llms, model, workdir, opts) if opts.trainers == 1 else None
     console.print(table)
     sync_s = sum(r.sync_s for r in reports) / len(reports)
+    if baseline is not None:
+        reload_s, save_s = baseline
+        console.print(
+            f"vLLM reload_weights from disk: {reload_s:.3f} s (plus {save_s:.3f} s to save); "
+            f"weightsync sync: {sync_s:.3f} s on average"
+            + ("; reloaded weights equal the synced ones byte for byte" if len(llms) > 1 else "")
+        )
     console.print(
-        f"vLLM reload_weights from disk: {reload_s:.3f} s (plus {save_s:.3f} s to save); "
-        f"weightsync sync: {sync_s:.3f} s on average"
-        + ("; reloaded weights equal the synced ones byte for byte" if len(llms) > 1 else "")
-    )
-    console.print(
-        f"demo OK: {len(reports)} updates to {opts.replicas} vLLM replicas, greedy parity with the trainer"
+        f"demo OK: {len(reports)} updates to {opts.replicas} vLLM replicas{tp}, greedy parity with the trainer"
     )
     return reports
+
+
+def _mb(values: list[int]) -> str:
+    return "/".join(f"{v / 1e6:.3f}" for v in values)
+
+
+def _reload_baseline(
+    llms: list[Any], model: torch.nn.Module, workdir: str, opts: VLLMDemoOptions
+) -> tuple[float, float]:
+    """vLLM's own reload of the same weights from a directory on disk: its seconds and the
+    save's; the reloaded weights must equal a synced replica's."""
+    disk = os.path.join(workdir, f"version{opts.steps}")
+    t0 = time.perf_counter()
+    model.save_pretrained(disk)
+    save_s = time.perf_counter() - t0
+    reload_s = llms[0].collective_rpc("weightsync_reload_from_path", args=(disk,))[0]
+    if len(llms) > 1:
+        a, b = (llm.collective_rpc("weightsync_digests")[0] for llm in llms[:2])
+        if a != b:
+            bad = [n for n in a if a[n] != b.get(n)]
+            raise DemoFailed(
+                f"weights reloaded from disk differ from weights synced by weightsync: {bad[:4]}"
+            )
+    return reload_s, save_s
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Peers:
+    """Trainer ranks 1.. of ``--trainers N``: their processes and report pipes."""
+
+    def __init__(self, procs: list[tuple[Any, Any]], timeout_s: float) -> None:
+        self.procs, self.timeout_s = procs, timeout_s
+
+    def reported(self, version: int) -> None:
+        """Every other trainer rank sent ``version`` (or DemoFailed naming the one that did not)."""
+        for rank, (proc, conn) in enumerate(self.procs, start=1):
+            report = read_report(conn, proc, f"trainer rank {rank}", self.timeout_s)
+            if "error" in report:
+                raise DemoFailed(f"trainer rank {rank} failed: {report['error']}")
+            if report.get("version") != version:
+                raise DemoFailed(
+                    f"trainer rank {rank} sent version {report.get('version')}, expected {version}"
+                )
+
+
+@contextlib.contextmanager
+def _trainer_ranks(
+    opts: VLLMDemoOptions, model: torch.nn.Module, model_dir: str, address: str, receivers: int
+) -> Iterator[_Peers]:
+    """``--trainers N``: this process becomes trainer rank 0 of an FSDP2 world of N Gloo
+    ranks (``model`` sharded in place), ranks 1.. train the same steps in processes of
+    their own and send their shards in step with this one's updates."""
+    if opts.trainers == 1:
+        yield _Peers([], 0.0)
+        return
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    port = _free_port()
+    ctx = process_context(["weightsync.demo.vllm", "weightsync.sender.sender"])
+    procs = []
+    for rank in range(1, opts.trainers):
+        parent, child = ctx.Pipe(duplex=False)
+        procs.append(
+            (
+                start_process(ctx, trainer_rank_main, child, opts, model_dir, address, receivers, rank, port),
+                parent,
+            )
+        )
+        child.close()
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=0,
+            world_size=opts.trainers,
+            timeout=datetime.timedelta(seconds=600),
+        )
+        fully_shard(model)
+        yield _Peers(procs, 600.0)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for proc, _ in procs:  # only our own children, by handle
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+
+
+def trainer_rank_main(
+    conn: Any, opts: VLLMDemoOptions, model_dir: str, address: str, receivers: int, rank: int, port: int
+) -> None:
+    """Trainer rank ``rank`` > 0 of ``--trainers N``: the same FSDP2 training steps as rank 0
+    (the same batches, so every collective matches), sending its own shards of every
+    version with rank 0's update; reports each version sent (JSON) to the demo."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from weightsync.config.engine import EngineConfig
+    from weightsync.sender.sender import Sender
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=opts.trainers,
+            timeout=datetime.timedelta(seconds=600),
+        )
+        torch.manual_seed(opts.seed)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+        vocab = model.config.vocab_size
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(opts.seed)
+        config = EngineConfig.from_overrides(
+            [f"backend={opts.backend}", f"update_weights_bucket_megabytes={opts.bucket_mb}", *opts.overrides]
+        )
+        with Sender(config, address, receivers, rank=rank, num_trainers=opts.trainers) as sender:
+            sender.send(model, version=0)
+            send_json(conn, {"version": 0})
+            for step in range(1, opts.steps + 1):
+                target = torch.randint(0, vocab, (opts.new_tokens,), generator=gen).tolist()
+                train_until_changed(
+                    model, optimizer, target, trainer_greedy(model, PROMPTS, opts.new_tokens), opts.new_tokens
+                )
+                stats = sender.send(model, version=step)
+                send_json(conn, {"version": step, "bytes": stats.bytes})
+                trainer_greedy(model, PROMPTS, opts.new_tokens)  # rank 0's check: its collectives
+        dist.destroy_process_group()
+    except BaseException as e:
+        send_json(conn, {"error": f"{type(e).__name__}: {e}"})
+        raise SystemExit(1) from e
+    finally:
+        conn.close()
 
 
 #: the modules a demo adapter targets: every linear layer of a Qwen2 decoder block
