@@ -575,8 +575,13 @@ def _vllm_bench_command(args: argparse.Namespace) -> int:
         hosts=args.hosts,
         link=args.link,
         lora_rank=args.lora_rank,
+        tp=args.tp,
+        trainers=args.trainers,
     )
     if not _allowed("--update-mode", args.update_mode, UPDATE_MODES):
+        return 2
+    if args.trainers > 1 and (args.update_mode != ["stream"] or args.lora_rank):
+        print("bench: --rollout vllm with --trainers above 1 measures streamed updates only", file=sys.stderr)
         return 2
     try:
         result = run_vllm_bench(opts, lambda text: print(text, file=sys.stderr, flush=True))
@@ -604,7 +609,8 @@ def _vllm_bench_command(args: argparse.Namespace) -> int:
                 f"{r['worker_load_s']:.3f}); disk reload {r['disk_reload_s']:.3f} s, save {r['save_s']:.3f} s; "
                 f"x disk reload {r['ratio_to_disk_reload']:.2f}, x save+reload "
                 f"{r['ratio_to_save_reload']:.2f}; landing {r.get('landing_mb', 0):.0f} MiB, staging "
-                f"{r.get('staging_mb', 0):.0f} MiB, RSS growth {r['rss_growth_mb']:.0f} MB"
+                f"{r.get('staging_mb', 0):.0f} MiB, RSS growth {r['rss_growth_mb']:.0f} MB; MB received per "
+                f"worker {'/'.join(f'{b / 1e6:.1f}' for b in r['worker_bytes'])}"
                 + (
                     f"; generation {r['gen_during_stage_tokens_per_s']:.0f} tokens/s during a stage, "
                     f"{r['gen_idle_tokens_per_s']:.0f} idle"

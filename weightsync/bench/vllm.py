@@ -90,6 +90,12 @@ class VLLMBenchOptions:
     #: of this rank (every linear layer) updated ``repeats`` times, against that backend's
     #: full-model update of the same replicas in the same run
     lora_rank: int = 0
+    #: tensor-parallel workers per replica (with ``sharded``: each takes only its slices)
+    tp: int = 1
+    #: trainer ranks of backends where every rank sends (``sharded``, ``paired``): this
+    #: process is rank 0, the others processes of their own (on hosts of their own with
+    #: ``hosts``), each holding ``Shard(0)`` of every tensor as FSDP2 does
+    trainers: int = 1
 
 
 def _rss(pid: int) -> dict[str, float]:
@@ -122,7 +128,7 @@ class _CPU:
     def __init__(self, workers: list[int]) -> None:
         self.groups = {
             "trainer": [os.getpid()],
-            "engine_cores": [int(_stat(w)[1]) for w in workers],
+            "engine_cores": list(dict.fromkeys(int(_stat(w)[1]) for w in workers)),  # TP workers share one
             "workers": list(workers),
         }
         self.start: dict[str, float] = {}
@@ -243,18 +249,157 @@ def _lora_row(
     }
 
 
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _all_send(backend: str) -> bool:
+    from weightsync.engines.registry import get_engine
+
+    return bool(getattr(get_engine(backend), "all_ranks_send", False))
+
+
+def trainer_rank_main(conn: Any, model_dir: str, rank: int, trainers: int, netns: str | None) -> None:
+    """Trainer rank ``rank`` > 0 of the bench: the same model as rank 0 and the same changes
+    (``_bump``, by the steps rank 0 lists), sending its ``Shard(0)`` of every tensor when
+    told; JSON commands from rank 0 on ``conn``, an answer to each ``send`` and ``close``."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from weightsync.config.engine import EngineConfig
+    from weightsync.plan import TensorSpec
+    from weightsync.sender.sender import Sender
+    from weightsync.sharding.typical import held, trainer_boxes
+
+    torch.set_num_threads(1)
+    if netns is not None:
+        from weightsync.bench.cluster import enter
+
+        enter(netns)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    state = model.state_dict()
+    shards = held(state, trainer_boxes([TensorSpec.of(n, t) for n, t in state.items()], trainers, rank))
+    sender = None
+    try:
+        while True:
+            cmd = json.loads(conn.recv_bytes())
+            if cmd.get("exit"):
+                return
+            try:
+                for step in cmd.get("bump", []):
+                    _bump(model, step)
+                if "open" in cmd:
+                    o = cmd["open"]
+                    config = EngineConfig.from_overrides(o["overrides"])
+                    sender = Sender(config, o["address"], o["receivers"], rank=rank, num_trainers=trainers)
+                if "send" in cmd:
+                    assert sender is not None
+                    stats = sender.send(shards, version=cmd["send"])
+                    reply = {"version": cmd["send"], "bytes": stats.bytes}
+                elif cmd.get("close"):
+                    if sender is not None:
+                        sender.close()
+                    sender, reply = None, {"closed": True}
+                else:
+                    continue
+            except Exception as e:
+                reply = {"error": f"trainer rank {rank}: {type(e).__name__}: {e}"}
+            conn.send_bytes(json.dumps(reply).encode())
+    finally:
+        if sender is not None:
+            sender.close()
+        conn.close()
+
+
+class _TrainerRanks:
+    """Trainer ranks 1.. of ``opts.trainers``: processes that mirror this one's model and
+    send their shards with its updates, for backends where every rank sends."""
+
+    def __init__(self, opts: VLLMBenchOptions, model_dir: str, cluster: Any) -> None:
+        import json
+
+        from weightsync.platform import process_context, start_process
+
+        self._json = json
+        self.pending: list[int] = []  # model changes since the ranks last sent
+        self.ranks: list[tuple[Any, Any]] = []
+        if opts.trainers == 1:
+            return
+        ctx = process_context(["weightsync.bench.vllm", "weightsync.sender.sender"])
+        for rank in range(1, opts.trainers):
+            netns = cluster.hosts[rank].netns if cluster is not None else None
+            mine, theirs = ctx.Pipe()
+            proc = start_process(ctx, trainer_rank_main, theirs, model_dir, rank, opts.trainers, netns)
+            theirs.close()
+            self.ranks.append((proc, mine))
+
+    def _tell(self, cmd: dict[str, Any]) -> None:
+        for _, conn in self.ranks:
+            conn.send_bytes(self._json.dumps(cmd).encode())
+
+    def _answers(self, timeout_s: float) -> list[dict[str, Any]]:
+        out = []
+        for rank, (proc, conn) in enumerate(self.ranks, start=1):
+            if not conn.poll(timeout_s):
+                raise RuntimeError(
+                    f"trainer rank {rank} (pid {proc.pid}) did not answer within {timeout_s:.0f} s"
+                )
+            out.append(self._json.loads(conn.recv_bytes()))
+            if "error" in out[-1]:
+                raise RuntimeError(out[-1]["error"])
+        return out
+
+    def open(self, address: str, overrides: list[str], receivers: int) -> None:
+        self._tell({"open": {"address": address, "overrides": overrides, "receivers": receivers}})
+
+    def send(self, version: int) -> None:
+        """Every rank sends ``version`` (after this process's model changes since the last)."""
+        self._tell({"bump": self.pending, "send": version})
+        self.pending = []
+
+    def sent(self, timeout_s: float) -> list[dict[str, Any]]:
+        return self._answers(timeout_s)
+
+    def close_senders(self, timeout_s: float) -> None:
+        self._tell({"bump": self.pending, "close": True})
+        self.pending = []
+        self._answers(timeout_s)
+
+    def stop(self) -> None:
+        for proc, conn in self.ranks:  # only our own children, by handle
+            try:
+                conn.send_bytes(self._json.dumps({"exit": True}).encode())
+            except OSError:
+                pass
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+
+
 def run_vllm_bench(opts: VLLMBenchOptions, progress: Any = None) -> dict[str, Any]:
     """Run the bench (see the module docstring); with ``opts.hosts``, on an emulated cluster,
     from a thread that enters each host's namespace (the process's own thread stays where
     it is)."""
+    if opts.trainers > 1 and (opts.modes != ["stream"] or opts.lora_rank):
+        raise ValueError(
+            "--trainers above 1: streamed updates only (no --update-mode staged, no --lora-rank)"
+        )
     if not opts.hosts:
         return _run(opts, progress, None)
     import threading
 
     from weightsync.bench.cluster import Cluster, parse_rate
 
-    if opts.hosts < 2:
-        raise ValueError(f"--hosts {opts.hosts}: the trainer's host and at least one for the replicas")
+    if opts.hosts < opts.trainers + 1:
+        raise ValueError(
+            f"--hosts {opts.hosts}: a host per trainer rank ({opts.trainers}) and at least one for the replicas"
+        )
     out: dict[str, Any] = {}
     with Cluster(opts.hosts, parse_rate(opts.link)) as cluster:
 
@@ -278,14 +423,17 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
 
     from weightsync.demo.vllm import PROMPTS, replica_greedy, start_replica, trainer_greedy, vllm_environment
     from weightsync.integrations.vllm_rollout import LLMReplica, VLLMRollout
+    from weightsync.plan import TensorSpec
+    from weightsync.sharding.typical import held, trainer_boxes
 
     def say(text: str) -> None:
         if progress is not None:
             progress(text)
 
-    vllm_environment()
+    vllm_environment(opts.tp)
     tmp = tempfile.TemporaryDirectory(prefix="weightsync-vllm-bench-", dir=opts.work_dir)
     llms: list[Any] = []
+    peers: _TrainerRanks | None = None
     try:
         model_dir = opts.model
         if model_dir is None:
@@ -295,18 +443,31 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
             AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         nbytes = sum(t.nbytes for t in model.state_dict().values())
-        say(f"model: {nbytes / 1e6:.0f} MB; starting {opts.replicas} replicas")
-        address = "127.0.0.1:0"
+        tp = f" of {opts.tp} tensor-parallel workers" if opts.tp > 1 else ""
+        say(f"model: {nbytes / 1e6:.0f} MB; starting {opts.replicas} replicas{tp}")
+        host = "127.0.0.1"
+        engine: dict[str, Any] = {"tensor_parallel_size": opts.tp} if opts.tp > 1 else {}
+        if opts.lora_rank:
+            engine |= dict(enable_lora=True, max_loras=2, max_lora_rank=opts.lora_rank)
         for i in range(opts.replicas):
             if cluster is not None:  # vLLM's processes start in the replica's host
                 from weightsync.bench.cluster import enter
 
-                enter(cluster.hosts[1 + i % (len(cluster.hosts) - 1)].netns)
-            lora = dict(enable_lora=True, max_loras=2, max_lora_rank=opts.lora_rank) if opts.lora_rank else {}
-            llms.append(start_replica(model_dir, max_model_len=128, **lora))
+                enter(cluster.hosts[opts.trainers + i % (len(cluster.hosts) - opts.trainers)].netns)
+            llms.append(start_replica(model_dir, max_model_len=128, **engine))
         if cluster is not None:
             enter(cluster.hosts[0].netns)
-            address = f"{cluster.hosts[0].address}:0"
+            host = cluster.hosts[0].address
+        address = f"{host}:0"
+        peers = _TrainerRanks(opts, model_dir, cluster)
+        state = model.state_dict()
+        specs = [TensorSpec.of(n, t) for n, t in state.items()]
+
+        def bump(step: int) -> None:
+            _bump(model, step)
+            assert peers is not None
+            peers.pending.append(step)
+
         replicas = [LLMReplica(llm, f"replica{i}") for i, llm in enumerate(llms)]
         disk = os.path.join(tmp.name, "disk")
         os.makedirs(disk, exist_ok=True)
@@ -341,38 +502,55 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
                 *opts.overrides,
             ]
             step += 1
-            _bump(model, step)
+            bump(step)
+            # every trainer rank sends its Shard(0) where the backend lets every rank send
+            ranks = opts.trainers if _all_send(backend) else 1
+            source = held(state, trainer_boxes(specs, ranks, 0)) if ranks > 1 else model
+            row_address = address if ranks == 1 else f"{host}:{_free_port(host)}"
+            if ranks > 1:
+                peers.open(row_address, overrides, opts.replicas * opts.tp)
+                if opts.initial_sync:
+                    peers.send(step)
             t0 = time.perf_counter()
             rollout = VLLMRollout(
                 replicas,
                 overrides,
-                address=address,
-                model=model,
+                address=row_address,
+                model=source,
                 initial_version=step if opts.initial_sync else None,
+                num_trainers=ranks,
             )
             init_s = time.perf_counter() - t0
+            if ranks > 1 and opts.initial_sync:
+                peers.sent(rollout.config.timeout_s)
             initial = rollout.initial_report
             say(
                 f"{backend}: rollout created in {init_s:.3f} s"
                 + (f" (initial sync {initial.sync_s:.3f} s)" if initial is not None else "")
             )
             try:
-                pids = [r.call("weightsync_status")[0]["pid"] for r in replicas]
+                pids = [w["pid"] for r in replicas for w in r.call("weightsync_status")]
                 cpu = _CPU(pids)
                 updates: list[dict[str, Any]] = []
                 row_saves, row_reloads, row_disk_cpu = [], [], []
                 for i in range(opts.repeats + 1):
                     step += 1
-                    _bump(model, step)
+                    bump(step)
                     rss = [_rss(p)["VmRSS"] for p in pids]
                     for p in pids:
                         _reset_peak(p)
+                    if ranks > 1:
+                        peers.send(step)
                     cpu.begin()
                     t0 = time.perf_counter()
-                    report = rollout.update(model, step, mode="keep")
+                    report = rollout.update(source, step, mode="keep")
                     total = time.perf_counter() - t0
                     update_cpu = cpu.end()
-                    workers = [r.call("weightsync_status")[0] for r in replicas]
+                    trainer_bytes = [report.stats.bytes if report.stats else 0]
+                    if ranks > 1:  # rank 0's stats count every rank's fragments: its own are the rest
+                        others = [a["bytes"] for a in peers.sent(rollout.config.timeout_s)]
+                        trainer_bytes = [trainer_bytes[0] - sum(others), *others]
+                    workers = [w for r in replicas for w in r.call("weightsync_status")]
                     peaks = [_rss(p)["VmHWM"] for p in pids]
 
                     def most(
@@ -403,6 +581,11 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
                             "staging_allocated_mb": most("staging_allocated_bytes", 2**20)
                             if mode == "staged"
                             else None,
+                            "worker_bytes": [b for rep in report.replicas for b in rep.worker_bytes],
+                            "worker_kept_bytes": [
+                                b for rep in report.replicas for b in rep.worker_kept_bytes
+                            ],
+                            "trainer_bytes": trainer_bytes,
                             "rss_before_mb": max(rss),
                             "rss_growth_mb": max(pk - r0 for pk, r0 in zip(peaks, rss)),
                             **{f"cpu_{k}_s": v for k, v in update_cpu.items()},
@@ -425,7 +608,7 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
                     _generation(llms[0], PROMPTS)  # warm-up: the timed runs below see the same engine state
                     idle = _generation(llms[0], PROMPTS)
                     step += 1
-                    _bump(model, step)
+                    bump(step)
                     busy = _generation(llms[0], PROMPTS, lambda: rollout.stage(model, step))
                     rollout.commit(step)
                     generation = {
@@ -451,6 +634,13 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
                         "update_mode": mode,
                         "bucket_mb": opts.bucket_mb,
                         "bytes": nbytes,
+                        "tp": opts.tp,
+                        "trainers": ranks,
+                        # the last update's bytes received by each worker (TP rank), the bytes of
+                        # the slices each keeps (sharded: its loaders' boxes), sent by each trainer rank
+                        "worker_bytes": steady[-1]["worker_bytes"],
+                        "worker_kept_bytes": steady[-1]["worker_kept_bytes"],
+                        "trainer_bytes": steady[-1]["trainer_bytes"],
                         "init_s": round(init_s, 4),
                         "initial_sync_s": round(initial.sync_s, 4) if initial is not None else None,
                         "first_s": round(updates[0]["seconds"], 4),
@@ -483,7 +673,9 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
                         },
                         "rss_growth_mb": round(max(u["rss_growth_mb"] for u in steady), 1),
                         # where the first update's time went
-                        "first": {k: round(v, 4) for k, v in updates[0].items() if v is not None},
+                        "first": {
+                            k: round(v, 4) for k, v in updates[0].items() if isinstance(v, (int, float))
+                        },
                         "disk_reload_s": round(reload_s, 4),
                         "disk_reload_repeats_s": [round(x, 4) for x in row_reloads],
                         "save_s": round(save_s, 4),
@@ -501,23 +693,34 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
                     step += opts.repeats + 1
             finally:
                 rollout.close()
+                if ranks > 1:
+                    peers.close_senders(60)
         save_s, reload_s = statistics.median(saves), statistics.median(reloads)
 
         # one more update, then greedy parity with the trainer
         step += 1
-        _bump(model, step)
+        bump(step)
         last = opts.backends[-1]
-        with VLLMRollout(
-            replicas,
-            [f"backend={last}", f"update_weights_bucket_megabytes={opts.bucket_mb}", *opts.overrides],
-            address=address,
-        ) as rollout:
-            rollout.update(model, step, mode="keep")
+        ranks = opts.trainers if _all_send(last) else 1
+        overrides = [f"backend={last}", f"update_weights_bucket_megabytes={opts.bucket_mb}", *opts.overrides]
+        row_address = address if ranks == 1 else f"{host}:{_free_port(host)}"
+        if ranks > 1:
+            peers.open(row_address, overrides, opts.replicas * opts.tp)
+            peers.send(step)
+        with VLLMRollout(replicas, overrides, address=row_address, num_trainers=ranks) as rollout:
+            rollout.update(
+                held(state, trainer_boxes(specs, ranks, 0)) if ranks > 1 else model, step, mode="keep"
+            )
+        if ranks > 1:
+            peers.sent(60)
+            peers.close_senders(60)
         expected = trainer_greedy(model, PROMPTS, 8)
         greedy = {r.name: replica_greedy(llm, PROMPTS, 8) == expected for r, llm in zip(replicas, llms)}
         return {
             "model_bytes": nbytes,
             "replicas": opts.replicas,
+            "tp": opts.tp,
+            "trainers": opts.trainers,
             "rows": rows,
             "hosts": opts.hosts,
             "link": opts.link if opts.hosts else None,
@@ -528,6 +731,8 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
             "greedy_matches_trainer": greedy,
         }
     finally:
+        if peers is not None:
+            peers.stop()
         for llm in llms:
             try:
                 llm.llm_engine.engine_core.shutdown()
