@@ -300,7 +300,7 @@ def trainer_rank_main(conn: Any, model_dir: str, rank: int, trainers: int, netns
                 if "send" in cmd:
                     assert sender is not None
                     stats = sender.send(shards, version=cmd["send"])
-                    reply = {"version": cmd["send"], "bytes": stats.bytes}
+                    reply = {"version": cmd["send"], "bytes": stats.wire_bytes}
                 elif cmd.get("close"):
                     if sender is not None:
                         sender.close()
@@ -326,7 +326,6 @@ class _TrainerRanks:
         from weightsync.platform import process_context, start_process
 
         self._json = json
-        self.pending: list[int] = []  # model changes since the ranks last sent
         self.ranks: list[tuple[Any, Any]] = []
         if opts.trainers == 1:
             return
@@ -357,17 +356,19 @@ class _TrainerRanks:
     def open(self, address: str, overrides: list[str], receivers: int) -> None:
         self._tell({"open": {"address": address, "overrides": overrides, "receivers": receivers}})
 
+    def bump(self, step: int) -> None:
+        """Every rank changes its model as this process does for ``step`` (no answer)."""
+        self._tell({"bump": [step]})
+
     def send(self, version: int) -> None:
-        """Every rank sends ``version`` (after this process's model changes since the last)."""
-        self._tell({"bump": self.pending, "send": version})
-        self.pending = []
+        """Every rank sends ``version``."""
+        self._tell({"send": version})
 
     def sent(self, timeout_s: float) -> list[dict[str, Any]]:
         return self._answers(timeout_s)
 
     def close_senders(self, timeout_s: float) -> None:
-        self._tell({"bump": self.pending, "close": True})
-        self.pending = []
+        self._tell({"close": True})
         self._answers(timeout_s)
 
     def stop(self) -> None:
@@ -464,9 +465,9 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
         specs = [TensorSpec.of(n, t) for n, t in state.items()]
 
         def bump(step: int) -> None:
-            _bump(model, step)
             assert peers is not None
-            peers.pending.append(step)
+            peers.bump(step)  # the other ranks change their copies meanwhile, outside the timed update
+            _bump(model, step)
 
         replicas = [LLMReplica(llm, f"replica{i}") for i, llm in enumerate(llms)]
         disk = os.path.join(tmp.name, "disk")
@@ -546,8 +547,9 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
                     report = rollout.update(source, step, mode="keep")
                     total = time.perf_counter() - t0
                     update_cpu = cpu.end()
-                    trainer_bytes = [report.stats.bytes if report.stats else 0]
-                    if ranks > 1:  # rank 0's stats count every rank's fragments: its own are the rest
+                    # each trainer rank's own bytes sent (rank 0's wire bytes count every rank's)
+                    trainer_bytes = [report.stats.wire_bytes if report.stats else 0]
+                    if ranks > 1:
                         others = [a["bytes"] for a in peers.sent(rollout.config.timeout_s)]
                         trainer_bytes = [trainer_bytes[0] - sum(others), *others]
                     workers = [w for r in replicas for w in r.call("weightsync_status")]
