@@ -262,6 +262,25 @@ COMMANDS: dict[str, Run | NotHere] = {
         "runs in the `--update-mode stream,staged` line above with --lora-rank 16 added (one start of the "
         "replicas): its lora rows asserted there (_check_modes)"
     ),
+    "weightsync demo --rollout vllm --tp 2 --trainers 2": Run(
+        ("demo --rollout vllm --tp 2 --trainers 2 --receivers 1",),
+        "--receivers 1: one replica of 2 tensor-parallel workers (a replica start saved); the demo fails unless "
+        "every worker received exactly the bytes of its slices and the replica generates the FSDP2 trainer's "
+        "greedy output after every version",
+        timeout=240,
+        vllm=True,
+    ),
+    "weightsync bench --rollout vllm --tp 2 --trainers 2 --backend sharded,nccl --json": Run(
+        (
+            "bench --rollout vllm --tp 2 --trainers 2 --backend sharded,nccl --size-mb 16 --repeats 1 "
+            "--receivers 1 --json",
+        ),
+        "a 16 MB fp32 Qwen2 model instead of 392 MB, one replica, one timed update per row: the bytes each "
+        "worker and trainer rank moved are what the check asserts, not the seconds",
+        timeout=300,
+        vllm=True,
+        check="tp",
+    ),
     "weightsync demo --rollout vllm --lora-rank 8": Run(
         ("demo --rollout vllm --lora-rank 8 --receivers 1",),
         "--receivers 1 (a replica start saved; tests/test_vllm_lora.py runs LoRA updates in depth)",
@@ -556,6 +575,22 @@ def _check_modes(outs, tmp_path):
     assert all(result["greedy_matches_trainer"].values())
 
 
+def _check_tp(outs, tmp_path):
+    """``sharded``: each tensor-parallel worker received exactly its slices' bytes (about half
+    the model), each trainer rank sent its half once; ``nccl``: each worker the whole model;
+    both replicas' greedy output the trainer's."""
+    result = json.loads(outs[0].stdout)
+    sharded, nccl = result["rows"]
+    model = result["model_bytes"]
+    assert (sharded["backend"], sharded["tp"], sharded["trainers"]) == ("sharded", 2, 2), sharded
+    assert sharded["worker_bytes"] == sharded["worker_kept_bytes"], sharded
+    assert all(b <= 0.6 * model for b in sharded["worker_bytes"]), (sharded["worker_bytes"], model)
+    sent = sharded["trainer_bytes"]
+    assert sum(sent) == sum(sharded["worker_bytes"]) and max(sent) <= 0.55 * sum(sent), sent
+    assert (nccl["backend"], nccl["trainers"], nccl["worker_bytes"]) == ("nccl", 1, [model, model]), nccl
+    assert all(result["greedy_matches_trainer"].values())
+
+
 def _check_demo(outs, tmp_path):
     assert "demo OK: 2 syncs to" in outs[0].stdout and "bit-exact" in outs[0].stdout, outs[0].stdout
 
@@ -571,6 +606,7 @@ CHECKS = {
     "adamw": _check_adamw,
     "codec": _check_codec,
     "modes": _check_modes,
+    "tp": _check_tp,
     "plot": _check_plot,
     "json": _check_json,
     "five": _check_five,

@@ -297,7 +297,9 @@ def trainer_rank_main(conn: Any, model_dir: str, rank: int, trainers: int, netns
                     o = cmd["open"]
                     config = EngineConfig.from_overrides(o["overrides"])
                     sender = Sender(config, o["address"], o["receivers"], rank=rank, num_trainers=trainers)
-                if "send" in cmd:
+                if "bump" in cmd:
+                    reply = {"bumped": cmd["bump"]}
+                elif "send" in cmd:
                     assert sender is not None
                     stats = sender.send(shards, version=cmd["send"])
                     reply = {"version": cmd["send"], "bytes": stats.wire_bytes}
@@ -326,6 +328,7 @@ class _TrainerRanks:
         from weightsync.platform import process_context, start_process
 
         self._json = json
+        self.bumping = False
         self.ranks: list[tuple[Any, Any]] = []
         if opts.trainers == 1:
             return
@@ -357,8 +360,15 @@ class _TrainerRanks:
         self._tell({"open": {"address": address, "overrides": overrides, "receivers": receivers}})
 
     def bump(self, step: int) -> None:
-        """Every rank changes its model as this process does for ``step`` (no answer)."""
+        """Every rank changes its model as this process does for ``step``; waits for them
+        (after this process's own change: they run meanwhile)."""
         self._tell({"bump": [step]})
+        self.bumping = bool(self.ranks)
+
+    def bumped(self, timeout_s: float = 120) -> None:
+        if self.bumping:
+            self._answers(timeout_s)
+            self.bumping = False
 
     def send(self, version: int) -> None:
         """Every rank sends ``version``."""
@@ -468,6 +478,7 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
             assert peers is not None
             peers.bump(step)  # the other ranks change their copies meanwhile, outside the timed update
             _bump(model, step)
+            peers.bumped()
 
         replicas = [LLMReplica(llm, f"replica{i}") for i, llm in enumerate(llms)]
         disk = os.path.join(tmp.name, "disk")
