@@ -57,6 +57,7 @@ def replica(tmp_path_factory):
         max_model_len=128,
         tensor_parallel_size=TP,
         worker_extension_cls="vllm_planted.PlantedExtension",
+        weight_transfer_config={"backend": "weightsync"},  # vLLM's own RL API too
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     yield llm, model, model_dir
@@ -146,6 +147,52 @@ def test_each_worker_takes_only_its_slices_from_two_trainer_ranks_and_serves_the
             assert sum(rep.worker_bytes) < 1.25 * whole, (rep.worker_bytes, whole)
     finally:
         stop([peer])
+
+
+class LLMClient:
+    """vLLM's weight-sync client calls, made on an ``LLM`` of this process (as vLLM's Ray
+    client makes them on an actor holding one)."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version=None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+
+def test_vllms_trainer_factory_with_backend_sharded_brings_each_worker_only_its_slices(replica):
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightsync.integrations.vllm import WeightsyncTrainerInitInfo
+
+    llm, model, model_dir = replica
+    info = WeightsyncTrainerInitInfo(
+        master_address="127.0.0.1", master_port=free_port(), world_size=1 + TP, rank=0, overrides=OVERRIDES
+    )
+    engine = WeightTransferTrainerFactory.trainer_init(
+        info, client=LLMClient(llm), source=ModuleSource(model)
+    )
+    try:
+        for v in (11, 12):
+            state = workers.tp_version_weights(model_dir, v)
+            model.load_state_dict(state)
+            stats = engine.send_weights(version=v)
+            assert replica_greedy(llm, PROMPTS, NEW) == trainer_greedy(model, PROMPTS, NEW), v
+        specs = [TensorSpec.of(n, t).to_wire() for n, t in model.named_parameters()]
+        kept = [w["kept_bytes"] for w in llm.collective_rpc("weightsync_slices", args=(specs,))]
+        assert stats.bytes == sum(kept) < 1.25 * sum(t.nbytes for t in state.values()), (stats.bytes, kept)
+    finally:
+        engine.shutdown()
 
 
 def test_a_loader_step_that_no_box_describes_takes_that_tensor_whole_and_still_matches(replica):

@@ -32,6 +32,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
@@ -62,8 +63,10 @@ class WeightsyncTrainerInitInfo(TrainerInitInfo):
 
     - ``master_address``, ``master_port``: where trainer rank 0's weightsync sender
       listens (the inference workers connect there; port 0 picks a free one);
-    - ``world_size``: the trainer ranks that send (1; with ``backend=paired`` every
-      trainer rank) plus the inference workers that receive;
+    - ``world_size``: the trainer ranks that send (1; with ``backend=paired`` or
+      ``sharded`` every trainer rank) plus the inference workers that receive (with
+      ``sharded``, each worker of a tensor-parallel server takes only its slices, and each
+      trainer rank sends its own shards of ``ModuleSource(model)``'s parameters);
     - ``rank`` (keyword): this trainer process; rank 0 sends and drives the client, the
       other ranks only iterate the source (materializing shards is a collective);
     - ``overrides``: any weightsync configuration key (``["backend=shm", "timeout_s=60"]``
@@ -126,7 +129,17 @@ class _FromVLLMSource(WeightSource):
             yield name, materialize_full_tensor(tensor).detach()
 
 
-def _as_weightsync_source(source: Any) -> WeightSource:
+def _as_weightsync_source(source: Any, sharded: bool = False) -> WeightSource:
+    if sharded:  # each trainer rank's local shards, never gathered
+        from weightsync.sharding.agreement import ShardSource
+
+        module = getattr(source, "_module", None)  # vLLM's ModuleSource: its parameters
+        if isinstance(source, VLLMWeightSource) and not isinstance(module, torch.nn.Module):
+            raise ValueError(
+                f"backend=sharded sends each rank's local shards: pass ModuleSource(model), the module or a state "
+                f"dict, not a {type(source).__name__} (it yields gathered tensors)"
+            )
+        return ShardSource.of(dict(module.named_parameters()) if module is not None else source)
     if isinstance(source, VLLMWeightSource):
         return _FromVLLMSource(source)
     return as_source(source)  # a module or a state dict works too
@@ -157,6 +170,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         #: the sender's figures of the last round that completed
         self.last_stats: SyncStats | None = None
         self.where = describe_client(client)
+        self._sharded = bool(getattr(get_engine(config.backend), "sharded", False))
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="weightsync-vllm-trainer")
 
     @classmethod
@@ -206,7 +220,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
     def _rendezvous(self) -> None:
         """Every worker joins the sender (and its data plane) in ``init_weight_transfer_engine``
         while the sender warms up beside it; the first failure ends the wait."""
-        src = _as_weightsync_source(self.source)
+        src = _as_weightsync_source(self.source, self._sharded)
         if not self.is_sender:
             self.sender.warm_up(src)  # paired: connects this rank to rank 0; else nothing
             return
@@ -258,7 +272,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         """
         version = (self.version or 0) + 1 if version is None else int(version)
         self.version = version
-        src = _as_weightsync_source(self.source)
+        src = _as_weightsync_source(self.source, self._sharded)
         if not self.is_sender:  # the others drain (or, with paired, send their share)
             return self.sender.send(src, version, force=force)
         budget = self.config.timeout_s
@@ -304,7 +318,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         Then pause, ``commit_weights``, resume."""
         version = (self.version or 0) + 1 if version is None else int(version)
         self.version = version
-        src = _as_weightsync_source(self.source)
+        src = _as_weightsync_source(self.source, self._sharded)
         if not self.is_sender:
             return self.sender.send(src, version, force=force)
         self._round(version, {"version": version, "phase": "stage"})
