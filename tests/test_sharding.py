@@ -230,6 +230,40 @@ def test_sharded_holders_each_send_only_their_shard_to_tensor_parallel_receivers
     assert len(route.fragments) == 4  # each trainer shard crosses each receiver slice
 
 
+def test_a_steady_job_is_offered_the_route_hash_only_and_a_rank_that_lacks_it_gets_it_in_full():
+    """The offer carries every layout until each peer answered the route's hash; then only
+    the hash. A rank whose layout changed, or a new one that never held the route, answers
+    with its layout and the sync is offered again in full."""
+    from weightsync.sharding.agreement import RECEIVER, TRAINER, Agreement, RouteOffer
+
+    spec = TensorSpec("w", (8, 6), "float32")
+    holders = _layouts(spec.shape, (2,), [Shard(0)], host_of=lambda i: f"t{i}")
+    needs = _layouts(spec.shape, (2,), [Shard(1)], host_of=lambda i: f"r{i}")
+    offer = RouteOffer()
+    ranks = {(TRAINER, 1): Agreement(TRAINER, 1 << 20), (RECEIVER, 0): Agreement(RECEIVER, 1 << 20)}
+    ranks[(RECEIVER, 1)] = Agreement(RECEIVER, 1 << 20)
+    own = {(TRAINER, 1): holders[1], (RECEIVER, 0): needs[0], (RECEIVER, 1): needs[1]}
+
+    def sync() -> tuple[dict, list]:
+        rounds = []
+        while True:
+            fields = offer.fields([spec], holders[0], [0, 1], 2)
+            answers = [(side, r, a.answer(fields, r, own[(side, r)])) for (side, r), a in ranks.items()]
+            rounds.append(fields)
+            if not offer.take([(side, r, reply) for side, r, (_, reply) in answers]):
+                assert all(part is not None for _, _, (part, _) in answers)
+                return fields, rounds
+
+    first, rounds = sync()
+    assert len(rounds) == 2 and "needs" in first  # layouts learned, then the route agreed
+    steady, rounds = sync()
+    assert rounds == [{"hash": first["hash"], "compact": True}]
+    ranks[(RECEIVER, 1)] = Agreement(RECEIVER, 1 << 20)  # a restarted receiver rank
+    again, rounds = sync()
+    assert [("compact" in r) for r in rounds] == [True, False] and again["hash"] == first["hash"]
+    assert sync()[1] == [{"hash": first["hash"], "compact": True}]
+
+
 def test_a_needed_byte_no_rank_holds_and_overlapping_holders_are_refused_naming_the_tensor():
     spec = TensorSpec("lm_head", (4, 4), "float32")
     half = Layout({"lm_head": Box((0, 0), (2, 4))})

@@ -47,7 +47,6 @@ from weightsync.sharding.agreement import (
     FragmentSink,
     Part,
     Reassembly,
-    offered_specs,
 )
 from weightsync.sharding.layout import Box, Layout
 from weightsync.sinks import ModuleSink
@@ -734,8 +733,13 @@ class Receiver:
         own: Layout | str = WHOLE
         if sink is not None:
             own = sink.layout(host)
-        elif self.needs is not None and (boxes := self.needs(offered_specs(msg.get("route")))) is not None:
-            own = Layout(dict(boxes), host)
+        elif self.needs is not None:
+            specs = self._agreement.specs(msg.get("route"))
+            if specs is None:  # offered the hash of a route this receiver does not hold
+                self._part = None
+                return None, {"resend": True}
+            if (boxes := self.needs(specs)) is not None:
+                own = Layout(dict(boxes), host)
         part, fields = self._agreement.answer(msg.get("route"), int(msg["engine"]["rank"]) - 1, own)
         self._part = part
         if part is None:

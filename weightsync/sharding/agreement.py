@@ -144,9 +144,21 @@ class Part:
         return sum(s.nbytes for s in self.rank_plan.plan.tensors)
 
 
+#: the last parts computed, by (route hash, side, index, receivers, bucket bytes): a steady
+#: job plans its part once, not in every sync (a rank's plan of a large route takes 10-200 ms)
+_PARTS: dict[tuple[str, str, int, int, int], Part] = {}
+
+
 def _part(route: Route, side: str, index: int, receivers: int, bucket_bytes: int) -> Part:
-    plan = trainer_plan if side == TRAINER else receiver_plan
-    return Part(route, side, index, plan(route, index, bucket_bytes), receivers)
+    key = (route.hash, side, index, receivers, bucket_bytes)
+    part = _PARTS.get(key)
+    if part is None:
+        plan = trainer_plan if side == TRAINER else receiver_plan
+        part = Part(route, side, index, plan(route, index, bucket_bytes), receivers)
+        if len(_PARTS) >= 8:
+            _PARTS.pop(next(iter(_PARTS)))
+        _PARTS[key] = part
+    return part
 
 
 class RouteOffer:
@@ -156,6 +168,9 @@ class RouteOffer:
         self.holders: dict[int, Declared] = {}  # trainer rank -> layout
         self.needs: dict[int, Declared] = {}  # receiver rank -> layout or WHOLE
         self._route: tuple[Any, Route] | None = None
+        #: the ranks (side, rank) that answered the current route's hash: offered only the hash
+        self._holding: set[tuple[str, int]] = set()
+        self._compact = False  # whether the last offer carried only the hash
 
     def route(
         self, specs: Sequence[TensorSpec], own: Layout, receivers: Sequence[int], trainers: int
@@ -167,20 +182,28 @@ class RouteOffer:
             return None
         holders = [self.holders[t] for t in range(trainers)]
         needs = [self.needs[r] for r in receivers]
-        key = ([s.to_wire() for s in specs], [_wire(h) for h in holders], [_wire(n) for n in needs])
+        key = (tuple(specs), tuple(holders), tuple(needs))
         if self._route is None or self._route[0] != key:
             self._route = (key, compute(specs, holders, needs))
+            self._holding = set()
         return self._route[1]
 
     def fields(
         self, specs: Sequence[TensorSpec], own: Layout, receivers: Sequence[int], trainers: int
     ) -> dict[str, Any]:
         """The ``route`` field of this sync's messages (the same for every peer). Layouts
-        heard earlier that make no route with these specs are asked for again."""
+        heard earlier that make no route with these specs are asked for again. Where every
+        peer answered the route's hash before (a steady job), only the hash goes: the
+        specs and layouts of a large model are hundreds of KB per peer and sync."""
         try:
             route = self.route(specs, own, receivers, trainers)
         except RouteError:
             self.holders, self.needs, route = {0: own}, {}, None
+        peers = {(RECEIVER, r) for r in receivers} | {(TRAINER, t) for t in range(1, trainers)}
+        self._compact = route is not None and peers <= self._holding
+        if self._compact:
+            assert route is not None
+            return {"hash": route.hash, "compact": True}
         return {
             "hash": route.hash if route is not None else None,
             "specs": [s.to_wire() for s in specs],
@@ -190,9 +213,16 @@ class RouteOffer:
 
     def take(self, replies: Sequence[tuple[str, int, dict[str, Any]]]) -> bool:
         """Layouts from the answers (side, rank, reply); True when one is new, so the sync
-        is offered again with the route they make."""
+        is offered again with the route they make (or when a rank offered only the hash
+        does not hold that route: it is offered again in full)."""
         changed = False
+        current = self._route[1].hash if self._route is not None else None
         for side, rank, reply in replies:
+            if reply.get("route") is not None and reply.get("route") == current:
+                self._holding.add((side, rank))
+                continue
+            self._holding.discard((side, rank))
+            changed = changed or self._compact
             if "layout" not in reply:
                 continue
             book = self.holders if side == TRAINER else self.needs
@@ -205,6 +235,7 @@ class RouteOffer:
     def forget(self, side: str, rank: int) -> None:
         """A peer left: its layout is asked again if it comes back."""
         (self.holders if side == TRAINER else self.needs).pop(rank, None)
+        self._holding.discard((side, rank))
 
 
 class Agreement:
@@ -215,6 +246,16 @@ class Agreement:
         self.side = side
         self.bucket_bytes = bucket_bytes
         self._route: Route | None = None
+        self._own: Declared | None = None  # this rank's layout in the route last agreed
+        self._receivers = 0  # the receiver ranks of that route
+
+    def specs(self, offer: Any) -> list[TensorSpec] | None:
+        """The global tensors' specs of an offer: carried, or (an offer of the hash only)
+        the agreed route's, when this rank holds it (else None)."""
+        if isinstance(offer, dict) and offer.get("compact"):
+            held = self._route is not None and self._route.hash == offer.get("hash")
+            return list(self._route.specs) if held and self._route is not None else None
+        return offered_specs(offer)
 
     def answer(
         self, offer: Any, index: int, own: Declared, specs: Sequence[TensorSpec] | None = None
@@ -225,6 +266,14 @@ class Agreement:
         ValueError saying what differs."""
         if not isinstance(offer, dict):
             raise ValueError("the sync message carries no route (the sender is not running a sharded sync)")
+        if offer.get("compact"):  # the hash only: the route agreed before, if nothing changed here
+            route = self._route
+            same = route is not None and route.hash == offer.get("hash") and self._own == own
+            if same and specs is not None and list(specs) != list(route.specs):  # type: ignore[union-attr]
+                same = False
+            if not same or route is None:
+                return None, {"layout": _wire(own)}
+            return _part(route, self.side, index, self._receivers, self.bucket_bytes), {"route": route.hash}
         offered = _specs(offer.get("specs"))
         if specs is not None and list(specs) != offered:
             theirs = {s.name: s for s in offered}
@@ -255,6 +304,7 @@ class Agreement:
                     f"{route.hash[:12]} from the same layouts (run the same weightsync everywhere)"
                 )
             self._route = route
+        self._own, self._receivers = own, len(needs)
         return _part(self._route, self.side, index, len(needs), self.bucket_bytes), {"route": offer["hash"]}
 
 
