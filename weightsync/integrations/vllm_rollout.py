@@ -457,6 +457,11 @@ class VLLMRollout:
 
         from weightsync.lora import lora_adapter
 
+        if getattr(self.sender.engine_cls, "sharded", False):
+            raise ValueError(
+                "LoRA updates send the adapter whole to every worker: use another backend than sharded "
+                "(nccl, shm, mooncake, paired) for a rollout that updates adapters"
+            )
         adapter = lora_adapter(source)
         if not self._lora_base_ok and adapter is source:
             raise ValueError(
