@@ -149,9 +149,8 @@ def test_the_same_inputs_built_again_give_the_same_route_and_hash(sync):
 def _groups(rank_plan):
     """Each group of a ``RankPlan``: peer -> (its tensors' specs, its buckets relative to it)."""
     plan, out = rank_plan.plan, {}
-    bounds = [*rank_plan.starts, len(plan.buckets)]
-    for peer, start, end in zip(rank_plan.peers, bounds, bounds[1:]):
-        buckets = plan.buckets[start:end]
+    for peer in rank_plan.peers:
+        buckets = [b for b in plan.buckets if rank_plan.peer_of(b.index) == peer]
         first = min((p.tensor for b in buckets for p in b.pieces), default=0)
         shape = [
             (b.nbytes, [(p.tensor - first, p.tensor_offset, p.length, p.bucket_offset) for p in b.pieces])

@@ -46,8 +46,9 @@ class TrainerPeers:
             self.channels.pop(i).close()
         return {("trainer", i) for i in range(1, self.count + 1) if i not in self.channels}
 
-    def dead(self) -> list[str]:
-        return [ch.peer for ch in self.channels.values() if ch.is_dead()]
+    def dead(self) -> list[Channel]:
+        """The channels of trainer ranks gone (closed, or silent past the grace)."""
+        return [ch for ch in self.channels.values() if ch.is_dead()]
 
     def sync_messages(
         self, msg: dict[str, Any], info: dict[str, Any], first_rank: int

@@ -22,12 +22,12 @@ def dead_ranks(channels: dict[int, Channel]) -> list[int]:
 
 
 def lost_receivers(
-    channels: dict[int, Channel], dead: list[int], what: str, others: tuple[str, ...] | list[str] = ()
+    channels: dict[int, Channel], dead: list[int], what: str, others: tuple[Channel, ...] | list[Channel] = ()
 ) -> str:
-    """The receivers ``dead`` among ``channels`` (and the ``others``, other trainer ranks
-    gone), for an error: each closed, or silent and how that was found; where one went
-    silent, also which receivers are healthy, so an operator knows whom not to blame."""
-    lost = [channels[r].gone(what) for r in dead] + [f"{peer} disconnected {what}" for peer in others]
+    """The receivers ``dead`` among ``channels`` (and the ``others``, the channels of other
+    trainer ranks gone), for an error: each closed, or silent and how that was found; where
+    one went silent, also which receivers are healthy, so an operator knows whom not to blame."""
+    lost = [channels[r].gone(what) for r in dead] + [ch.gone(what) for ch in others]
     healthy = [f"receiver rank {r}" for r in sorted(channels) if r not in dead]
     if healthy and any(channels[r].silent for r in dead):
         lost.append(f"healthy: {', '.join(healthy)}")

@@ -136,35 +136,35 @@ def fragment_tensors(
 @dataclass(frozen=True)
 class RankPlan:
     """One rank's whole part of a sharded sync as one ordinary plan: its fragments grouped by
-    peer (the receiver ranks it sends to, or the trainer ranks it takes from). Each group
-    starts a new bucket and is laid out exactly as that pair's own plan (``pair_plan``), so
-    both ends of a pair hold the same buckets in the same order, and a transport needs only
-    ``peer_of(bucket)`` to know which link a bucket travels. ``plan.hash`` covers the
-    fragments; the route's hash, agreed by every rank first, covers who sends what."""
+    peer (the receiver ranks it sends to, or the trainer ranks it takes from), each group's
+    buckets laid out exactly as that pair's own plan (``pair_plan``), so both ends of a pair
+    hold the same buckets in the same order, and a transport needs only ``peer_of(bucket)``
+    to know which link a bucket travels. The groups' buckets take turns (``_interleaved``):
+    a receiver fed by several trainer ranks gets the first bucket of each before the second
+    of any, so a tensor with bytes from several of them is complete early, not once the last
+    pair began. ``plan.hash`` covers the fragments; the route's hash, agreed by every rank
+    first, covers who sends what."""
 
     plan: Plan
-    #: each group's peer rank, in the order the groups come
+    #: each group's peer rank, in the order the groups' tensors come
     peers: tuple[int, ...]
-    #: each group's first bucket index (the groups' buckets are consecutive)
-    starts: tuple[int, ...]
+    #: the peer rank of each bucket, in bucket order
+    bucket_peers: tuple[int, ...]
 
     def peer_of(self, bucket_index: int) -> int:
-        """The peer rank of the group bucket ``bucket_index`` belongs to."""
-        group = 0
-        for g, start in enumerate(self.starts):
-            if start <= bucket_index:
-                group = g
-        return self.peers[group]
+        """The peer rank bucket ``bucket_index`` travels to or from."""
+        return self.bucket_peers[bucket_index]
 
 
 def _round(route: Route, source: int, dest: int) -> int:
-    """The round of pair (source, dest) in the order every rank moves its groups in:
+    """The round of pair (source, dest) in the order every rank moves its buckets in:
     ``(dest - source) mod K``, K the larger of the two sides' rank counts. A round pairs each
     trainer rank with at most one receiver rank and the reverse, so the pairs of one round
-    run at once; every rank going through its pairs by (round, source, dest), one total
-    order, the smallest pair not yet done is always the next of both its ends: blocking
-    sends cannot deadlock. (Each rank starting from its own rank's peer, a rotation, can:
-    three trainer and three receiver ranks, each waiting for the next in a circle.)"""
+    run at once. Every rank moves its buckets by (k, round, source, dest), k a bucket's
+    place in its pair's plan: one total order, so the smallest bucket not yet moved is
+    always the next of both its ends and blocking sends cannot deadlock. (Each rank starting
+    from its own rank's peer, a rotation, can: three trainer and three receiver ranks, each
+    waiting for the next in a circle.)"""
     ranks = max(
         max((f.source for f in route.fragments), default=0), max((f.dest for f in route.fragments), default=0)
     )
@@ -178,37 +178,55 @@ def pairs_in_order(route: Route) -> list[tuple[int, int]]:
     return sorted(pairs, key=lambda p: (_round(route, *p), *p))
 
 
-def _grouped(route: Route, pairs: list[tuple[int, int]], bucket_bytes: int) -> tuple[Plan, list[int]]:
-    """The pair plans of ``pairs`` (source, dest) one after another as one plan: tensors and
-    buckets renumbered, every bucket of each pair where the pair's own plan puts it."""
+def _interleaved(
+    route: Route, pairs: list[tuple[int, int]], peers: list[int], bucket_bytes: int
+) -> tuple[Plan, tuple[int, ...]]:
+    """The pair plans of ``pairs`` (source, dest; in round order; ``peers`` the other end of
+    each) as one plan: their tensors one pair after another, their buckets taking turns
+    (the first bucket of every pair, then the second, ...), each laid out as the pair's own
+    plan lays it out. Returns the plan and each bucket's peer."""
     tensors: list[TensorSpec] = []
-    buckets: list[Bucket] = []
-    starts: list[int] = []
+    groups: list[list[Bucket]] = []
     for source, dest in pairs:
         own = pair_plan(route, source, dest, bucket_bytes)
-        starts.append(len(buckets))
-        for b in own.buckets:
-            pieces = tuple(
-                Piece(p.tensor + len(tensors), p.tensor_offset, p.length, p.bucket_offset) for p in b.pieces
-            )
-            buckets.append(Bucket(len(buckets), b.nbytes, pieces))
+        groups.append(
+            [
+                Bucket(
+                    0,
+                    b.nbytes,
+                    tuple(
+                        Piece(p.tensor + len(tensors), p.tensor_offset, p.length, p.bucket_offset)
+                        for p in b.pieces
+                    ),
+                )
+                for b in own.buckets
+            ]
+        )
         tensors += own.tensors
-    return Plan(bucket_bytes, tuple(tensors), tuple(buckets)), starts
+    buckets: list[Bucket] = []
+    owners: list[int] = []
+    for k in range(max((len(g) for g in groups), default=0)):
+        for peer, group in zip(peers, groups):
+            if k < len(group):
+                buckets.append(Bucket(len(buckets), group[k].nbytes, group[k].pieces))
+                owners.append(peer)
+    return Plan(bucket_bytes, tuple(tensors), tuple(buckets)), tuple(owners)
 
 
 def trainer_plan(route: Route, source: int, bucket_bytes: int) -> RankPlan:
     """Trainer rank ``source``'s part: its fragments for each receiver rank, a group each,
-    in the pairs' order (``_round``)."""
+    in the pairs' order (``_round``), their buckets taking turns."""
     dests = sorted({f.dest for f in route.for_source(source)}, key=lambda d: (_round(route, source, d), d))
-    plan, starts = _grouped(route, [(source, d) for d in dests], bucket_bytes)
-    return RankPlan(plan, tuple(dests), tuple(starts))
+    plan, owners = _interleaved(route, [(source, d) for d in dests], dests, bucket_bytes)
+    return RankPlan(plan, tuple(dests), owners)
 
 
 def receiver_plan(route: Route, dest: int, bucket_bytes: int) -> RankPlan:
     """Receiver rank ``dest``'s part: its fragments from each trainer rank, a group each,
-    in the pairs' order (``_round``). A rank further down a chain (``Route.chains``) takes
-    the plan of its chain's first rank, every bucket from the rank before it."""
+    in the pairs' order (``_round``), their buckets taking turns. A rank further down a
+    chain (``Route.chains``) takes the plan of its chain's first rank, every bucket from the
+    rank before it."""
     dest = route.leader(dest)
     sources = sorted({f.source for f in route.for_dest(dest)}, key=lambda t: (_round(route, t, dest), t))
-    plan, starts = _grouped(route, [(s, dest) for s in sources], bucket_bytes)
-    return RankPlan(plan, tuple(sources), tuple(starts))
+    plan, owners = _interleaved(route, [(s, dest) for s in sources], sources, bucket_bytes)
+    return RankPlan(plan, tuple(sources), owners)
