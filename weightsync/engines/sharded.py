@@ -8,10 +8,10 @@ link of its group's peer (``Join.peer_of``). A link is a two-rank process group 
 ``nccl``'s kind (NCCL / HCCL / Gloo, built from the sender's authenticated rendezvous),
 carrying bytes one way as broadcasts from its trainer end in pieces of ``CHUNK_BYTES``:
 both ends issue its operations in the same order (their pair's plan), and completion can
-be polled, so a dead peer is noticed while waiting. Ranks join their links, and move their
-groups of buckets, in one global order of pairs (``weightsync.sharding.fragments``: a round
-pairs each rank with at most one peer), so every pair of a round runs at once and no
-blocking operation waits on a circle. Receiver ranks that keep the same slices (the same
+be polled, so a dead peer is noticed while waiting. Ranks join their links in one global
+order of pairs, and move their buckets in one global order (``weightsync.sharding.fragments``:
+a round pairs each rank with at most one peer; bucket k of every pair before bucket k + 1 of
+any), so every pair of a round runs at once and no blocking operation waits on a circle. Receiver ranks that keep the same slices (the same
 rank of several replicas) form a chain (``Route.chains``): the first takes the fragments
 from the trainer ranks and each passes every piece on to the next as it arrives, so each
 trainer byte leaves its NIC once.
