@@ -1,17 +1,16 @@
-"""A test backend: `nccl` whose sender corrupts one byte (the middle one) of bucket number
-$WEIGHTSYNC_TEST_CORRUPT (counted from 0, in the order they are sent) on the wire while that
-variable is set (the source tensors are left intact). Registered as `corrupting-nccl`
-through `custom_backend_module=faulty_engine`."""
+"""Test backends: `nccl` and `sharded` whose senders corrupt one byte (the middle one) of
+bucket number $WEIGHTSYNC_TEST_CORRUPT (counted from 0, in the order they are sent) on the
+wire while that variable is set (the source tensors are left intact). Registered as
+`corrupting-nccl` and `corrupting-sharded` through `custom_backend_module=faulty_engine`."""
 
 import os
 
 from weightsync import register_engine
 from weightsync.engines.nccl import CollectiveEngine
+from weightsync.engines.sharded import ShardedEngine
 
 
-class CorruptingEngine(CollectiveEngine):
-    name = "corrupting-nccl"
-
+class _Corrupting:
     def send_buckets(self, produce):
         if not os.environ.get("WEIGHTSYNC_TEST_CORRUPT"):
             return super().send_buckets(produce)
@@ -32,4 +31,13 @@ class CorruptingEngine(CollectiveEngine):
         return super().send_buckets(corrupt)
 
 
+class CorruptingEngine(_Corrupting, CollectiveEngine):
+    name = "corrupting-nccl"
+
+
+class CorruptingShardedEngine(_Corrupting, ShardedEngine):
+    name = "corrupting-sharded"
+
+
 register_engine("corrupting-nccl", CorruptingEngine)
+register_engine("corrupting-sharded", CorruptingShardedEngine)

@@ -552,3 +552,50 @@ def test_whole_holders_share_the_sends_and_a_trainer_rank_dying_mid_transfer_is_
                 assert (version, held, digests) == (3, 3, workers.expected_digests(3)), rank
         finally:
             stop(procs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_verify_names_the_fragments_damaged_on_the_wire_and_the_retry_is_exact(monkeypatch):
+    """``verify=crc32`` with two trainer ranks and two receivers in a chain: each receiver
+    rank checks the buckets of its own plan against the checksums their trainer ranks took.
+    A byte of trainer rank 0's first bucket flipped on the wire: both receivers (the chain
+    passes the bucket on) fail the version naming that bucket's fragments; the same version
+    sent again, undamaged, is exact."""
+    import workers
+    from procs import CTX, collect, start, stop
+
+    from weightsync import EngineConfig, Sender, SyncError
+
+    overrides = [
+        "backend=corrupting-sharded",
+        "custom_backend_module=faulty_engine",
+        "verify=crc32",
+        "update_weights_bucket_megabytes=1",
+        "timeout_s=30",
+    ]
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2, rank=0, num_trainers=2) as sender:
+        procs = [
+            start(workers.run_resilient_receiver, sender.address, r, overrides, [1, 1], q) for r in range(2)
+        ]
+        procs.append(
+            start(workers.run_sharded_backend_trainer, sender.address, 1, 2, overrides, 2, [1, 1], q)
+        )
+        try:
+            monkeypatch.setenv("WEIGHTSYNC_TEST_CORRUPT", "0")  # only this process, trainer rank 0
+            with pytest.raises(SyncError) as failure:
+                sender.send(workers.make_weights(1), version=1)
+            message = str(failure.value)
+            for r in (0, 1):
+                assert f"receiver rank {r}: version 1 failed verification (crc32) in 1 bucket(s)" in message
+            assert "tensors affected: " in message and "@[" in message, message  # fragments by name
+            reports = collect(q, 3)
+            assert sorted(r[1] for r in reports if not isinstance(r[0], tuple)) == ["error", "error"], reports
+            monkeypatch.delenv("WEIGHTSYNC_TEST_CORRUPT")
+            sender.send(workers.make_weights(1), version=1)
+            reports = collect(q, 3)
+            for rank, version, digests, held in (r for r in reports if not isinstance(r[0], tuple)):
+                assert (version, held, digests) == (1, 1, workers.expected_digests(1)), rank
+        finally:
+            stop(procs)

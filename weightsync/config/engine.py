@@ -185,11 +185,10 @@ class EngineConfig(EngineKeys):
                 f"backend={self.backend!r} is not a known backend{suggest(self.backend, known)}; "
                 f"known backends: {', '.join(known)}"
             )
-        if self.backend == "sharded" and (self.delta != "off" or self.verify != "off"):
+        if self.backend == "sharded" and self.delta != "off":
             raise ConfigError(
-                f"backend=sharded with delta={self.delta!r}, verify={self.verify!r}: a sharded sync sends "
-                "each rank's own fragments, which neither delta sync nor verify covers yet; set delta=off "
-                "and verify=off"
+                f"backend=sharded with delta={self.delta!r}: a sharded sync sends each rank's own fragments, "
+                "which delta sync does not cover yet; set delta=off"
             )
         if self.backend == "disk" and not self.engine_kwargs.disk.path:
             raise ConfigError(

@@ -63,9 +63,16 @@ class TrainerPeers:
     def peers(self) -> list[tuple[str, None, Channel]]:
         return [(f"trainer rank {i}", None, ch) for i, ch in sorted(self.channels.items())]
 
-    def gather_shares(self, version: int, sums: dict[int, int], deadline: Deadline) -> int:
+    def gather_shares(
+        self,
+        version: int,
+        sums: dict[int, int],
+        deadline: Deadline,
+        by_rank: dict[int, dict[int, int]] | None = None,
+    ) -> int:
         """Wait until every other trainer rank sent its share; merge their checksums into
-        ``sums``; return the bytes they sent."""
+        ``sums`` (or, each rank's buckets being its own: ``by_rank[i]``, ``sharded``);
+        return the bytes they sent."""
         sent = 0
         for i, ch in sorted(self.channels.items()):
             reply = ch.recv(deadline, expect="sent")
@@ -73,8 +80,9 @@ class TrainerPeers:
                 raise SyncError(
                     f"trainer rank {i} failed to send its share of version {version}: {reply.get('message')}"
                 )
+            into = by_rank.setdefault(i, {}) if by_rank is not None else sums
             for index, value in reply.get("checksums") or []:
-                sums[int(index)] = value
+                into[int(index)] = value
             sent += int(reply.get("bytes") or 0)
         return sent
 

@@ -36,7 +36,15 @@ from weightsync.session import reroute
 from weightsync.session.auth import reachable_from_other_hosts
 from weightsync.session.channel import PROTOCOL_VERSION, Channel, Deadline
 from weightsync.session.control import ControlServer, PartlyConnected
-from weightsync.sharding.agreement import RECEIVER, TRAINER, Part, RouteOffer, ShardSource, own_part
+from weightsync.sharding.agreement import (
+    RECEIVER,
+    TRAINER,
+    Part,
+    RouteOffer,
+    ShardSource,
+    own_part,
+    receiver_checksums,
+)
 from weightsync.sources import IteratorSource, WeightSource, as_source
 from weightsync.stats import SyncStats
 
@@ -115,6 +123,9 @@ class Sender:
         # ``sharded``, rank 0: the layouts heard and the route they make; the sync's own part
         self._routes: RouteOffer | None = RouteOffer() if self._sharded else None
         self._part: Part | None = None
+        self._rank_sums: dict[int, dict[int, int]] | None = (
+            None  # sharded: each trainer rank's bucket checksums
+        )
         if issubclass(self.engine_cls, Publisher):
             self._publisher = self.engine_cls(config, self.device, address)
         elif self.rank == 0:  # rank 0 runs the session
@@ -573,9 +584,11 @@ class Sender:
         stats.wire_bytes = transport.send_buckets(produce)  # buckets, alignment padding included
         stats.transfer_s = time.perf_counter() - t0
         stats.buckets, stats.tensors, stats.bytes = packer.buckets, packer.pulled, packer.nbytes
+        # sharded: each trainer rank's buckets are its own, their checksums kept apart
+        self._rank_sums = {0: sums} if self._part is not None else None
         if self._trainers.channels:
             assert out.plan is not None
-            stats.wire_bytes += self._trainers.gather_shares(out.version, sums, deadline)
+            stats.wire_bytes += self._trainers.gather_shares(out.version, sums, deadline, self._rank_sums)
             stats.buckets = len(out.plan.buckets)
             stats.bytes = sum(s.nbytes for s in out.plan.tensors)
         if self._part is not None:  # every trainer rank's fragments
@@ -589,6 +602,13 @@ class Sender:
         delta sync's checksums of the tensors receivers reconstruct)."""
         mode = self.config.verify
         if mode == "off":
+            return
+        if self._part is not None and self._rank_sums is not None:  # each receiver rank's own buckets
+            lists = receiver_checksums(
+                self._part.route, len(self.receivers), self.config.bucket_bytes, self._rank_sums
+            )
+            for q, rank in enumerate(self.receivers):
+                self._channels[rank].send({"type": "verify", "mode": mode, "checksums": lists[q]}, deadline)
             return
         order = [sums[b.index] for b in out.plan.buckets] if out.plan is not None else list(sums.values())
         self._broadcast_msg(

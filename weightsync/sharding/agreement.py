@@ -350,6 +350,31 @@ class ShardSource(WeightSource):
         raise RuntimeError("a sharded source is sent by the fragments its route gives it (Part.tensors)")
 
 
+def receiver_checksums(
+    route: Route, receivers: int, bucket_bytes: int, sums: Mapping[int, Mapping[int, int]]
+) -> list[list[int]]:
+    """``verify``: each receiver rank's list of bucket checksums in its own plan's order,
+    from each trainer rank's checksums of its own buckets (``sums``: trainer rank -> bucket
+    index -> checksum). The k-th bucket of a pair is the same bytes at both ends; a rank down
+    a chain takes its chain leader's buckets, so its leader's list."""
+    by_pair: dict[tuple[int, int], list[int]] = {}
+    for source, own in sums.items():
+        plan = _part(route, TRAINER, source, receivers, bucket_bytes).rank_plan
+        for bucket in plan.plan.buckets:
+            by_pair.setdefault((source, plan.peer_of(bucket.index)), []).append(own[bucket.index])
+    out = []
+    for dest in range(receivers):
+        plan = _part(route, RECEIVER, dest, receivers, bucket_bytes).rank_plan
+        leader, taken = route.leader(dest), {}
+        order = []
+        for bucket in plan.plan.buckets:
+            source = plan.peer_of(bucket.index)
+            k = taken[source] = taken.get(source, -1) + 1
+            order.append(by_pair[(source, leader)][k])
+        out.append(order)
+    return out
+
+
 def own_part(route: Route, receivers: int, bucket_bytes: int) -> Part:
     """Trainer rank 0's part of the route it offered."""
     return _part(route, TRAINER, 0, receivers, bucket_bytes)
