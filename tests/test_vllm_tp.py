@@ -50,9 +50,7 @@ def replica(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "PYTHONPATH")}
     here = os.path.dirname(__file__)  # the planted extension, for vLLM's worker processes
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, saved["PYTHONPATH"]) if p)
-    # each worker bound to a core of its own, whatever an earlier module's replicas set
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    vllm_environment(tp=TP)
+    vllm_environment(tp=TP)  # each worker bound to a core of its own: 0|1
     model_dir = save_tiny_model(str(tmp_path_factory.mktemp("tp") / "model"), seed=3)
     llm = start_replica(
         model_dir,

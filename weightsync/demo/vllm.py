@@ -71,9 +71,11 @@ def vllm_environment(tp: int = 1) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per replica
     # One replica's workers: nothing bound (replicas share the cores); tensor-parallel
     # workers: a core each, as vLLM's CPU build wants (more workers than cores share them)
+    # ("nobind", this function's own default for replicas without TP, gives way to a binding)
     cores = os.cpu_count() or 1
-    bind = "|".join(str(k % cores) for k in range(tp)) if tp > 1 else "nobind"
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
+    if tp > 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND") in (None, "nobind"):
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(k % cores) for k in range(tp))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     # ... so their OpenMP threads must sleep at a barrier, not spin: a spinning one holds the
     # core another replica's thread needs (two replicas loading at once on 2 cores took
     # 0.45-1.25 s, 0.21-0.27 s passive). OpenMP reads it when it starts: it takes effect in
