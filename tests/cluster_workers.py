@@ -146,7 +146,8 @@ def run_rollout_across_hosts(hosts, model_dir, overrides, commands, queue):
         trainer_greedy,
         vllm_environment,
     )
-    from weightsync.integrations.vllm_rollout import LLMReplica, ReplicaUpdateError, VLLMRollout
+    from weightsync.integrations.vllm_reports import ReplicaUpdateError
+    from weightsync.integrations.vllm_rollout import LLMReplica, VLLMRollout
     from weightsync.sources import StateDictSource
 
     vllm_environment()

@@ -352,7 +352,8 @@ class FakeReplica:
 
 
 def test_update_whose_transfer_fails_midway_leaves_the_replicas_mixed_and_paused():
-    from weightsync.integrations.vllm_rollout import ReplicaUpdateError, VLLMRollout
+    from weightsync.integrations.vllm_reports import ReplicaUpdateError
+    from weightsync.integrations.vllm_rollout import VLLMRollout
 
     replicas = [FakeReplica("A"), FakeReplica("B")]
     try:

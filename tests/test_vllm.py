@@ -30,7 +30,8 @@ from weightsync.demo.vllm import (
     trainer_greedy,
     vllm_environment,
 )
-from weightsync.integrations.vllm_rollout import LLMReplica, ReplicaUpdateError, VLLMRollout
+from weightsync.integrations.vllm_reports import ReplicaUpdateError
+from weightsync.integrations.vllm_rollout import LLMReplica, VLLMRollout
 from weightsync.sources import StateDictSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(240)]

@@ -37,13 +37,11 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from weightsync.config.engine import EngineConfig
-from weightsync.errors import SyncError
+from weightsync.integrations.vllm_reports import ReplicaReport, ReplicaUpdateError, UpdateReport
 from weightsync.sender.sender import Sender
-from weightsync.stats import SyncStats
 
 log = logging.getLogger("weightsync.vllm")
 
@@ -103,103 +101,6 @@ class LLMReplica:
         return self.llm.collective_rpc(method, timeout=timeout, args=args)
 
 
-@dataclass
-class ReplicaReport:
-    """One replica's account of an update (or of its current state)."""
-
-    name: str
-    #: the version whose weights it fully serves (None: never synced, or a mix after a failure)
-    version: int | None
-    ok: bool
-    error: str | None = None
-    #: the version of the last failed attempt, if the latest attempt failed
-    failed_version: int | None = None
-    #: weights are a mix of two versions (a sync failed after applying some tensors)
-    mixed: bool = False
-    #: whether generation was resumed after the update
-    resumed: bool = False
-    #: seconds the replica spent receiving and reloading
-    seconds: float = 0.0
-    bytes: int = 0
-    #: the version complete in its workers' staging copies (staged updates), if any
-    staged: int | None = None
-    #: host bytes of its workers' staging copies, and how much of it the last stage allocated
-    staging_bytes: int = 0
-    staging_allocated_bytes: int = 0
-    #: the version of the LoRA adapter it serves (LoRA updates), if any
-    adapter: int | None = None
-    #: bytes each worker (tensor-parallel rank) received in the update
-    worker_bytes: list[int] = field(default_factory=list)
-    #: ``backend=sharded``: the bytes of the slices each worker keeps (its loaders' boxes)
-    worker_kept_bytes: list[int] = field(default_factory=list)
-
-
-@dataclass
-class UpdateReport:
-    """Timing and outcome of one ``VLLMRollout.update``, ``stage`` or ``commit``."""
-
-    version: int
-    #: "update" (streamed), "stage", "commit", "staged" (an update as stage + commit), or
-    #: "lora" (a LoRA adapter only)
-    phase: str = "update"
-    pause_s: float = 0.0
-    #: the transfer (streamed update, stage) or the local load (commit)
-    sync_s: float = 0.0
-    resume_s: float = 0.0
-    #: how long generation was paused: from the first pause call until the last resume
-    #: returned (until the update returned, where a replica stays paused); 0 for a stage
-    paused_s: float = 0.0
-    #: a staged update's stage (generation running), before its commit
-    stage_s: float = 0.0
-    stats: SyncStats | None = None
-    replicas: list[ReplicaReport] = field(default_factory=list)
-    #: a LoRA update's ``vllm.lora.request.LoRARequest``: generate with it
-    lora_request: Any = None
-
-    @property
-    def ok(self) -> bool:
-        if self.phase == "lora":
-            return bool(self.replicas) and all(r.ok and r.adapter == self.version for r in self.replicas)
-        if self.phase == "stage":
-            return bool(self.replicas) and all(r.ok and r.staged == self.version for r in self.replicas)
-        return bool(self.replicas) and all(r.ok and r.version == self.version for r in self.replicas)
-
-    @property
-    def gbps(self) -> float:
-        """Payload GB/s of the sync (bytes sent once, broadcast to every replica)."""
-        return self.stats.bytes / self.sync_s / 1e9 if self.stats is not None and self.sync_s > 0 else 0.0
-
-    def summary(self) -> str:
-        if self.phase == "lora":
-            name = getattr(self.lora_request, "lora_name", None)
-            return (
-                f"LoRA adapter version {self.version} ({name}) loaded in {self.sync_s:.3f} s, nothing paused; "
-                + "; ".join(
-                    f"{r.name}: "
-                    + ("serves it" if r.ok else f"FAILED ({r.error}); serves adapter {r.adapter}")
-                    for r in self.replicas
-                )
-            )
-        if self.phase == "stage":
-            parts = [
-                f"version {self.version} staged in {self.sync_s:.3f} s while generating, {self.gbps:.2f} GB/s"
-            ]
-        else:
-            staged = f"staged {self.stage_s:.3f} s, then " if self.phase == "staged" else ""
-            load = "load" if self.phase in ("commit", "staged") else "sync"
-            parts = [
-                f"version {self.version}: {staged}paused {self.paused_s:.3f} s (pause {self.pause_s:.3f} s, "
-                f"{load} {self.sync_s:.3f} s, resume {self.resume_s:.3f} s)"
-                + (f", {self.gbps:.2f} GB/s" if self.phase == "update" else "")
-            ]
-        for r in self.replicas:
-            parts.append(
-                f"{r.name}: "
-                + (f"serves version {r.version}" if r.ok else f"FAILED ({r.error}); serves {r.version}")
-            )
-        return "; ".join(parts)
-
-
 def _check_mode(mode: str) -> None:
     if mode not in PAUSE_MODES:
         raise ValueError(f"mode={mode!r}: expected one of {', '.join(PAUSE_MODES)}")
@@ -224,14 +125,6 @@ def within(fn: Any, timeout_s: float, what: str) -> Any:
     if "error" in result:
         raise result["error"]
     return result.get("value")
-
-
-class ReplicaUpdateError(SyncError):
-    """An update that did not reach every replica; ``report`` has every replica's account."""
-
-    def __init__(self, message: str, report: UpdateReport) -> None:
-        super().__init__(message)
-        self.report = report
 
 
 class VLLMRollout:
