@@ -25,6 +25,7 @@ its fragments by ``Reassembly``).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -145,19 +146,24 @@ class Part:
 
 
 #: the last parts computed, by (route hash, side, index, receivers, bucket bytes): a steady
-#: job plans its part once, not in every sync (a rank's plan of a large route takes 10-200 ms)
+#: job plans its part once, not in every sync (a rank's plan of a large route takes 10-200 ms;
+#: rank 0 checking ``verify`` plans every rank's). Receivers of one process share it.
 _PARTS: dict[tuple[str, str, int, int, int], Part] = {}
+_PARTS_KEPT = 32
+_PARTS_LOCK = threading.Lock()
 
 
 def _part(route: Route, side: str, index: int, receivers: int, bucket_bytes: int) -> Part:
     key = (route.hash, side, index, receivers, bucket_bytes)
-    part = _PARTS.get(key)
+    with _PARTS_LOCK:
+        part = _PARTS.get(key)
     if part is None:
         plan = trainer_plan if side == TRAINER else receiver_plan
         part = Part(route, side, index, plan(route, index, bucket_bytes), receivers)
-        if len(_PARTS) >= 8:
-            _PARTS.pop(next(iter(_PARTS)))
-        _PARTS[key] = part
+        with _PARTS_LOCK:
+            while len(_PARTS) >= _PARTS_KEPT:
+                _PARTS.pop(next(iter(_PARTS)))
+            _PARTS[key] = part
     return part
 
 
