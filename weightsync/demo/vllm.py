@@ -8,6 +8,12 @@ greedy generation with its updated weights (same dtype), and must differ from wh
 replica generated before the update. At the end, vLLM's own reload from a weights
 directory on disk is timed on one replica, and its weights are compared byte for byte with
 a replica synced by weightsync.
+
+``--tp T``: each replica runs T tensor-parallel workers; with ``backend=sharded`` (the
+default then) each worker takes only the slices its loaders keep, and every update must
+bring each worker exactly those bytes. ``--trainers M``: this process is rank 0 of an FSDP2
+trainer on M Gloo ranks; ranks 1.. train the same steps in processes of their own and send
+their own shards with every update.
 """
 
 from __future__ import annotations
