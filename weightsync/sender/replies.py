@@ -84,22 +84,35 @@ def gather_done(
     return failures
 
 
-def explain(error: Exception, what: str, channels: dict[int, Channel], grace_s: float) -> Exception:
-    """Turn a transport error into one that names the receiver(s) that went away; a crashed
-    peer's sockets all close at once, but the transport may notice first, so its control
-    connection gets ``grace_s`` to show the EOF."""
+def explain(
+    error: Exception,
+    what: str,
+    channels: dict[int, Channel],
+    grace_s: float,
+    trainers: dict[int, Channel] | None = None,
+) -> Exception:
+    """Turn a transport error into one that names the receiver(s), or the other trainer
+    rank(s) (``trainers``), that went away; a crashed peer's sockets all close at once, but
+    the transport may notice first (a receiver whose link to a crashed trainer rank broke
+    drops its links to this rank too), so the control connections get ``grace_s`` to show
+    the EOF."""
     if isinstance(error, SyncError) and error.ranks:
         return error
     if isinstance(error, SourceFailed):  # the trainer's own failure: no peer to wait for
         error.args = (f"{what} failed: {error}",)  # in place: its cause stays the source's exception
         return error
+    others = trainers or {}
     grace = time.monotonic() + grace_s
-    while not (dead := dead_ranks(channels)) and time.monotonic() < grace:
+    while True:
+        dead = dead_ranks(channels)
+        gone = [ch for _, ch in sorted(others.items()) if ch.is_dead()]
+        if dead or gone or time.monotonic() >= grace:
+            break
         time.sleep(0.02)
-    if isinstance(error, SyncError):  # raised by the session: it names the peer already
+    if isinstance(error, SyncError) and not gone:  # raised by the session: it names the peer already
         error.ranks = dead
         return error
-    if dead:  # a peer gone without a word: PeerLost, whichever side noticed first
-        names = ", ".join(channels[r].peer for r in dead)
+    if dead or gone:  # a peer gone without a word: PeerLost, whichever side noticed first
+        names = ", ".join([ch.peer for ch in gone] + [channels[r].peer for r in dead])
         return PeerLost(f"{what} failed: {names} disconnected ({error})", ranks=dead)
     return SyncError(f"{what} to {len(channels)} receiver(s) failed: {error}")

@@ -775,7 +775,7 @@ class Sender:
                 ch.send({"type": "cancel", "version": version, "message": reason}, deadline)
 
     def _explain(self, error: Exception, what: str) -> Exception:
-        return explain(error, what, self._channels, min(2.0, self.config.timeout_s))
+        return explain(error, what, self._channels, min(2.0, self.config.timeout_s), self._trainers.channels)
 
     def _raise_explained(self, error: Exception, what: str) -> NoReturn:
         """Raise ``error`` explained; one explained in place keeps its own cause (never
