@@ -599,3 +599,55 @@ def test_verify_names_the_fragments_damaged_on_the_wire_and_the_retry_is_exact(m
                 assert (version, held, digests) == (1, 1, workers.expected_digests(1)), rank
         finally:
             stop(procs)
+
+
+@pytest.mark.timeout(120)
+def test_with_drop_lost_receivers_a_lost_receiver_fails_the_sync_and_the_next_goes_to_the_others():
+    """docs/reliability.md, ``sharded`` with ``drop_lost_receivers=true`` (2 trainer ranks,
+    3 receivers that declare nothing: one chain): receiver 1, the middle of the chain, exits
+    abruptly after its first tensor of version 2. The route is every trainer rank's, so it
+    is not rebuilt around the loss in the same sync: the sync fails on rank 0 naming the
+    lost receiver, which rank 0 drops by itself; version 3 is planned for the two others and
+    reaches them bit-exact, both trainer ranks sending, with no ``remove_receiver``."""
+    import time
+
+    import workers
+    from procs import CTX, collect, start, stop
+
+    from weightsync import EngineConfig, PeerLost, Sender
+
+    q = CTX.Queue()
+    overrides = [*SHARDED, "drop_lost_receivers=true"]
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 3, rank=0, num_trainers=2) as sender:
+        procs = [
+            start(workers.run_receiver, sender.address, 0, overrides, [1, 2, 3], q, None, False, True),
+            start(workers.run_receiver, sender.address, 1, overrides, [1, 2], q, 1, False, True, 2),
+            start(workers.run_receiver, sender.address, 2, overrides, [1, 2, 3], q, None, False, True),
+            start(workers.run_sharded_backend_trainer, sender.address, 1, 2, overrides, 3, [1, 2, 3], q),
+        ]
+        try:
+            sender.send(workers.make_weights(1), version=1)
+            assert sorted(str(r[1]) for r in collect(q, 4)) == ["1"] * 4
+            t0 = time.monotonic()
+            with pytest.raises(PeerLost, match=r"receiver rank 1 \(pid \d+, 127\.0\.0\.1:\d+\)") as err:
+                sender.send(workers.make_weights(2), version=2)
+            assert time.monotonic() - t0 < 15  # noticed, not waited out (timeout_s is 30)
+            assert "the next sync goes to receiver rank(s) [0, 2]" in str(err.value)
+            assert err.value.ranks == [1] and sender.receivers == [0, 2]
+            procs[1].join(timeout=10)
+            assert procs[1].exitcode == 9
+            for rank, version, *rest in collect(q, 3):  # failed it, or took all of it first
+                if version == "error":
+                    assert "version 2" in rest[0] and (rank == ("trainer", 1) or rest[1] == 1), rest
+                else:
+                    assert (version, rest) == (2, [workers.expected_digests(2), 2]), rank
+            stats = sender.send(workers.make_weights(3), version=3)  # no remove_receiver, on any rank
+            model = sum(t.numel() * t.element_size() for t in workers.make_weights(3).values())
+            assert stats.receivers == 2 and stats.bytes == 2 * model
+            reports = collect(q, 3)
+            (trainer,) = [r for r in reports if isinstance(r[0], tuple)]
+            assert trainer[1] == 3 and trainer[2] > 0, trainer  # trainer rank 1 sent its part
+            got = sorted(r for r in reports if not isinstance(r[0], tuple))
+            assert got == [(r, 3, workers.expected_digests(3), 3) for r in (0, 2)]
+        finally:
+            stop(procs)

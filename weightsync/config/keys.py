@@ -240,12 +240,12 @@ class EngineKeys:
             "decides (Sender.remove_receiver). true: the lost receiver is dropped from the receivers; "
             "where the transport can build a data plane of the others at once (`nccl`, `mooncake`) "
             "they take the same version again in the same sync, which then succeeds "
-            "(SyncStats.dropped names whom it left out); elsewhere (`paired`, `shm`) the sync fails "
+            "(SyncStats.dropped names whom it left out); elsewhere (`paired`, `sharded`, `shm`) the sync fails "
             "and the next one goes to the others. Sender.add_receiver takes a dropped receiver back.",
             "发送方如何处理同步中途失联的接收方（进程退出，或沉默超过 heartbeat_grace_s）。false：同步失败，"
             "错误的 ranks 中指明该接收方，由调用方决定（Sender.remove_receiver）。true：将失联的接收方移出接收方集合；"
             "传输能立即为其余接收方建立新的数据面时（`nccl`、`mooncake`），它们在同一次同步中再次接收同一版本，同步随之成功"
-            "（SyncStats.dropped 指明被排除者）；其他传输（`paired`、`shm`）上该次同步失败，下一次同步发往其余"
+            "（SyncStats.dropped 指明被排除者）；其他传输（`paired`、`sharded`、`shm`）上该次同步失败，下一次同步发往其余"
             "接收方。Sender.add_receiver 可重新加入被移出的接收方。",
         ),
     )
