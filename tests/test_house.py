@@ -2,7 +2,8 @@
 (no import circle; the send side and the receive side never import each other; engines take
 their errors from ``errors``, not the session; no module imports another's private name or
 goes through a package's face; at most 12 modules at the top), no module over 800 lines,
-and a README whose "How a sync flows" names only functions that exist. Each rule is also
+a README whose "How a sync flows" names only functions that exist, and no merge
+conflict left in a file. Each rule is also
 run on a small planted package, where it must fail.
 
 Imports are read with ``ast`` from every module, function-level ones included; those under
@@ -346,3 +347,21 @@ def test_every_function_the_readme_flow_names_exists():
     assert len(names) >= 15, names  # the reader found the section
     missing = [n for n in names if not _resolves(n)]
     assert not missing, f"README's 'How a sync flows' names what does not exist: {missing}"
+
+
+def test_no_file_holds_a_merge_conflict_left_unresolved():
+    """A merge's conflict markers once sat in docs/reliability.md for rounds: the project's
+    code, tests, docs and build files are read for them."""
+    root = PACKAGE.parent
+    files = [
+        *PACKAGE.rglob("*.py"),
+        *(root / "tests").rglob("*.py"),
+        *(root / "docs").rglob("*.md"),
+        *root.glob("*.md"),
+        *root.glob("*.toml"),
+        root / "Makefile",
+    ]
+    assert len(files) > 50, files
+    marker = re.compile(r"^(<{7}|>{7}) ", re.M)
+    conflicted = [str(f.relative_to(root)) for f in files if marker.search(f.read_text(errors="replace"))]
+    assert not conflicted, f"unresolved merge conflicts in {conflicted}"
