@@ -3,8 +3,8 @@
 their errors from ``errors``, not the session; no module imports another's private name or
 goes through a package's face; at most 12 modules at the top), no module over 800 lines,
 a README whose "How a sync flows" names only functions that exist, and no merge
-conflict left in a file. Each rule is also
-run on a small planted package, where it must fail.
+conflict left in a file. Each architecture rule is also run on a small planted package,
+where it must fail.
 
 Imports are read with ``ast`` from every module, function-level ones included; those under
 ``if TYPE_CHECKING:`` are left out (they never run). Relative imports are resolved, and
