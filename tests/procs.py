@@ -7,9 +7,8 @@ imports each.
 """
 
 import os
-import socket
 
-from weightsync.platform import process_context, start_process
+from weightsync.platform import free_port, process_context, start_process  # noqa: F401 (tests take free_port from here)
 
 CTX = process_context(["workers", "weightsync.sender.sender", "weightsync.receiver.receiver"])
 
@@ -28,12 +27,6 @@ def stop(procs):
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def alive(pid: int) -> bool:

@@ -279,6 +279,16 @@ def open_device_buffer(handle: dict, device: torch.device) -> torch.Tensor:
     return flat[: int(handle["nbytes"])]
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (for a rendezvous that needs its port named before it
+    listens; another process may take it in between, so use it at once)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 # ------------------------------------------------------------------ worker processes
 # A fresh interpreter that imports torch and weightsync costs 1.2-1.4 s of CPU on a 2-core
 # machine, more than many of the syncs it then runs. Where the OS has it, weightsync's own

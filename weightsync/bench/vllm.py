@@ -249,14 +249,6 @@ def _lora_row(
     }
 
 
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _all_send(backend: str) -> bool:
     from weightsync.engines.registry import get_engine
 
@@ -435,6 +427,7 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
     from weightsync.demo.vllm import PROMPTS, replica_greedy, start_replica, trainer_greedy, vllm_environment
     from weightsync.integrations.vllm_rollout import LLMReplica, VLLMRollout
     from weightsync.plan import TensorSpec
+    from weightsync.platform import free_port
     from weightsync.sharding.typical import held, trainer_boxes
 
     def say(text: str) -> None:
@@ -518,7 +511,7 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
             # every trainer rank sends its Shard(0) where the backend lets every rank send
             ranks = opts.trainers if _all_send(backend) else 1
             source = held(state, trainer_boxes(specs, ranks, 0)) if ranks > 1 else model
-            row_address = address if ranks == 1 else f"{host}:{_free_port(host)}"
+            row_address = address if ranks == 1 else f"{host}:{free_port(host)}"
             if ranks > 1:
                 peers.open(row_address, overrides, opts.replicas * opts.tp)
                 if opts.initial_sync:
@@ -716,7 +709,7 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
         last = opts.backends[-1]
         ranks = opts.trainers if _all_send(last) else 1
         overrides = [f"backend={last}", f"update_weights_bucket_megabytes={opts.bucket_mb}", *opts.overrides]
-        row_address = address if ranks == 1 else f"{host}:{_free_port(host)}"
+        row_address = address if ranks == 1 else f"{host}:{free_port(host)}"
         if ranks > 1:
             peers.open(row_address, overrides, opts.replicas * opts.tp)
             peers.send(step)

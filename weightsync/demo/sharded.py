@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-import socket
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ from weightsync.demo.plain import (
     read_report,
     send_json,
 )
-from weightsync.platform import process_context, start_process
+from weightsync.platform import free_port, process_context, start_process
 from weightsync.verify import tensor_digest
 
 # Module suffixes of a Llama/Qwen2-shaped decoder and how a tensor-parallel replica splits them.
@@ -45,12 +44,6 @@ _ROW = ("o_proj", "down_proj")
 class ShardedDemoOptions(DemoOptions):
     trainers: int = 2
     tp: int = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -197,7 +190,7 @@ def run_sharded_demo(opts: ShardedDemoOptions, console=None) -> list[dict[str, A
         f"{opts.tp} tensor-parallel ranks, backend sharded, bucket {opts.bucket_mb} MiB, {opts.steps} steps"
     )
     host, _, port = opts.address.rpartition(":")
-    address = f"{host or '127.0.0.1'}:{port if port not in ('', '0') else _free_port()}"
+    address = f"{host or '127.0.0.1'}:{port if port not in ('', '0') else free_port()}"
     ctx = process_context(["weightsync.demo.sharded"])
     procs: list[tuple[str, mp.Process, Connection]] = []
     rows: list[dict[str, Any]] = []
@@ -217,11 +210,11 @@ def run_sharded_demo(opts: ShardedDemoOptions, console=None) -> list[dict[str, A
         table.add_column(col, justify="right")
     with tempfile.TemporaryDirectory(prefix="weightsync-demo-") as folder:
         try:
-            port_t = _free_port()
+            port_t = free_port()
             for r in range(opts.trainers):
                 procs.append(_spawn(ctx, f"trainer rank {r}", trainer_main, opts, address, r, port_t, folder))
             for replica in range(opts.receivers):
-                port_r = _free_port()
+                port_r = free_port()
                 for t in range(opts.tp):
                     procs.append(
                         _spawn(

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 
 from weightsync.demo.plain import DemoFailed, read_report, send_json
-from weightsync.platform import process_context, start_process
+from weightsync.platform import free_port, process_context, start_process
 
 # A tiny Qwen2-shaped model (about 0.6M parameters) when no --model is given; the CPU
 # attention backend of vLLM needs a head size that is a multiple of 32.
@@ -251,7 +250,7 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
     )
     replicas = [LLMReplica(llm, f"replica{i}") for i, llm in enumerate(llms)]
     host, _, port = opts.address.rpartition(":")
-    address = opts.address if port not in ("", "0") or opts.trainers == 1 else f"{host}:{_free_port()}"
+    address = opts.address if port not in ("", "0") or opts.trainers == 1 else f"{host}:{free_port()}"
 
     table = Table(title="updates")
     for col in (
@@ -379,12 +378,6 @@ def _reload_baseline(
     return reload_s, save_s
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Peers:
     """Trainer ranks 1.. of ``--trainers N``: their processes and report pipes."""
 
@@ -416,7 +409,7 @@ def _trainer_ranks(
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    port = _free_port()
+    port = free_port()
     ctx = process_context(["weightsync.demo.vllm", "weightsync.sender.sender"])
     procs = []
     for rank in range(1, opts.trainers):
