@@ -1,5 +1,5 @@
 """The CUDA paths between processes: ``nccl`` over NCCL, ``shm`` over CUDA IPC, ``paired``
-over NCCL pairs, with every process's tensors and transfer buffers on ``cuda:0`` (all the
+and ``sharded`` over NCCL pairs, with every process's tensors and transfer buffers on ``cuda:0`` (all the
 processes share the one GPU).
 
 Marked ``cuda``: they run on a GPU machine through ``make gpu-check`` (``weightsync
@@ -8,8 +8,8 @@ The trainer runs in a process of its own, like the receivers, so that a device c
 left hanging dies with its process and not with pytest's.
 
 Several NCCL ranks on one GPU need NCCL >= 2.30 and ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (set
-here unless set). Where gpu-check's probe found that NCCL refuses them, the ``nccl`` and
-``paired`` tests report ``blocked:`` with its reason. ``WEIGHTSYNC_TEST_DEVICE=cpu`` runs
+here unless set). Where gpu-check's probe found that NCCL refuses them, the ``nccl``,
+``paired`` and ``sharded`` tests report ``blocked:`` with its reason. ``WEIGHTSYNC_TEST_DEVICE=cpu`` runs
 the same tests on the CPU (Gloo, host shared memory): gpu-check's rehearsal, to test them
 without a GPU.
 """
@@ -47,10 +47,10 @@ def _a_cuda_device():
 
 
 def needs_multi_rank_nccl(backend):
-    """nccl and paired put several NCCL ranks on one GPU: blocked where gpu-check's probe
+    """nccl, paired and sharded put several NCCL ranks on one GPU: blocked where gpu-check's probe
     found that NCCL refuses them (the reason travels in the environment)."""
     reason = os.environ.get(NCCL_BLOCKED_ENV)
-    if backend in ("nccl", "paired") and reason:
+    if backend in ("nccl", "paired", "sharded") and reason:
         pytest.skip(f"blocked: {reason}")
 
 
@@ -189,12 +189,15 @@ def test_three_versions_reach_three_receivers_on_one_gpu_bit_exact(backend):
         finish([trainer, *procs])
 
 
-def test_paired_two_trainer_ranks_to_three_replicas_on_one_gpu_bit_exact():
-    """2 trainer ranks, 3 replicas in a ring, two-rank NCCL groups kept across versions
-    (2 MiB buckets: paired never splits a tensor)."""
-    needs_multi_rank_nccl("paired")
+@pytest.mark.parametrize("backend", ["paired", "sharded"])
+def test_two_trainer_ranks_to_three_replicas_on_one_gpu_bit_exact(backend):
+    """2 trainer ranks, 3 replicas, two-rank NCCL groups kept across versions (2 MiB
+    buckets: paired never splits a tensor). ``paired``: a ring of replicas; ``sharded``: both
+    ranks hold every whole tensor (as verl hands them) and the route splits the sends
+    between them, the replicas (who declare nothing) in a chain."""
+    needs_multi_rank_nccl(backend)
     versions, n, trainers = [1, 2, 3], 3, 2
-    overrides = config("paired", bucket_mb=2)
+    overrides = config(backend, bucket_mb=2)
     trainer, tq, address = start_trainer(overrides, n, versions, num_trainers=trainers)
     rq, sq = CTX.Queue(), CTX.Queue()
     weights = workers.make_weights if ON_HOST else workers.cuda_weights
@@ -203,9 +206,13 @@ def test_paired_two_trainer_ranks_to_three_replicas_on_one_gpu_bit_exact():
     ]
     procs += receivers(address, overrides, versions, n, rq)
     try:
+        model = sum(t.numel() * t.element_size() for t in workers.make_weights(1).values())
         for v in versions:
             stats = sent(tq, v)
-            assert stats["tensors"] == 9
+            if backend == "paired":
+                assert stats["tensors"] == 9
+            else:  # the bytes every receiver took, each tensor once
+                assert stats["bytes"] == n * model
             share = get(sq, 60, f"trainer rank 1's share of version {v}")
             assert share[1] == v, share
             assert 0 < share[2] < stats["bytes"]  # each rank sent a share, rank 0 counts them all

@@ -9,9 +9,9 @@ in a single call and brings the results back as files in one directory:
    64 MiB. The checks below put several processes on ``cuda:0``: NCCL before 2.30 refuses that
    ("Duplicate GPU detected"); 2.30 and later allow it with ``NCCL_MULTI_RANK_GPU_ENABLE=1``,
    set here (with ``NCCL_NVLS_ENABLE=0``) for every process started, unless already set. Where
-   the probe fails or hangs, ``nccl`` and ``paired`` checks are *blocked*, with its error.
-3. ``pytest -m cuda`` (``tests/test_cuda.py``): ``nccl``, ``shm`` (CUDA IPC) and ``paired``
-   between processes on ``cuda:0``; each test is a check of its own.
+   the probe fails or hangs, ``nccl``, ``paired`` and ``sharded`` checks are *blocked*, with its error.
+3. ``pytest -m cuda`` (``tests/test_cuda.py``): ``nccl``, ``shm`` (CUDA IPC), ``paired`` and
+   ``sharded`` between processes on ``cuda:0``; each test is a check of its own.
 4. ``weightsync bench --device cuda``: the ``d2d-ceiling`` row (device-to-device copy of the
    bytes every receiver needs) and ``shm``, then ``nccl``, 1 sender -> 3 receivers, a
    ~4 GiB bf16 LLM-shaped model. ``bench-codec``: the delta codec on the device (GB/s).
@@ -163,12 +163,13 @@ def planned_checks(opts: Options) -> list[Check]:
             "probe",
             f"{1 + opts.receivers} processes on {dev} build an {_library(opts)} group and broadcast "
             f"{PROBE_BYTES >> 20} MiB {PROBE_ROUNDS} times: can several ranks share one GPU? "
-            "(where not, the nccl and paired checks are reported blocked)",
+            "(where not, the nccl, paired and sharded checks are reported blocked)",
         ),
         Check(
             "pytest-cuda",
             "tests",
-            f"pytest -m cuda {_rel(TEST_FILE)}: nccl, shm (CUDA IPC), paired between processes on {dev}: 3 versions "
+            f"pytest -m cuda {_rel(TEST_FILE)}: nccl, shm (CUDA IPC), paired, sharded between processes on {dev}: "
+            "3 versions "
             "bit-exact, 1 MiB buckets under a 1.4 MB tensor, 3 receivers, host tensors into device buckets with crc32, "
             "a SIGKILLed receiver failing the sync within its deadline; each test reported as a check",
             command=f"python -m pytest -m cuda {_rel(TEST_FILE)}"

@@ -100,7 +100,7 @@ def probe_nccl(receivers: int, device: str, timeout_s: float) -> tuple[str, str]
 
 
 def nccl_blocked_reason(probe_message: str, nccl_version: str | None) -> str:
-    """Why the nccl and paired checks cannot run here, with the way out."""
+    """Why the nccl, paired and sharded checks cannot run here, with the way out."""
     reason = f"the nccl-multi-rank probe failed: {probe_message}"
     keys = ("duplicate gpu", "same gpu", "multi_rank")
     said = [line.strip() for line in probe_message.splitlines() if any(k in line.lower() for k in keys)]
