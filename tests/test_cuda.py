@@ -1,6 +1,6 @@
 """The CUDA paths between processes: ``nccl`` over NCCL, ``shm`` over CUDA IPC, ``paired``
-and ``sharded`` over NCCL pairs, with every process's tensors and transfer buffers on ``cuda:0`` (all the
-processes share the one GPU).
+and ``sharded`` over NCCL pairs, with every process's tensors and transfer buffers on
+``cuda:0`` (all the processes share the one GPU).
 
 Marked ``cuda``: they run on a GPU machine through ``make gpu-check`` (``weightsync
 gpu-check``), which reports each test as a check; ``make test`` deselects them and says so.
@@ -9,9 +9,9 @@ left hanging dies with its process and not with pytest's.
 
 Several NCCL ranks on one GPU need NCCL >= 2.30 and ``NCCL_MULTI_RANK_GPU_ENABLE=1`` (set
 here unless set). Where gpu-check's probe found that NCCL refuses them, the ``nccl``,
-``paired`` and ``sharded`` tests report ``blocked:`` with its reason. ``WEIGHTSYNC_TEST_DEVICE=cpu`` runs
-the same tests on the CPU (Gloo, host shared memory): gpu-check's rehearsal, to test them
-without a GPU.
+``paired`` and ``sharded`` tests report ``blocked:`` with its reason.
+``WEIGHTSYNC_TEST_DEVICE=cpu`` runs the same tests on the CPU (Gloo, host shared memory):
+gpu-check's rehearsal, to test them without a GPU.
 """
 
 import os
@@ -47,8 +47,8 @@ def _a_cuda_device():
 
 
 def needs_multi_rank_nccl(backend):
-    """nccl, paired and sharded put several NCCL ranks on one GPU: blocked where gpu-check's probe
-    found that NCCL refuses them (the reason travels in the environment)."""
+    """nccl, paired and sharded put several NCCL ranks on one GPU: blocked where gpu-check's
+    probe found that NCCL refuses them (the reason travels in the environment)."""
     reason = os.environ.get(NCCL_BLOCKED_ENV)
     if backend in ("nccl", "paired", "sharded") and reason:
         pytest.skip(f"blocked: {reason}")

@@ -473,6 +473,18 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
             _bump(model, step)
             peers.bumped()
 
+        def senders(backend: str, overrides: list[str]) -> tuple[int, str, Any]:
+            """A row's trainer ranks (every rank sends its Shard(0) where ``backend`` lets
+            every rank send), the address rank 0 listens at, and this rank's source; the
+            other ranks' senders are opened there."""
+            assert peers is not None
+            ranks = opts.trainers if _all_send(backend) else 1
+            if ranks == 1:
+                return 1, address, model
+            row_address = f"{host}:{free_port(host)}"
+            peers.open(row_address, overrides, opts.replicas * opts.tp)
+            return ranks, row_address, held(state, trainer_boxes(specs, ranks, 0))
+
         replicas = [LLMReplica(llm, f"replica{i}") for i, llm in enumerate(llms)]
         disk = os.path.join(tmp.name, "disk")
         os.makedirs(disk, exist_ok=True)
@@ -508,14 +520,9 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
             ]
             step += 1
             bump(step)
-            # every trainer rank sends its Shard(0) where the backend lets every rank send
-            ranks = opts.trainers if _all_send(backend) else 1
-            source = held(state, trainer_boxes(specs, ranks, 0)) if ranks > 1 else model
-            row_address = address if ranks == 1 else f"{host}:{free_port(host)}"
-            if ranks > 1:
-                peers.open(row_address, overrides, opts.replicas * opts.tp)
-                if opts.initial_sync:
-                    peers.send(step)
+            ranks, row_address, source = senders(backend, overrides)
+            if ranks > 1 and opts.initial_sync:
+                peers.send(step)
             t0 = time.perf_counter()
             rollout = VLLMRollout(
                 replicas,
@@ -707,16 +714,12 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
         step += 1
         bump(step)
         last = opts.backends[-1]
-        ranks = opts.trainers if _all_send(last) else 1
         overrides = [f"backend={last}", f"update_weights_bucket_megabytes={opts.bucket_mb}", *opts.overrides]
-        row_address = address if ranks == 1 else f"{host}:{free_port(host)}"
+        ranks, row_address, source = senders(last, overrides)
         if ranks > 1:
-            peers.open(row_address, overrides, opts.replicas * opts.tp)
             peers.send(step)
         with VLLMRollout(replicas, overrides, address=row_address, num_trainers=ranks) as rollout:
-            rollout.update(
-                held(state, trainer_boxes(specs, ranks, 0)) if ranks > 1 else model, step, mode="keep"
-            )
+            rollout.update(source, step, mode="keep")
         if ranks > 1:
             peers.sent(60)
             peers.close_senders(60)

@@ -11,10 +11,10 @@ both ends issue its operations in the same order (their pair's plan), and comple
 be polled, so a dead peer is noticed while waiting. Ranks join their links in one global
 order of pairs, and move their buckets in one global order (``weightsync.sharding.fragments``:
 a round pairs each rank with at most one peer; bucket k of every pair before bucket k + 1 of
-any), so every pair of a round runs at once and no blocking operation waits on a circle. Receiver ranks that keep the same slices (the same
-rank of several replicas) form a chain (``Route.chains``): the first takes the fragments
-from the trainer ranks and each passes every piece on to the next as it arrives, so each
-trainer byte leaves its NIC once.
+any), so every pair of a round runs at once and no blocking operation waits on a circle.
+Receiver ranks that keep the same slices (the same rank of several replicas) form a chain
+(``Route.chains``): the first takes the fragments from the trainer ranks and each passes
+every piece on to the next as it arrives, so each trainer byte leaves its NIC once.
 """
 
 from __future__ import annotations

@@ -123,9 +123,8 @@ class Sender:
         # ``sharded``, rank 0: the layouts heard and the route they make; the sync's own part
         self._routes: RouteOffer | None = RouteOffer() if self._sharded else None
         self._part: Part | None = None
-        self._rank_sums: dict[int, dict[int, int]] | None = (
-            None  # sharded: each trainer rank's bucket checksums
-        )
+        #: ``sharded``: each trainer rank's bucket checksums of the sync in progress
+        self._rank_sums: dict[int, dict[int, int]] | None = None
         if issubclass(self.engine_cls, Publisher):
             self._publisher = self.engine_cls(config, self.device, address)
         elif self.rank == 0:  # rank 0 runs the session
