@@ -25,6 +25,9 @@ from weightsync.plan import TensorSpec
 from weightsync.sharding.layout import Box, Layout, Replicate, Shard, boxes_of_placements
 from weightsync.sharding.route import RouteError, nic_bytes, plan_route
 
+# What carries each link (``engine_kwargs.sharded.links``): the session tests run over both.
+LINKS = ["collective", "mooncake"]
+
 shapes = st.lists(st.integers(0, 13), min_size=1, max_size=3).map(tuple)
 meshes = st.lists(st.integers(1, 4), min_size=1, max_size=2).map(tuple)
 
@@ -372,11 +375,11 @@ def _gather_bytes(data: bytes, world: int) -> list[bytes]:
     return [bytes(t[: int(n.item())].tolist()) for t, n in zip(found, sizes)]
 
 
-def _session_rank(rank: int, folder: str, port: int) -> dict:
+def _session_rank(rank: int, folder: str, port: int, links: str) -> dict:
     """Ranks 0-1: an FSDP2 trainer (``Sender``, backend ``sharded``); ranks 2-3: one replica,
     tensor-parallel over 2 ranks (``Receiver.load_into``: receiver ranks 0-1); rank 4: a
     receiver that declares nothing (``Receiver.receive``: whole tensors, receiver rank 2).
-    Three AdamW versions through the session."""
+    Three AdamW versions through the session, over ``links`` (``engine_kwargs.sharded.links``)."""
     import torch.distributed as dist
     from safetensors.torch import load_file, save_file
     from torch.distributed.device_mesh import DeviceMesh
@@ -390,7 +393,14 @@ def _session_rank(rank: int, folder: str, port: int) -> dict:
     trainers = 2
     trainer_mesh = DeviceMesh("cpu", [0, 1])  # every rank builds both meshes, in order
     replica_mesh = DeviceMesh("cpu", [2, 3])
-    config = EngineConfig(backend="sharded", update_weights_bucket_megabytes=1, timeout_s=60)
+    config = EngineConfig.from_overrides(
+        [
+            "backend=sharded",
+            "update_weights_bucket_megabytes=1",
+            "timeout_s=60",
+            f"engine_kwargs.sharded.links={links}",
+        ]
+    )
     address = f"127.0.0.1:{port}"
     torch.manual_seed(0)
     model = _Tiny()
@@ -456,17 +466,21 @@ def _session_rank(rank: int, folder: str, port: int) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_fsdp2_shards_reach_a_tensor_parallel_replica_slice_by_slice_and_a_whole_replica_bit_exact(tmp_path):
+@pytest.mark.parametrize("links", LINKS)
+def test_fsdp2_shards_reach_a_tensor_parallel_replica_slice_by_slice_and_a_whole_replica_bit_exact(
+    tmp_path, links
+):
     """``backend=sharded`` through the session: FSDP2 on 2 trainer ranks -> one replica
     tensor-parallel over 2 ranks, and one receiver that declares nothing, in the same sync:
     three AdamW versions, each trainer rank sending fragments of its local shard (never
     ``full_tensor``), every kept slice bit-exact against the trainer's saved full tensors,
-    every receiver rank taking exactly the bytes it keeps (the whole one: every tensor)."""
+    every receiver rank taking exactly the bytes it keeps (the whole one: every tensor).
+    Over Gloo pairs, and over Mooncake one-sided writes (``links=mooncake``)."""
     from procs import CTX, collect, free_port, start, stop
 
     queue, port, address_port = CTX.Queue(), free_port(), free_port()
     procs = [
-        start(_gloo_rank, _session_rank, rank, 5, port, queue, str(tmp_path), address_port)
+        start(_gloo_rank, _session_rank, rank, 5, port, queue, str(tmp_path), address_port, links)
         for rank in range(5)
     ]
     try:
@@ -500,8 +514,9 @@ SHARDED = ["backend=sharded", "update_weights_bucket_megabytes=1", "timeout_s=30
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_whole_holders_share_the_sends_and_a_trainer_rank_dying_mid_transfer_is_named():
-    """Two trainer ranks that each hold every whole tensor (what verl hands a backend) and
+@pytest.mark.parametrize("links", LINKS)
+def test_whole_holders_share_the_sends_and_a_trainer_rank_dying_mid_transfer_is_named(links):
+    """Over Gloo pairs and over Mooncake writes (``engine_kwargs.sharded.links``): two trainer ranks that each hold every whole tensor (what verl hands a backend) and
     three receivers that declare nothing (one chain): each trainer rank sends about half,
     every receiver gets every tensor bit-exact. Trainer rank 1 crashing mid-transfer fails
     the sync on rank 0 naming it, within seconds (timeout_s is 30); receivers keep version 1
@@ -514,16 +529,19 @@ def test_whole_holders_share_the_sends_and_a_trainer_rank_dying_mid_transfer_is_
     from weightsync import EngineConfig, Sender, SyncError
 
     q = CTX.Queue()
+    overrides = [*SHARDED, f"engine_kwargs.sharded.links={links}"]
     receivers = 3
     with Sender(
-        EngineConfig.from_overrides(SHARDED), "127.0.0.1:0", receivers, rank=0, num_trainers=2
+        EngineConfig.from_overrides(overrides), "127.0.0.1:0", receivers, rank=0, num_trainers=2
     ) as sender:
         procs = [
-            start(workers.run_receiver, sender.address, r, SHARDED, [1, 2, 3], q, None, False, True)
+            start(workers.run_receiver, sender.address, r, overrides, [1, 2, 3], q, None, False, True)
             for r in range(receivers)
         ]
         procs.append(
-            start(workers.run_sharded_backend_trainer, sender.address, 1, 2, SHARDED, receivers, [1, 2], q, 2)
+            start(
+                workers.run_sharded_backend_trainer, sender.address, 1, 2, overrides, receivers, [1, 2], q, 2
+            )
         )
         try:
             stats = sender.send(workers.make_weights(1), version=1)
@@ -544,7 +562,7 @@ def test_whole_holders_share_the_sends_and_a_trainer_rank_dying_mid_transfer_is_
                 else:
                     assert (version, held, digests) == (2, 2, workers.expected_digests(2))
             procs.append(
-                start(workers.run_sharded_backend_trainer, sender.address, 1, 2, SHARDED, receivers, [3], q)
+                start(workers.run_sharded_backend_trainer, sender.address, 1, 2, overrides, receivers, [3], q)
             )
             sender.send(workers.make_weights(3), version=3)
             reports = collect(q, receivers + 1)

@@ -101,6 +101,31 @@ class MooncakeKwargs:
     )
 
 
+#: what carries each link of a ``sharded`` route (``ShardedKwargs.links``)
+SHARDED_LINKS = ("collective", "mooncake")
+
+
+@dataclass
+class ShardedKwargs:
+    """``engine_kwargs.sharded``: the M x N backend."""
+
+    links: str = field(
+        default="collective",
+        metadata=_doc(
+            "What carries each (trainer rank, receiver rank) link of `sharded`'s route: "
+            "`collective` (a two-rank group of `nccl`'s library: NCCL on CUDA, HCCL on Ascend, "
+            "Gloo on CPU) or `mooncake` (one-sided Mooncake Transfer Engine writes into buffers "
+            "the receiving rank registered: TCP for host memory, RDMA for CUDA memory; needs the "
+            "`mooncake` extra; `engine_kwargs.mooncake.device_name` picks the NICs).",
+            "`sharded` 路由中每条（训练 rank，接收 rank）链路的承载方式：`collective`（使用 `nccl` 所用集合通信库的"
+            "两 rank 进程组：CUDA 上为 NCCL，昇腾上为 HCCL，CPU 上为 Gloo）或 `mooncake`（Mooncake Transfer Engine "
+            "单边写入接收 rank 注册的缓冲区：主机内存用 TCP，CUDA 显存用 RDMA；需要 `mooncake` 可选依赖；"
+            "`engine_kwargs.mooncake.device_name` 选择网卡）。",
+            choices=SHARDED_LINKS,
+        ),
+    )
+
+
 #: fewest published versions the ``disk`` backend keeps (see ``DiskKwargs.keep``)
 DISK_MIN_KEEP = 2
 
@@ -141,6 +166,7 @@ class EngineKwargs:
 
     nccl: NcclKwargs = field(default_factory=NcclKwargs)
     mooncake: MooncakeKwargs = field(default_factory=MooncakeKwargs)
+    sharded: ShardedKwargs = field(default_factory=ShardedKwargs)
     disk: DiskKwargs = field(default_factory=DiskKwargs)
 
 

@@ -72,9 +72,36 @@ _POLL_S = ring.POLL_S
 # one; across a shaped 1 Gbit/s link one is 0.94x the link ceiling, two 0.90x, four 0.82x.
 _IN_FLIGHT_LOCAL, _IN_FLIGHT_REMOTE = 2, 1
 _DRAIN_POLL_S = 0.0005  # a forwarding receiver looks this often whether a write landed
-# Ring memory that a transfer may still have been using when its sync was abandoned: kept,
-# never freed, so Mooncake cannot write into memory that was given back.
+# Memory that a transfer may still have been using when its sync was abandoned: kept,
+# never freed, so Mooncake cannot write into (or read from) memory that was given back.
 _ORPHANS: list[Any] = []
+
+
+def orphan(*things: Any) -> None:
+    """Keep ``things`` (registered memory, the engine it is registered with) for good."""
+    _ORPHANS.append(things)
+
+
+def start_engine(host: str, protocol: str, nic_filter: str) -> Any:
+    """A Mooncake Transfer Engine listening on ``host``, found by peer-to-peer handshake."""
+    te = TransferEngine()
+    rc = te.initialize(host, "P2PHANDSHAKE", protocol, nic_filter)
+    if rc != 0:
+        raise RuntimeError(
+            f"Mooncake Transfer Engine did not start on {host} with protocol {protocol!r} "
+            f"(device_name={nic_filter!r}): initialize returned {rc}"
+        )
+    return te
+
+
+def register(te: Any, memory: torch.Tensor, protocol: str) -> None:
+    """Register ``memory`` with ``te``, so peers may write into it (or it be written from)."""
+    rc = te.register_memory(memory.data_ptr(), memory.numel() * memory.element_size())
+    if rc != 0:
+        raise RuntimeError(
+            f"Mooncake could not register {memory.numel() * memory.element_size()} bytes of "
+            f"{memory.device} memory for {protocol!r}: register_memory returned {rc}"
+        )
 
 
 class _Local:
@@ -83,23 +110,12 @@ class _Local:
     def __init__(
         self, host: str, protocol: str, nic_filter: str, device: torch.device, slot_bytes: int
     ) -> None:
-        self.te = TransferEngine()
-        rc = self.te.initialize(host, "P2PHANDSHAKE", protocol, nic_filter)
-        if rc != 0:
-            raise RuntimeError(
-                f"Mooncake Transfer Engine did not start on {host} with protocol {protocol!r} "
-                f"(device_name={nic_filter!r}): initialize returned {rc}"
-            )
+        self.te = start_engine(host, protocol, nic_filter)
         self.host = host
         self.rpc_port = int(self.te.get_rpc_port())
         self.slot_bytes = slot_bytes
         self.ring = torch.empty(SLOTS * slot_bytes, dtype=torch.uint8, device=device)
-        rc = self.te.register_memory(self.ring.data_ptr(), self.ring.numel())
-        if rc != 0:
-            raise RuntimeError(
-                f"Mooncake could not register {self.ring.numel()} bytes of {device} memory for {protocol!r}: "
-                f"register_memory returned {rc}"
-            )
+        register(self.te, self.ring, protocol)
         self.inflight: set[int] = set()  # batch ids of writes not yet seen complete
 
     def slot(self, k: int) -> torch.Tensor:
@@ -113,7 +129,7 @@ class _Local:
                 time.sleep(0.01)
         if self.inflight:
             log.warning("mooncake: %d write(s) still in flight; keeping their memory", len(self.inflight))
-            _ORPHANS.append((self.te, self.ring))
+            orphan(self.te, self.ring)
         else:
             self.te.unregister_memory(self.ring.data_ptr())
         self.te = None  # type: ignore[assignment]  (the engine stops with its last reference)

@@ -183,6 +183,11 @@ class CollectiveEngine(Transport):
             self.library,
             topology,
         )
+        self._open_groups(join, store, info)
+        self._group_key = key
+
+    def _open_groups(self, join: Join, store: dist.Store, info: dict[str, Any]) -> None:
+        """Join this sync's group(s) (arranged already), built from ``store``."""
         if not self._chain:
             self._groups[None] = platform.new_process_group(
                 self.library,
@@ -202,7 +207,6 @@ class CollectiveEngine(Transport):
                     self.config.timeout_s,
                     bind_host=join.local_host,
                 )
-        self._group_key = key
 
     # ------------------------------------------------------------------ route
     def arrange(self, join: Join, topology: str) -> None:
@@ -333,14 +337,20 @@ class CollectiveEngine(Transport):
             del work
             raise
 
+    def _buffer_count(self) -> int:
+        """Bucket buffers this rank keeps: two (one filled or received while the other is
+        on the wire or handed out)."""
+        return 2
+
     def _reserve(self, nbytes: int) -> None:
         """Make the bucket buffers hold ``nbytes`` (at most the configured bucket size), so
         a model smaller than a bucket does not cost two full buckets of memory."""
         nbytes = min(max(nbytes, 1), self.config.bucket_bytes)
-        if self._buffers is None or self._buffers[0].numel() < nbytes:
-            self._buffers = None  # free the old pair before allocating the new one
+        count = self._buffer_count()
+        if self._buffers is None or self._buffers[0].numel() < nbytes or len(self._buffers) != count:
+            self._buffers = None  # free the old ones before allocating the new ones
             # Touched (zeroed) now, during the handshake, not page by page mid-transfer.
-            self._buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+            self._buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=self.device) for _ in range(count)]
 
     def _bufs(self) -> list[torch.Tensor]:
         if self._buffers is None:
@@ -375,7 +385,7 @@ class CollectiveEngine(Transport):
                         in_flight.append((self._post_send(bucket, piece), slot if packed else None))
                         sent += piece.numel()
                 if packed:
-                    slot = (slot + 1) % 2
+                    slot = (slot + 1) % len(bufs)
             while in_flight:
                 self._wait(in_flight.popleft()[0])
         except BaseException:
@@ -405,7 +415,7 @@ class CollectiveEngine(Transport):
         ahead; a bucket that needs a buffer waits for a free slot. A slot is free again
         once its bucket was consumed and, where it is forwarded, forwarded."""
         bufs = self._bufs()
-        free = [0, 1]  # buffer slots not holding a posted, handed-out or forwarding bucket
+        free = list(range(len(bufs)))  # buffer slots not holding a posted, handed-out or forwarding bucket
         # Receives posted, in plan order: (bucket, slot, target, its pieces' receives, each
         # with the piece and the rank to forward it to, if any).
         posted: deque[
