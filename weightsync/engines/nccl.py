@@ -81,6 +81,9 @@ def _remote(hosts: tuple[str, ...], here: str | None) -> bool:
 # Broadcasts queued at once. Buckets sent from (or landing in) the model's own tensors need
 # no buffer, so more than two can be in flight, hiding each call's latency.
 WINDOW = 8
+# A receiver whose window is full posts the next bucket while the last pieces of the one it
+# waits for are on the wire, so its link does not idle between buckets (``_recv_window``).
+POST_EARLY = 2
 
 
 class CollectiveEngine(Transport):
@@ -358,6 +361,10 @@ class CollectiveEngine(Transport):
         return self._buffers
 
     # ------------------------------------------------------------------ data
+    def _recv_window(self) -> int:
+        """Buckets a receiver keeps posted at once."""
+        return WINDOW
+
     def _post_send(self, bucket: Bucket, piece: torch.Tensor) -> dist.Work:
         """Start moving a piece of ``bucket`` of this rank's share: to all, or to the replica
         this rank's chain starts at."""
@@ -443,7 +450,7 @@ class CollectiveEngine(Transport):
 
         def post_ahead() -> None:
             nonlocal pending, ended
-            while not ended and len(posted) < WINDOW:
+            while not ended and len(posted) < self._recv_window():
                 if pending is None:
                     pending = next_bucket()
                     if pending is None:
@@ -476,7 +483,9 @@ class CollectiveEngine(Transport):
                 bucket, slot, target, works = posted.popleft()
                 onward = []  # each piece on its way on as soon as it is here
                 work = None
-                for work, piece, forward in works:
+                for i, (work, piece, forward) in enumerate(works):
+                    if i == max(0, len(works) - POST_EARLY):  # the next bucket is posted as this one ends
+                        post_ahead()
                     self._wait(work)
                     if forward is not None:
                         onward.append(self._send_op(forward, piece))

@@ -78,6 +78,16 @@ class ShardedEngine(CollectiveEngine):
         assert self._join is not None and self._join.peer_of is not None
         return self._join.peer_of(bucket.index)
 
+    def _recv_window(self) -> int:
+        # A rank that passes its buckets on takes them one at a time, in its plan's order.
+        # With several posted, the trainer ranks of the next buckets send at once and share
+        # its NIC, so the bucket due next (the only one it can forward) arrives slower: the
+        # next rank's link then idles, and it cannot catch up later, being as fast as its
+        # NIC. Measured on 8 emulated hosts (4 trainer ranks to 2 replicas of 2 ranks, 1 Gbit/s):
+        # 0.66x the M x N link ceiling with 8 buckets posted, 0.74x with 2, 0.88x with 1.
+        assert self._join is not None
+        return 1 if self._join.forward is not None else super()._recv_window()
+
     def _post_send(self, bucket: Bucket, piece: torch.Tensor) -> dist.Work:
         return self._send_op(self._peer(bucket), piece)
 
