@@ -16,7 +16,7 @@ real memory:
   the local tensor, copied into the bucket by the packer (a box that cuts rows is made
   contiguous first: one copy more). No rank materializes a full tensor.
 - ``trainer_plan`` / ``receiver_plan`` lay a rank's pairs out as one plan (a group of
-  buckets per peer), in the one order of pairs every rank follows.
+  buckets per peer), its buckets in the one order every rank moves buckets in.
 """
 
 from __future__ import annotations
@@ -168,8 +168,8 @@ def _round(route: Route, source: int, dest: int) -> int:
 
 
 def pairs_in_order(route: Route) -> list[tuple[int, int]]:
-    """Every (trainer rank, receiver rank) pair of the route, in the order every rank takes
-    its pairs in (``_round``): the order links are joined and groups moved."""
+    """Every (trainer rank, receiver rank) pair of the route, in round order (``_round``):
+    the order every rank joins its links in, and lays its groups out in."""
     pairs = {(f.source, f.dest) for f in route.fragments}
     return sorted(pairs, key=lambda p: (_round(route, *p), *p))
 
