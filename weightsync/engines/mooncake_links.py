@@ -43,31 +43,34 @@ log = logging.getLogger("weightsync.engines.mooncake_links")
 
 _FRAME = struct.Struct("<B7xqqq")  # (kind, piece number, address, bytes)
 POST, LANDED = 1, 2
-_STOP_JOIN_S = 2.0
-_POLL_MIN_S, _POLL_MAX_S = (
-    0.0001,
-    0.0005,
-)  # how often a sending end asks whether its write landed  # how long a failed link's sending thread may take to end its write
+_STOP_JOIN_S = 2.0  # how long a failed link's sending thread may take to end its write
+_POLL_MIN_S, _POLL_MAX_S = 0.0001, 0.0005  # how often a sending end asks whether its write landed
 
 
 class _Work:
     """One piece's operation, as ``sharded`` waits for a collective's: ``is_completed()``
-    (also once its deadline passed) and ``wait()`` (raises its error, or the timeout)."""
+    (also once it expired) and ``wait()`` (raises its error, or the timeout). It expires when
+    its link made no progress for ``timeout_s`` since it was queued: a piece posted far ahead
+    of a slow link may wait longer than that for its turn."""
 
-    def __init__(self, what: str, timeout_s: float) -> None:
+    def __init__(self, what: str, timeout_s: float, progress: Callable[[], float]) -> None:
         self.what = what
         self.timeout_s = timeout_s
-        self.deadline = time.monotonic() + timeout_s
+        self.queued = time.monotonic()
+        self.progress = progress  # when its link last moved a piece
+
+    def expired(self) -> bool:
+        return time.monotonic() > max(self.queued, self.progress()) + self.timeout_s
 
     def _late(self) -> TimeoutError:
-        return TimeoutError(f"{self.what} took longer than {self.timeout_s} s")
+        return TimeoutError(f"{self.what}: its link moved nothing for {self.timeout_s} s")
 
 
 class _Written(_Work):
     """A piece a sending end's thread writes: done once its receiving end was told."""
 
-    def __init__(self, what: str, timeout_s: float) -> None:
-        super().__init__(what, timeout_s)
+    def __init__(self, what: str, timeout_s: float, progress: Callable[[], float]) -> None:
+        super().__init__(what, timeout_s, progress)
         self._done = threading.Event()
         self.error: BaseException | None = None
 
@@ -76,11 +79,12 @@ class _Written(_Work):
         self._done.set()
 
     def is_completed(self) -> bool:
-        return self._done.is_set() or time.monotonic() > self.deadline
+        return self._done.is_set() or self.expired()
 
     def wait(self) -> bool:
-        if not self._done.wait(max(0.0, self.deadline - time.monotonic())):
-            raise self._late()
+        while not self._done.wait(ring.POLL_S):
+            if self.expired():
+                raise self._late()
         if self.error is not None:
             raise self.error
         return True
@@ -90,23 +94,21 @@ class _Arrival(_Work):
     """A piece a receiving end posted: done once its sending end said it landed."""
 
     def __init__(self, link: _Receiving, piece: int) -> None:
-        super().__init__(f"receiving a piece from {link.peer} (mooncake)", link.timeout_s)
+        super().__init__(f"receiving a piece from {link.peer} (mooncake)", link.timeout_s, lambda: link.moved)
         self.link = link
         self.piece = piece
 
     def is_completed(self) -> bool:
-        self.link.read(block_until=None)
-        return (
-            self.link.landed > self.piece or self.link.error is not None or time.monotonic() > self.deadline
-        )
+        self.link.read(block=False)
+        return self.link.landed > self.piece or self.link.error is not None or self.expired()
 
     def wait(self) -> bool:
         while self.link.landed <= self.piece:
             if self.link.error is not None:
                 raise self.link.error
-            if time.monotonic() > self.deadline:
+            if self.expired():
                 raise self._late()
-            self.link.read(block_until=self.deadline)
+            self.link.read(block=True)
         return True
 
 
@@ -172,6 +174,7 @@ class _Sending:
         self._cv = threading.Condition()
         self._stop = False
         self._error: BaseException | None = None
+        self.moved = time.monotonic()  # when a write last landed
         self._thread = threading.Thread(target=self._run, name="weightsync-mooncake-link", daemon=True)
         self._thread.start()
 
@@ -179,7 +182,7 @@ class _Sending:
         """Write ``tensor`` (uint8, at most ``CHUNK_BYTES``) into the receiving end's next
         posted piece. ``src`` is this end's rank in the link: 0."""
         assert src == 0 and tensor.numel() <= CHUNK_BYTES
-        work = _Written(f"writing a piece to {self.peer} (mooncake)", self.timeout_s)
+        work = _Written(f"writing a piece to {self.peer} (mooncake)", self.timeout_s, lambda: self.moved)
         with self._cv:
             if self._error is not None:
                 work.end(self._error)
@@ -258,6 +261,7 @@ class _Sending:
                         pause = min(pause * 2, _POLL_MAX_S)
                         continue
                     self.sock.sendall(_FRAME.pack(LANDED, piece - 1, 0, 0))
+                    self.moved = time.monotonic()
                     writing[0].end()
                     writing, pause = None, _POLL_MIN_S
                 if ready is not None:
@@ -306,6 +310,7 @@ class _Receiving:
         self.timeout_s = timeout_s
         self.posted = 0  # pieces posted
         self.landed = 0  # pieces landed (they land in order)
+        self.moved = time.monotonic()  # when the last one landed
         self.error: PeerError | None = None
         self._buf = bytearray()
 
@@ -322,17 +327,17 @@ class _Receiving:
         self.posted += 1
         return _Arrival(self, self.posted - 1)
 
-    def read(self, block_until: float | None) -> None:
-        """Take the frames that arrived; with ``block_until``, wait for one (at most until
-        then, and ``ring.POLL_S``)."""
+    def read(self, block: bool) -> None:
+        """Take the frames that arrived; with ``block``, wait for one (at most
+        ``ring.POLL_S``)."""
         if self.error is not None:
             return
         try:
             while True:
-                if block_until is None:
-                    self.sock.setblocking(False)
+                if block:
+                    self.sock.settimeout(ring.POLL_S)
                 else:
-                    self.sock.settimeout(max(0.001, min(ring.POLL_S, block_until - time.monotonic())))
+                    self.sock.setblocking(False)
                 try:
                     chunk = self.sock.recv(64 * _FRAME.size)
                 except (BlockingIOError, TimeoutError):
@@ -348,7 +353,8 @@ class _Receiving:
                             f"{self.peer} said piece {piece} landed (kind {kind}), piece {self.landed} was due"
                         )
                     self.landed += 1
-                block_until = None  # something came: take the rest without waiting
+                    self.moved = time.monotonic()
+                block = False  # something came: take the rest without waiting
         except PeerError as e:
             self.error = e
         except OSError as e:
