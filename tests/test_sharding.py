@@ -716,3 +716,31 @@ def test_with_drop_lost_receivers_a_lost_receiver_fails_the_sync_and_the_next_go
             assert got == [(r, 3, workers.expected_digests(3), 3) for r in (0, 2)]
         finally:
             stop(procs)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("links", LINKS)
+def test_receivers_carry_their_links_over_what_trainer_rank_0_names(links):
+    """``engine_kwargs.sharded.links`` is trainer rank 0's choice: a receiver configured for
+    the other links (receiver 0; receiver 1 as the sender) joins the sender's and takes
+    every version bit-exact, as ``nccl``'s receivers follow the sender's topology."""
+    import workers
+    from procs import CTX, collect, start, stop
+
+    from weightsync import EngineConfig, Sender
+
+    q = CTX.Queue()
+    ours = [*SHARDED, f"engine_kwargs.sharded.links={links}"]
+    other = [*SHARDED, f"engine_kwargs.sharded.links={'collective' if links == 'mooncake' else 'mooncake'}"]
+    with Sender(EngineConfig.from_overrides(ours), "127.0.0.1:0", 2) as sender:
+        procs = [
+            start(workers.run_receiver, sender.address, 0, other, [1, 2], q),
+            start(workers.run_receiver, sender.address, 1, ours, [1, 2], q),
+        ]
+        try:
+            for v in (1, 2):
+                sender.send(workers.make_weights(v), version=v)
+                for rank, version, digests, held in collect(q, 2):
+                    assert (version, held, digests) == (v, v, workers.expected_digests(v)), rank
+        finally:
+            stop(procs)

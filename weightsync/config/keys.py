@@ -116,11 +116,12 @@ class ShardedKwargs:
             "`collective` (a two-rank group of `nccl`'s library: NCCL on CUDA, HCCL on Ascend, "
             "Gloo on CPU) or `mooncake` (one-sided Mooncake Transfer Engine writes into buffers "
             "the receiving rank registered: TCP for host memory, RDMA for CUDA memory; needs the "
-            "`mooncake` extra; `engine_kwargs.mooncake.device_name` picks the NICs).",
+            "`mooncake` extra; `engine_kwargs.mooncake.device_name` picks the NICs). Trainer rank "
+            "0's setting decides: the other ranks follow it.",
             "`sharded` 路由中每条（训练 rank，接收 rank）链路的承载方式：`collective`（使用 `nccl` 所用集合通信库的"
             "两 rank 进程组：CUDA 上为 NCCL，昇腾上为 HCCL，CPU 上为 Gloo）或 `mooncake`（Mooncake Transfer Engine "
             "单边写入接收 rank 注册的缓冲区：主机内存用 TCP，CUDA 显存用 RDMA；需要 `mooncake` 可选依赖；"
-            "`engine_kwargs.mooncake.device_name` 选择网卡）。",
+            "`engine_kwargs.mooncake.device_name` 选择网卡）。以训练 rank 0 的设置为准：其他 rank 随之采用。",
             choices=SHARDED_LINKS,
         ),
     )

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from weightsync.config import SHARDED_LINKS
 from weightsync.engines.base import EngineUnavailable, Join, Landing, NextBucket
 from weightsync.engines.nccl import CollectiveEngine
 from weightsync.plan import Bucket
@@ -48,16 +49,45 @@ class ShardedEngine(CollectiveEngine):
 
     def __init__(self, config, device) -> None:
         super().__init__(config, device)
-        self._mooncake = None
-        if config.engine_kwargs.sharded.links == "mooncake":
+        self._mooncake: Any = None  # MooncakeLinks while the links are Mooncake's
+        self._use_links(config.engine_kwargs.sharded.links)
+
+    def _use_links(self, kind: str) -> None:
+        """Carry the links over ``kind`` from the next group on (trainer rank 0 names it in
+        its handshake; the other ranks follow, as ``nccl``'s receivers follow its topology)."""
+        if kind == self._link_kind:
+            return
+        self._drop_group()
+        if self._mooncake is not None:
+            self._mooncake.shutdown()
+            self._mooncake = None
+        self._buffers = None  # the next sync allocates (and registers) its own
+        if kind == "mooncake":
             try:  # only where asked for: it needs Mooncake Transfer Engine
                 from weightsync.engines.mooncake_links import MooncakeLinks
             except ImportError as e:
                 raise EngineUnavailable(f"engine_kwargs.sharded.links=mooncake: {e}") from e
-            self._mooncake = MooncakeLinks(config, device)
+            self._mooncake = MooncakeLinks(self.config, self.device)
 
     def _topology(self, join: Join) -> str:
         return PAIRS
+
+    @property
+    def _link_kind(self) -> str:
+        return "collective" if self._mooncake is None else "mooncake"
+
+    def prepare(self, join: Join) -> dict[str, Any]:
+        return {**super().prepare(join), "links": self._link_kind}
+
+    def connect(self, join: Join, info: dict[str, Any]) -> None:
+        theirs = info.get("links", "collective")
+        if theirs not in SHARDED_LINKS:
+            raise RuntimeError(
+                f"{self.name}: trainer rank 0 names links {theirs!r}, not one of {', '.join(SHARDED_LINKS)}: "
+                "run the same weightsync on every rank"
+            )
+        self._use_links(theirs)  # trainer rank 0's choice, whatever this rank's configuration says
+        super().connect(join, info)
 
     def arrange(self, join: Join, topology: str) -> None:
         super().arrange(join, topology)
