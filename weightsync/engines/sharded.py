@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.config import SHARDED_LINKS
+from weightsync.config.keys import SHARDED_LINKS
 from weightsync.engines.base import EngineUnavailable, Join, Landing, NextBucket
 from weightsync.engines.nccl import CollectiveEngine
 from weightsync.plan import Bucket
