@@ -143,6 +143,10 @@ COMMANDS: dict[str, Run | NotHere] = {
     "weightsync demo --backend sharded --trainers 2 --tp 2": _tiny(
         "demo --backend sharded --trainers 2 --tp 2"
     ),
+    # as written: the default model (355 MB kept per replica) over Mooncake links
+    "weightsync demo --backend sharded --trainers 2 --tp 2 --set engine_kwargs.sharded.links=mooncake": Run(
+        timeout=180
+    ),
     "weightsync demo --backend mooncake": _tiny("demo --backend mooncake"),
     "weightsync demo --backend shm --receivers 3": _tiny("demo --backend shm --receivers 3"),
     "weightsync demo --receivers 3 --set timeout_s=60 --set engine_kwargs.nccl.rebuild_group=true": _tiny(
