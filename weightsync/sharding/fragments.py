@@ -21,6 +21,7 @@ real memory:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -213,6 +214,30 @@ def _levels(route: Route, plans: Mapping[tuple[int, int], Plan]) -> list[list[tu
     return levels
 
 
+#: the last schedules, by (route hash, bucket bytes): rank 0 checking ``verify`` plans every
+#: rank's part of one route, each from the same pair plans and levels
+_SCHEDULES: dict[tuple[str, int], tuple[dict[tuple[int, int], Plan], list[list[tuple[int, int]]]]] = {}
+_SCHEDULES_KEPT = 4
+_SCHEDULES_LOCK = threading.Lock()  # receivers of one process share them
+
+
+def _schedule(
+    route: Route, bucket_bytes: int
+) -> tuple[dict[tuple[int, int], Plan], list[list[tuple[int, int]]]]:
+    """Every pair's plan and the order their buckets move in (``_levels``)."""
+    key = (route.hash, bucket_bytes)
+    with _SCHEDULES_LOCK:
+        found = _SCHEDULES.get(key)
+    if found is None:
+        plans = _pair_plans(route, bucket_bytes)
+        found = (plans, _levels(route, plans))
+        with _SCHEDULES_LOCK:
+            while len(_SCHEDULES) >= _SCHEDULES_KEPT:
+                _SCHEDULES.pop(next(iter(_SCHEDULES)))
+            _SCHEDULES[key] = found
+    return found
+
+
 def _interleaved(
     route: Route, pairs: list[tuple[int, int]], peers: list[int], bucket_bytes: int
 ) -> tuple[Plan, tuple[int, ...]]:
@@ -220,7 +245,7 @@ def _interleaved(
     each) as one plan: their tensors one pair after another, their buckets in the order
     every rank moves buckets in (``_levels``), each laid out as the pair's own plan lays it
     out. Returns the plan and each bucket's peer."""
-    plans = _pair_plans(route, bucket_bytes)
+    plans, levels = _schedule(route, bucket_bytes)
     tensors: list[TensorSpec] = []
     groups: dict[tuple[int, int], tuple[int, list[Bucket]]] = {}
     for pair, peer in zip(pairs, peers):
@@ -242,7 +267,7 @@ def _interleaved(
         tensors += own.tensors
     buckets: list[Bucket] = []
     owners: list[int] = []
-    for k, level in enumerate(_levels(route, plans)):
+    for k, level in enumerate(levels):
         for pair in level:
             if pair in groups:
                 peer, group = groups[pair]
