@@ -294,7 +294,7 @@ def test_kv_cache_release_refused_on_cpu_leaves_replicas_serving(setup):
 
 def test_synced_replica_equals_vllm_reload_from_disk(setup):
     """B reloads version N from a safetensors directory with vLLM's own reload_weights;
-    A gets version N through weightsync; their parameters, buffers and prompt logprobs are
+    A gets version N through weightsync; their parameters, persistent buffers and prompt logprobs are
     identical."""
     setup.train()
     disk = os.path.join(setup.tmp, "from_disk")

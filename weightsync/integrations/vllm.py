@@ -371,10 +371,13 @@ def _finalize(model: torch.nn.Module, vllm_config: Any) -> None:
 
 
 def tensor_digests(model: torch.nn.Module) -> dict[str, str]:
-    """``dtype|shape|blake2b`` of every parameter and buffer of ``model``, by name."""
-    return named_digests(
-        [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    )
+    """``dtype|shape|blake2b`` of every tensor in ``model``'s state dict (parameters and
+    persistent buffers), by name.
+
+    Non-persistent buffers are left out: they are caches the engine computes for itself
+    (rotary tables), which no checkpoint carries and no sync or reload writes. Two engines'
+    copies have been seen to differ after a reload from disk (CI, once in many runs)."""
+    return named_digests(model.state_dict(keep_vars=True).items())
 
 
 class WeightsyncWorkerExtension:
