@@ -161,15 +161,19 @@ class _Sending:
     order, each once the receiving end posted where it lands."""
 
     def __init__(
-        self, endpoint: _Endpoint, sock: socket.socket, target: str, peer: str, timeout_s: float
+        self, endpoint: _Endpoint, sock: socket.socket, target: str, peer: str, timeout_s: float, stage: bool
     ) -> None:
         self.endpoint = endpoint
         self.sock = sock
         self.target = target  # the receiving end's Mooncake segment, "host:rpc_port"
         self.peer = peer
         self.timeout_s = timeout_s
-        self.staging = torch.empty(2 * CHUNK_BYTES, dtype=torch.uint8, device=endpoint.device)
-        endpoint.register(self.staging)
+        # A trainer rank's pieces are views of its shard: staged. A receiver forwards from its
+        # registered bucket buffers and needs none.
+        self.staging: torch.Tensor | None = None
+        if stage:
+            self.staging = torch.empty(2 * CHUNK_BYTES, dtype=torch.uint8, device=endpoint.device)
+            endpoint.register(self.staging)
         self._queue: deque[tuple[_Written, torch.Tensor]] = deque()
         self._cv = threading.Condition()
         self._stop = False
@@ -248,6 +252,8 @@ class _Sending:
                     work, tensor = item
                     ready = (work, tensor, -1)
                     if not self.endpoint.holds(tensor):
+                        if self.staging is None:
+                            raise PeerError(f"a piece forwarded to {self.peer} is not in registered memory")
                         half = 1 if writing is not None and writing[2] == 0 else 0
                         staged = self.staging[half * CHUNK_BYTES : half * CHUNK_BYTES + tensor.numel()]
                         platform.copy_bytes(staged, tensor)
@@ -296,7 +302,8 @@ class _Sending:
         if self._thread.is_alive():  # a write that did not end still reads its source
             log.warning("mooncake: a write to %s did not end; keeping its memory", self.peer)
             failed = True
-        self.endpoint.unregister(self.staging, failed)
+        if self.staging is not None:
+            self.endpoint.unregister(self.staging, failed)
         self.sock.close()
 
 
@@ -434,6 +441,7 @@ class MooncakeLinks:
         }
         store.set(f"mooncake/{me}", msgpack.packb(where))
         opened: dict[tuple[int, int], Link] = {}
+        inbound = {a for a, b in links if b == me}  # none: a trainer rank
         try:
             for a, b in links:
                 if a != me:
@@ -449,8 +457,7 @@ class MooncakeLinks:
                 except OSError as e:
                     raise PeerError(f"mooncake: could not reach {name_of(b)} at {host}:{port}: {e}") from e
                 target = f"{host}:{ring.int_field(peer, 'rpc_port')}"
-                opened[(a, b)] = _Sending(endpoint, sock, target, name_of(b), timeout)
-            inbound = {a for a, b in links if b == me}
+                opened[(a, b)] = _Sending(endpoint, sock, target, name_of(b), timeout, stage=not inbound)
 
             def check(msg: dict, sock: socket.socket, taken: dict) -> int:
                 source = ring.int_field(msg, "from")
