@@ -39,11 +39,13 @@ OVERRIDES = ["backend=shm", "update_weights_bucket_megabytes=1", "timeout_s=60"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _peft(model_dir: str, rank: int, targets: list[str]):
+def _peft(model_dir: str, rank: int, targets: list[str], base=None):
+    """A PEFT LoRA over the checkpoint in ``model_dir`` (or over ``base``, a model)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if base is None:
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
 
 
@@ -157,6 +159,37 @@ def test_a_failed_adapter_load_leaves_the_previous_adapter_serving(replica):
         with pytest.raises(ReplicaUpdateError, match=r"replica 'A' .*DoRA.*serves adapter version 11"):
             rollout.update(bad, 12, lora=True)
         assert _generate(llm, good) == expected
+
+
+def test_a_full_update_keeps_the_adapters_serving_on_the_new_base(replica):
+    """A full update makes vLLM drop every adapter. Before, a request naming one then ended
+    the engine (vLLM looked for the placeholder path). Now the worker adds its adapters back
+    from memory, applied to the new base, as vLLM's reload from a path would serve them:
+    version 21's adapter over the base merged with it (version 22), a new adapter over that
+    base (23), and, with the original base back (24), version 21's outputs again."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    model_dir, llm = replica
+    base_out = replica_greedy(llm, PROMPTS, NEW)
+    torch.manual_seed(21)
+    model = _peft(model_dir, 8, TARGETS)
+    with VLLMRollout([LLMReplica(llm, "A")], OVERRIDES, lora_keep=1) as rollout:
+        expected = _train(model, seed=21)  # differs from base_out: _train asserts it
+        old = rollout.update(model, 21, lora=True).lora_request
+        merged = copy.deepcopy(model).merge_and_unload()
+        assert rollout.update(merged, 22).ok
+        assert replica_greedy(llm, PROMPTS, NEW) == expected  # the new base: the merged model
+        twice = _peft(model_dir, 8, TARGETS, base=copy.deepcopy(merged))
+        set_peft_model_state_dict(twice, get_peft_model_state_dict(model))
+        assert _generate(llm, old) == trainer_greedy(twice.merge_and_unload(), PROMPTS, NEW)
+        fresh = _peft(model_dir, 8, TARGETS, base=copy.deepcopy(merged))
+        fresh_out = _train(fresh, seed=23)
+        assert _generate(llm, rollout.update(fresh, 23, lora=True).lora_request) == fresh_out
+        original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        assert rollout.update(original, 24).ok
+        assert _generate(llm, old) == expected  # version 21's adapter, over the base it was trained on
+    assert replica_greedy(llm, PROMPTS, NEW) == base_out
 
 
 @pytest.mark.mooncake

@@ -330,8 +330,16 @@ def _worker_reload(worker: Any) -> Reload:
             _finalize(model, worker.vllm_config)
             raise
         _reprocess_tied(model, worker.vllm_config)
+        _restore_adapters(worker)
 
     return reload
+
+
+def _restore_adapters(worker: Any) -> None:
+    """vLLM drops every LoRA adapter when a reload succeeds; put weightsync's back."""
+    slots = getattr(worker, "_weightsync_adapters", None)
+    if slots is not None and (count := slots.restore()):
+        log.info("weightsync: %d LoRA adapter(s) kept across the full update", count)
 
 
 def _reprocess_tied(model: torch.nn.Module, vllm_config: Any) -> None:
@@ -474,7 +482,9 @@ class WeightsyncWorkerExtension:
         baseline that weightsync's sync is measured against)."""
         t0 = time.perf_counter()
         self.reload_weights(weights_path=path)
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        _restore_adapters(self)
+        return seconds
 
 
 # ------------------------------------------------------------- weight-transfer engine

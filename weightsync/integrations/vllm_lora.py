@@ -13,6 +13,12 @@ the last ``keep`` versions finish with it.
 
 The new adapter is built completely (and checked against the engine's LoRA limits) before
 the manager is touched, so a load that fails leaves the previous adapters serving.
+
+A full update's reload makes vLLM drop every adapter (``reset_lora_state``: it would read
+them again from their paths). There are no paths here, and a request naming a dropped
+adapter ends the engine (``LoRAAdapterNotFoundError``), so each slot keeps its adapter's
+tensors and ``restore`` adds them again after the reload: the adapters then apply to the
+new base weights, as vLLM's own reload from a path would.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ class AdapterSlots:
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
-        self.loaded: dict[int, str] = {}  # lora id -> the adapter name it holds now
+        # lora id -> (adapter name, config, tensors): what the slot holds now, kept unmodified
+        # for ``restore`` (vLLM may scale the tensors it was handed in place)
+        self.loaded: dict[int, tuple[str, dict[str, Any], dict[str, Any]]] = {}
 
     def _manager(self) -> Any:
         runner = self.worker.model_runner
@@ -89,10 +97,34 @@ class AdapterSlots:
     ) -> dict[str, Any]:
         """Build the adapter from ``tensors`` (PEFT names; copied, the staging store is reused)
         and put it in slot ``lora_id`` in place of what that slot held, pinned."""
+        t0 = time.perf_counter()
+        kept = {n: t.clone() for n, t in tensors}
+        lora = self._build(name, lora_id, config, kept)
+        adapters = self._manager()._adapter_manager
+        adapters.remove_adapter(lora_id)  # the slot's previous adapter (version N - keep - 1)
+        adapters.add_adapter(lora)
+        adapters.pin_adapter(lora_id)
+        self.loaded[lora_id] = (name, config, kept)
+        return {"lora_id": lora_id, "lora_name": name, "lora_load_s": time.perf_counter() - t0}
+
+    def restore(self) -> int:
+        """After a full update's reload (which made vLLM drop every adapter): add the
+        adapters the slots held again, pinned; returns how many."""
+        if not self.loaded:
+            return 0
+        adapters = self._manager()._adapter_manager
+        for lora_id, (name, config, kept) in sorted(self.loaded.items()):
+            adapters.remove_adapter(lora_id)
+            adapters.add_adapter(self._build(name, lora_id, config, kept))
+            adapters.pin_adapter(lora_id)
+        return len(self.loaded)
+
+    def _build(self, name: str, lora_id: int, config: dict[str, Any], tensors: dict[str, Any]) -> Any:
+        """vLLM's ``LoRAModel`` of adapter ``name`` for ``tensors`` (PEFT names; copied
+        again, so ``tensors`` stays as it came), checked against the engine's limits."""
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
 
-        t0 = time.perf_counter()
         manager = self._manager()
         helper = PEFTHelper.from_dict(
             {**config, "vllm_max_position_embeddings": manager.max_position_embeddings}
@@ -103,7 +135,7 @@ class AdapterSlots:
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         lora = LoRAModel.from_lora_tensors(
             lora_id,
-            {n: t.clone() for n, t in tensors},
+            {n: t.clone() for n, t in tensors.items()},
             helper,
             device="cpu",
             dtype=manager.lora_config.lora_dtype,
@@ -119,8 +151,4 @@ class AdapterSlots:
             raise ValueError(
                 f"weightsync: adapter {name!r} targets modules this model has no LoRA layer for: {unknown}"
             )
-        adapters.remove_adapter(lora_id)  # the slot's previous adapter (version N - keep - 1)
-        adapters.add_adapter(lora)
-        adapters.pin_adapter(lora_id)
-        self.loaded[lora_id] = name
-        return {"lora_id": lora_id, "lora_name": name, "lora_load_s": time.perf_counter() - t0}
+        return lora
