@@ -282,6 +282,35 @@ def test_delta_sync_reaches_both_replicas_bit_exact(setup, tmp_path, update_mode
         setup._connect()  # the module's usual rollout (no delta) for the next tests
 
 
+def test_a_removed_replica_keeps_what_it_holds_and_taken_back_gets_the_next_version(setup):
+    """remove_replica('B'): the next update goes to A alone and B keeps serving the version
+    it held; add_replica takes B back under a receiver rank no replica had, and the update
+    after reaches both, greedy parity with the trainer."""
+    a, b = setup.llms
+    held = replica_greedy(b, PROMPTS, NEW)
+    rollout = setup.rollout
+    try:
+        removed = rollout.remove_replica("B")
+        assert [r.name for r in rollout.replicas] == ["A"] and rollout.sender.receivers == [0]
+        with pytest.raises(ValueError, match="the rollout's last"):
+            rollout.remove_replica("A")
+        expected = setup.train()
+        setup.version += 1
+        report = rollout.update(setup.model, setup.version)
+        assert report.ok and [r.name for r in report.replicas] == ["A"], report.summary()
+        assert replica_greedy(a, PROMPTS, NEW) == expected
+        assert replica_greedy(b, PROMPTS, NEW) == held != expected
+        assert b.collective_rpc("weightsync_status")[0]["version"] == setup.version - 1
+        rollout.add_replica(removed)
+        assert rollout.sender.receivers == [0, 2]
+        setup.version += 1
+        report = rollout.update(setup.model, setup.version)
+        assert report.ok and [r.name for r in report.replicas] == ["A", "B"], report.summary()
+        assert replica_greedy(b, PROMPTS, NEW) == expected
+    finally:
+        setup._connect()  # the module's rollout over both, ranks 0 and 1, for the next tests
+
+
 def test_kv_cache_release_refused_on_cpu_leaves_replicas_serving(setup):
     """vLLM 0.32 frees KV cache memory only on GPUs: the update stops before the sync,
     names the replicas, and both resume on their old version."""

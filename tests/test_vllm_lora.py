@@ -197,7 +197,7 @@ def test_a_replica_killed_mid_update_is_named_at_once_and_the_other_serves_the_n
     """Two replicas, mooncake with drop_lost_receivers: B's worker is SIGKILLed after the
     handshake, before the adapter's first tensor. The update raises within seconds naming
     B (its rank), and A serves the new adapter: the report's LoRARequest gives the merged
-    model's outputs there."""
+    model's outputs there. B left the rollout: the next update goes to A alone, at once."""
     model_dir, a = replica
     b = start_replica(model_dir, max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8)
     victim = b.collective_rpc("weightsync_status")[0]["pid"]
@@ -227,7 +227,17 @@ def test_a_replica_killed_mid_update_is_named_at_once_and_the_other_serves_the_n
             report = info.value.report
             ra, rb = report.replicas
             assert (ra.name, ra.ok, ra.adapter) == ("A", True, 32), ra
-            assert (rb.name, rb.ok) == ("B", False), rb
+            assert (rb.name, rb.ok, rb.left) == ("B", False, True), rb
+            assert "replica 'B' (receiver rank 1)" in str(info.value) and "left the rollout" in str(
+                info.value
+            )
+            assert _generate(a, report.lora_request) == expected
+            assert [r.name for r in rollout.replicas] == ["A"] and rollout.sender.receivers == [0]
+            expected = _train(model, seed=22)
+            t0 = time.monotonic()
+            report = rollout.update(model, 33, lora=True)
+            assert report.ok and [r.name for r in report.replicas] == ["A"], report.summary()
+            assert time.monotonic() - t0 < 15  # B is not waited for
             assert _generate(a, report.lora_request) == expected
     finally:
         try:

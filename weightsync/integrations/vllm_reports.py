@@ -40,6 +40,9 @@ class ReplicaReport:
     worker_bytes: list[int] = field(default_factory=list)
     #: ``backend=sharded``: the bytes of the slices each worker keeps (its loaders' boxes)
     worker_kept_bytes: list[int] = field(default_factory=list)
+    #: it left the rollout after this update: the sender dropped it as lost
+    #: (``drop_lost_receivers``); ``VLLMRollout.add_replica`` takes it back
+    left: bool = False
 
 
 @dataclass

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, Literal, Protocol
 
@@ -185,9 +185,9 @@ class VLLMRollout:
         if lora_keep < 0:
             raise ValueError(f"lora_keep={lora_keep}: expected 0 (in place) or more earlier versions kept")
         self.lora_keep, self.lora_name = lora_keep, lora_name
-        #: whether the replicas' base weights are known to be the trainer's: sent here as
-        #: ``initial_version``, or checked by digest at the first LoRA update
-        self._lora_base_ok = initial_version is not None
+        #: the replicas whose base weights are known to be the trainer's: reached by a full
+        #: update (``initial_version`` too), or checked by digest at a LoRA update
+        self._base_known: set[str] = set()
         self._lora_loads = 0  # LoRA versions loaded: the next one's slot
         if initial_version is not None and model is None:
             raise ValueError("initial_version needs model: the weights to sync as that version")
@@ -210,6 +210,7 @@ class VLLMRollout:
             rank += r.workers()
         #: every worker is a receiver rank: replica r's TP rank k is ``_first_rank[r] + k``
         self.num_receivers = rank
+        self._next_rank = rank  # an added replica's first; a rank is never given twice
         self.sender = Sender(
             self.config, address, num_receivers=rank, rank=0, num_trainers=num_trainers, wire_dtype=wire_dtype
         )
@@ -220,7 +221,7 @@ class VLLMRollout:
         # The secret never travels over vLLM's RPC (and to_flat masks it): each replica takes
         # it from its own WEIGHTSYNC_SECRET, as the trainer should.
         flat = {k: v for k, v in self.config.to_flat().items() if k != "auth_secret"}
-        overrides = [f"{k}={'null' if v is None else v}" for k, v in flat.items()]
+        self._overrides = overrides = [f"{k}={'null' if v is None else v}" for k, v in flat.items()]
         self._paused: set[str] = set()
         # Every worker connects and joins the data plane now, while the sender warms up:
         # the first update pays for neither.
@@ -340,9 +341,9 @@ class VLLMRollout:
 
         The adapter's tensors are staged in every worker (the engine keeps stepping), then
         each worker builds vLLM's adapter from them and puts it in the next of
-        ``lora_keep + 1`` slots (the adapter of version N - lora_keep - 1 leaves). The first
-        LoRA update checks the replicas' LoRA limits and, unless the base weights were sent
-        as ``initial_version``, that every replica's checkpoint holds the trainer's base
+        ``lora_keep + 1`` slots (the adapter of version N - lora_keep - 1 leaves). It checks
+        the replicas' LoRA limits and, for each replica no full update (``initial_version``
+        too) reached and none checked before, that its checkpoint holds the trainer's base
         weights (by digest; a mismatch is refused before any adapter moves). A failure
         raises ``ReplicaUpdateError``; a replica whose load failed serves its previous adapters.
         """
@@ -356,14 +357,16 @@ class VLLMRollout:
                 "(nccl, shm, mooncake, paired) for a rollout that updates adapters"
             )
         adapter = lora_adapter(source)
-        if not self._lora_base_ok and adapter is source:
+        unknown = [r for r in self.replicas if r.name not in self._base_known]
+        if unknown and adapter is source:
             raise ValueError(
-                "the first LoRA update checks the trainer's base weights against the replicas' checkpoint: "
-                "pass the PEFT model (a LoRAAdapter carries no base), or send the base once as "
+                f"the base weights of replica(s) {', '.join(repr(r.name) for r in unknown)} are not known to "
+                "be the trainer's: a LoRA update checks them against their checkpoint, so pass the PEFT "
+                "model (a LoRAAdapter carries no base), or send the base once as a full update, e.g. "
                 "VLLMRollout(..., model=dict(weightsync.lora.base_weights(peft_model)), initial_version=0)"
             )
-        self._check_lora(adapter, None if self._lora_base_ok else source)
-        self._lora_base_ok = True
+        self._check_lora(adapter, source if unknown else None, unknown)
+        self._base_known.update(r.name for r in unknown)
         report = UpdateReport(version, phase="lora")
         slot = 1 + self._lora_loads % (self.lora_keep + 1)
         name = f"{self.lora_name}-v{version}"
@@ -372,26 +375,16 @@ class VLLMRollout:
             "weightsync_stage_adapter", adapter.tensors, version, report
         )
         # each worker waits for its stage to end (the sender is done: at once), then loads
-        calls = {
-            r.name: self._pool.submit(
-                r.call,
-                "weightsync_load_adapter",
-                version,
-                name,
-                slot,
-                adapter.config,
-                self.config.timeout_s,
-                timeout=self.config.timeout_s * 2 + 30,
-            )
-            for r in self.replicas
-            if r.name not in failures
-        }
-        statuses: dict[str, Any] = {}
-        for r in self.replicas:
-            try:
-                statuses[r.name] = calls[r.name].result() if r.name in calls else None
-            except Exception as e:
-                failures[r.name] = f"{type(e).__name__}: {e}".strip()
+        calls = self._start_each(
+            "weightsync_load_adapter",
+            version,
+            name,
+            slot,
+            adapter.config,
+            self.config.timeout_s,
+            skip=failures,
+        )
+        statuses = self._results(calls, failures)
         report.sync_s = time.perf_counter() - t0
         for r in self.replicas:
             status = statuses.get(r.name) or []
@@ -413,14 +406,15 @@ class VLLMRollout:
         if any(r.ok for r in report.replicas):  # the replicas that serve it: generate with it there
             self._lora_loads += 1
             report.lora_request = LoRARequest(name, slot, lora_path=f"weightsync://{name}")
+        self._leave_lost(report)
         if not report.ok:
             self._raise(report, sync_error, "LoRA update to", "its previous adapters")
         log.info("%s", report.summary())
         return report
 
-    def _check_lora(self, adapter: Any, base: Any) -> None:
+    def _check_lora(self, adapter: Any, base: Any, unknown: list[Replica]) -> None:
         """The replicas' LoRA limits against ``adapter`` and ``lora_keep``; with ``base``, the
-        trainer's base weights against every replica's checkpoint."""
+        trainer's base weights against the checkpoint of each replica in ``unknown``."""
         from weightsync.lora import base_weights
         from weightsync.verify import named_digests
 
@@ -442,7 +436,7 @@ class VLLMRollout:
         if base is None:
             return
         digests = named_digests(base_weights(base))
-        for r in self.replicas:
+        for r in unknown:
             r.call("weightsync_lora_check_base", digests, timeout=self.config.timeout_s * 4 + 60)
 
     def stage(self, source: Any, version: int) -> UpdateReport:
@@ -469,6 +463,7 @@ class VLLMRollout:
                     (s.get("stage_error") for s in statuses[r.name] or () if s.get("stage_error")), None
                 )
             report.replicas.append(rep)
+        self._leave_lost(report)
         if not report.ok:
             self._raise(report, sync_error, "stage of", "untouched, generating")
         log.info("%s", report.summary())
@@ -530,17 +525,9 @@ class VLLMRollout:
             raise ValueError(f"cannot commit version {version}: " + "; ".join(missing) + " (stage it first)")
 
         def load(failures: dict[str, str]) -> tuple[dict[str, Any], Exception | None]:
-            rpc_timeout = self.config.timeout_s * 2 + 30
-            futures = {
-                r.name: self._pool.submit(r.call, "weightsync_commit", version, timeout=rpc_timeout)
-                for r in self.replicas
-            }
-            statuses = {}
+            statuses = self._results(self._start_each("weightsync_commit", version), failures)
             for r in self.replicas:
-                try:
-                    statuses[r.name] = futures[r.name].result(timeout=rpc_timeout + 10)
-                except Exception as e:
-                    failures[r.name] = f"{type(e).__name__}: {e}".strip()
+                if r.name in failures:
                     statuses[r.name] = self._ask_status(r)
             return statuses, None
 
@@ -550,23 +537,33 @@ class VLLMRollout:
         self, source: Any, version: int, failures: dict[str, str]
     ) -> tuple[dict[str, Any], Exception | None]:
         """Stream ``version`` into the paused replicas' running models."""
-        rpc_timeout = self.config.timeout_s * 2 + 30  # the receiver's own deadlines end first
-        futures: dict[str, Future] = {
-            r.name: self._pool.submit(r.call, "weightsync_receive", version, timeout=rpc_timeout)
-            for r in self.replicas
-        }
+        futures = self._start_each("weightsync_receive", version)
         sync_error: Exception | None = None
         try:
             self._last_stats = self.sender.send(source, version)
         except Exception as e:
             sync_error = e
+        return self._results(futures, failures), sync_error
+
+    def _start_each(self, method: str, *args: Any, skip: Container[str] = ()) -> dict[str, Future]:
+        """``method`` called in every replica (but those in ``skip``) at once, a thread each,
+        with a deadline past the receivers' own."""
+        timeout = self.config.timeout_s * 2 + 30
+        return {
+            r.name: self._pool.submit(r.call, method, *args, timeout=timeout)
+            for r in self.replicas
+            if r.name not in skip
+        }
+
+    def _results(self, futures: dict[str, Future], failures: dict[str, str]) -> dict[str, Any]:
+        """Each call's result; a replica that went away or timed out goes into ``failures``."""
         statuses = {}
         for name, fut in futures.items():
             try:
-                statuses[name] = fut.result(timeout=rpc_timeout + 10)
-            except Exception as e:  # the replica itself went away or the call timed out
+                statuses[name] = fut.result(timeout=self.config.timeout_s * 2 + 40)
+            except Exception as e:
                 failures[name] = f"{type(e).__name__}: {e}".strip()
-        return statuses, sync_error
+        return statuses
 
     def _pause_around(
         self,
@@ -625,8 +622,13 @@ class VLLMRollout:
                 except Exception as e:
                     rep.ok, rep.error = False, rep.error or f"resume failed: {type(e).__name__}: {e}"
             report.replicas.append(rep)
+            if rep.ok and rep.version == version:
+                self._base_known.add(r.name)
+            elif rep.mixed or status is None:
+                self._base_known.discard(r.name)
         report.resume_s = time.perf_counter() - t0
         report.paused_s = time.perf_counter() - paused_at
+        self._leave_lost(report)
         if not report.ok:
             self._raise(report, sync_error, "update to" if phase == "update" else "commit of", "")
         log.info("%s", report.summary())
@@ -648,6 +650,7 @@ class VLLMRollout:
                 else f"serves {'a mix of versions (kept paused)' if r.mixed else f'version {r.version}'}"
             )
             + (f" ({intact})" if intact and not r.mixed else "")
+            + ("; it left the rollout (drop_lost_receivers: add_replica takes it back)" if r.left else "")
             for r in bad
         ]
         if sync_error is not None:
@@ -693,6 +696,83 @@ class VLLMRollout:
                 where = f"replica {r.name!r}" + (f", TP rank {k - first}" if r.workers() > 1 else "")
                 message = message.replace(f"receiver rank {k} ", f"receiver rank {k} ({where}) ")
         return message
+
+    # ------------------------------------------------------------------ membership
+    def add_replica(self, replica: Replica) -> None:
+        """Take ``replica`` into every later update. Its workers get receiver ranks no
+        replica had before and join at the next update, which brings it to that version (a
+        delta sync goes dense to it); until then it serves what it holds. A LoRA update
+        first checks its checkpoint against the trainer's base, unless a full update reached
+        it."""
+        if any(r.name == replica.name for r in self.replicas):
+            raise ValueError(f"a replica named {replica.name!r} is in the rollout already")
+        first = self._next_rank
+        replica.call(
+            "weightsync_init",
+            self.sender.address,
+            first,
+            self._overrides,
+            False,
+            timeout=self.config.timeout_s,
+        )
+        self._next_rank += replica.workers()
+        for rank in range(first, first + replica.workers()):
+            self.sender.add_receiver(rank)
+        self._first_rank[replica.name] = first
+        self.replicas.append(replica)
+        self._membership_changed()
+
+    def remove_replica(self, name: str) -> Replica:
+        """Leave replica ``name`` out of every later update (scaled down, or lost) and return
+        it. It keeps serving what it holds (one left paused with a mix of versions stays
+        paused); its workers close their session where they still answer (within
+        ``timeout_s``). ``add_replica`` takes it back."""
+        replica = next((r for r in self.replicas if r.name == name), None)
+        if replica is None:
+            raise ValueError(
+                f"no replica {name!r} in the rollout (replicas: {[r.name for r in self.replicas]})"
+            )
+        if len(self.replicas) == 1:
+            raise ValueError(f"replica {name!r} is the rollout's last: an update needs at least one")
+        self._leave(replica)
+        try:
+            within(
+                lambda: replica.call("weightsync_close", timeout=self.config.timeout_s),
+                self.config.timeout_s,
+                f"closing the session of replica {name!r}",
+            )
+        except Exception as e:  # lost: nothing there to close
+            log.warning("replica %r left without closing its session: %s", name, e)
+        return replica
+
+    def _leave(self, replica: Replica) -> None:
+        first = self._first_rank[replica.name]  # kept: a report may still name its ranks
+        for rank in range(first, first + replica.workers()):
+            self.sender.remove_receiver(rank)
+        self.replicas.remove(replica)
+        self.slices.pop(replica.name, None)
+        self._paused.discard(replica.name)
+        self._base_known.discard(replica.name)
+        self._membership_changed()
+
+    def _leave_lost(self, report: UpdateReport) -> None:
+        """``drop_lost_receivers``: a replica the sender dropped (a worker lost mid-sync)
+        leaves the rollout, so later updates go to the others instead of calling it and
+        failing again; its report says so."""
+        dropped = set(self.sender.dropped)
+        for rep in report.replicas:
+            replica = next((r for r in self.replicas if r.name == rep.name), None)
+            if replica is None or len(self.replicas) == 1:
+                continue
+            first = self._first_rank[rep.name]
+            if dropped & set(range(first, first + replica.workers())):
+                self._leave(replica)
+                rep.left = True
+
+    def _membership_changed(self) -> None:
+        self.num_receivers = self.sender.num_receivers
+        self._pool.shutdown(wait=False)  # a thread per replica's call, as at the start
+        self._pool = ThreadPoolExecutor(len(self.replicas) + 1, thread_name_prefix="weightsync-replica")
 
     # ------------------------------------------------------------------ state
     def status(self) -> list[ReplicaReport]:

@@ -171,6 +171,12 @@ class Sender:
         """Ranks of the receivers every sync goes to."""
         return sorted(self._members)
 
+    @property
+    def dropped(self) -> list[int]:
+        """Ranks of the receivers lost mid-sync and dropped (``drop_lost_receivers``) that
+        were not added back (``add_receiver``) or removed (``remove_receiver``) since."""
+        return sorted(self._dropped)
+
     def remove_receiver(self, rank: int) -> None:
         """Stop syncing to receiver ``rank`` (say, its process died: a failed ``send`` names
         it in ``SyncError.ranks``). The next ``send`` goes to the others. A receiver dropped
