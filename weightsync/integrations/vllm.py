@@ -336,10 +336,14 @@ def _worker_reload(worker: Any) -> Reload:
 
 
 def _restore_adapters(worker: Any) -> None:
-    """vLLM drops every LoRA adapter when a reload succeeds; put weightsync's back."""
+    """vLLM drops every LoRA adapter when a reload succeeds; put weightsync's back. A failure
+    here is logged, not raised: the weights did load, and the update must say so."""
     slots = getattr(worker, "_weightsync_adapters", None)
-    if slots is not None and (count := slots.restore()):
-        log.info("weightsync: %d LoRA adapter(s) kept across the full update", count)
+    try:
+        if slots is not None and (count := slots.restore()):
+            log.info("weightsync: %d LoRA adapter(s) kept across the full update", count)
+    except Exception:
+        log.exception("weightsync: the LoRA adapters could not be added back after the reload")
 
 
 def _reprocess_tied(model: torch.nn.Module, vllm_config: Any) -> None:
