@@ -673,7 +673,9 @@ def test_with_drop_lost_receivers_a_lost_receiver_fails_the_sync_and_the_next_go
     abruptly after its first tensor of version 2. The route is every trainer rank's, so it
     is not rebuilt around the loss in the same sync: the sync fails on rank 0 naming the
     lost receiver, which rank 0 drops by itself; version 3 is planned for the two others and
-    reaches them bit-exact, both trainer ranks sending, with no ``remove_receiver``."""
+    reaches them bit-exact, both trainer ranks sending, with no ``remove_receiver``. A new
+    receiver under a rank no one had (3, as ``VLLMRollout.add_replica`` gives) then takes
+    version 4 with them."""
     import time
 
     import workers
@@ -685,10 +687,10 @@ def test_with_drop_lost_receivers_a_lost_receiver_fails_the_sync_and_the_next_go
     overrides = [*SHARDED, "drop_lost_receivers=true"]
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 3, rank=0, num_trainers=2) as sender:
         procs = [
-            start(workers.run_receiver, sender.address, 0, overrides, [1, 2, 3], q, None, False, True),
+            start(workers.run_receiver, sender.address, 0, overrides, [1, 2, 3, 4], q, None, False, True),
             start(workers.run_receiver, sender.address, 1, overrides, [1, 2], q, 1, False, True, 2),
-            start(workers.run_receiver, sender.address, 2, overrides, [1, 2, 3], q, None, False, True),
-            start(workers.run_sharded_backend_trainer, sender.address, 1, 2, overrides, 3, [1, 2, 3], q),
+            start(workers.run_receiver, sender.address, 2, overrides, [1, 2, 3, 4], q, None, False, True),
+            start(workers.run_sharded_backend_trainer, sender.address, 1, 2, overrides, 3, [1, 2, 3, 4], q),
         ]
         try:
             sender.send(workers.make_weights(1), version=1)
@@ -714,6 +716,13 @@ def test_with_drop_lost_receivers_a_lost_receiver_fails_the_sync_and_the_next_go
             assert trainer[1] == 3 and trainer[2] > 0, trainer  # trainer rank 1 sent its part
             got = sorted(r for r in reports if not isinstance(r[0], tuple))
             assert got == [(r, 3, workers.expected_digests(3), 3) for r in (0, 2)]
+            sender.add_receiver(3)
+            procs.append(start(workers.run_receiver, sender.address, 3, overrides, [4], q, None, False, True))
+            stats = sender.send(workers.make_weights(4), version=4)
+            assert stats.receivers == 3 and sender.receivers == [0, 2, 3]
+            reports = collect(q, 4)
+            got = sorted(r for r in reports if not isinstance(r[0], tuple))
+            assert got == [(r, 4, workers.expected_digests(4), 4) for r in (0, 2, 3)]
         finally:
             stop(procs)
 
