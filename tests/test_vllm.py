@@ -30,8 +30,9 @@ from weightsync.demo.vllm import (
     trainer_greedy,
     vllm_environment,
 )
+from weightsync.integrations.vllm_replicas import LLMReplica
 from weightsync.integrations.vllm_reports import ReplicaUpdateError
-from weightsync.integrations.vllm_rollout import LLMReplica, VLLMRollout
+from weightsync.integrations.vllm_rollout import VLLMRollout
 from weightsync.sources import StateDictSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(240)]

@@ -425,7 +425,8 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from weightsync.demo.vllm import PROMPTS, replica_greedy, start_replica, trainer_greedy, vllm_environment
-    from weightsync.integrations.vllm_rollout import LLMReplica, VLLMRollout
+    from weightsync.integrations.vllm_replicas import LLMReplica
+    from weightsync.integrations.vllm_rollout import VLLMRollout
     from weightsync.plan import TensorSpec
     from weightsync.platform import free_port
     from weightsync.sharding.typical import held, trainer_boxes

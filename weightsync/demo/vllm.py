@@ -114,7 +114,7 @@ def start_replica(model_dir: str, *, max_model_len: int, seed: int = 0, **kwargs
 
     from vllm import LLM
 
-    from weightsync.integrations.vllm_rollout import EXTENSION
+    from weightsync.integrations.vllm_replicas import EXTENSION
 
     args: dict[str, Any] = dict(
         model=model_dir,
@@ -213,7 +213,8 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
     from transformers.utils import logging as hf_logging
 
     from weightsync.config.engine import EngineConfig
-    from weightsync.integrations.vllm_rollout import LLMReplica, VLLMRollout
+    from weightsync.integrations.vllm_replicas import LLMReplica
+    from weightsync.integrations.vllm_rollout import VLLMRollout
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
@@ -504,7 +505,8 @@ def run_vllm_lora_demo(
     under the step's ``LoRARequest`` must equal the trainer's, and change with every step."""
     from peft import LoraConfig, get_peft_model
 
-    from weightsync.integrations.vllm_rollout import LLMReplica, VLLMRollout
+    from weightsync.integrations.vllm_replicas import LLMReplica
+    from weightsync.integrations.vllm_rollout import VLLMRollout
 
     llms = _start_replicas(
         opts, console, model_dir, max_len, enable_lora=True, max_loras=2, max_lora_rank=opts.lora_rank

@@ -33,98 +33,28 @@ with them.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Container
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from typing import Any, Literal, Protocol
+from typing import Any
 
 from weightsync.config.engine import EngineConfig
+from weightsync.integrations.vllm_replicas import (
+    EXTENSION,
+    PAUSE_MODES,
+    LLMReplica,
+    PauseMode,
+    Replica,
+    check_mode,
+    within,
+)
 from weightsync.integrations.vllm_reports import ReplicaReport, ReplicaUpdateError, UpdateReport
 from weightsync.sender.sender import Sender
 
+# The rollout's public face: the engine handle is defined in vllm_replicas.
+__all__ = ["EXTENSION", "PAUSE_MODES", "LLMReplica", "PauseMode", "Replica", "VLLMRollout", "within"]
+
 log = logging.getLogger("weightsync.vllm")
-
-EXTENSION = "weightsync.integrations.vllm.WeightsyncWorkerExtension"
-
-PauseMode = Literal["abort", "keep", "wait"]
-PAUSE_MODES: tuple[str, ...] = ("abort", "keep", "wait")
-
-
-class Replica(Protocol):
-    """One inference engine, as the update call needs it. ``LLMReplica`` wraps vLLM's
-    offline ``LLM``; a server-backed replica implements the same methods over HTTP."""
-
-    name: str
-
-    def workers(self) -> int: ...
-    def pause(self, mode: PauseMode) -> None: ...
-    def resume(self) -> None: ...
-    def release_kv_cache(self) -> None: ...
-    def restore_kv_cache(self) -> None: ...
-    def call(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]: ...
-
-
-class LLMReplica:
-    """A ``vllm.LLM`` (started with ``worker_extension_cls=EXTENSION``) as a replica.
-
-    Pausing is vLLM's level-0 sleep (scheduling only: weights and KV cache stay);
-    ``release_kv_cache`` frees the KV cache memory until ``restore_kv_cache``.
-    """
-
-    def __init__(self, llm: Any, name: str | None = None) -> None:
-        self.llm = llm
-        self.name = name or f"vllm-{id(llm):x}"
-
-    def workers(self) -> int:
-        return int(self.llm.llm_engine.vllm_config.parallel_config.world_size)
-
-    def pause(self, mode: PauseMode) -> None:
-        self.llm.sleep(level=0, mode=mode)
-
-    def resume(self) -> None:
-        self.llm.wake_up(tags=["scheduling"])
-
-    def release_kv_cache(self) -> None:
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            # vLLM 0.32's CPU worker refuses it ("Selective discard is not supported on
-            # CPU") and the engine then stops scheduling: refuse before touching it.
-            raise NotImplementedError("vLLM cannot release the KV cache on the CPU backend")
-        self.llm.release_kv_cache_memory()
-
-    def restore_kv_cache(self) -> None:
-        self.llm.wake_up(tags=["kv_cache"])
-
-    def call(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        return self.llm.collective_rpc(method, timeout=timeout, args=args)
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in PAUSE_MODES:
-        raise ValueError(f"mode={mode!r}: expected one of {', '.join(PAUSE_MODES)}")
-
-
-def within(fn: Any, timeout_s: float, what: str) -> Any:
-    """Run an engine call with a deadline: an engine whose worker died may never answer.
-    The call runs in a daemon thread, which is left behind if it does not return."""
-    result: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            result["value"] = fn()
-        except BaseException as e:
-            result["error"] = e
-
-    thread = threading.Thread(target=run, name="weightsync-engine-call", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise TimeoutError(f"{what} did not return within {timeout_s:.0f} s")
-    if "error" in result:
-        raise result["error"]
-    return result.get("value")
 
 
 class VLLMRollout:
@@ -320,7 +250,7 @@ class VLLMRollout:
         """
         if lora:
             return self.update_lora(source, version)
-        _check_mode(mode)
+        check_mode(mode)
         if self.config.update_mode == "staged" if staged is None else staged:
             staging = self.stage(source, version)
             report = self.commit(version, mode=mode, release_kv_cache=release_kv_cache)
@@ -515,7 +445,7 @@ class VLLMRollout:
         holds ``version`` staged and complete. A replica whose load fails is left a mix of
         two versions and paused (as a failed streamed update leaves it); the others serve
         ``version``."""
-        _check_mode(mode)
+        check_mode(mode)
         missing = [
             f"replica {rep.name!r} has {'no complete version' if rep.staged is None else f'version {rep.staged}'} staged"
             for rep in self.status()
@@ -725,8 +655,8 @@ class VLLMRollout:
     def remove_replica(self, name: str) -> Replica:
         """Leave replica ``name`` out of every later update (scaled down, or lost) and return
         it. It keeps serving what it holds (one left paused with a mix of versions stays
-        paused); its workers close their session where they still answer (within
-        ``timeout_s``). ``add_replica`` takes it back."""
+        paused); its workers close their session where they still answer (waiting at most
+        30 s, less with a shorter ``timeout_s``). ``add_replica`` takes it back."""
         replica = next((r for r in self.replicas if r.name == name), None)
         if replica is None:
             raise ValueError(
@@ -735,10 +665,11 @@ class VLLMRollout:
         if len(self.replicas) == 1:
             raise ValueError(f"replica {name!r} is the rollout's last: an update needs at least one")
         self._leave(replica)
+        wait_s = min(self.config.timeout_s, 30.0)  # a lost replica may never answer
         try:
             within(
-                lambda: replica.call("weightsync_close", timeout=self.config.timeout_s),
-                self.config.timeout_s,
+                lambda: replica.call("weightsync_close", timeout=wait_s),
+                wait_s,
                 f"closing the session of replica {name!r}",
             )
         except Exception as e:  # lost: nothing there to close
