@@ -138,8 +138,7 @@ class VLLMRollout:
         for r in self.replicas:
             self._first_rank[r.name] = rank
             rank += r.workers()
-        #: every worker is a receiver rank: replica r's TP rank k is ``_first_rank[r] + k``
-        self.num_receivers = rank
+        # every worker is a receiver rank: replica r's TP rank k is ``_first_rank[r] + k``
         self._next_rank = rank  # an added replica's first; a rank is never given twice
         self.sender = Sender(
             self.config, address, num_receivers=rank, rank=0, num_trainers=num_trainers, wire_dtype=wire_dtype
@@ -701,11 +700,15 @@ class VLLMRollout:
                 rep.left = True
 
     def _membership_changed(self) -> None:
-        self.num_receivers = self.sender.num_receivers
         self._pool.shutdown(wait=False)  # a thread per replica's call, as at the start
         self._pool = ThreadPoolExecutor(len(self.replicas) + 1, thread_name_prefix="weightsync-replica")
 
     # ------------------------------------------------------------------ state
+    @property
+    def num_receivers(self) -> int:
+        """Receiver ranks every update goes to: one per worker of every replica."""
+        return self.sender.num_receivers
+
     def status(self) -> list[ReplicaReport]:
         """Every replica's current version (asked from its workers)."""
         out = []

@@ -199,16 +199,17 @@ def _levels(route: Route, plans: Mapping[tuple[int, int], Plan]) -> list[list[tu
     pairs = sorted(plans, key=lambda p: (_round(route, *p), *p))
     busy: dict[tuple[str, int], int] = {}  # bytes each NIC has moved by the time it is free
     levels: list[list[tuple[int, int]]] = []
+
+    def free(pair: tuple[int, int]) -> int:  # when both its NICs are free
+        return max(busy.get(("t", pair[0]), 0), busy.get(("r", pair[1]), 0))
+
     for k in range(max((len(p.buckets) for p in plans.values()), default=0)):
         waiting = [p for p in pairs if k < len(plans[p].buckets)]
         level: list[tuple[int, int]] = []
         while waiting:
-            pick = min(waiting, key=lambda p: max(busy.get(("t", p[0]), 0), busy.get(("r", p[1]), 0)))
+            pick = min(waiting, key=free)
             waiting.remove(pick)
-            end = (
-                max(busy.get(("t", pick[0]), 0), busy.get(("r", pick[1]), 0)) + plans[pick].buckets[k].nbytes
-            )
-            busy[("t", pick[0])] = busy[("r", pick[1])] = end
+            busy[("t", pick[0])] = busy[("r", pick[1])] = free(pick) + plans[pick].buckets[k].nbytes
             level.append(pick)
         levels.append(level)
     return levels
