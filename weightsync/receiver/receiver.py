@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import torch
@@ -34,21 +34,14 @@ from weightsync.errors import (
     VerificationError,
     in_context,
 )
-from weightsync.plan import Bucket, Plan, TensorSpec, capacity, shortfall
+from weightsync.plan import Bucket, Plan, capacity, shortfall
 from weightsync.receiver import admission
 from weightsync.receiver.publication import take
+from weightsync.receiver.route_stage import DenseReceive, Needs, ReceiveRoute
+from weightsync.receiver.sharded_route import ShardedReceive
 from weightsync.session import reroute
 from weightsync.session.channel import PROTOCOL_VERSION, Channel, Deadline
 from weightsync.session.control import connect
-from weightsync.sharding.agreement import (
-    RECEIVER,
-    WHOLE,
-    Agreement,
-    FragmentSink,
-    Part,
-    Reassembly,
-)
-from weightsync.sharding.layout import Box, Layout
 from weightsync.sinks import ModuleSink
 from weightsync.state import VersionState
 from weightsync.stats import SyncStats
@@ -114,15 +107,14 @@ class Receiver:
         self._reroutable = False  # the sync in transfer: the sender may route around a lost receiver
         #: the delta stage (``weightsync.delta.receive_stage``): a streaming receiver's base, and each sync's routing
         self._decoder = ReceiveStage(config.delta, rank)
-        # ``sharded``: the route last agreed, and this receiver's part of the sync in progress
         self._sharded = self._transport is not None and self._transport.sharded
-        self._agreement = Agreement(RECEIVER, config.bucket_bytes)
-        self._part: Part | None = None
+        #: the route stage: which wire entries this receiver takes and how they land
+        self._route: ReceiveRoute = ShardedReceive(config.bucket_bytes) if self._sharded else DenseReceive()
         #: ``sharded``, ``receive`` (no module to land in): what this receiver keeps of the
         #: offered tensors, as a box per tensor name (a name left out is not needed); None,
         #: or a hook that answers None, declares nothing: every tensor whole. An inference
         #: engine's worker sets it (``weightsync.integrations.vllm_slices``).
-        self.needs: Callable[[Sequence[TensorSpec]], Mapping[str, Box] | None] | None = None
+        self.needs: Needs | None = None
 
     @property
     def sharded(self) -> bool:
@@ -219,7 +211,7 @@ class Receiver:
 
     def _join(self, ch: Channel, version: int, info: dict[str, Any], capacity_bytes: int) -> Join:
         """This receiver's ``Join`` record for the data plane ``info`` describes."""
-        return Join(
+        join = Join(
             version=version,
             rank=int(info["rank"]),
             world_size=int(info["world_size"]),
@@ -230,10 +222,8 @@ class Receiver:
             local_host=ch.sock.getsockname()[0],
             sender_host=ch.sock.getpeername()[0],
             watch=self._watch_sender,
-            links=self._part.links if self._part is not None else (),
-            peer_of=self._part.peer_of if self._part is not None else None,
-            forward=self._part.forward if self._part is not None else None,
         )
+        return self._route.join(join)
 
     def _watch_sender(self) -> None:
         ch = self._channel
@@ -289,33 +279,8 @@ class Receiver:
         """
         if self._publisher is not None:
             return self._take(self._publisher, version, None, owned)
-        if self._sharded:  # each tensor put together from its fragments: whole, or the boxes of ``needs``
-            if landing is not None:
-                raise ValueError("backend=sharded receives no prefetched landing: use load_into or receive")
-            return self._reassembled(self._sync_session(version, None, owned=False, settle=settle))
-        return self._sync_session(version, None, owned, landing=landing, settle=settle)
-
-    def _reassembled(
-        self, fragments: Iterator[tuple[str, torch.Tensor]]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """A sharded sync's fragments as whole tensors (each handed out once complete; the
-        caller owns them)."""
-        whole: Reassembly | None = None
-        for name, tensor in fragments:
-            if whole is None:
-                assert self._part is not None  # agreed before the first fragment
-                whole = Reassembly(self._part)
-                done = [*whole.empty, whole.put(name, tensor)]
-            else:
-                done = [whole.put(name, tensor)]
-            for item in done:
-                if item is None:
-                    continue
-                try:
-                    yield item
-                except BaseException as e:
-                    fragments.throw(e)
-                    raise
+        owned = self._route.owned(owned, landing)
+        return self._route.wholes(self._sync_session(version, None, owned, landing=landing, settle=settle))
 
     def load_into(self, module: torch.nn.Module | ModuleSink, version: int | None = None) -> SyncStats:
         """Receive one version and copy it in place into ``module`` by name (or into a sink's
@@ -326,14 +291,7 @@ class Receiver:
         announced, before anything of it is allocated. Names the module has but the sync did
         not carry are logged and listed in ``stats.missing``.
         """
-        if self._sharded:  # the slices this rank keeps (a DTensor's local shard, a plain tensor whole)
-            sink = (
-                module
-                if isinstance(module, FragmentSink)
-                else FragmentSink(getattr(module, "module", module))
-            )
-        else:
-            sink = module if isinstance(module, ModuleSink) else ModuleSink(module)
+        sink = self._route.sink(module)
         items = self._sync(version, sink=sink)
         for name, tensor in items:
             try:
@@ -418,7 +376,7 @@ class Receiver:
             if isinstance(msg.get("version"), int):  # a failed sync's leftovers end before we are ready
                 transport.settle(msg["version"], retake)
             v, plan, incoming, msg = self._handshake(ch, msg, version, sink)
-            if self._sharded and self._part is None:
+            if not self._route.agreed():
                 raise ProtocolError(f"{ch.peer} gave the go of version {v} before the route was agreed")
             info, self._reroutable = msg["engine"], msg.get("reroute") is True
             transport.connect(self._join(ch, v, info, capacity(plan, self.config.bucket_bytes)), info)
@@ -698,13 +656,14 @@ class Receiver:
         v = msg.get("version")
         plan: Plan | None = None
         incoming: Incoming | None = None
-        agreed: dict[str, Any] = {}  # sharded: the ready answer's route or layout
+        agreed: dict[str, Any] = {}  # the route stage's fields of the ready answer
         try:
             problem = admission.sync_problem(msg, expected, self.state, self.config)
-            if problem is None and self._sharded:
-                plan, agreed = self._route_plan(msg, sink)
-            elif problem is None:
-                plan, problem = admission.agreed_plan(msg, self._plan, self.config, self.max_tensor_bytes)
+            if problem is None:
+                host = self._channel.sock.getsockname()[0]
+                plan, problem, agreed = self._route.accept(
+                    msg, sink, self._plan, self.config, self.max_tensor_bytes, host, self.needs
+                )
             if problem is None:
                 incoming = self._decoder.accept(
                     msg.get("delta"), plan, sink, self.state, self.max_tensor_bytes
@@ -721,32 +680,6 @@ class Receiver:
         # A delta sync without a dense section is offered again with one if we lack its base.
         self._channel.send({"type": "ready", "dense": incoming.wants_dense, **agreed}, deadline)
         return v, plan, incoming
-
-    def _route_plan(self, msg: dict[str, Any], sink: ModuleSink | None) -> tuple[Plan | None, dict[str, Any]]:
-        """``sharded``: this receiver's plan of the offered route, and what its ready answer
-        says (the route's hash; or its layout, while the offer lacks it: then no plan, and
-        the sender offers the sync again)."""
-        assert self._channel is not None
-        if sink is not None and not isinstance(sink, FragmentSink):
-            raise ValueError("backend=sharded lands fragments: pass the module itself to load_into")
-        host = self._channel.sock.getsockname()[0]
-        own: Layout | str = WHOLE
-        if sink is not None:
-            own = sink.layout(host)
-        elif self.needs is not None:
-            specs = self._agreement.specs(msg.get("route"))
-            if specs is None:  # offered the hash of a route this receiver does not hold
-                self._part = None
-                return None, {"resend": True}
-            if (boxes := self.needs(specs)) is not None:
-                own = Layout(dict(boxes), host)
-        part, fields = self._agreement.answer(msg.get("route"), int(msg["engine"]["rank"]) - 1, own)
-        self._part = part
-        if part is None:
-            return None, fields
-        if sink is not None:
-            sink.bind(part)
-        return part.rank_plan.plan, fields
 
     def _refuse(self, problem: str, deadline: Deadline) -> None:
         """Tell the sender why not, and take its abort off the line."""

@@ -3,14 +3,20 @@ that fills buckets from a source, the trainer ranks of a session where every ran
 and what trainer rank 0 reads from its receivers.
 """
 
-from weightsync.sender.packer import Packer, carriable, producer
+from weightsync.sender.packer import Packer, producer
 from weightsync.sender.ranks import TrainerFollower, TrainerPeers
 from weightsync.sender.replies import answers, dead_ranks, explain, gather_done, lost_receivers
+from weightsync.sender.route_stage import DenseSend, Members, SendRoute, carriable
 from weightsync.sender.sender import Sender
+from weightsync.sender.sharded_route import ShardedSend
 
 __all__ = [
+    "DenseSend",
+    "Members",
     "Packer",
+    "SendRoute",
     "Sender",
+    "ShardedSend",
     "TrainerFollower",
     "TrainerPeers",
     "answers",

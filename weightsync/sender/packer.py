@@ -7,13 +7,11 @@ to receivers (``announce``) before its bytes are sent.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from weightsync.config.engine import EngineConfig
 from weightsync.errors import SourceFailed, SyncError
 from weightsync.plan import Bucket, Plan, PlanBuilder, TensorSpec, as_bytes, pack_pieces, plan_hash
 from weightsync.sources import WeightSource
@@ -182,24 +180,3 @@ def producer(
         return produced
 
     return packer, produce, sums
-
-
-def carriable(plan: Plan | None, config: EngineConfig, engine_cls: type, all_send: bool) -> None:
-    """Refuse, before anything is sent, what the backend cannot carry: a bare iterator
-    where every trainer rank sends (``all_send``), a tensor larger than a bucket where the
-    backend never splits one."""
-    if all_send and plan is None:
-        raise SyncError(
-            f"backend {config.backend!r} needs a source that announces its tensors up front "
-            "(a module or a state dict, the same on every trainer rank), not a bare iterator"
-        )
-    if plan is None or engine_cls.splits_tensors:
-        return
-    bucket = config.bucket_bytes
-    for spec in plan.tensors:
-        if spec.nbytes > bucket:
-            raise SyncError(
-                f"backend {config.backend!r} never splits a tensor, and tensor {spec.name!r} "
-                f"({spec.nbytes / 2**20:.1f} MiB) is larger than a bucket ({bucket / 2**20:g} MiB): "
-                f"set update_weights_bucket_megabytes to at least {math.ceil(spec.nbytes / 2**20)}"
-            )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import socket
 import time
@@ -29,29 +28,20 @@ from weightsync.engines.base import Join, Publisher, Transport
 from weightsync.engines.registry import get_engine
 from weightsync.errors import HandshakeError, PeerLost, RemoteFailure, SyncError
 from weightsync.plan import Plan, capacity, make_plan
-from weightsync.sender.packer import carriable, producer
+from weightsync.sender.packer import producer
 from weightsync.sender.ranks import TrainerFollower, TrainerPeers
 from weightsync.sender.replies import answers, dead_ranks, explain, gather_done, lost_receivers
+from weightsync.sender.route_stage import DenseSend, Members, SendRoute
+from weightsync.sender.sharded_route import ShardedSend
 from weightsync.session import reroute
 from weightsync.session.auth import reachable_from_other_hosts
 from weightsync.session.channel import PROTOCOL_VERSION, Channel, Deadline
 from weightsync.session.control import ControlServer, PartlyConnected
-from weightsync.sharding.agreement import (
-    RECEIVER,
-    TRAINER,
-    Part,
-    RouteOffer,
-    ShardSource,
-    own_part,
-    receiver_checksums,
-)
-from weightsync.sources import IteratorSource, WeightSource, as_source
+from weightsync.sharding.agreement import RECEIVER, TRAINER
+from weightsync.sources import WeightSource, as_source
 from weightsync.stats import SyncStats
 
 log = logging.getLogger("weightsync")
-
-#: ``sharded``: rounds of the handshake in which ranks may still declare a new layout
-MAX_ROUTE_ROUNDS = 3
 
 
 class Sender:
@@ -97,7 +87,9 @@ class Sender:
         self._num_trainers = num_trainers or (dist.get_world_size() if dist.is_initialized() else 1)
         self.engine_cls = get_engine(config.backend)
         self._all_send = issubclass(self.engine_cls, Transport) and self.engine_cls.all_ranks_send
-        self._sharded = issubclass(self.engine_cls, Transport) and self.engine_cls.sharded
+        sharded = issubclass(self.engine_cls, Transport) and self.engine_cls.sharded
+        #: the route stage: what each sync's wire entries are and where they go
+        self._route: SendRoute = ShardedSend() if sharded else DenseSend()
         if self._all_send and not 0 <= self.rank < self.num_trainers:
             raise ValueError(
                 f"rank {self.rank} is not one of the {self.num_trainers} trainer rank(s) (num_trainers)"
@@ -120,11 +112,6 @@ class Sender:
         self._rerouting = False  # the failed sync's others wait to take its version again
         self._dropped: set[int] = set()  # lost and dropped (drop_lost_receivers), not added back
         self._doing = ""  # what the session is in, for messages ("the transfer of version 3")
-        # ``sharded``, rank 0: the layouts heard and the route they make; the sync's own part
-        self._routes: RouteOffer | None = RouteOffer() if self._sharded else None
-        self._part: Part | None = None
-        #: ``sharded``: each trainer rank's bucket checksums of the sync in progress
-        self._rank_sums: dict[int, dict[int, int]] | None = None
         if issubclass(self.engine_cls, Publisher):
             self._publisher = self.engine_cls(config, self.device, address)
         elif self.rank == 0:  # rank 0 runs the session
@@ -273,7 +260,7 @@ class Sender:
         if self._server is None or transport is None:
             return
         self._doing = "the warm-up"
-        if self._trainers.count or self._sharded:  # sharded: the route forms in the first sync
+        if self._trainers.count or self._route.forms_in_sync:
             self._warm_connections_only()
             return
         specs = as_source(source, self.wire_dtype).specs() if source is not None else None
@@ -392,11 +379,7 @@ class Sender:
         ``force`` (a deliberate rollback). Raises ``SyncError`` (naming the peer, with its
         rank in ``.ranks``) on any failure.
         """
-        src = (
-            ShardSource.of(source, wire_dtype or self.wire_dtype)
-            if self._sharded
-            else as_source(source, wire_dtype or self.wire_dtype)
-        )
+        src = self._route.source(source, wire_dtype or self.wire_dtype)
         start = time.perf_counter()
         self._doing = f"the transfer of version {version}"
         if self._publisher is not None and (self.rank == 0 or self._publisher.colocated):
@@ -404,22 +387,15 @@ class Sender:
         if self._transport is None:  # this rank does not send: drain
             count = sum(1 for _ in src.tensors())  # materializing shards is collective
             return self._finish_stats(SyncStats(version, tensors=count), start)
-        specs = src.specs()
-        # sharded: each rank's plan comes from the route, agreed in the handshake
-        plan = make_plan(specs, self.config.bucket_bytes) if specs is not None and not self._sharded else None
-        if not self._sharded:  # a sharded source announces its tensors (ShardSource.of)
-            carriable(plan, self.config, self.engine_cls, self._all_send)  # before waiting for anyone
+        # before waiting for anyone: what the backend cannot carry is refused now
+        plan = self._route.plan(src, self.config, self.engine_cls, self._all_send)
         self.connect()  # waiting for peers to start is not part of the sync's time
         start = time.perf_counter()
         if self._follower is not None:
-            if isinstance(src, ShardSource):
-                return self._finish_stats(
-                    self._follower.send_part(self._transport, src, version, self.num_receivers), start
-                )
-            assert plan is not None
-            return self._finish_stats(
-                self._follower.send_share(self._transport, src, version, plan, self.num_receivers), start
+            stats = self._route.follow(
+                self._follower, self._transport, src, version, plan, self.num_receivers
             )
+            return self._finish_stats(stats, start)
         return self._finish_stats(self._send_session(src, version, plan, force, start), start)
 
     def _send_session(
@@ -486,7 +462,7 @@ class Sender:
         assert transport is not None and self._server is not None
         stats = SyncStats(version, receivers=self.num_receivers)
         self._confirmed = set()
-        self._part = None
+        self._route.start()
         senders = self._trainers.count + 1
         # Before the handshake: the plan of a delta sync depends on what changed.
         try:
@@ -504,14 +480,7 @@ class Sender:
             info = {**transport.prepare(join), "world_size": join.world_size, "senders": senders}
             stats.plan_sent_to, out = self._handshake(version, out, info, force)
             went = True
-            if self._part is not None:  # sharded: this rank's buckets and the route's links
-                join = dataclasses.replace(
-                    join,
-                    capacity=capacity(out.plan, self.config.bucket_bytes),
-                    links=self._part.links,
-                    peer_of=self._part.peer_of,
-                )
-            transport.connect(join, info)
+            transport.connect(self._route.join(join, self.config.bucket_bytes), info)
             stats.handshake_s = time.perf_counter() - start  # handshake and group join
             deadline = Deadline(self.config.timeout_s, f"in the transfer of version {version}")
             sums = self._transfer(out, stats, deadline)
@@ -572,9 +541,10 @@ class Sender:
             and not self._trainers.count
         )
 
-    def _transfer(self, out: Outgoing, stats: SyncStats, deadline: Deadline) -> dict[int, int]:
+    def _transfer(self, out: Outgoing, stats: SyncStats, deadline: Deadline) -> dict[int, dict[int, int]]:
         """Pack ``out`` by its plan and move it (other trainer ranks send their shares);
-        returns each sent bucket's checksum (bucket index -> checksum) when ``verify`` is on."""
+        returns, when ``verify`` is on, each sent bucket's checksum by trainer rank (rank 0's
+        are every bucket's, unless the route stage keeps each rank's own)."""
         transport = self._transport
         assert transport is not None
         packer, produce, sums = producer(
@@ -589,32 +559,30 @@ class Sender:
         stats.wire_bytes = transport.send_buckets(produce)  # buckets, alignment padding included
         stats.transfer_s = time.perf_counter() - t0
         stats.buckets, stats.tensors, stats.bytes = packer.buckets, packer.pulled, packer.nbytes
-        # sharded: each trainer rank's buckets are its own, their checksums kept apart
-        self._rank_sums = {0: sums} if self._part is not None else None
+        # each trainer rank's checksums: kept apart where its buckets are its own
+        rank_sums = {0: sums}
         if self._trainers.channels:
             assert out.plan is not None
-            stats.wire_bytes += self._trainers.gather_shares(out.version, sums, deadline, self._rank_sums)
+            kept = rank_sums if self._route.own_buckets else None
+            stats.wire_bytes += self._trainers.gather_shares(out.version, sums, deadline, kept)
             stats.buckets = len(out.plan.buckets)
             stats.bytes = sum(s.nbytes for s in out.plan.tensors)
-        if self._part is not None:  # every trainer rank's fragments
-            stats.bytes = sum(self._part.route.received_bytes().values())
-            stats.tensors = len(self._part.route.fragments)
+        self._route.account(stats)
         out.account(stats)  # a delta sync counts the model's bytes, not the wire's
-        return sums
+        return rank_sums
 
-    def _verification(self, out: Outgoing, sums: dict[int, int], deadline: Deadline) -> None:
+    def _verification(self, out: Outgoing, rank_sums: dict[int, dict[int, int]], deadline: Deadline) -> None:
         """``verify``: the sent buckets' checksums follow the transfer, in plan order (and a
         delta sync's checksums of the tensors receivers reconstruct)."""
         mode = self.config.verify
         if mode == "off":
             return
-        if self._part is not None and self._rank_sums is not None:  # each receiver rank's own buckets
-            lists = receiver_checksums(
-                self._part.route, len(self.receivers), self.config.bucket_bytes, self._rank_sums
-            )
+        lists = self._route.checksums(out, rank_sums, self._members_now(), self.config.bucket_bytes)
+        if lists is not None:  # each receiver rank's own buckets
             for q, rank in enumerate(self.receivers):
                 self._channels[rank].send({"type": "verify", "mode": mode, "checksums": lists[q]}, deadline)
             return
+        sums = rank_sums[0]
         order = [sums[b.index] for b in out.plan.buckets] if out.plan is not None else list(sums.values())
         self._broadcast_msg(
             {"type": "verify", "mode": mode, "checksums": order, **out.verify_fields(mode)}, deadline
@@ -637,72 +605,37 @@ class Sender:
         self, version: int, out: Outgoing, info: dict[str, Any], force: bool
     ) -> tuple[int, Outgoing]:
         """Agree on version, bucket size and plan with every receiver (and trainer rank);
-        return how many receivers got the full plan, and what goes. Where the delta stage
-        has a receiver's answer call for another offer (a dense section for a receiver
-        without the base), it is made again."""
-        rounds = 0
+        return how many receivers got the full plan, and what this rank packs. Another
+        round is offered where the delta stage has a receiver's answer call for it (a dense
+        section for a receiver without the base), or the route stage (a new layout)."""
+        members = self._members_now()
         while True:
-            plans_sent, peers, replies, deadline = self._offer(version, out, info, force)
+            plans_sent, peers, replies, deadline = self._offer(version, out, info, force, members)
             again = out.again(replies)
-            if (
-                again is None
-                and self._routes is not None
-                and self._route_changed(out, peers, replies, deadline)
-            ):
-                again = out  # the same sync, offered with the route the new layouts make
-                rounds += 1
-                if rounds > MAX_ROUTE_ROUNDS:
-                    self._abort(peers, deadline, f"the ranks' layouts changed in each of {rounds} rounds")
+            if again is None:
+                sides = [(RECEIVER, r) for r in sorted(self._channels)]
+                sides += [(TRAINER, i) for i in sorted(self._trainers.channels)]
+                answered = [(side, rank, reply) for (side, rank), (_, reply) in zip(sides, replies)]
+                try:
+                    if self._route.answered(out, answered, members):
+                        again = out  # the same sync, offered with the route the new layouts make
+                except ValueError as e:
+                    self._abort(peers, deadline, str(e), e)
             for _, _, ch in peers:
                 ch.send({"type": "again" if again is not None else "go"}, deadline)
             if again is None:
-                return plans_sent, self._own_part(out)
+                return plans_sent, self._route.own(out, members, self.config.bucket_bytes)
             out = again
 
-    def _layout_host(self) -> str:
-        """The host rank 0's bytes leave from, in its layout (ranks of a host share a NIC)."""
+    def _members_now(self) -> Members:
+        """The sync's members as the route stage sees them."""
         assert self._server is not None
-        host = self._server.host
-        return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
-
-    def _route_fields(self, out: Outgoing) -> dict[str, Any]:
-        """``sharded``: the route field of this round's sync messages."""
-        if self._routes is None:
-            return {}
-        src = out.source
-        assert isinstance(src, ShardSource)
-        own = src.layout(self._layout_host())
-        return {"route": self._routes.fields(src.specs(), own, self.receivers, self.num_trainers)}
-
-    def _route_changed(
-        self,
-        out: Outgoing,
-        peers: list[tuple[str, int | None, Channel]],
-        replies: list[tuple[int | None, dict]],
-        deadline: Deadline,
-    ) -> bool:
-        """``sharded``: take the layouts the peers answered with; True when the sync must be
-        offered again with the route they make. Layouts that make no route abort the sync,
-        naming the tensor."""
-        assert self._routes is not None
-        sides = [(RECEIVER, r) for r in sorted(self._channels)] + [
-            (TRAINER, i) for i in sorted(self._trainers.channels)
-        ]
-        answered = [(side, rank, reply) for (side, rank), (_, reply) in zip(sides, replies)]
-        src = out.source
-        assert isinstance(src, ShardSource)
-        try:
-            if not self._routes.take(answered):
-                return False
-            self._routes.route(
-                src.specs(), src.layout(self._layout_host()), self.receivers, self.num_trainers
-            )
-        except ValueError as e:  # a RouteError, or a layout that does not parse
-            reason = f"the layouts of this sync's ranks make no route: {e}"
-            for side, rank in sides:
-                self._routes.forget(side, rank)  # asked again at the next sync
-            self._abort(peers, deadline, reason, e)
-        return True
+        host = self._server.host  # in a layout: where rank 0's bytes leave from
+        return Members(
+            receivers=tuple(self.receivers),
+            trainers=self.num_trainers,
+            host=socket.gethostname() if host in ("", "0.0.0.0", "::") else host,
+        )
 
     def _abort(
         self,
@@ -717,22 +650,8 @@ class Sender:
                 ch.send({"type": "abort", "message": reason}, deadline)
         raise HandshakeError(reason) from cause
 
-    def _own_part(self, out: Outgoing) -> Outgoing:
-        """``sharded``, after the go: what rank 0 itself sends (its fragments, its plan)."""
-        if self._routes is None:
-            return out
-        src = out.source
-        assert isinstance(src, ShardSource)
-        route = self._routes.route(
-            src.specs(), src.layout(self._layout_host()), self.receivers, self.num_trainers
-        )
-        if route is None:
-            raise RuntimeError("the sharded handshake ended without a route")  # _route_changed prevents it
-        self._part = part = own_part(route, self.num_receivers, self.config.bucket_bytes)
-        return Outgoing(IteratorSource(part.tensors(src.shards)), part.rank_plan.plan, out.version)
-
     def _offer(
-        self, version: int, out: Outgoing, info: dict[str, Any], force: bool
+        self, version: int, out: Outgoing, info: dict[str, Any], force: bool, members: Members
     ) -> tuple[int, list[tuple[str, int | None, Channel]], list[tuple[int | None, dict[str, Any]]], Deadline]:
         """One round of the handshake: the sync message to every peer, and their answers.
         Returns how many receivers got the full plan, the peers, their replies (rank and
@@ -741,7 +660,7 @@ class Sender:
         plan = out.plan
         plans_sent = 0
         msg: dict[str, Any] = {}
-        route = self._route_fields(out)
+        route = self._route.offer(out, members)
         for rank, ch in self._channels.items():
             msg = {
                 "type": "sync",

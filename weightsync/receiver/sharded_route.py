@@ -1,0 +1,100 @@
+"""``ShardedReceive``: the receiver's route stage of ``backend=sharded``.
+
+A receiver declares what it keeps (``weightsync.sharding.agreement``): the slices of the
+module it loads into (``FragmentSink``), the boxes a ``needs`` hook names (an inference
+engine's worker: ``weightsync.integrations.vllm_slices``), or nothing, and then takes every
+tensor whole, put back together from its fragments (``Reassembly``). It answers trainer
+rank 0's offer with its layout until the offer names it, then computes the route itself,
+checks its hash and takes its part: its plan, its links, the rank it forwards to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from weightsync.config.engine import EngineConfig
+from weightsync.engines.base import Join
+from weightsync.plan import Plan
+from weightsync.receiver.route_stage import Entries, Needs, ReceiveRoute
+from weightsync.sharding.agreement import RECEIVER, WHOLE, Agreement, Declared, FragmentSink, Part, Reassembly
+from weightsync.sharding.layout import Layout
+from weightsync.sinks import ModuleSink
+
+
+class ShardedReceive(ReceiveRoute):
+    """A receiver's route stage under ``backend=sharded``."""
+
+    def __init__(self, bucket_bytes: int) -> None:
+        self._agreement = Agreement(RECEIVER, bucket_bytes)  # the route last agreed
+        self._part: Part | None = None  # this receiver's part of the sync in progress
+
+    def sink(self, module: torch.nn.Module | ModuleSink) -> ModuleSink:
+        # the slices this rank keeps: a DTensor's local shard, a plain tensor whole
+        return module if isinstance(module, FragmentSink) else FragmentSink(getattr(module, "module", module))
+
+    def owned(self, owned: bool, landing: Any) -> bool:
+        if landing is not None:
+            raise ValueError("backend=sharded receives no prefetched landing: use load_into or receive")
+        return False  # fragments are copied into whole tensors the consumer owns (``wholes``)
+
+    def accept(
+        self,
+        msg: dict[str, Any],
+        sink: ModuleSink | None,
+        held: Plan | None,
+        config: EngineConfig,
+        max_tensor_bytes: int | None,
+        host: str,
+        needs: Needs | None,
+    ) -> tuple[Plan | None, str | None, dict[str, Any]]:
+        if sink is not None and not isinstance(sink, FragmentSink):
+            raise ValueError("backend=sharded lands fragments: pass the module itself to load_into")
+        own: Declared = WHOLE
+        if sink is not None:
+            own = sink.layout(host)
+        elif needs is not None:
+            specs = self._agreement.specs(msg.get("route"))
+            if specs is None:  # offered the hash of a route this receiver does not hold
+                self._part = None
+                return None, None, {"resend": True}
+            if (boxes := needs(specs)) is not None:
+                own = Layout(dict(boxes), host)
+        part, fields = self._agreement.answer(msg.get("route"), int(msg["engine"]["rank"]) - 1, own)
+        self._part = part
+        if part is None:  # the offer lacks this layout: answered with it, offered again
+            return None, None, fields
+        if sink is not None:
+            sink.bind(part)
+        return part.rank_plan.plan, None, fields
+
+    def agreed(self) -> bool:
+        return self._part is not None
+
+    def join(self, join: Join) -> Join:
+        part = self._part
+        if part is None:
+            return join
+        return dataclasses.replace(join, links=part.links, peer_of=part.peer_of, forward=part.forward)
+
+    def wholes(self, entries: Entries) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each tensor handed out once its last fragment arrived (the caller owns it)."""
+        whole: Reassembly | None = None
+        for name, tensor in entries:
+            if whole is None:
+                assert self._part is not None  # agreed before the first fragment
+                whole = Reassembly(self._part)
+                done = [*whole.empty, whole.put(name, tensor)]
+            else:
+                done = [whole.put(name, tensor)]
+            for item in done:
+                if item is None:
+                    continue
+                try:
+                    yield item
+                except BaseException as e:
+                    entries.throw(e)
+                    raise

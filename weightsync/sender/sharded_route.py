@@ -1,0 +1,126 @@
+"""``ShardedSend``: the sender's route stage of ``backend=sharded``.
+
+Each trainer rank holds local shards (``ShardSource``) and sends only the fragments the
+route gives it; each receiver keeps only its part. The route forms in the handshake
+(``weightsync.sharding.agreement``): trainer rank 0 offers the layouts it has heard, peers
+whose layout the offer lacks answer with it and the sync is offered again, at most
+``MAX_ROUTE_ROUNDS`` times. After the go, rank 0 packs its own fragments by its own plan;
+its links and per-bucket peers go into the ``Join`` record, and ``verify`` hands each
+receiver the checksums of its own buckets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from weightsync.config.engine import EngineConfig
+from weightsync.delta.send_stage import Outgoing
+from weightsync.engines.base import Join, Transport
+from weightsync.plan import Plan, capacity
+from weightsync.sender.ranks import TrainerFollower
+from weightsync.sender.route_stage import Answer, Members, SendRoute
+from weightsync.sharding.agreement import Part, RouteOffer, ShardSource, own_part, receiver_checksums
+from weightsync.sources import IteratorSource, WeightSource
+from weightsync.stats import SyncStats
+
+#: rounds of the handshake in which ranks may still declare a new layout
+MAX_ROUTE_ROUNDS = 3
+
+
+class ShardedSend(SendRoute):
+    """Trainer rank 0's (and a following rank's) route stage under ``backend=sharded``."""
+
+    forms_in_sync = True  # the route needs every rank's layout: it forms in the first sync
+    own_buckets = True
+
+    def __init__(self) -> None:
+        self._offer = RouteOffer()  # the layouts heard and the route they make
+        self._part: Part | None = None  # this rank's part of the sync in progress
+        self._rounds = 0  # rounds of the current handshake that changed the route
+
+    def source(self, obj: Any, wire_dtype: torch.dtype | None) -> WeightSource:
+        return ShardSource.of(obj, wire_dtype)
+
+    def plan(self, src: WeightSource, config: EngineConfig, engine_cls: type, all_send: bool) -> Plan | None:
+        return None  # each rank's plan comes from the route, agreed in the handshake
+
+    def follow(
+        self,
+        follower: TrainerFollower,
+        transport: Transport,
+        src: WeightSource,
+        version: int,
+        plan: Plan | None,
+        receivers: int,
+    ) -> SyncStats:
+        assert isinstance(src, ShardSource)
+        return follower.send_part(transport, src, version, receivers)
+
+    def start(self) -> None:
+        self._part, self._rounds = None, 0
+
+    def offer(self, out: Outgoing, members: Members) -> dict[str, Any]:
+        src = self._shards(out)
+        fields = self._offer.fields(
+            src.specs(), src.layout(members.host), members.receivers, members.trainers
+        )
+        return {"route": fields}
+
+    def answered(self, out: Outgoing, answers: Sequence[Answer], members: Members) -> bool:
+        src = self._shards(out)
+        try:
+            if not self._offer.take(answers):
+                return False
+            self._offer.route(src.specs(), src.layout(members.host), members.receivers, members.trainers)
+        except ValueError as e:  # a RouteError, or a layout that does not parse
+            for side, rank, _ in answers:
+                self._offer.forget(side, rank)  # asked again at the next sync
+            raise ValueError(f"the layouts of this sync's ranks make no route: {e}") from e
+        self._rounds += 1
+        if self._rounds > MAX_ROUTE_ROUNDS:
+            raise ValueError(f"the ranks' layouts changed in each of {self._rounds} rounds")
+        return True
+
+    def own(self, out: Outgoing, members: Members, bucket_bytes: int) -> Outgoing:
+        src = self._shards(out)
+        route = self._offer.route(src.specs(), src.layout(members.host), members.receivers, members.trainers)
+        if route is None:
+            raise RuntimeError("the sharded handshake ended without a route")  # answered prevents it
+        self._part = part = own_part(route, len(members.receivers), bucket_bytes)
+        return Outgoing(IteratorSource(part.tensors(src.shards)), part.rank_plan.plan, out.version)
+
+    def join(self, join: Join, bucket_bytes: int) -> Join:
+        part = self._own()
+        plan = part.rank_plan.plan
+        return dataclasses.replace(
+            join, capacity=capacity(plan, bucket_bytes), links=part.links, peer_of=part.peer_of
+        )
+
+    def account(self, stats: SyncStats) -> None:
+        route = self._own().route  # every trainer rank's fragments
+        stats.bytes = sum(route.received_bytes().values())
+        stats.tensors = len(route.fragments)
+
+    def checksums(
+        self, out: Outgoing, sums: dict[int, dict[int, int]], members: Members, bucket_bytes: int
+    ) -> list[list[int]] | None:
+        return receiver_checksums(self._own().route, len(members.receivers), bucket_bytes, sums)
+
+    def forget(self, side: str, rank: int) -> None:
+        self._offer.forget(side, rank)
+
+    def _own(self) -> Part:
+        if self._part is None:
+            raise RuntimeError("the sharded sync has no part before its go")
+        return self._part
+
+    @staticmethod
+    def _shards(out: Outgoing) -> ShardSource:
+        src = out.source
+        if not isinstance(src, ShardSource):  # source() made it one
+            raise TypeError(f"backend=sharded sends a ShardSource, not a {type(src).__name__}")
+        return src
