@@ -10,12 +10,9 @@ plan -> handshake -> transport -> acknowledgements. Other trainer ranks drain th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import socket
 import time
-from collections.abc import Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,20 +21,20 @@ from weightsync import platform
 from weightsync.config.engine import EngineConfig
 from weightsync.config.keys import SECRET_ENV
 from weightsync.delta.send_stage import Outgoing, SendStage
-from weightsync.engines.base import Join, Publisher, Transport
+from weightsync.engines.base import Publisher, Transport
 from weightsync.engines.registry import get_engine
-from weightsync.errors import HandshakeError, PeerLost, RemoteFailure, SyncError
+from weightsync.errors import HandshakeError, PeerLost, RemoteFailure
 from weightsync.plan import Plan, capacity, make_plan
+from weightsync.sender import handshake
 from weightsync.sender.packer import producer
-from weightsync.sender.ranks import TrainerFollower, TrainerPeers
-from weightsync.sender.replies import answers, dead_ranks, explain, gather_done, lost_receivers
-from weightsync.sender.route_stage import DenseSend, Members, SendRoute
+from weightsync.sender.peers import SessionPeers
+from weightsync.sender.ranks import TrainerFollower
+from weightsync.sender.route_stage import DenseSend, SendRoute
 from weightsync.sender.sharded_route import ShardedSend
 from weightsync.session import reroute
 from weightsync.session.auth import reachable_from_other_hosts
-from weightsync.session.channel import PROTOCOL_VERSION, Channel, Deadline
-from weightsync.session.control import ControlServer, PartlyConnected
-from weightsync.sharding.agreement import RECEIVER, TRAINER
+from weightsync.session.channel import Deadline
+from weightsync.session.control import ControlServer
 from weightsync.sources import WeightSource, as_source
 from weightsync.stats import SyncStats
 
@@ -82,7 +79,6 @@ class Sender:
         if num_receivers < 1:
             raise ValueError(f"num_receivers={num_receivers}: need at least one receiver")
         self.config = config
-        self._members = set(range(num_receivers))
         self.rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
         self._num_trainers = num_trainers or (dist.get_world_size() if dist.is_initialized() else 1)
         self.engine_cls = get_engine(config.backend)
@@ -100,25 +96,20 @@ class Sender:
         self.last_stats: SyncStats | None = None
         self._publisher: Publisher | None = None
         self._transport: Transport | None = None
-        self._server: ControlServer | None = None
-        self._channels: dict[int, Channel] = {}  # receiver rank -> its control connection
-        self._trainers = TrainerPeers(self.num_trainers - 1 if self._all_send else 0)
+        server: ControlServer | None = None
         self._follower: TrainerFollower | None = None
-        self._acked_plan: dict[int, str] = {}  # receiver rank -> plan hash it holds
         self._delta_stage = SendStage(
             config.delta, config.bucket_bytes
         )  # the delta stage (weightsync.delta.send_stage)
         self._confirmed: set[int] = set()  # receivers that confirmed the last sync
         self._rerouting = False  # the failed sync's others wait to take its version again
-        self._dropped: set[int] = set()  # lost and dropped (drop_lost_receivers), not added back
-        self._doing = ""  # what the session is in, for messages ("the transfer of version 3")
         if issubclass(self.engine_cls, Publisher):
             self._publisher = self.engine_cls(config, self.device, address)
         elif self.rank == 0:  # rank 0 runs the session
             self._transport = self.engine_cls(config, self.device)
-            self._server = ControlServer(address)
-            self.address = self._server.address
-            if config.secret() is None and reachable_from_other_hosts(self._server.sock.getsockname()[0]):
+            server = ControlServer(address)
+            self.address = server.address
+            if config.secret() is None and reachable_from_other_hosts(server.sock.getsockname()[0]):
                 log.warning(
                     "the sender's control socket listens on %s, which other hosts can reach, and no shared "
                     "secret is set: anyone who reaches it can join as a receiver (and be handed the weights "
@@ -131,6 +122,9 @@ class Sender:
         elif self._all_send:
             self._transport = self.engine_cls(config, self.device)
             self._follower = TrainerFollower(config, address, self.rank)
+        others = self.num_trainers - 1 if self._all_send else 0
+        #: who takes part and how to reach them (trainer rank 0's connections)
+        self._peers = SessionPeers(config, num_receivers, others, server, self._reset_plane)
 
     # ------------------------------------------------------------------ membership
     @property
@@ -143,62 +137,40 @@ class Sender:
             raise ValueError(f"num_trainers={count!r}: need at least 1, and rank {self.rank} among them")
         self._num_trainers = count
         others = count - 1 if self._all_send else 0
-        if others != self._trainers.count:
-            self._trainers.close()  # a new set of trainer ranks joins at the next send
-            self._trainers.count = others
-            if self._transport is not None:
-                self._transport.reset()
+        if others != self._peers.trainers.count:
+            self._peers.trainers.close()  # a new set of trainer ranks joins at the next send
+            self._peers.trainers.count = others
+            self._reset_plane()
 
     @property
     def num_receivers(self) -> int:
-        return len(self._members)
+        return len(self._peers.receivers)
 
     @property
     def receivers(self) -> list[int]:
         """Ranks of the receivers every sync goes to."""
-        return sorted(self._members)
+        return self._peers.receivers
 
     @property
     def dropped(self) -> list[int]:
         """Ranks of the receivers lost mid-sync and dropped (``drop_lost_receivers``) that
         were not added back (``add_receiver``) or removed (``remove_receiver``) since."""
-        return sorted(self._dropped)
+        return self._peers.dropped
 
     def remove_receiver(self, rank: int) -> None:
         """Stop syncing to receiver ``rank`` (say, its process died: a failed ``send`` names
         it in ``SyncError.ranks``). The next ``send`` goes to the others. A receiver dropped
         already (``drop_lost_receivers``) stays dropped."""
-        if rank in self._dropped:
-            self._dropped.discard(rank)
-            return
-        if rank not in self._members:
-            raise ValueError(f"receiver rank {rank} is not a member (members: {self.receivers})")
-        if len(self._members) == 1:
-            raise ValueError(f"receiver rank {rank} is the last receiver; a sync needs at least one")
-        self._members.discard(rank)
-        if rank in self._channels:
-            self._drop_receivers([rank])
-        if self._transport is not None:
-            self._transport.reset()  # the data plane is rebuilt for the new membership
+        self._peers.remove(rank)
 
     def add_receiver(self, rank: int) -> None:
         """Sync to receiver ``rank`` again (or a replacement with that rank); the next
         ``send`` waits for it to connect."""
-        if not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"receiver rank must be a non-negative int, got {rank!r}")
-        self._members.add(rank)
-        self._dropped.discard(rank)
+        self._peers.add(rank)
 
-    def _watch_peers(self) -> None:
-        """Raise if a peer's control connection closed (its process is likely gone)."""
-        dead = dead_ranks(self._channels)
-        gone = self._trainers.dead()
-        if dead or gone:
-            raise PeerLost(lost_receivers(self._channels, dead, f"during {self._doing}", gone), ranks=dead)
-
-    def _group_rank(self, rank: int) -> int:
-        """A receiver's rank in the data-plane group: its place among the members, after 0."""
-        return self.receivers.index(rank) + 1
+    def _reset_plane(self) -> None:
+        if self._transport is not None:
+            self._transport.reset()
 
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> None:
@@ -206,39 +178,7 @@ class Sender:
         other trainer rank) is connected. ``send`` calls it."""
         if self._follower is not None:
             self._follower.connect()
-        if self._server is None:  # a publisher, or a trainer rank that does not run the session
-            return
-        assert self._transport is not None
-        # Gone since the last sync: accept them anew. One that went silent (its host cut off,
-        # say) gets the heartbeat grace to come back, not the whole deadline.
-        silent = {}
-        for rank in dead_ranks(self._channels):
-            if self._channels[rank].silent:
-                silent[rank] = self._channels[rank].gone("since the last sync")
-            self._drop_receivers([rank])
-        missing: set[Any] = (self._members - set(self._channels)) | self._trainers.missing()
-        if missing:
-            accepted: dict[Any, Channel] = {}
-            grace = self.config.heartbeat_grace if silent and missing <= set(silent) else None
-            try:
-                accepted = self._server.accept(missing, self.config, seconds=grace)
-            except PartlyConnected as e:
-                accepted = e.connected  # those that came stay connected for the next try
-                if grace is not None:
-                    raise PeerLost(
-                        "; ".join(
-                            f"{silent[r]}, and it did not come back within {grace:.1f} s" for r in e.ranks
-                        ),
-                        ranks=e.ranks,
-                    ) from None
-                raise
-            finally:
-                for key, ch in accepted.items():
-                    if isinstance(key, int):
-                        self._channels[key] = ch
-                    else:
-                        self._trainers.channels[key[1]] = ch
-                self._transport.reset()  # new members: every rank joins a new data-plane group
+        self._peers.connect()  # a publisher, or a trainer rank not running the session: nothing
 
     def warm_up(self, source: Any = None) -> None:
         """Connect every receiver and form the data plane now, so the first ``send`` pays
@@ -256,111 +196,26 @@ class Sender:
         Raises ``SyncError`` naming the receivers that refused or failed to join.
         """
         self.connect()
-        transport = self._transport
-        if self._server is None or transport is None:
+        if self._peers.server is None or self._transport is None:
             return
-        self._doing = "the warm-up"
-        if self._trainers.count or self._route.forms_in_sync:
-            self._warm_connections_only()
+        self._peers.doing = "the warm-up"
+        if self._peers.trainers.count or self._route.forms_in_sync:
+            handshake.warm_connections(self._peers, self.config)  # the data plane forms in the first sync
             return
         specs = as_source(source, self.wire_dtype).specs() if source is not None else None
         plan = make_plan(specs, self.config.bucket_bytes) if specs is not None else None
-        size = capacity(plan, self.config.bucket_bytes) if plan is not None else 1
-        join = self._join(0, 1, size)
-        outcome = "broken"
-        try:
-            info = {**transport.prepare(join), "world_size": join.world_size, "senders": 1}
-            deadline = Deadline(self.config.timeout_s, "in the warm-up")
-            msg: dict[str, Any] = {
-                "type": "warmup",
-                "protocol": PROTOCOL_VERSION,
-                "bucket_bytes": self.config.bucket_bytes,
-                "capacity": size,
-            }
-            if (
-                plan is not None
-            ):  # receivers may prepare for it (landing memory); the first sync sends its hash
-                msg |= {"plan": plan.to_wire(), "plan_hash": plan.hash}
-            for rank, ch in self._channels.items():
-                ch.send({**msg, "engine": {**info, "rank": self._group_rank(rank)}}, deadline)
-            peers = [(f"receiver rank {r}", r, ch) for r, ch in sorted(self._channels.items())]
-            answers(peers, deadline, "refused the warm-up")
-            for _, _, ch in peers:
-                ch.send({"type": "go"}, deadline)
-            transport.connect(join, info)  # its own deadline: timeout_s
-            joined = Deadline(self.config.timeout_s, "waiting for receivers to confirm the warm-up")
-            for _, _, ch in peers:
-                ch.recv(joined, expect="joined")
-            outcome = "ok"
-            if plan is not None:
-                self._acked_plan = {r: plan.hash for r in self._channels}
-        except HandshakeError:
-            outcome = "refused"
-            raise
-        except Exception as e:
-            self._raise_explained(e, "warm-up")
-        finally:
-            transport.finish(ok=outcome != "broken")
-            if outcome == "broken":
-                self._drop_receivers()  # receivers see the failure and reconnect
-        log.info("warmed up: %d receivers joined the %s data plane", self.num_receivers, self.config.backend)
-
-    def _join(self, version: int, senders: int, capacity_bytes: int) -> Join:
-        """Trainer rank 0's ``Join`` record: the host of the data plane, on the control
-        socket's interface (any, where that listens on a wildcard)."""
-        assert self._server is not None
-        wildcard = self._server.host in ("", "0.0.0.0", "::")
-        return Join(
-            version=version,
-            rank=0,
-            world_size=self.num_receivers + senders,
-            senders=senders,
-            capacity=capacity_bytes,
-            name="trainer rank 0",
-            local_host=None if wildcard else self._server.host,
-            peer_hosts=tuple(self._channels[r].sock.getpeername()[0] for r in sorted(self._channels)),
-            watch=self._watch_peers,
-        )
-
-    def _warm_connections_only(self) -> None:
-        """Tell the receivers that this warm-up makes no data plane (other trainer ranks
-        join it in their first ``send``), so those waiting in ``Receiver.warm_up`` return."""
-        deadline = Deadline(self.config.timeout_s, "in the warm-up")
-        try:
-            for ch in self._channels.values():
-                ch.send({"type": "warmup", "protocol": PROTOCOL_VERSION, "engine": None}, deadline)
-            for ch in self._channels.values():
-                ch.recv(deadline, expect="joined")
-        except Exception as e:
-            self._drop_receivers()
-            self._raise_explained(e, "warm-up")
-
-    def _drop_receivers(self, ranks: list[int] | None = None) -> None:
-        """Close connections to these receivers (None: to every peer, trainers included)."""
-        for rank in list(self._channels) if ranks is None else ranks:
-            self._channels.pop(rank).close()
-            self._acked_plan.pop(rank, None)
-        if ranks is None:
-            self._trainers.close()
+        handshake.warm_up(self._peers, self._transport, self.config, plan)
 
     def close(self) -> None:
         """Close connections (telling receivers the session ends, so they do not wait to
         join again), the engine and the listening socket."""
-        for ch in self._channels.values():
-            try:
-                ch.send({"type": "closing"}, Deadline(1.0, "saying goodbye"))
-            except SyncError:
-                pass
-        self._drop_receivers()
+        self._peers.close()
         for engine in (self._transport, self._publisher):
             if engine is not None:
                 engine.close()
         self._transport = self._publisher = None
         if self._follower is not None:
             self._follower.close()
-        if self._server is not None:
-            self._server.close()
-            self._server = None
 
     def __enter__(self) -> Sender:
         return self
@@ -381,7 +236,7 @@ class Sender:
         """
         src = self._route.source(source, wire_dtype or self.wire_dtype)
         start = time.perf_counter()
-        self._doing = f"the transfer of version {version}"
+        self._peers.doing = f"the transfer of version {version}"
         if self._publisher is not None and (self.rank == 0 or self._publisher.colocated):
             return self._finish_stats(self._publisher.publish(src, version, self.receivers, force), start)
         if self._transport is None:  # this rank does not send: drain
@@ -407,17 +262,15 @@ class Sender:
         again: list[int] | None = None  # the receivers that take the version again
         while True:
             try:
-                with self._only(again):
+                with self._peers.only(again):
                     stats = self._sync_once(src, version, plan, force, start)
                 stats.dropped = dropped
                 return stats
             except PeerLost as e:
                 rerouting, self._rerouting = self._rerouting, False
-                if not self.config.drop_lost_receivers or not set(self._members) - set(e.ranks):
+                if not self.config.drop_lost_receivers or not self._peers.lose(e.ranks):
                     raise
                 dropped += e.ranks
-                self._members -= set(e.ranks)
-                self._dropped |= set(e.ranks)
                 if not rerouting:
                     e.args = (
                         f"{e}; dropped from the receivers (drop_lost_receivers): the next sync goes to "
@@ -431,27 +284,14 @@ class Sender:
                 dropped,
             )
             try:  # to those of this attempt still connected (one that held it said so at an earlier re-route)
-                others = {r: self._channels[r] for r in again or self._channels if r in self._channels}
+                channels = self._peers.channels
+                others = {r: channels[r] for r in again or channels if r in channels}
                 again = reroute.tell(others, version, dropped, self.config.timeout_s)
             except Exception as e:
-                self._drop_receivers()
-                self._raise_explained(e, f"re-routing version {version}")
+                self._peers.drop()
+                self._peers.raise_explained(e, f"re-routing version {version}")
             if not again:  # every receiver left had completed it before the loss
                 return SyncStats(version, receivers=self.num_receivers, dropped=dropped)
-
-    @contextlib.contextmanager
-    def _only(self, ranks: list[int] | None) -> Iterator[None]:
-        """The sync in this block goes to these receivers only (None: every member)."""
-        if ranks is None:
-            yield
-            return
-        members, channels = self._members, self._channels
-        self._members, self._channels = set(ranks), {r: channels[r] for r in ranks}
-        try:
-            yield
-        finally:  # channels the block dropped stay dropped
-            self._members = members
-            self._channels = {r: ch for r, ch in channels.items() if r not in ranks} | self._channels
 
     def _sync_once(
         self, src: WeightSource, version: int, plan: Plan | None, force: bool, start: float
@@ -459,18 +299,18 @@ class Sender:
         """Trainer rank 0 over a transport, in phases: the delta stage, the handshake, the
         transfer, verification, acknowledgements."""
         transport = self._transport
-        assert transport is not None and self._server is not None
+        assert transport is not None and self._peers.server is not None
         stats = SyncStats(version, receivers=self.num_receivers)
         self._confirmed = set()
         self._route.start()
-        senders = self._trainers.count + 1
+        senders = self._peers.trainers.count + 1
         # Before the handshake: the plan of a delta sync depends on what changed.
         try:
             out = self._delta_stage.encode(src, plan, version, self.receivers, senders)
         except Exception as e:  # the source failed before the handshake: end the receivers' wait
             self.cancel(version, f"{type(e).__name__}: {e}")
             raise
-        join = self._join(version, senders, capacity(out.plan, self.config.bucket_bytes))
+        join = self._peers.join(version, senders, capacity(out.plan, self.config.bucket_bytes))
         # "broken": the transport or a peer failed mid-protocol, so connections and group
         # are in an unknown state and are rebuilt; "refused": a receiver refused or failed
         # cleanly, everyone is between syncs and the connections stay.
@@ -478,14 +318,18 @@ class Sender:
         went = False  # the go was given: other trainer ranks then wait for the outcome
         try:
             info = {**transport.prepare(join), "world_size": join.world_size, "senders": senders}
-            stats.plan_sent_to, out = self._handshake(version, out, info, force)
+            offer = handshake.Offer(version, force, info, self._may_reroute(out.plan))
+            stats.plan_sent_to, out = handshake.agree(
+                self._peers, self._route, self.config, offer, out, self.num_trainers
+            )
             went = True
             transport.connect(self._route.join(join, self.config.bucket_bytes), info)
             stats.handshake_s = time.perf_counter() - start  # handshake and group join
             deadline = Deadline(self.config.timeout_s, f"in the transfer of version {version}")
             sums = self._transfer(out, stats, deadline)
             self._verification(out, sums, deadline)
-            self._gather_done(version)
+            self._confirmed = set()
+            self._peers.gather_done(version, self._confirmed)
             outcome = "ok"
             log.info(
                 "sent version %d: %d tensors, %.1f MB in %d buckets to %d receivers",
@@ -498,14 +342,14 @@ class Sender:
         except (HandshakeError, RemoteFailure) as e:
             outcome = "refused"
             if went:
-                self._trainers.tell(version, str(e), self.config.timeout_s)
+                self._peers.trainers.tell(version, str(e), self.config.timeout_s)
             raise
         except Exception as e:
-            error = self._explain(e, f"sync of version {version}")
+            error = self._peers.explain(e, f"sync of version {version}")
             if (
                 self._may_reroute(out.plan)
                 and isinstance(error, PeerLost)
-                and set(self._channels) - set(error.ranks)
+                and set(self._peers.channels) - set(error.ranks)
             ):
                 outcome, self._rerouting, lost = (
                     "rerouted",
@@ -519,16 +363,16 @@ class Sender:
             raise error from e
         finally:
             if outcome == "ok":
-                self._trainers.tell(version, None, self.config.timeout_s)
+                self._peers.trainers.tell(version, None, self.config.timeout_s)
             out.finished(
                 time.perf_counter() - start - stats.handshake_s if outcome == "ok" else None,
-                self._confirmed if outcome != "ok" else set(self._channels),
+                self._confirmed if outcome != "ok" else set(self._peers.channels),
             )
             transport.finish(ok=outcome not in ("broken", "rerouted"))
             if outcome == "ok" and out.plan is not None:
-                self._acked_plan = {r: out.plan.hash for r in self._channels}
+                self._peers.acked_plan = {r: out.plan.hash for r in self._peers.channels}
             if outcome in ("broken", "rerouted"):  # receivers see the failure and reconnect
-                self._drop_receivers(lost if outcome == "rerouted" else None)
+                self._peers.drop(lost if outcome == "rerouted" else None)
         return stats
 
     def _may_reroute(self, plan: Plan | None) -> bool:
@@ -538,7 +382,7 @@ class Sender:
             self.config.drop_lost_receivers
             and self.engine_cls.reroutes
             and plan is not None
-            and not self._trainers.count
+            and not self._peers.trainers.count
         )
 
     def _transfer(self, out: Outgoing, stats: SyncStats, deadline: Deadline) -> dict[int, dict[int, int]]:
@@ -552,7 +396,7 @@ class Sender:
             self.config.bucket_bytes,
             out.plan,
             self.config.verify,
-            announce=lambda m: self._broadcast_msg(m, deadline),
+            announce=lambda m: self._peers.broadcast(m, deadline),
             sends=transport.sends if self._all_send else None,
         )
         t0 = time.perf_counter()
@@ -561,10 +405,10 @@ class Sender:
         stats.buckets, stats.tensors, stats.bytes = packer.buckets, packer.pulled, packer.nbytes
         # each trainer rank's checksums: kept apart where its buckets are its own
         rank_sums = {0: sums}
-        if self._trainers.channels:
+        if self._peers.trainers.channels:
             assert out.plan is not None
             kept = rank_sums if self._route.own_buckets else None
-            stats.wire_bytes += self._trainers.gather_shares(out.version, sums, deadline, kept)
+            stats.wire_bytes += self._peers.trainers.gather_shares(out.version, sums, deadline, kept)
             stats.buckets = len(out.plan.buckets)
             stats.bytes = sum(s.nbytes for s in out.plan.tensors)
         self._route.account(stats)
@@ -577,14 +421,17 @@ class Sender:
         mode = self.config.verify
         if mode == "off":
             return
-        lists = self._route.checksums(out, rank_sums, self._members_now(), self.config.bucket_bytes)
+        members = self._peers.members(self.num_trainers)
+        lists = self._route.checksums(out, rank_sums, members, self.config.bucket_bytes)
         if lists is not None:  # each receiver rank's own buckets
             for q, rank in enumerate(self.receivers):
-                self._channels[rank].send({"type": "verify", "mode": mode, "checksums": lists[q]}, deadline)
+                self._peers.channels[rank].send(
+                    {"type": "verify", "mode": mode, "checksums": lists[q]}, deadline
+                )
             return
         sums = rank_sums[0]
         order = [sums[b.index] for b in out.plan.buckets] if out.plan is not None else list(sums.values())
-        self._broadcast_msg(
+        self._peers.broadcast(
             {"type": "verify", "mode": mode, "checksums": order, **out.verify_fields(mode)}, deadline
         )
 
@@ -597,114 +444,6 @@ class Sender:
         self.last_stats = stats
         return stats
 
-    def _broadcast_msg(self, msg: dict[str, Any], deadline: Deadline) -> None:
-        for ch in self._channels.values():
-            ch.send(msg, deadline)
-
-    def _handshake(
-        self, version: int, out: Outgoing, info: dict[str, Any], force: bool
-    ) -> tuple[int, Outgoing]:
-        """Agree on version, bucket size and plan with every receiver (and trainer rank);
-        return how many receivers got the full plan, and what this rank packs. Another
-        round is offered where the delta stage has a receiver's answer call for it (a dense
-        section for a receiver without the base), or the route stage (a new layout)."""
-        members = self._members_now()
-        while True:
-            plans_sent, peers, replies, deadline = self._offer(version, out, info, force, members)
-            again = out.again(replies)
-            if again is None:
-                sides = [(RECEIVER, r) for r in sorted(self._channels)]
-                sides += [(TRAINER, i) for i in sorted(self._trainers.channels)]
-                answered = [(side, rank, reply) for (side, rank), (_, reply) in zip(sides, replies)]
-                try:
-                    if self._route.answered(out, answered, members):
-                        again = out  # the same sync, offered with the route the new layouts make
-                except ValueError as e:
-                    self._abort(peers, deadline, str(e), e)
-            for _, _, ch in peers:
-                ch.send({"type": "again" if again is not None else "go"}, deadline)
-            if again is None:
-                return plans_sent, self._route.own(out, members, self.config.bucket_bytes)
-            out = again
-
-    def _members_now(self) -> Members:
-        """The sync's members as the route stage sees them."""
-        assert self._server is not None
-        host = self._server.host  # in a layout: where rank 0's bytes leave from
-        return Members(
-            receivers=tuple(self.receivers),
-            trainers=self.num_trainers,
-            host=socket.gethostname() if host in ("", "0.0.0.0", "::") else host,
-        )
-
-    def _abort(
-        self,
-        peers: list[tuple[str, int | None, Channel]],
-        deadline: Deadline,
-        reason: str,
-        cause: Exception | None = None,
-    ) -> NoReturn:
-        """End the handshake: every peer told why, ``HandshakeError`` raised."""
-        for _, _, ch in peers:
-            with contextlib.suppress(SyncError):
-                ch.send({"type": "abort", "message": reason}, deadline)
-        raise HandshakeError(reason) from cause
-
-    def _offer(
-        self, version: int, out: Outgoing, info: dict[str, Any], force: bool, members: Members
-    ) -> tuple[int, list[tuple[str, int | None, Channel]], list[tuple[int | None, dict[str, Any]]], Deadline]:
-        """One round of the handshake: the sync message to every peer, and their answers.
-        Returns how many receivers got the full plan, the peers, their replies (rank and
-        reply) and the round's deadline."""
-        deadline = Deadline(self.config.timeout_s, f"in the handshake of version {version}")
-        plan = out.plan
-        plans_sent = 0
-        msg: dict[str, Any] = {}
-        route = self._route.offer(out, members)
-        for rank, ch in self._channels.items():
-            msg = {
-                "type": "sync",
-                "protocol": PROTOCOL_VERSION,
-                "version": version,
-                "bucket_bytes": self.config.bucket_bytes,
-                "plan_hash": plan.hash if plan is not None else None,
-                "force": force,
-                "verify": self.config.verify,
-                "engine": {**info, "rank": self._group_rank(rank)},
-                "reroute": self._may_reroute(plan),  # after a loss, wait for the sender's word
-                **out.handshake_fields(),
-                **route,
-            }
-            if plan is not None and self._acked_plan.get(rank) != plan.hash:
-                msg["plan"] = plan.to_wire()  # unchanged plans travel as their hash only
-                plans_sent += 1
-            ch.send(msg, deadline)
-        for ch, trainer_msg in self._trainers.sync_messages(msg, info, first_rank=self.num_receivers + 1):
-            ch.send(trainer_msg, deadline)
-        peers = [(f"receiver rank {r}", r, ch) for r, ch in sorted(self._channels.items())]
-        peers += self._trainers.peers()
-        return plans_sent, peers, answers(peers, deadline, f"refused version {version}"), deadline
-
-    def _gather_done(self, version: int) -> None:
-        self._confirmed = set()
-        failures = gather_done(self._channels, version, self.config.timeout_s, self._confirmed)
-        if failures:
-            raise RemoteFailure("; ".join(failures.values()), ranks=list(failures))
-
     def cancel(self, version: int, reason: str) -> None:
         """Tell the receivers waiting for the sync of ``version`` that it will not come."""
-        deadline = Deadline(min(2.0, self.config.timeout_s), f"cancelling version {version}")
-        for ch in self._channels.values():
-            with contextlib.suppress(SyncError):  # best effort: one gone does not stop the others
-                ch.send({"type": "cancel", "version": version, "message": reason}, deadline)
-
-    def _explain(self, error: Exception, what: str) -> Exception:
-        return explain(error, what, self._channels, min(2.0, self.config.timeout_s), self._trainers.channels)
-
-    def _raise_explained(self, error: Exception, what: str) -> NoReturn:
-        """Raise ``error`` explained; one explained in place keeps its own cause (never
-        itself)."""
-        explained = self._explain(error, what)
-        if explained is error:
-            raise error
-        raise explained from error
+        self._peers.cancel(version, reason)
