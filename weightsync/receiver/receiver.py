@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -34,18 +34,18 @@ from weightsync.errors import (
     VerificationError,
     in_context,
 )
-from weightsync.plan import Bucket, Plan, capacity, shortfall
+from weightsync.plan import Plan, capacity
 from weightsync.receiver import admission
 from weightsync.receiver.publication import take
 from weightsync.receiver.route_stage import DenseReceive, Needs, ReceiveRoute
 from weightsync.receiver.sharded_route import ShardedReceive
+from weightsync.receiver.transfer import Transfer
 from weightsync.session import reroute
 from weightsync.session.channel import PROTOCOL_VERSION, Channel, Deadline
 from weightsync.session.control import connect
 from weightsync.sinks import ModuleSink
 from weightsync.state import VersionState
 from weightsync.stats import SyncStats
-from weightsync.verify import Checks
 
 log = logging.getLogger("weightsync")
 
@@ -472,107 +472,36 @@ class Receiver:
         start: float,
         handed: set[str],
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The data plane: engine -> plan (merge pieces) -> delta stage -> consumer; then
-        verification, the consumer's last step (``settle``) and the acknowledgement."""
-        transport = self._transport
-        assert transport is not None
+        """The data plane (``weightsync.receiver.transfer``), then the acknowledgement and
+        the version state; a failed transfer is explained (a silent sender named), routed
+        around where the sender may, or reported."""
+        assert self._transport is not None
         stats = SyncStats(v, receivers=1, handshake_s=time.perf_counter() - start)
         self._receiving = v
-        deadline = Deadline(self.config.timeout_s, f"in the transfer of version {v}")
-        specs = incoming.specs
-        refused: list[BaseException] = []  # a streamed tensor the sink cannot take (nothing allocated for it)
-        next_bucket = (
-            admission.plan_reader(plan)
-            if plan is not None
-            else admission.stream_reader(
-                ch, specs, deadline, sink, refused, self.config.bucket_bytes, self.max_tensor_bytes
-            )
+        transfer = Transfer(
+            self._transport,
+            ch,
+            v,
+            plan,
+            incoming,
+            sink,
+            owned=owned,
+            landing=landing,
+            config=self.config,
+            rank=self.rank,
+            device=self.device,
+            max_tensor_bytes=self.max_tensor_bytes,
+            stats=stats,
         )
-        assembler = incoming.assembler(
-            self.device, sink, owned, landing, plan.buckets if plan is not None else ()
-        )
-        keep = (
-            owned or landing is not None
-        )  # the consumer keeps what it gets: staged entries handed out are copies
-        buckets = transport.recv_buckets(
-            next_bucket, assembler.landing if assembler.destination is not None else None
-        )
-        checks = Checks(self.config.verify, f"receiver rank {self.rank}", v)
-        received: list[Bucket] = []
-        # Buckets may land straight in the model's tensors: then whatever came off the wire
-        # (a bucket not unpacked, drained ones, a receive cut short) is in the model.
-        direct = assembler.destination is not None
-        landed = False
-        consumer_error: BaseException | None = None
-        problem: str | None = None
-        entries = 0  # wire entries unpacked
         t0 = time.perf_counter()
-        try:
-            for bucket, buffer in buckets:
-                landed = direct
-                if refused:  # stop before unpacking anything of it, and drain
-                    consumer_error = refused[0]
-                    break
-                received.append(bucket)
-                checks.add(bucket, buffer)
-                stats.wire_bytes += bucket.nbytes
-                if plan is None:  # streamed: the reader announced new specs
-                    incoming.grow()
-                for name, tensor in assembler.unpack(bucket, buffer):
-                    entries += 1
-                    item = incoming.take(name, tensor, keep)
-                    if item is None or item[0] in handed:
-                        continue
-                    stats.tensors += 1
-                    stats.bytes += item[1].numel() * item[1].element_size()
-                    try:
-                        yield item
-                        handed.add(item[0])
-                    except BaseException as e:  # the consumer failed or stopped early
-                        consumer_error = e
-                        break
-                if consumer_error is not None:
-                    break
-            if consumer_error is not None:
-                for _ in buckets:  # keep the transfer going so the sender is not stranded
-                    landed = direct
-            elif assembler.incomplete or entries != len(specs):
-                lacking = shortfall(
-                    specs,
-                    plan.buckets if plan is not None else [],
-                    (b.index for b in received),
-                    assembler.incomplete,
-                )
-                raise SyncError(f"version {v} ended with {entries} of {len(specs)} tensors: {lacking}")
-            sent = checks.sent(ch, deadline)
-            if consumer_error is None:
-                problem, items = incoming.finish(
-                    sent, checks, stats
-                )  # a relative sync applies its deltas here
-                for name, tensor in items:
-                    stats.tensors += 1
-                    stats.bytes += tensor.numel() * tensor.element_size()
-                    try:
-                        yield name, tensor.clone() if keep else tensor
-                    except BaseException as e:
-                        consumer_error = e
-                        break
-            if consumer_error is None and settle is not None and incoming.consumer_has_all:
-                try:
-                    settle()  # the consumer's last step
-                except Exception as e:
-                    consumer_error = e
-            if consumer_error is not None:
-                problem = f"receiver rank {self.rank} did not complete version {v}: {consumer_error!r}"
-        except Exception as e:
-            buckets.close()  # let the transport drop its pending receives now
+
+        def failed(e: Exception, delivered: bool) -> NoReturn:
             cause: Exception = e
             if not isinstance(e, PeerLost) and ch.seems_silent():  # another receiver gave up on it first
                 cause = PeerLost(
                     f"{ch.peer} went silent during the transfer of version {v}: nothing heard for "
                     f"{ch.unheard_s():.1f} s (heartbeat_grace_s={ch.grace_s:g}); the data plane then failed: {e}"
                 )
-            delivered = incoming.delivered(bool(received) or direct, stats.tensors > 0 or bool(handed))
             if self._reroutable and (rerouted := self._rerouted(ch, v, cause, delivered)) is not None:
                 raise rerouted from e
             self._finish(v, ok=False, message=f"transfer failed: {cause}", broken=True, delivered=delivered)
@@ -580,22 +509,18 @@ class Receiver:
                 cause, f"receiver rank {self.rank}: transfer of version {v} from {ch.peer} failed"
             )
             if error is e:
-                raise
+                raise e
             raise error from e
-        stats.buckets = len(received)
-        stats.transfer_s = time.perf_counter() - t0
-        self._finish(
-            v,
-            ok=problem is None,
-            message=problem,
-            delivered=incoming.delivered(bool(received) or landed, stats.tensors > 0),
-        )
-        stats.seconds = time.perf_counter() - start
-        self.last_stats = stats
-        if consumer_error is not None:
-            raise consumer_error
-        if problem is not None:
-            raise VerificationError(problem)
+
+        def ended(problem: str | None, delivered: bool) -> None:
+            stats.transfer_s = time.perf_counter() - t0
+            self._finish(v, ok=problem is None, message=problem, delivered=delivered)
+            stats.seconds = time.perf_counter() - start
+            self.last_stats = stats
+            if problem is not None and transfer.consumer_error is None:
+                raise VerificationError(problem)
+
+        return transfer.run(handed, settle, failed, ended)
 
     def _rerouted(self, ch: Channel, v: int, cause: Exception, delivered: bool) -> Rerouted | None:
         """This attempt at a sync the sender may route around a lost receiver failed: the
