@@ -2,12 +2,11 @@
 
 One path per family, one version state for both (``weightsync.state``). With a transport
 backend the receiver joins the sender's session, in phases (``_sync_session``): the
-sender's offer (``_await_sync``), the handshake (``_accept``: ``weightsync.receiver.admission``'s checks,
-the delta stage's ``ReceiveStage.accept``), the data plane joined, then ``_transfer``:
-transport -> plan (merge pieces) -> delta stage -> sink or consumer, verification
-(``weightsync.verify.Checks``), acknowledgement and version state (``_finish``). With a
-publisher backend it takes the version the publisher offers and acknowledges it through the
-publisher.
+sender's offer (``SenderLink.await_sync``), the handshake (``_accept``: admission's checks,
+the route stage's plan, the delta stage's ``Incoming``), the data plane joined, then the
+transfer (``weightsync.receiver.transfer``), acknowledgement and version state
+(``_finish``). With a publisher backend it takes the version the publisher offers and
+acknowledges it through the publisher.
 """
 
 from __future__ import annotations
@@ -36,13 +35,13 @@ from weightsync.errors import (
 )
 from weightsync.plan import Plan, capacity
 from weightsync.receiver import admission
+from weightsync.receiver.link import SenderLink
 from weightsync.receiver.publication import take
 from weightsync.receiver.route_stage import DenseReceive, Needs, ReceiveRoute
 from weightsync.receiver.sharded_route import ShardedReceive
 from weightsync.receiver.transfer import Transfer
 from weightsync.session import reroute
-from weightsync.session.channel import PROTOCOL_VERSION, Channel, Deadline
-from weightsync.session.control import connect
+from weightsync.session.channel import Channel, Deadline
 from weightsync.sinks import ModuleSink
 from weightsync.state import VersionState
 from weightsync.stats import SyncStats
@@ -100,16 +99,15 @@ class Receiver:
             self._publisher = self.engine_cls(config, self.device, address)
         else:
             self._transport = self.engine_cls(config, self.device)
-        self._channel: Channel | None = None
-        self._session: str | None = None  # the sender's session last joined
-        self._plan: Plan | None = None
+        #: the control connection to the sender, and the plan last agreed over it
+        self._link = SenderLink(config, address, rank, self._new_session)
         self._receiving: int | None = None  # the version in transfer, for messages
         self._reroutable = False  # the sync in transfer: the sender may route around a lost receiver
         #: the delta stage (``weightsync.delta.receive_stage``): a streaming receiver's base, and each sync's routing
         self._decoder = ReceiveStage(config.delta, rank)
-        self._sharded = self._transport is not None and self._transport.sharded
+        sharded = self._transport is not None and self._transport.sharded
         #: the route stage: which wire entries this receiver takes and how they land
-        self._route: ReceiveRoute = ShardedReceive(config.bucket_bytes) if self._sharded else DenseReceive()
+        self._route: ReceiveRoute = ShardedReceive(config.bucket_bytes) if sharded else DenseReceive()
         #: ``sharded``, ``receive`` (no module to land in): what this receiver keeps of the
         #: offered tensors, as a box per tensor name (a name left out is not needed); None,
         #: or a hook that answers None, declares nothing: every tensor whole. An inference
@@ -119,7 +117,7 @@ class Receiver:
     @property
     def sharded(self) -> bool:
         """Whether this receiver's backend routes fragments (``backend=sharded``)."""
-        return self._sharded
+        return isinstance(self._route, ShardedReceive)
 
     @property
     def version(self) -> int | None:
@@ -128,7 +126,7 @@ class Receiver:
     @property
     def plan(self) -> Plan | None:
         """The plan last agreed with the sender (in a sync, or sent in its warm-up)."""
-        return self._plan
+        return self._link.plan
 
     @property
     def failed_version(self) -> int | None:
@@ -142,17 +140,12 @@ class Receiver:
     def connect(self, reach_s: float | None = None) -> None:
         """Connect to the sender (retrying for ``reach_s`` until it listens, by default for
         ``timeout_s``). ``receive`` calls it."""
-        if self._channel is not None and self._channel.is_dead():
-            self._reset()  # the sender dropped us after a failed sync: join again
-        if self._transport is None or self._channel is not None:
-            return
-        self._channel = connect(self.address, self.rank, self.config, reach_s=reach_s)
-        if self._channel.session != self._session:
-            if self._session is not None:  # a new sender (a restarted trainer): nothing carries over
-                log.info("receiver rank %d joined a new session at %s", self.rank, self.address)
-                self._plan = None
-                self._transport.reset()
-            self._session = self._channel.session
+        if self._transport is not None:
+            self._link.connect(reach_s)
+
+    def _new_session(self) -> None:
+        assert self._transport is not None
+        self._transport.reset()  # a restarted trainer: a new data plane
 
     def warm_up(self) -> None:
         """Connect to the sender and join its data plane while it runs ``Sender.warm_up``
@@ -160,54 +153,22 @@ class Receiver:
         Raises ``SyncError`` if the warm-up fails (the first sync then joins as usual)."""
         if self._transport is None:
             return  # a publisher has no session to join
-        self.connect()
-        assert self._channel is not None
-        ch = self._channel
+        ch = self._link.connect()
         deadline = Deadline(self.config.timeout_s, "for the sender's warm-up")
         msg = ch.recv(deadline, expect=("warmup", "closing"))
         if msg["type"] == "closing":
             # The goodbye of the sender we were connected to, read only now: the warm-up we
             # were asked for is a new sender's at the same address (a restarted trainer).
-            ch = self._join_next_session(ch)
+            ch = self._link.join_next_session(ch)
             msg = ch.recv(deadline, expect=("warmup", "closing"))
         if msg["type"] == "closing":
-            self._reset()
+            self._link.reset()
             raise PeerLost(f"{ch.peer} closed the session before its warm-up")
         self._warm(ch, msg)
 
     def _warm(self, ch: Channel, msg: dict[str, Any]) -> None:
-        """Answer the sender's warm-up: check it, join the data plane, say so."""
-        transport = self._transport
-        assert transport is not None
-        deadline = Deadline(self.config.timeout_s, "in the warm-up")
-        if msg.get("engine") is None and msg.get("protocol") == PROTOCOL_VERSION:
-            ch.send({"type": "joined"}, deadline)  # connections only: the data plane forms in the first sync
-            return
-        problem, plan = admission.warmup_problem(msg, self.config, self.max_tensor_bytes)
-        if problem is not None:
-            self._refuse(problem, deadline)
-            raise HandshakeError(f"receiver rank {self.rank} refused the warm-up: {problem}")
-        ch.send({"type": "ready"}, deadline)
-        ch.recv(deadline, expect="go")  # an abort (another receiver refused) raises HandshakeError
-        info = msg["engine"]
-        ok = False
-        try:
-            transport.connect(self._join(ch, 0, info, msg["capacity"]), info)  # its own deadline: timeout_s
-            ch.send({"type": "joined"}, Deadline(self.config.timeout_s, "confirming the warm-up"))
-            ok = True
-            if plan is not None:
-                self._plan = plan
-        except SyncError:
-            raise
-        except Exception as e:
-            raise SyncError(
-                f"receiver rank {self.rank}: joining the data plane of {ch.peer} failed: "
-                f"{type(e).__name__}: {e}"
-            ) from e
-        finally:
-            transport.finish(ok=ok)
-            if not ok:
-                self._reset()
+        assert self._transport is not None
+        self._link.answer_warmup(ch, msg, self._transport, self.max_tensor_bytes, self._join)
 
     def _join(self, ch: Channel, version: int, info: dict[str, Any], capacity_bytes: int) -> Join:
         """This receiver's ``Join`` record for the data plane ``info`` describes."""
@@ -226,21 +187,15 @@ class Receiver:
         return self._route.join(join)
 
     def _watch_sender(self) -> None:
-        ch = self._channel
+        ch = self._link.channel
         if ch is not None and ch.is_dead(behind=True):  # a streamed sync's announcements may wait unread
             what = f"during the transfer of version {self._receiving}"
             raise PeerLost(ch.gone(what))
         if ch is not None and self._reroutable and (msg := ch.void_until("reroute")) is not None:
             raise Rerouted.said(ch.peer, msg)  # lost downstream of us, or upstream with our data
 
-    def _reset(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
-        self._plan = None
-
     def close(self) -> None:
-        self._reset()
+        self._link.reset()
         for engine in (self._transport, self._publisher):
             if engine is not None:
                 engine.close()
@@ -292,7 +247,10 @@ class Receiver:
         not carry are logged and listed in ``stats.missing``.
         """
         sink = self._route.sink(module)
-        items = self._sync(version, sink=sink)
+        if self._publisher is not None:
+            items = self._take(self._publisher, version, sink, False)
+        else:
+            items = self._sync_session(version, sink, False)
         for name, tensor in items:
             try:
                 sink.load(name, tensor)
@@ -321,13 +279,6 @@ class Receiver:
     async def load_into_async(self, module: torch.nn.Module, version: int | None = None) -> SyncStats:
         """``load_into`` in a worker thread."""
         return await asyncio.to_thread(self.load_into, module, version)
-
-    def _sync(
-        self, version: int | None, sink: ModuleSink | None, owned: bool = False
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        if self._publisher is not None:
-            return self._take(self._publisher, version, sink, owned)
-        return self._sync_session(version, sink, owned)
 
     # ------------------------------------------------------------------ publisher family
     def _take(
@@ -367,11 +318,9 @@ class Receiver:
         when the sync started."""
         transport = self._transport
         assert transport is not None
-        self.connect()
-        assert self._channel is not None
-        ch = self._channel
+        ch = self._link.connect()
         try:
-            ch, msg = self._await_sync(ch, version)
+            ch, msg = self._link.await_sync(version, self.state.version, self._warm)
             start = time.perf_counter()  # the sync starts when the sender starts it
             if isinstance(msg.get("version"), int):  # a failed sync's leftovers end before we are ready
                 transport.settle(msg["version"], retake)
@@ -387,62 +336,18 @@ class Receiver:
             try:
                 reroute.answer(ch, e.version, False, self.config.timeout_s)
             except SyncError:
-                self._reset()  # the sender is gone too
+                self._link.reset()  # the sender is gone too
                 raise
             raise
         except SyncError:
-            self._reset()
+            self._link.reset()
             raise
         except Exception as e:  # a bad engine description, a data plane that cannot be joined
-            self._reset()
+            self._link.reset()
             raise SyncError(
                 f"receiver rank {self.rank}: joining the sync from {ch.peer} failed: {type(e).__name__}: {e}"
             ) from e
         return ch, v, plan, incoming, start
-
-    def _await_sync(self, ch: Channel, version: int | None) -> tuple[Channel, dict[str, Any]]:
-        """The sender's next sync message, joining again where the sender dropped us, a new
-        sender where it said goodbye, and its data plane where it warms one up first."""
-        what = f" of version {version}" if version is not None else ""
-        waiting = Deadline(self.config.timeout_s, f"for the sender to start a sync{what}")
-        while True:
-            try:
-                msg = ch.recv(waiting, expect=("sync", "closing", "warmup", "cancel", "reroute"))
-            except PeerLost:
-                # The sender drops every connection after a sync that failed anywhere
-                # (ours may have gone well): join again, within the same deadline.
-                waiting.left()
-                self._reset()
-                self.connect()
-                ch = self._channel
-                assert ch is not None
-                continue
-            if (
-                msg["type"] == "reroute"
-            ):  # idle: it completed the version before the loss, or its sync never came
-                reroute.answer(
-                    ch, msg.get("version"), self.state.version == msg.get("version"), self.config.timeout_s
-                )
-                continue
-            if msg["type"] == "cancel":  # nothing was read: a clean end, the state stays
-                raise HandshakeError(
-                    f"receiver rank {self.rank}: the sender cancelled the sync of version "
-                    f"{msg.get('version')}: {msg.get('message')}"
-                )
-            if msg["type"] == "closing":
-                ch = self._join_next_session(ch)
-                continue
-            if msg["type"] == "warmup":  # the sender forms the data plane ahead of a sync
-                try:
-                    self._warm(ch, msg)
-                except SyncError as e:  # the sender failed it too; its sync may still come
-                    log.warning("receiver rank %d: %s; waiting for the sync", self.rank, e)
-                    waiting.left()
-                    self.connect()  # again, if the failure closed the connection
-                    ch = self._channel
-                    assert ch is not None
-                continue
-            return ch, msg
 
     def _handshake(
         self, ch: Channel, msg: dict[str, Any], version: int | None, sink: ModuleSink | None
@@ -536,40 +441,26 @@ class Receiver:
         except SyncError:
             return None
 
-    def _join_next_session(self, old: Channel) -> Channel:
-        """The sender said goodbye: join the sender now listening on the same address (a
-        restarted trainer), or fail at once if there is none."""
-        self._reset()
-        try:
-            self.connect(reach_s=1.0)
-        except SyncError as e:
-            raise PeerLost(
-                f"{old.peer} closed the session (the trainer has stopped sending), and no new sender "
-                f"listens at {self.address}: {e}"
-            ) from None
-        assert self._channel is not None
-        return self._channel
-
     def _finish(
         self, version: int, ok: bool, message: str | None, broken: bool = False, delivered: bool = False
     ) -> None:
         assert self._transport is not None
         self._transport.finish(ok=not broken)  # mirrors the sender: only a broken transport rebuilds
         try:
-            if self._channel is not None:
-                self._channel.send(
+            if self._link.channel is not None:
+                self._link.channel.send(
                     {"type": "done", "version": version, "ok": ok, "message": message},
                     Deadline(self.config.timeout_s, f"confirming version {version}"),
                 )
         except SyncError:
-            self._reset()
+            self._link.reset()
             ok = False
         if ok:
             self.state.completed(version)
         else:
             self.state.failed(version, delivered)
             if broken:  # the transport failed: reconnect at the next sync
-                self._reset()
+                self._link.reset()
 
     def _accept(
         self, msg: dict[str, Any], expected: int | None, sink: ModuleSink | None
@@ -577,7 +468,8 @@ class Receiver:
         """Check the sender's sync message (``weightsync.receiver.admission``, then the delta stage);
         reply ready, or error (and raise) naming both values. Returns the version, the plan
         and the delta stage's ``Incoming`` (whether this receiver applies deltas)."""
-        assert self._channel is not None
+        ch = self._link.channel
+        assert ch is not None
         v = msg.get("version")
         plan: Plan | None = None
         incoming: Incoming | None = None
@@ -585,9 +477,9 @@ class Receiver:
         try:
             problem = admission.sync_problem(msg, expected, self.state, self.config)
             if problem is None:
-                host = self._channel.sock.getsockname()[0]
+                host = ch.sock.getsockname()[0]
                 plan, problem, agreed = self._route.accept(
-                    msg, sink, self._plan, self.config, self.max_tensor_bytes, host, self.needs
+                    msg, sink, self._link.plan, self.config, self.max_tensor_bytes, host, self.needs
                 )
             if problem is None:
                 incoming = self._decoder.accept(
@@ -597,20 +489,11 @@ class Receiver:
             problem = str(e)
         deadline = Deadline(self.config.timeout_s, f"answering the sync of version {v}")
         if problem is not None:
-            self._refuse(problem, deadline)
+            self._link.refuse(problem, deadline)
             raise HandshakeError(f"receiver rank {self.rank} refused version {v}: {problem}")
         assert isinstance(v, int) and incoming is not None
         if plan is not None:  # a streamed sync leaves the agreed plan as it was
-            self._plan = plan
+            self._link.plan = plan
         # A delta sync without a dense section is offered again with one if we lack its base.
-        self._channel.send({"type": "ready", "dense": incoming.wants_dense, **agreed}, deadline)
+        ch.send({"type": "ready", "dense": incoming.wants_dense, **agreed}, deadline)
         return v, plan, incoming
-
-    def _refuse(self, problem: str, deadline: Deadline) -> None:
-        """Tell the sender why not, and take its abort off the line."""
-        assert self._channel is not None
-        self._channel.send({"type": "error", "message": problem}, deadline)
-        try:  # the sender answers every refusal with an abort
-            self._channel.recv(deadline, expect="abort")
-        except SyncError:
-            self._reset()
