@@ -1,7 +1,8 @@
 """The house rules that a reader can check without running anything: the architecture
 (no import circle; the send side and the receive side never import each other; engines take
 their errors from ``errors``, not the session; no module imports another's private name or
-goes through a package's face; at most 12 modules at the top), no module over 800 lines,
+goes through a package's face; at most 12 modules at the top), no module over 700 lines
+(``LINE_LIMITS`` names the few held to another limit),
 a README whose "How a sync flows" names only functions that exist, and no merge
 conflict left in a file. Each architecture rule is also run on a small planted package,
 where it must fail.
@@ -23,7 +24,10 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "weightsync"
-MAX_LINES = 800
+MAX_LINES = 700
+#: modules held to a limit of their own, by path under the package: the session's two
+#: classes, where the sharded route still lives until it becomes a stage (issue 56)
+LINE_LIMITS = {"sender/sender.py": 800, "receiver/receiver.py": 800}
 MAX_TOP_LEVEL = 12
 README = PACKAGE.parent / "README.md"
 
@@ -238,8 +242,9 @@ def violations(root: Path = PACKAGE) -> dict[str, list[str]]:
                     f"{where} imports {n or t} through {t} (import from the defining module)"
                 )
     for name, path in paths.items():
-        if (n := len(path.read_text().splitlines())) > MAX_LINES:
-            found["size"].append(f"{name}: {n} lines")
+        limit = LINE_LIMITS.get(path.relative_to(root).as_posix(), MAX_LINES)
+        if (n := len(path.read_text().splitlines())) > limit:
+            found["size"].append(f"{name}: {n} lines (at most {limit})")
     top_level = sorted(p.name for p in root.glob("*.py"))
     if len(top_level) > MAX_TOP_LEVEL:
         found["top level"].append(f"{len(top_level)} modules at the top: {', '.join(top_level)}")
@@ -312,6 +317,18 @@ def test_each_rule_fails_on_a_planted_violation(tmp_path, rule, planted):
     found = violations(_plant(tmp_path / "planted", {**HEALTHY, **planted}))
     assert found[rule], f"the {rule!r} rule missed {planted}"
     assert not [r for r, items in found.items() if items and r != rule], found
+
+
+def test_a_module_of_line_limits_is_held_to_its_own_limit(tmp_path):
+    """Each module of ``LINE_LIMITS`` may have its own limit's lines, not one more; the
+    others keep ``MAX_LINES``."""
+    for rel, limit in LINE_LIMITS.items():
+        at = violations(_plant(tmp_path / "at", {**HEALTHY, rel: "x = 1\n" * limit}))
+        assert not at["size"], (rel, at["size"])
+        over = violations(_plant(tmp_path / "over", {**HEALTHY, rel: "x = 1\n" * (limit + 1)}))
+        assert over["size"] == [f"pkg.{rel[:-3].replace('/', '.')}: {limit + 1} lines (at most {limit})"]
+    other = violations(_plant(tmp_path / "other", {**HEALTHY, "sender/packer.py": "x = 1\n" * (MAX_LINES + 1)}))
+    assert other["size"] == [f"pkg.sender.packer: {MAX_LINES + 1} lines (at most {MAX_LINES})"]
 
 
 # ------------------------------------------------------------------- the README's sync flow
