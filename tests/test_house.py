@@ -327,7 +327,9 @@ def test_a_module_of_line_limits_is_held_to_its_own_limit(tmp_path):
         assert not at["size"], (rel, at["size"])
         over = violations(_plant(tmp_path / "over", {**HEALTHY, rel: "x = 1\n" * (limit + 1)}))
         assert over["size"] == [f"pkg.{rel[:-3].replace('/', '.')}: {limit + 1} lines (at most {limit})"]
-    other = violations(_plant(tmp_path / "other", {**HEALTHY, "sender/packer.py": "x = 1\n" * (MAX_LINES + 1)}))
+    other = violations(
+        _plant(tmp_path / "other", {**HEALTHY, "sender/packer.py": "x = 1\n" * (MAX_LINES + 1)})
+    )
     assert other["size"] == [f"pkg.sender.packer: {MAX_LINES + 1} lines (at most {MAX_LINES})"]
 
 
@@ -382,3 +384,100 @@ def test_no_file_holds_a_merge_conflict_left_unresolved():
     marker = re.compile(r"^(<{7}|>{7}) ", re.M)
     conflicted = [str(f.relative_to(root)) for f in files if marker.search(f.read_text(errors="replace"))]
     assert not conflicted, f"unresolved merge conflicts in {conflicted}"
+
+
+# ------------------------------------------------------------ the private APIs we rely on
+DEVELOPERS = PACKAGE.parent / "DEVELOPERS.md"
+NOQA_SLF = re.compile(r"#.*noqa: SLF001(?: -- (?P<why>.*))?$")
+LIBRARY_VERSION = re.compile(r"\b(torch|vLLM) \d+\.\d+\b")
+
+
+def private_rows(text: str) -> list[tuple[str, set[str], str]]:
+    """``(file, the attribute cell's names, library and version)`` of each row of the table
+    in the "Private APIs we rely on" section of DEVELOPERS.md."""
+    section = text.split("## Private APIs we rely on", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            rows.append((cells[0].strip("`"), set(re.findall(r"\w+", cells[1])), cells[2]))
+    return rows
+
+
+def private_uses(root: Path = PACKAGE) -> list[tuple[str, int, str, str]]:
+    """``(file, line, private attribute, the noqa's library and version)`` for every private
+    attribute on a line of ``root`` marked ``noqa: SLF001``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        marked = {n: m for n, text in enumerate(lines, 1) if (m := NOQA_SLF.search(text))}
+        if not marked:
+            continue
+        rel = path.relative_to(root.parent).as_posix()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")) or node.attr.startswith(
+                "__"
+            ):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue  # an object's own attribute (SLF001 leaves it alone too)
+            for line in range(node.lineno, (node.end_lineno or node.lineno) + 1):
+                if line in marked:
+                    version = LIBRARY_VERSION.search(marked[line].group("why") or "")
+                    found.append((rel, line, node.attr, version.group(0) if version else ""))
+                    break
+    return found
+
+
+def unlisted(
+    uses: list[tuple[str, int, str, str]], rows: list[tuple[str, set[str], str]], root: Path
+) -> list[str]:
+    """What breaks the rule: a marked use without a library and version or without its row
+    (same file, attribute and version), and a row whose private names its file lacks."""
+    problems = []
+    for file, line, attr, version in uses:
+        if not version:
+            problems.append(
+                f"{file}:{line}: `noqa: SLF001` names no library and version (`-- torch 2.13: why`)"
+            )
+        elif not any(f == file and attr in names and version in lib for f, names, lib in rows):
+            problems.append(f"{file}:{line}: {attr} ({version}) is not in DEVELOPERS.md's table")
+    for file, names, _ in rows:
+        path = root.parent / file
+        text = path.read_text() if path.exists() else ""
+        if stale := sorted(n for n in names if n.startswith("_") and n not in text):
+            problems.append(
+                f"DEVELOPERS.md's table lists {', '.join(stale)} in {file}, which does not use it"
+            )
+    return problems
+
+
+def test_every_private_api_we_rely_on_is_listed_for_whoever_upgrades():
+    uses, rows = private_uses(), private_rows(DEVELOPERS.read_text())
+    assert len(uses) >= 10 and len(rows) >= 10, (uses, rows)  # the readers found them
+    problems = unlisted(uses, rows, PACKAGE)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_private_api_table_check_fails_on_a_planted_drift(tmp_path):
+    root = tmp_path / "pkg"
+    root.mkdir()
+    (root / "a.py").write_text(
+        "import torch\n"
+        "x = torch._C  # noqa: SLF001 -- torch 2.13: listed\n"
+        "y = torch._foo  # noqa: SLF001 -- torch 2.13: not listed\n"
+        "z = torch._bar  # noqa: SLF001\n"
+        "w = (\n    torch._baz  # noqa: SLF001 -- vLLM 0.32: listed, other version\n)\n"
+    )
+    rows = [
+        ("pkg/a.py", {"torch", "_C"}, "torch 2.13"),
+        ("pkg/a.py", {"_baz"}, "vLLM 0.31"),
+        ("pkg/a.py", {"_gone"}, "x"),
+    ]
+    problems = unlisted(private_uses(root), rows, root)
+    assert problems == [
+        "pkg/a.py:3: _foo (torch 2.13) is not in DEVELOPERS.md's table",
+        "pkg/a.py:4: `noqa: SLF001` names no library and version (`-- torch 2.13: why`)",
+        "pkg/a.py:6: _baz (vLLM 0.32) is not in DEVELOPERS.md's table",
+        "DEVELOPERS.md's table lists _gone in pkg/a.py, which does not use it",
+    ], problems

@@ -39,6 +39,7 @@ refused from that caller unless the replica's own environment sets
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -607,7 +608,7 @@ def _idle_waits_for_weightsync_calls() -> None:
     except ImportError:
         return
     original = MultiprocExecutor.collective_rpc
-    if getattr(original, "_weightsync_idle", False):
+    if getattr(original, "weightsync_idle", False):
         return
 
     def ours(executor: Any, method: Any) -> bool:
@@ -625,6 +626,7 @@ def _idle_waits_for_weightsync_calls() -> None:
         waits = [
             c
             for mq in getattr(self, "response_mqs", None) or ()
+            # vLLM 0.32's queue has no public handle on its spin: see DEVELOPERS.md, "Private APIs"
             if hasattr(c := getattr(mq, "_spin_condition", None), "busy_loop_s")
         ]
         spins = [c.busy_loop_s for c in waits]
@@ -636,7 +638,7 @@ def _idle_waits_for_weightsync_calls() -> None:
             for c, s in zip(waits, spins):
                 c.busy_loop_s = s
 
-    collective_rpc._weightsync_idle = True  # type: ignore[attr-defined]
+    collective_rpc.weightsync_idle = True  # type: ignore[attr-defined]
     MultiprocExecutor.collective_rpc = collective_rpc  # type: ignore[method-assign]
 
 
@@ -659,10 +661,11 @@ def register() -> None:
         )
     except ImportError:  # vLLM not installed: weightsync's own trainer side does not need it
         return
-    # vLLM's register_engine raises for a name it has: asking first keeps this idempotent
-    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
+    # vLLM's register_engine raises ValueError for a name it has (its documented contract;
+    # the registry itself is private): ignoring that keeps this idempotent
+    with contextlib.suppress(ValueError):
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, __name__, "WeightsyncTransferEngine")
-    if BACKEND_NAME not in WeightTransferTrainerFactory._registry:
+    with contextlib.suppress(ValueError):
         WeightTransferTrainerFactory.register_engine(
             BACKEND_NAME, "weightsync.integrations.vllm_trainer", "WeightsyncTrainerEngine"
         )

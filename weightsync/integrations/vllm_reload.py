@@ -27,7 +27,7 @@ def reprocess_tied(model: torch.nn.Module, vllm_config: Any) -> None:
 
     owners: dict[int, list[torch.nn.Module]] = {}
     for module in model.modules():
-        weight = module._parameters.get("weight")
+        weight = dict(module.named_parameters(recurse=False)).get("weight")
         if weight is not None:
             owners.setdefault(id(weight), []).append(module)
     with set_current_vllm_config(vllm_config):
