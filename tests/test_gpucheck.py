@@ -23,7 +23,8 @@ from weightsync.bench.runner import (
     merge_ceiling_runs,
     plan_rows,
 )
-from weightsync.gpucheck.driver import Check, Options, Result
+from weightsync.gpucheck.driver import Options
+from weightsync.gpucheck.report import Check, Result
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -144,9 +144,9 @@ def simulated(cls: type) -> type:
         def bind(self, wire: Wire) -> None:
             self.wire, self.routed, self.offset = wire, None, 0
 
-        def _layout(self, bucket: Bucket, tensor: torch.Tensor):
+        def pieces(self, bucket: Bucket, tensor: torch.Tensor):
             self.routed, self.offset = bucket, 0  # the bucket the next receives are for
-            return super()._layout(bucket, tensor)
+            return super().pieces(bucket, tensor)
 
         def _recv_op(self, source: int, tensor: torch.Tensor) -> Op:
             bucket, offset = self.routed, self.offset

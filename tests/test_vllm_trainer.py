@@ -234,7 +234,7 @@ def test_registration_is_idempotent_and_reaches_the_trainer_factory():
     from weightsync.integrations.vllm_trainer import WeightsyncTrainerEngine
 
     ws_vllm.register()
-    ws_vllm.register()  # vLLM's register_engine raises for a known name: ours asks first
+    ws_vllm.register()  # vLLM's register_engine raises ValueError for a known name: ours ignores it
     assert WeightTransferTrainerFactory._registry["weightsync"]() is WeightsyncTrainerEngine
     assert ws_vllm.WeightsyncTrainerInitInfo.backend == "weightsync"
     with pytest.raises(Exception, match="update_weights_bucket_megabyte"):  # validated by weightsync's config

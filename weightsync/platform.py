@@ -234,13 +234,13 @@ def new_process_group(
     if library == "gloo":
         if bind_host is None:
             return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+        opts = dist.ProcessGroupGloo._Options()  # noqa: SLF001 -- torch 2.13: no public Gloo options with devices
+        opts._timeout = timeout  # noqa: SLF001 -- torch 2.13: Backend.Options has the timeout only as _timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]  # noqa: SLF001 -- torch 2.13, as above
         return dist.ProcessGroupGloo(store, rank, world_size, opts)
     if library == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
+        opts._timeout = timeout  # noqa: SLF001 -- torch 2.13: Backend.Options has the timeout only as _timeout
         return dist.ProcessGroupNCCL(store, rank, world_size, opts)
     if library == "hccl":
         import torch_npu  # noqa: F401  (registers torch.distributed.ProcessGroupHCCL)
@@ -273,7 +273,8 @@ def open_device_buffer(handle: dict, device: torch.device) -> torch.Tensor:
     if handle.get("kind") != "cuda_ipc":
         raise ValueError(f"unknown shared buffer kind {handle.get('kind')!r}")
     with torch.cuda.device(device):
-        storage = torch.UntypedStorage._new_shared_cuda(*handle["fields"])
+        # torch.multiprocessing's own CUDA IPC path; its public form needs pickle
+        storage = torch.UntypedStorage._new_shared_cuda(*handle["fields"])  # noqa: SLF001 -- torch 2.13
     flat = torch.empty(0, dtype=torch.uint8, device=storage.device)
     flat.set_(storage)
     return flat[: int(handle["nbytes"])]

@@ -163,8 +163,8 @@ def module_of(state: dict[str, torch.Tensor]) -> torch.nn.Module:
         *path, leaf = name.split(".")
         mod = root
         for part in path:
-            child = getattr(mod, part, None) if part in mod._modules else None
-            if child is None:
+            child = getattr(mod, part, None)
+            if not isinstance(child, torch.nn.Module):
                 child = torch.nn.Module()
                 mod.add_module(part, child)
             mod = child

@@ -247,7 +247,7 @@ class CollectiveEngine(Transport):
             links |= {(j + 1, (j + 1) % self._replicas + 1) for j in range(self._replicas)}
         return sorted(links)
 
-    def _route(self, bucket: Bucket, share: int) -> tuple[int, int | None]:
+    def hop(self, bucket: Bucket, share: int) -> tuple[int, int | None]:
         """Where a piece of share ``share`` comes from, and the rank to forward it to (None:
         nowhere). On a chain, share s comes from trainer rank s to replica d(s), then goes
         around the ring of replicas; the last replica of the ring keeps it."""
@@ -259,9 +259,10 @@ class CollectiveEngine(Transport):
         forward = (me + 1) % n + 1 if hop < n - 1 else None
         return source, forward
 
-    def _layout(self, bucket: Bucket, tensor: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+    def pieces(self, bucket: Bucket, tensor: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
         """The operations ``bucket``'s bytes (in ``tensor``) take, each with the share that
-        sends it: the whole bucket on a broadcast, pieces of ``CHUNK_BYTES`` on a chain."""
+        sends it: the whole bucket on a broadcast, pieces of ``CHUNK_BYTES`` on a chain. With
+        ``hop``, public: the estimator (``weightsync.estimate.routes``) walks a sync's route by them."""
         if not tensor.numel():
             return []
         pieces = (
@@ -387,7 +388,7 @@ class CollectiveEngine(Transport):
                     break
                 bucket, payload = produced
                 packed = payload.data_ptr() == bufs[slot].data_ptr()
-                for piece, share in self._layout(bucket, payload):
+                for piece, share in self.pieces(bucket, payload):
                     if share == self._share:  # this rank's pieces (all, but on a chain of shares)
                         in_flight.append((self._post_send(bucket, piece), slot if packed else None))
                         sent += piece.numel()
@@ -406,7 +407,7 @@ class CollectiveEngine(Transport):
         return sent
 
     # Receiving, for ``nccl`` and ``paired`` alike: which rank each bucket comes from and
-    # whether it goes on to a next rank is all that differs (``_route``).
+    # whether it goes on to a next rank is all that differs (``hop``).
     def _recv_op(self, source: int, tensor: torch.Tensor) -> dist.Work:
         """Start receiving ``tensor`` from rank ``source`` (on a broadcast: from rank 0)."""
         return self._groups[(source, self.rank) if self._chain else None].broadcast(tensor, 0)
@@ -471,8 +472,8 @@ class CollectiveEngine(Transport):
                     slot = free.pop(0)
                     target = bufs[slot][: pending.nbytes]
                 works = []
-                for piece, share in self._layout(pending, target):
-                    source, forward = self._route(pending, share)
+                for piece, share in self.pieces(pending, target):
+                    source, forward = self.hop(pending, share)
                     works.append((self._recv_op(source, piece), piece, forward))
                 posted.append((pending, slot, target, works))
                 pending = None

@@ -123,7 +123,7 @@ class ShardedEngine(CollectiveEngine):
     def _post_send(self, bucket: Bucket, piece: torch.Tensor) -> dist.Work:
         return self._send_op(self._peer(bucket), piece)
 
-    def _route(self, bucket: Bucket, share: int) -> tuple[int, int | None]:
+    def hop(self, bucket: Bucket, share: int) -> tuple[int, int | None]:
         assert self._join is not None
         return self._peer(bucket), self._join.forward
 

@@ -1,7 +1,7 @@
 """Who sends how many bytes to whom in one sync: the route each backend's own code takes.
 
 Nothing here is a separate formula for a backend: ``nccl``'s chain and ``paired``'s shares
-are walked through the engines' own ``arrange`` / ``_layout`` / ``_route`` (each receiver
+are walked through the engines' own ``arrange`` / ``pieces`` / ``hop`` (each receiver
 rank asking, piece by piece in plan order, where the piece comes from, as it does in a
 sync), ``sharded``'s fragments and chains come from the planner (``plan_route``) over the
 layouts a sync would declare (``weightsync.sharding.typical``: FSDP2 trainer ranks,
@@ -59,8 +59,8 @@ def _walk(backend: str, topology: str, cluster: Cluster, plan: Plan, senders: in
             engine.arrange(join, topology)
             for bucket in plan.buckets:
                 meta = torch.empty(bucket.nbytes, dtype=torch.uint8, device="meta")
-                for piece, share in engine._layout(bucket, meta):
-                    source, _ = engine._route(bucket, share)
+                for piece, share in engine.pieces(bucket, meta):
+                    source, _ = engine.hop(bucket, share)
                     flows[(_group_key(source, receivers), ("receiver", rank - 1))] += piece.numel()
     finally:
         engine.close()

@@ -1,20 +1,15 @@
 """``weightsync gpu-check``: one prepared run on a GPU machine (the NCCL probe, the cuda
-tests, bench rows) and its report.
+tests, bench rows) and its report: driver.py (the steps, their budget, the command
+line), report.py (the checks found, gpu-check.json and .txt), probe.py (NCCL).
 """
 
 from weightsync.gpucheck.driver import (
-    EXIT_FAILED,
-    EXIT_NO_CUDA,
-    EXIT_PASSED,
-    FILES,
     NCCL_BLOCKED_ENV,
     REPO,
     SHARED_GPU_NCCL_ENV,
     TEST_DEVICE_ENV,
     TEST_FILE,
-    Check,
     Options,
-    Result,
     add_arguments,
     add_ceiling_ratios,
     bench_command,
@@ -25,15 +20,23 @@ from weightsync.gpucheck.driver import (
     main,
     no_cuda_message,
     options_from,
-    parse_junit,
-    parse_verbose,
     planned_checks,
     run,
     run_checks,
+)
+from weightsync.gpucheck.probe import PROBE_BYTES, PROBE_ROUNDS, nccl_blocked_reason, probe_nccl
+from weightsync.gpucheck.report import (
+    EXIT_FAILED,
+    EXIT_NO_CUDA,
+    EXIT_PASSED,
+    FILES,
+    Check,
+    Result,
+    parse_junit,
+    parse_verbose,
     text_report,
     write_report,
 )
-from weightsync.gpucheck.probe import PROBE_BYTES, PROBE_ROUNDS, nccl_blocked_reason, probe_nccl
 
 __all__ = [
     "Check",

@@ -39,6 +39,7 @@ refused from that caller unless the replica's own environment sets
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -53,6 +54,7 @@ from weightsync.config.engine import EngineConfig
 from weightsync.config.keys import ConfigError, canonical_key, flatten, parse_overrides
 from weightsync.errors import HandshakeError
 from weightsync.integrations.vllm_lora import AdapterSlots
+from weightsync.integrations.vllm_reload import finalize_reload, reprocess_tied
 from weightsync.integrations.vllm_slices import Slices, derive_slices
 from weightsync.integrations.vllm_staging import Reload, Stager
 from weightsync.plan import TensorSpec
@@ -327,9 +329,9 @@ def _worker_reload(worker: Any) -> Reload:
         try:
             worker.reload_weights(weights_iterator=weights)
         except BaseException:
-            _finalize(model, worker.vllm_config)
+            finalize_reload(model, worker.vllm_config)
             raise
-        _reprocess_tied(model, worker.vllm_config)
+        reprocess_tied(model, worker.vllm_config)
         _restore_adapters(worker)
 
     return reload
@@ -344,42 +346,6 @@ def _restore_adapters(worker: Any) -> None:
             log.info("weightsync: %d LoRA adapter(s) kept across the full update", count)
     except Exception:
         log.exception("weightsync: the LoRA adapters could not be added back after the reload")
-
-
-def _reprocess_tied(model: torch.nn.Module, vllm_config: Any) -> None:
-    """Redo the post-load processing of modules whose weight is tied to an earlier one's.
-
-    vLLM's layerwise reload processes a layer when its own weights arrive. A tied lm_head
-    gets none (the checkpoint carries only the embedding), so where the backend keeps a
-    processed copy (the CPU backend packs linear weights into an opaque form, vLLM 0.32) it
-    would go on computing logits with the old weights although its parameter is new.
-    """
-    from vllm.config import set_current_vllm_config
-
-    owners: dict[int, list[torch.nn.Module]] = {}
-    for module in model.modules():
-        weight = module._parameters.get("weight")
-        if weight is not None:
-            owners.setdefault(id(weight), []).append(module)
-    with set_current_vllm_config(vllm_config):
-        for modules in owners.values():
-            for module in modules[1:]:
-                method = getattr(module, "quant_method", None)
-                if method is not None and hasattr(method, "process_weights_after_loading"):
-                    method.process_weights_after_loading(module)
-
-
-def _finalize(model: torch.nn.Module, vllm_config: Any) -> None:
-    """After a reload that raised: put every layer back on its own tensors (vLLM moved
-    them to the meta device for loading), so the replica still runs."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
-
-    try:
-        with set_current_vllm_config(vllm_config):
-            finalize_layerwise_reload(model, vllm_config.model_config)
-    except Exception:  # best effort: the original error is the one to report
-        log.exception("weightsync: could not finalize the interrupted reload")
 
 
 def tensor_digests(model: torch.nn.Module) -> dict[str, str]:
@@ -575,9 +541,9 @@ def _engine_classes() -> tuple[type, type, type]:
                         is_checkpoint_format=True,
                     )
                 except BaseException:
-                    _finalize(self.model, self.vllm_config)
+                    finalize_reload(self.model, self.vllm_config)
                     raise
-                _reprocess_tied(self.model, self.vllm_config)
+                reprocess_tied(self.model, self.vllm_config)
 
             version, phase = update_info.version, update_info.phase
             if phase == "stage":
@@ -642,7 +608,7 @@ def _idle_waits_for_weightsync_calls() -> None:
     except ImportError:
         return
     original = MultiprocExecutor.collective_rpc
-    if getattr(original, "_weightsync_idle", False):
+    if getattr(original, "weightsync_idle", False):
         return
 
     def ours(executor: Any, method: Any) -> bool:
@@ -660,6 +626,7 @@ def _idle_waits_for_weightsync_calls() -> None:
         waits = [
             c
             for mq in getattr(self, "response_mqs", None) or ()
+            # vLLM 0.32's queue has no public handle on its spin: see DEVELOPERS.md, "Private APIs"
             if hasattr(c := getattr(mq, "_spin_condition", None), "busy_loop_s")
         ]
         spins = [c.busy_loop_s for c in waits]
@@ -671,7 +638,7 @@ def _idle_waits_for_weightsync_calls() -> None:
             for c, s in zip(waits, spins):
                 c.busy_loop_s = s
 
-    collective_rpc._weightsync_idle = True  # type: ignore[attr-defined]
+    collective_rpc.weightsync_idle = True  # type: ignore[attr-defined]
     MultiprocExecutor.collective_rpc = collective_rpc  # type: ignore[method-assign]
 
 
@@ -694,10 +661,11 @@ def register() -> None:
         )
     except ImportError:  # vLLM not installed: weightsync's own trainer side does not need it
         return
-    # vLLM's register_engine raises for a name it has: asking first keeps this idempotent
-    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
+    # vLLM's register_engine raises ValueError for a name it has (its documented contract;
+    # the registry itself is private): ignoring that keeps this idempotent
+    with contextlib.suppress(ValueError):
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, __name__, "WeightsyncTransferEngine")
-    if BACKEND_NAME not in WeightTransferTrainerFactory._registry:
+    with contextlib.suppress(ValueError):
         WeightTransferTrainerFactory.register_engine(
             BACKEND_NAME, "weightsync.integrations.vllm_trainer", "WeightsyncTrainerEngine"
         )

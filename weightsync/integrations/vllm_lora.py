@@ -100,7 +100,7 @@ class AdapterSlots:
         t0 = time.perf_counter()
         kept = {n: t.clone() for n, t in tensors}
         lora = self._build(name, lora_id, config, kept)
-        adapters = self._manager()._adapter_manager
+        adapters = self._manager()._adapter_manager  # noqa: SLF001 -- vLLM 0.32: only the model manager takes an in-memory LoRAModel
         adapters.remove_adapter(lora_id)  # the slot's previous adapter (version N - keep - 1)
         adapters.add_adapter(lora)
         adapters.pin_adapter(lora_id)
@@ -112,7 +112,7 @@ class AdapterSlots:
         adapters the slots held again, pinned; returns how many."""
         if not self.loaded:
             return 0
-        adapters = self._manager()._adapter_manager
+        adapters = self._manager()._adapter_manager  # noqa: SLF001 -- vLLM 0.32: only the model manager takes an in-memory LoRAModel
         for lora_id, (name, config, kept) in sorted(self.loaded.items()):
             adapters.remove_adapter(lora_id)
             adapters.add_adapter(self._build(name, lora_id, config, kept))
@@ -130,7 +130,7 @@ class AdapterSlots:
             {**config, "vllm_max_position_embeddings": manager.max_position_embeddings}
         )
         helper.validate_legal(manager.lora_config)  # rank and features, before anything changes
-        adapters = manager._adapter_manager
+        adapters = manager._adapter_manager  # noqa: SLF001 -- vLLM 0.32: only the model manager takes an in-memory LoRAModel
         model = adapters.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         lora = LoRAModel.from_lora_tensors(

@@ -44,6 +44,51 @@ class ReplicaReport:
     #: (``drop_lost_receivers``); ``VLLMRollout.add_replica`` takes it back
     left: bool = False
 
+    @classmethod
+    def of_workers(cls, name: str, status: list[dict[str, Any]] | None, failure: str | None) -> ReplicaReport:
+        """Replica ``name``'s report from its workers' ``weightsync_status`` (one per worker;
+        None or empty where it did not answer) and the failure seen calling it, if any."""
+        if not status:
+            return cls(name, version=None, ok=False, error=failure or "no status")
+        # One status per worker; the replica serves a version only if all its workers do.
+        versions = {s.get("version") for s in status}
+        errors = [s["error"] for s in status if s.get("error")]
+        mixed = any(s.get("mixed") for s in status) or len(versions) > 1
+        return cls(
+            name,
+            version=None if mixed else versions.pop(),
+            ok=failure is None and all(s.get("ok", True) for s in status),
+            error=failure or "; ".join(errors) or None,
+            failed_version=next(
+                (s["failed_version"] for s in status if s.get("failed_version") is not None), None
+            ),
+            mixed=mixed,
+            seconds=max(s.get("seconds", 0.0) for s in status),
+            bytes=sum(s.get("bytes", 0) for s in status),
+            staged=staged.pop() if len(staged := {s.get("staged") for s in status}) == 1 else None,
+            staging_bytes=sum(s.get("staging_bytes", 0) for s in status),
+            staging_allocated_bytes=sum(s.get("staging_allocated_bytes", 0) for s in status),
+            worker_bytes=[s.get("bytes", 0) for s in status],
+            worker_kept_bytes=[s["kept_bytes"] for s in status if s.get("kept_bytes") is not None],
+        )
+
+    @classmethod
+    def of_adapter(
+        cls, name: str, status: list[dict[str, Any]], error: str | None, version: int
+    ) -> ReplicaReport:
+        """Replica ``name``'s report of a LoRA update to ``version`` from its workers'
+        answers to ``weightsync_load_adapter`` and the error seen, if any."""
+        versions = {s.get("adapter_version") for s in status}
+        return cls(
+            name,
+            version=None,
+            ok=error is None and versions == {version},
+            error=error,
+            adapter=versions.pop() if len(versions) == 1 else None,
+            bytes=sum(s.get("stage_bytes", 0) for s in status),
+            seconds=max((s.get("stage_s", 0.0) + s.get("lora_load_s", 0.0) for s in status), default=0.0),
+        )
+
 
 @dataclass
 class UpdateReport:

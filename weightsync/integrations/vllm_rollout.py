@@ -317,21 +317,8 @@ class VLLMRollout:
         report.sync_s = time.perf_counter() - t0
         for r in self.replicas:
             status = statuses.get(r.name) or []
-            versions = {s.get("adapter_version") for s in status}
             error = failures.get(r.name) or next((s["error"] for s in status if s.get("error")), None)
-            report.replicas.append(
-                ReplicaReport(
-                    r.name,
-                    version=None,
-                    ok=error is None and versions == {version},
-                    error=error,
-                    adapter=versions.pop() if len(versions) == 1 else None,
-                    bytes=sum(s.get("stage_bytes", 0) for s in status),
-                    seconds=max(
-                        (s.get("stage_s", 0.0) + s.get("lora_load_s", 0.0) for s in status), default=0.0
-                    ),
-                )
-            )
+            report.replicas.append(ReplicaReport.of_adapter(r.name, status, error, version))
         if any(r.ok for r in report.replicas):  # the replicas that serve it: generate with it there
             self._lora_loads += 1
             report.lora_request = LoRARequest(name, slot, lora_path=f"weightsync://{name}")
@@ -385,7 +372,7 @@ class VLLMRollout:
         statuses = {r.name: self._staged(r, failures) for r in self.replicas}
         report.sync_s = time.perf_counter() - t0
         for r in self.replicas:
-            rep = self._report(r, statuses[r.name], failures.get(r.name))
+            rep = ReplicaReport.of_workers(r.name, statuses[r.name], failures.get(r.name))
             rep.ok = rep.ok and rep.staged == version
             if not rep.ok and rep.error is None:
                 rep.error = next(
@@ -534,7 +521,7 @@ class VLLMRollout:
             status = statuses.get(r.name)
             if status is None and r.name in failures and not started:
                 status = self._ask_status(r)  # stopped before the sync: weights untouched
-            rep = self._report(r, status, failures.get(r.name))
+            rep = ReplicaReport.of_workers(r.name, status, failures.get(r.name))
             if rep.ok and sync_error is not None and rep.version != version:
                 rep.ok = False
             # Resume only a replica whose workers answered and hold one whole version; one
@@ -591,31 +578,6 @@ class VLLMRollout:
             return replica.call("weightsync_status", timeout=self.config.timeout_s)
         except Exception:
             return None
-
-    def _report(self, replica: Replica, status: Any, failure: str | None) -> ReplicaReport:
-        if not status:
-            return ReplicaReport(replica.name, version=None, ok=False, error=failure or "no status")
-        # One status per worker; the replica serves a version only if all its workers do.
-        versions = {s.get("version") for s in status}
-        errors = [s["error"] for s in status if s.get("error")]
-        mixed = any(s.get("mixed") for s in status) or len(versions) > 1
-        return ReplicaReport(
-            replica.name,
-            version=None if mixed else versions.pop(),
-            ok=failure is None and all(s.get("ok", True) for s in status),
-            error=failure or "; ".join(errors) or None,
-            failed_version=next(
-                (s["failed_version"] for s in status if s.get("failed_version") is not None), None
-            ),
-            mixed=mixed,
-            seconds=max(s.get("seconds", 0.0) for s in status),
-            bytes=sum(s.get("bytes", 0) for s in status),
-            staged=staged.pop() if len(staged := {s.get("staged") for s in status}) == 1 else None,
-            staging_bytes=sum(s.get("staging_bytes", 0) for s in status),
-            staging_allocated_bytes=sum(s.get("staging_allocated_bytes", 0) for s in status),
-            worker_bytes=[s.get("bytes", 0) for s in status],
-            worker_kept_bytes=[s["kept_bytes"] for s in status if s.get("kept_bytes") is not None],
-        )
 
     def _name_ranks(self, message: str) -> str:
         """Add the replica's name after every ``receiver rank N`` in a sender error."""
@@ -715,7 +677,7 @@ class VLLMRollout:
         for r in self.replicas:
             try:
                 st = r.call("weightsync_status", timeout=self.config.timeout_s)
-                rep = self._report(r, st, None)
+                rep = ReplicaReport.of_workers(r.name, st, None)
                 rep.ok = rep.version is not None and not rep.mixed
                 out.append(rep)
             except Exception as e:

@@ -75,16 +75,16 @@ class _WouldProcess(Unreducible):
 def _guarded(layerwise: Any) -> Iterator[None]:
     """No layer is processed while loaders see stand-ins: a loader that copies anything
     real (and so would complete its layer) makes that tensor whole instead."""
-    original = layerwise._layerwise_process
+    original = layerwise._layerwise_process  # noqa: SLF001 -- vLLM 0.32: no hook to stop layerwise processing
 
     def refuse(layer: torch.nn.Module, info: Any) -> None:
         raise _WouldProcess(f"loading it would complete {type(layer).__name__} in the dry run")
 
-    layerwise._layerwise_process = refuse
+    layerwise._layerwise_process = refuse  # noqa: SLF001 -- vLLM 0.32: no hook to stop layerwise processing
     try:
         yield
     finally:
-        layerwise._layerwise_process = original
+        layerwise._layerwise_process = original  # noqa: SLF001 -- vLLM 0.32: no hook to stop layerwise processing
 
 
 @contextlib.contextmanager

@@ -35,7 +35,8 @@ LANDED_AHEAD = 1
 
 def _use_count(t: torch.Tensor) -> int:
     """References to ``t``'s storage (tensors viewing it, plus the one this call makes)."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    # torch 2.13 has no public reference count of a storage
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)  # noqa: SLF001 -- torch 2.13
 
 
 def _aligned(n: int, alignment: int) -> int:

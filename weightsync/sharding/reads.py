@@ -116,22 +116,23 @@ def _box_of_view(view: torch.Tensor, base: torch.Tensor) -> Box:
 class ReadRecorder(torch.Tensor):
     """A checkpoint tensor without bytes that records which box of it loaders read."""
 
-    _reads: _Reads
-    _view: torch.Tensor  # a meta view of ``_reads.base``: where this tensor's elements are
+    # public names (no tensor attribute has them): the module's functions read them
+    recorded: _Reads
+    meta_view: torch.Tensor  # a meta view of ``recorded.base``: where this tensor's elements are
 
     @staticmethod
     def __new__(cls, reads: _Reads, view: torch.Tensor, dtype: torch.dtype | None = None) -> ReadRecorder:
-        out = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        out = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]  # noqa: SLF001 -- torch 2.13: the only constructor of a wrapper subclass
             cls, tuple(view.shape), dtype=dtype or view.dtype, device="cpu", requires_grad=False
         )
-        out._reads, out._view = reads, view
+        out.recorded, out.meta_view = reads, view
         return out
 
     def __init__(self, reads: _Reads, view: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         super().__init__()
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
-        return f"ReadRecorder({self._reads.spec.name}, {tuple(self.shape)})"
+        return f"ReadRecorder({self.recorded.spec.name}, {tuple(self.shape)})"
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -143,7 +144,7 @@ class ReadRecorder(torch.Tensor):
             # attributes (shape, dtype, device, ...) and metadata: the wrapper holds them
             if func is torch.Tensor.__repr__:
                 return args[0].__repr__()
-            with torch._C.DisableTorchFunctionSubclass():
+            with torch._C.DisableTorchFunctionSubclass():  # noqa: SLF001 -- torch 2.13: no public form
                 return func(*args, **kwargs)
         if func in _COPIES:
             return cls._copy(func, args, kwargs)
@@ -151,17 +152,17 @@ class ReadRecorder(torch.Tensor):
         if func in _SAME_ELEMENTS and len(recorders) == 1 and args and args[0] is recorders[0]:
             me = recorders[0]
             dtype = kwargs.get("dtype") or next((a for a in args[1:] if isinstance(a, torch.dtype)), None)
-            return ReadRecorder(me._reads, me._view, dtype or me.dtype)
+            return ReadRecorder(me.recorded, me.meta_view, dtype or me.dtype)
         # anything else: on meta; the results must be views of the recorded tensor
-        reads = {id(r._reads): r._reads for r in recorders}
+        reads = {id(r.recorded): r.recorded for r in recorders}
         if len(reads) != 1:
             raise Unreducible(f"{getattr(func, '__name__', func)} combines recorded tensors")
         (only,) = reads.values()
         if func is torch.cat or func is torch.stack:  # a new tensor, even of one view
             raise Unreducible(f"{func.__name__} makes a tensor that is not a view")
-        swap = lambda a: a._view if isinstance(a, ReadRecorder) else a  # noqa: E731
+        swap = lambda a: a.meta_view if isinstance(a, ReadRecorder) else a  # noqa: E731
         try:
-            with torch._C.DisableTorchFunctionSubclass():
+            with torch._C.DisableTorchFunctionSubclass():  # noqa: SLF001 -- torch 2.13: no public form
                 out = func(*tree_map(swap, args), **tree_map(swap, kwargs))
         except Unreducible:
             raise
@@ -170,7 +171,8 @@ class ReadRecorder(torch.Tensor):
 
         def wrap(t: Any) -> Any:
             if isinstance(t, torch.Tensor):
-                if not (t.is_meta and t._base is not None and t._base is only.base or t is only.base):
+                base = t._base  # noqa: SLF001 -- torch 2.13: a view's base has no public accessor
+                if not (t.is_meta and base is not None and base is only.base or t is only.base):
                     raise Unreducible(f"{getattr(func, '__name__', func)} makes a tensor that is not a view")
                 return ReadRecorder(only, t)
             return t
@@ -182,7 +184,7 @@ class ReadRecorder(torch.Tensor):
         dest, src = (args[0], args[1]) if func is torch.Tensor.copy_ else (args[0], args[2])
         if isinstance(dest, ReadRecorder) or not isinstance(src, ReadRecorder):
             raise Unreducible("a copy into a recorded tensor")
-        src._reads.boxes.append(_box_of_view(src._view, src._reads.base))
+        src.recorded.boxes.append(_box_of_view(src.meta_view, src.recorded.base))
         return dest if func is torch.Tensor.copy_ else None  # nothing is written: a dry run
 
     @classmethod
@@ -199,7 +201,7 @@ def recorder(spec: TensorSpec) -> ReadRecorder:
 
 def read_box(tensor: ReadRecorder) -> Box | None:
     """The smallest box covering every read of ``tensor``'s checkpoint tensor (None: none)."""
-    boxes = [b for b in tensor._reads.boxes if b.numel]
+    boxes = [b for b in tensor.recorded.boxes if b.numel]
     if not boxes:
         return None
     starts = tuple(min(b.starts[d] for b in boxes) for d in range(len(boxes[0].starts)))
