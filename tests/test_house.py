@@ -26,8 +26,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "weightsync"
 MAX_LINES = 700
 #: modules held to a limit of their own, by path under the package: the session's two
-#: classes, where the sharded route still lives until it becomes a stage (issue 56)
-LINE_LIMITS = {"sender/sender.py": 800, "receiver/receiver.py": 800}
+#: classes read the same for every transport (what varies lives in stages beside them)
+LINE_LIMITS = {"sender/sender.py": 500, "receiver/receiver.py": 500}
 MAX_TOP_LEVEL = 12
 README = PACKAGE.parent / "README.md"
 
