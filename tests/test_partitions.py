@@ -20,6 +20,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 TIMEOUT_S = 15.0  # the held-out scenario's deadline; the grace derived from it is 5 s
 GRACE_S = 5.0
+# What the bounds after a cut allow beyond the promise (the grace, plus a retry's transfer
+# where there is one), for a 2-core machine shared with other runs: the kernel gives up
+# when the grace is over, then the process that finds out must be scheduled and report
+# through a queue. Named within the grace plus this, a peer was found by heartbeats; one
+# that waited out timeout_s (15 s) is far beyond every bound.
+LOADED_S = 3.0
 # "At once": from the sender's failure reaching this process to a healthy receiver's (each
 # through a multiprocessing queue). Measured 0.01-0.02 s on 2 loaded cores; mooncake's
 # receiver upstream of the lost one first waits for its write in flight to it (up to 2 s,
@@ -27,6 +33,7 @@ GRACE_S = 5.0
 # deadline.
 AT_ONCE_S = 1.5
 MOONCAKE_WRITE_WAIT_S = 2.0
+SLOW_BITS = parse_rate("250mbit")  # the last host's NIC (bits per second)
 MiB = 1 << 20
 
 
@@ -63,11 +70,7 @@ class Partition:
         self.bodies = bodies or {}  # rank -> process body (default: workers.run_resilient_receiver)
         self.weights = weights  # what the trainer sends: a function of cluster_workers
         self.trainers = trainers  # trainer ranks > 0 on the hosts after the receivers'
-        rates = (
-            [parse_rate("1gbit")] * receivers
-            + [parse_rate("250mbit")]
-            + [parse_rate("1gbit")] * (trainers - 1)
-        )
+        rates = [parse_rate("1gbit")] * receivers + [SLOW_BITS] + [parse_rate("1gbit")] * (trainers - 1)
         self.cluster = Cluster(receivers + trainers, rates)
         self.reports, self.received, self.commands = CTX.Queue(), CTX.Queue(), CTX.Queue()
         self.followers = CTX.Queue()  # trainer ranks > 0: what they failed (rank 0 reports the outcome)
@@ -196,7 +199,7 @@ def test_a_receiver_host_cut_mid_sync_is_named_within_the_grace_and_both_take_th
             and "went silent" in message
             and "healthy: receiver rank 0" in message
         ), message
-        assert failed - cut < GRACE_S + 3 < TIMEOUT_S, failed - cut  # the grace, not the deadline
+        assert failed - cut < GRACE_S + LOADED_S < TIMEOUT_S, failed - cut  # the grace, not the deadline
         # Both receivers fail cleanly and keep version 1: the healthy one is told at once
         # (the sender drops the failed sync), the cut one finds its sender silent by its own
         # heartbeats, within the grace.
@@ -212,7 +215,7 @@ def test_a_receiver_host_cut_mid_sync_is_named_within_the_grace_and_both_take_th
         )
         (_, _, error, *_), found = got[1]
         assert "sender at" in error and "went silent" in error, error
-        assert found - cut < GRACE_S + 3, (found - cut, error)
+        assert found - cut < GRACE_S + LOADED_S, (found - cut, error)
         print(
             f"\nsender failed {failed - cut:.2f} s after the cut; the healthy receiver {told - failed:+.2f} s "
             f"after it; the cut one {found - cut:.2f} s after the cut: {error}"
@@ -234,7 +237,7 @@ def test_the_trainer_host_cut_mid_sync_fails_every_receiver_in_the_grace_and_the
             _, status, error, held, attempted, torn = report
             assert (status, held, attempted, torn) == ("error", 1, 2, True), report
             assert "sender at" in error and "went silent" in error, error
-            assert at - cut < GRACE_S + 3, (rank, at - cut)
+            assert at - cut < GRACE_S + LOADED_S, (rank, at - cut)
         kind, version, _, message, ranks = p.outcome()
         assert (kind, version, sorted(ranks)) == ("failed", 2, [0, 1]), message
         p.cluster.heal(0)
@@ -262,11 +265,11 @@ def test_a_sharded_trainer_rank_host_cut_mid_sync_is_named_within_the_grace_and_
         failed = time.monotonic()
         assert report[:2] == ("failed", 2), report
         assert "trainer rank 1" in report[3] and "went silent" in report[3], report[3]
-        assert failed - cut < GRACE_S + 3 < TIMEOUT_S, failed - cut  # the grace, not the deadline
+        assert failed - cut < GRACE_S + LOADED_S < TIMEOUT_S, failed - cut  # the grace, not the deadline
         for report, at in p.receipts().values():
             _, status, error, held, attempted, torn = report
             assert (status, held, attempted) == ("error", 1, 2), report
-            assert at - cut < GRACE_S + 3, (at - cut, error)
+            assert at - cut < GRACE_S + LOADED_S, (at - cut, error)
         p.cluster.heal(3)
         p.send(3)
         p.sent(3)
@@ -319,9 +322,12 @@ def test_with_drop_lost_receivers_the_chain_routes_around_a_receiver_host_cut_mi
                 assert report[4] == 1, f"receiver rank {rank} took version 2 whole (delta base {report[4]})"
         _, status, error, held, attempted, torn = got[1][0]
         assert (status, held, attempted) == ("error", 1, 2), got[1][0]
-        assert done < GRACE_S + 8 < TIMEOUT_S, (
-            done
-        )  # the grace, the retry through 250 Mbit/s, not the deadline
+        # The promise: the lost one named within the grace, then the version again to the
+        # two others, whose slowest NIC (receiver rank 2's) takes it at 250 Mbit/s. A sender
+        # that waited out timeout_s before the retry would take 15 s and more.
+        retry_s = sum(t.nbytes for t in getattr(cluster_workers, weights)(2).values()) * 8 / SLOW_BITS
+        assert done < GRACE_S + retry_s + LOADED_S < TIMEOUT_S, (done, retry_s)
+        print(f"\nversion 2 sent {done:.2f} s after the cut (the bound {GRACE_S + retry_s + LOADED_S:.2f} s)")
         p.cluster.heal(2)
         p.add(1)
         p.send(3)
@@ -409,3 +415,44 @@ def test_a_peer_that_stops_answering_heartbeats_seems_silent_before_its_grace_ru
             watcher_cmds.put(None)
             listener_cmds.put(None)
             stop(procs)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="until weightsync/receiver/receiver.py's _await_sync fails on a silent sender instead of "
+    "joining it again (the diff is in issue 57's cut-timing report; remove this mark with it)",
+)
+def test_the_trainer_host_cut_as_a_sync_starts_is_named_by_the_waiting_receivers_in_the_grace_and_they_rejoin():
+    """The trainer's host cut as version 2 starts (its handshake meets the cut: its sync
+    message reaches no one): the receivers, waiting for that sync, find the sender silent
+    by their own heartbeats and fail within the grace naming it, rather than taking the silence
+    for a sender that dropped them and trying to join it again for another ``timeout_s``
+    ("could not reach the sender ... within 15.0 s" 20 s after the cut; where the heal came
+    first, the join found version 3 where version 2 was expected, refused it and failed the
+    trainer's version 3 too). After the heal they rejoin by themselves and version 3 reaches
+    both exactly."""
+    with Partition("nccl") as p:
+        p.send(1)
+        p.sent(1)
+        p.exact(1)
+        # Cut just before the sender starts version 2, so its handshake meets the cut and its
+        # sync message reaches no one, whatever the machine's load (cut just after, the sync
+        # may get through first: the cut then lands in the transfer, as in
+        # test_the_trainer_host_cut_mid_sync_fails_every_receiver_in_the_grace_and_they_rejoin_after_the_heal)
+        p.cluster.cut(0)
+        cut = time.monotonic()
+        p.send(2)
+        for rank, (report, at) in p.receipts().items():
+            _, status, error, held, attempted, torn = report
+            assert (status, held, attempted, torn) == ("error", 1, 2, False), report
+            assert "sender at" in error and "went silent while" in error and "waited for a sync" in error, (
+                error
+            )
+            assert at - cut < GRACE_S + LOADED_S, (rank, at - cut, error)
+        kind, version, _, message, ranks = p.outcome()
+        assert (kind, version) == ("failed", 2) and ranks, message
+        assert time.monotonic() - cut < GRACE_S + LOADED_S, message  # the sender's own grace, too
+        p.cluster.heal(0)
+        p.send(3)
+        p.sent(3)
+        p.exact(3)
