@@ -417,11 +417,6 @@ def test_a_peer_that_stops_answering_heartbeats_seems_silent_before_its_grace_ru
             stop(procs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="until weightsync/receiver/receiver.py's _await_sync fails on a silent sender instead of "
-    "joining it again (the diff is in issue 57's cut-timing report; remove this mark with it)",
-)
 def test_the_trainer_host_cut_as_a_sync_starts_is_named_by_the_waiting_receivers_in_the_grace_and_they_rejoin():
     """The trainer's host cut as version 2 starts (its handshake meets the cut: its sync
     message reaches no one): the receivers, waiting for that sync, find the sender silent

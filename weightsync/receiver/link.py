@@ -141,11 +141,15 @@ class SenderLink:
             try:
                 msg = ch.recv(waiting, expect=("sync", "closing", "warmup", "cancel", "reroute"))
             except PeerLost:
+                if ch.silent:  # its host went quiet (cut off, frozen): no one dropped us to join
+                    self.reset()  # the next receive joins again, once the sender answers
+                    raise PeerLost(
+                        ch.gone(f"while receiver rank {self.rank} waited for a sync{what}")
+                    ) from None
                 # The sender drops every connection after a sync that failed anywhere
                 # (ours may have gone well): join again, within the same deadline.
-                waiting.left()
                 self.reset()
-                ch = self.connect()
+                ch = self.connect(reach_s=waiting.left())
                 continue
             kind = msg["type"]
             if kind == "reroute":  # idle: it completed the version before the loss, or its sync never came
