@@ -1,6 +1,7 @@
-"""The receive side: ``Receiver`` (joining a session or taking a publication), what it
-admits, taking a publisher's version, and the vLLM worker's prefetch pipeline with its
-landing memory.
+"""The receive side: ``Receiver`` (joining a session or taking a publication), its link
+to the sender, the data plane's walk (``Transfer``), its route stage (the dense plan, or a
+sharded route's part), what it admits, taking a publisher's version, and the vLLM worker's
+prefetch pipeline with its landing memory.
 """
 
 from weightsync.receiver.admission import (
@@ -22,11 +23,20 @@ from weightsync.receiver.landing import (
     following_landings,
     landing_sizes,
 )
+from weightsync.receiver.link import SenderLink
 from weightsync.receiver.prefetch import PipelineResult, receive_into
 from weightsync.receiver.publication import take
 from weightsync.receiver.receiver import Receiver
+from weightsync.receiver.route_stage import DenseReceive, ReceiveRoute
+from weightsync.receiver.sharded_route import ShardedReceive
+from weightsync.receiver.transfer import Transfer
 
 __all__ = [
+    "DenseReceive",
+    "ReceiveRoute",
+    "SenderLink",
+    "ShardedReceive",
+    "Transfer",
     "LANDED_AHEAD",
     "LOOKAHEAD",
     "LandingPool",

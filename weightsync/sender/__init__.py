@@ -1,9 +1,11 @@
-"""The send side: ``Sender`` (membership, warm-up, one path per engine family), the packer
-that fills buckets from a source, the trainer ranks of a session where every rank sends,
-and what trainer rank 0 reads from its receivers.
+"""The send side: ``Sender`` (what a sync does, one path per engine family), its peers
+and handshakes, its route stage (the dense plan, or a sharded route), the packer that fills
+buckets from a source, the trainer ranks of a session where every rank sends, and what
+trainer rank 0 reads from its receivers.
 """
 
 from weightsync.sender.packer import Packer, producer
+from weightsync.sender.peers import SessionPeers
 from weightsync.sender.ranks import TrainerFollower, TrainerPeers
 from weightsync.sender.replies import answers, dead_ranks, explain, gather_done, lost_receivers
 from weightsync.sender.route_stage import DenseSend, Members, SendRoute, carriable
@@ -16,6 +18,7 @@ __all__ = [
     "Packer",
     "SendRoute",
     "Sender",
+    "SessionPeers",
     "ShardedSend",
     "TrainerFollower",
     "TrainerPeers",
