@@ -323,6 +323,25 @@ def test_a_needed_byte_no_rank_holds_and_overlapping_holders_are_refused_naming_
         plan_route([spec], [half, skewed], [Layout.whole([spec])])
 
 
+@pytest.mark.parametrize("delta", ["on", "auto"])
+def test_sharded_refuses_delta_at_configuration_and_wire_dtype_before_a_sync(delta):
+    """docs/sharded.md, "Not yet": ``delta`` is refused when the configuration is made;
+    ``wire_dtype`` (given to the ``Sender`` or to one ``send``) when a sync is asked for,
+    before anything waits for a peer or moves."""
+    from weightsync import ConfigError, EngineConfig, Sender
+
+    with pytest.raises(ConfigError, match=rf"backend=sharded with delta='{delta}': .*set delta=off"):
+        EngineConfig.from_overrides(["backend=sharded", f"delta={delta}"])
+    config = EngineConfig.from_overrides(["backend=sharded", "timeout_s=5"])
+    weights = {"w": torch.ones(4, 4)}
+    with Sender(config, "127.0.0.1:0", 1, wire_dtype=torch.bfloat16) as sender:
+        with pytest.raises(ValueError, match="sends each shard in its own dtype: cast the model"):
+            sender.send(weights, version=1)
+    with Sender(config, "127.0.0.1:0", 1) as sender:
+        with pytest.raises(ValueError, match="sends each shard in its own dtype: cast the model"):
+            sender.send(weights, version=1, wire_dtype=torch.bfloat16)
+
+
 # ------------------------------------------------ real DTensors: FSDP2 and tensor parallelism
 def _gloo_rank(body, rank: int, world: int, port: int, queue, *args) -> None:
     """A rank of a Gloo world of ``world`` ranks on loopback: puts ``(rank, body(rank, *args))``,
