@@ -640,8 +640,10 @@ def test_whole_holders_share_the_sends_and_a_trainer_rank_dying_mid_transfer_is_
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_verify_names_the_fragments_damaged_on_the_wire_and_the_retry_is_exact(monkeypatch):
-    """``verify=crc32`` with two trainer ranks and two receivers in a chain: each receiver
+@pytest.mark.parametrize("links", LINKS)
+def test_verify_names_the_fragments_damaged_on_the_wire_and_the_retry_is_exact(monkeypatch, links):
+    """``verify=crc32`` with two trainer ranks and two receivers in a chain, over Gloo pairs
+    and over Mooncake writes: each receiver
     rank checks the buckets of its own plan against the checksums their trainer ranks took.
     A byte of trainer rank 0's first bucket flipped on the wire: both receivers (the chain
     passes the bucket on) fail the version naming that bucket's fragments; the same version
@@ -657,6 +659,7 @@ def test_verify_names_the_fragments_damaged_on_the_wire_and_the_retry_is_exact(m
         "verify=crc32",
         "update_weights_bucket_megabytes=1",
         "timeout_s=30",
+        f"engine_kwargs.sharded.links={links}",
     ]
     q = CTX.Queue()
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2, rank=0, num_trainers=2) as sender:
@@ -762,9 +765,10 @@ def test_tensor_parallel_receivers_list_what_no_trainer_has_refuse_layouts_witho
 
 
 @pytest.mark.timeout(120)
-def test_with_drop_lost_receivers_a_lost_receiver_fails_the_sync_and_the_next_goes_to_the_others():
+@pytest.mark.parametrize("links", LINKS)
+def test_with_drop_lost_receivers_a_lost_receiver_fails_the_sync_and_the_next_goes_to_the_others(links):
     """docs/reliability.md, ``sharded`` with ``drop_lost_receivers=true`` (2 trainer ranks,
-    3 receivers that declare nothing: one chain): receiver 1, the middle of the chain, exits
+    3 receivers that declare nothing: one chain; over Gloo pairs and over Mooncake writes): receiver 1, the middle of the chain, exits
     abruptly after its first tensor of version 2. The route is every trainer rank's, so it
     is not rebuilt around the loss in the same sync: the sync fails on rank 0 naming the
     lost receiver, which rank 0 drops by itself; version 3 is planned for the two others and
@@ -779,7 +783,7 @@ def test_with_drop_lost_receivers_a_lost_receiver_fails_the_sync_and_the_next_go
     from weightsync import EngineConfig, PeerLost, Sender
 
     q = CTX.Queue()
-    overrides = [*SHARDED, "drop_lost_receivers=true"]
+    overrides = [*SHARDED, "drop_lost_receivers=true", f"engine_kwargs.sharded.links={links}"]
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 3, rank=0, num_trainers=2) as sender:
         procs = [
             start(workers.run_receiver, sender.address, 0, overrides, [1, 2, 3, 4], q, None, False, True),
