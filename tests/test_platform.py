@@ -93,3 +93,31 @@ def test_copy_bytes_converts_and_strides_as_torch_does():
     dst = torch.empty(64, dtype=torch.float32)
     platform.copy_bytes(dst, wide[::2])
     assert torch.equal(dst, wide[::2])
+
+
+def _environ_of_child(queue, names) -> None:
+    queue.put({n: os.environ.get(n) for n in names})
+
+
+@pytest.mark.timeout(60)
+def test_each_started_process_has_the_callers_environment_of_the_moment_it_starts(monkeypatch):
+    """``start_process``: a child forked from the fork server (which took the environment of
+    when it started) gets the caller's environment as it is now: a variable set since is
+    there, one removed since is not, one changed has its new value."""
+    from procs import CTX, start, stop
+
+    names = ["WEIGHTSYNC_TEST_SET", "WEIGHTSYNC_TEST_REMOVED", "WEIGHTSYNC_TEST_CHANGED"]
+    q = CTX.Queue()
+    monkeypatch.delenv(names[0], raising=False)
+    monkeypatch.setenv(names[1], "before")
+    monkeypatch.setenv(names[2], "before")
+    procs = [start(_environ_of_child, q, names)]  # the fork server runs from here on, at the latest
+    try:
+        assert q.get(timeout=30) == {names[0]: None, names[1]: "before", names[2]: "before"}
+        monkeypatch.setenv(names[0], "now")
+        monkeypatch.delenv(names[1])
+        monkeypatch.setenv(names[2], "after")
+        procs.append(start(_environ_of_child, q, names))
+        assert q.get(timeout=30) == {names[0]: "now", names[1]: None, names[2]: "after"}
+    finally:
+        stop(procs)

@@ -3,6 +3,9 @@ stand-in without bytes, checked against the same loader run on real data."""
 
 from __future__ import annotations
 
+import glob
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -139,3 +142,82 @@ def test_what_no_box_describes_takes_the_tensor_whole(load, why):
     box, reason = dry_run(TensorSpec("w", (8, 6), "float32"), load)
     assert box == Box.whole((8, 6))
     assert reason is not None and why in reason, reason
+
+
+def _ident(port: int) -> str:
+    return f"weightsync-test-reads-{port}"
+
+
+def _fused_reads(rank: int, port: int, queue) -> None:
+    """TP rank ``rank`` of 2 (vLLM's own process groups over Gloo): for a checkpoint that
+    stores q, k and v fused (Phi-3's ``qkv_proj``: 4 query heads, 2 k/v heads of 32) and
+    gate and up fused (``gate_up_proj``), vLLM's own weight loaders, run on a stand-in and
+    on real data; puts ``(rank, {name: (box, why, rows read)})``, or the error."""
+    try:
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+        from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+        torch.set_num_threads(1)
+        os.environ["VLLM_DIST_IDENT"] = _ident(port)  # as vLLM's CPU worker names its shared memory
+        with set_current_vllm_config(VllmConfig()):
+            init_distributed_environment(
+                world_size=2,
+                rank=rank,
+                distributed_init_method=f"tcp://127.0.0.1:{port}",
+                local_rank=rank,
+                backend="gloo",
+            )
+            initialize_model_parallel(tensor_model_parallel_size=2)
+            layers = {
+                "qkv_proj.weight": QKVParallelLinear(64, 32, 4, 2, bias=False, params_dtype=torch.float32),
+                "gate_up_proj.weight": MergedColumnParallelLinear(
+                    64, [96, 96], bias=False, params_dtype=torch.float32
+                ),
+            }
+            out = {}
+            for name, layer in layers.items():
+                shape = (sum(layer.output_sizes) if hasattr(layer, "output_sizes") else 256, 64)
+                load = lambda t, layer=layer: layer.weight_loader(layer.weight, t)  # noqa: E731 (no shard id: fused on disk)
+                box, why = dry_run(TensorSpec(name, shape, "float64"), load)
+                rows = sorted({v // shape[1] for v in read_values(load, shape)})
+                out[name] = (shape, box, why, rows)
+        queue.put((rank, out))
+    except Exception as e:
+        import traceback
+
+        queue.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(180)
+def test_a_tensor_fused_in_the_checkpoint_is_read_as_the_hull_of_its_parts_by_vllms_own_loaders():
+    """Phi-3 stores ``qkv_proj`` and ``gate_up_proj`` fused: vLLM's loader splits the fused
+    tensor into its parts and narrows each to this TP rank. The dry run on vLLM's own
+    loaders (2 real TP ranks) finds the box covering every row each rank reads, and nothing
+    it does not: rank 0 reads q rows 0-63, k rows 128-159 and v rows 192-223 of qkv_proj;
+    rank 1 q 64-127, k 160-191, v 224-255 (each its own k/v head)."""
+    from procs import CTX, collect, free_port, start, stop
+
+    queue, port = CTX.Queue(), free_port()
+    procs = [start(_fused_reads, rank, port, queue) for rank in range(2)]
+    try:
+        got = dict(collect(queue, 2, timeout=150))
+    finally:
+        stop(procs)
+        for leftover in glob.glob(f"/dev/shm/{glob.escape(_ident(port))}-*"):  # vLLM's groups' memory
+            os.unlink(leftover)
+    assert all(isinstance(v, dict) for v in got.values()), got
+    expected_rows = {
+        "qkv_proj.weight": [
+            [*range(0, 64), *range(128, 160), *range(192, 224)],
+            [*range(64, 128), *range(160, 192), *range(224, 256)],
+        ],
+        "gate_up_proj.weight": [[*range(0, 48), *range(96, 144)], [*range(48, 96), *range(144, 192)]],
+    }
+    for rank in (0, 1):
+        for name, (shape, box, why, rows) in got[rank].items():
+            assert why is None, (rank, name, why)
+            assert rows == expected_rows[name][rank], (rank, name)  # vLLM's loader, on real data
+            hull = Box((rows[0], 0), (rows[-1] + 1 - rows[0], shape[1]))
+            assert box == hull, (rank, name, box, hull)

@@ -323,6 +323,25 @@ def test_a_needed_byte_no_rank_holds_and_overlapping_holders_are_refused_naming_
         plan_route([spec], [half, skewed], [Layout.whole([spec])])
 
 
+@pytest.mark.parametrize("delta", ["on", "auto"])
+def test_sharded_refuses_delta_at_configuration_and_wire_dtype_before_a_sync(delta):
+    """docs/sharded.md, "Not yet": ``delta`` is refused when the configuration is made;
+    ``wire_dtype`` (given to the ``Sender`` or to one ``send``) when a sync is asked for,
+    before anything waits for a peer or moves."""
+    from weightsync import ConfigError, EngineConfig, Sender
+
+    with pytest.raises(ConfigError, match=rf"backend=sharded with delta='{delta}': .*set delta=off"):
+        EngineConfig.from_overrides(["backend=sharded", f"delta={delta}"])
+    config = EngineConfig.from_overrides(["backend=sharded", "timeout_s=5"])
+    weights = {"w": torch.ones(4, 4)}
+    with Sender(config, "127.0.0.1:0", 1, wire_dtype=torch.bfloat16) as sender:
+        with pytest.raises(ValueError, match="sends each shard in its own dtype: cast the model"):
+            sender.send(weights, version=1)
+    with Sender(config, "127.0.0.1:0", 1) as sender:
+        with pytest.raises(ValueError, match="sends each shard in its own dtype: cast the model"):
+            sender.send(weights, version=1, wire_dtype=torch.bfloat16)
+
+
 # ------------------------------------------------ real DTensors: FSDP2 and tensor parallelism
 def _gloo_rank(body, rank: int, world: int, port: int, queue, *args) -> None:
     """A rank of a Gloo world of ``world`` ranks on loopback: puts ``(rank, body(rank, *args))``,
@@ -621,8 +640,10 @@ def test_whole_holders_share_the_sends_and_a_trainer_rank_dying_mid_transfer_is_
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_verify_names_the_fragments_damaged_on_the_wire_and_the_retry_is_exact(monkeypatch):
-    """``verify=crc32`` with two trainer ranks and two receivers in a chain: each receiver
+@pytest.mark.parametrize("links", LINKS)
+def test_verify_names_the_fragments_damaged_on_the_wire_and_the_retry_is_exact(monkeypatch, links):
+    """``verify=crc32`` with two trainer ranks and two receivers in a chain, over Gloo pairs
+    and over Mooncake writes: each receiver
     rank checks the buckets of its own plan against the checksums their trainer ranks took.
     A byte of trainer rank 0's first bucket flipped on the wire: both receivers (the chain
     passes the bucket on) fail the version naming that bucket's fragments; the same version
@@ -638,6 +659,7 @@ def test_verify_names_the_fragments_damaged_on_the_wire_and_the_retry_is_exact(m
         "verify=crc32",
         "update_weights_bucket_megabytes=1",
         "timeout_s=30",
+        f"engine_kwargs.sharded.links={links}",
     ]
     q = CTX.Queue()
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2, rank=0, num_trainers=2) as sender:
@@ -666,10 +688,87 @@ def test_verify_names_the_fragments_damaged_on_the_wire_and_the_retry_is_exact(m
             stop(procs)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_tensor_parallel_receivers_list_what_no_trainer_has_refuse_layouts_without_a_route_and_report_torn():
+    """docs/sharded.md's promises to receivers that keep slices (declared, as a TP rank of a
+    replica; 2 trainer ranks holding whole tensors, 2 receiver ranks):
+    version 1: each slice exact, and a kept tensor no trainer rank has is in ``stats.missing``;
+    version 2: trainer rank 0 holds only rows of the embedding, overlapping rank 1's whole
+    one: the layouts make no route, and the sync is aborted on every rank naming that tensor,
+    before a byte is written (not torn); version 3: trainer rank 1 dies mid-transfer: every
+    receiver that did not take all its fragments keeps version 1, ``torn`` where slices of
+    version 3 landed; version 4,
+    with a new trainer rank 1, is exact and clears ``torn``."""
+    import workers
+    from procs import CTX, collect, start, stop
+
+    from weightsync import EngineConfig, Sender, SyncError
+    from weightsync.sharding.typical import held
+
+    q = CTX.Queue()
+    extra = {"extra.weight": (3, 5)}
+
+    def receivers(n):
+        got = sorted(r for r in collect(q, n) if not isinstance(r[0], tuple))
+        assert [r[0] for r in got] == [0, 1], got
+        return got
+
+    with Sender(EngineConfig.from_overrides(SHARDED), "127.0.0.1:0", 2, rank=0, num_trainers=2) as sender:
+        procs = [
+            start(workers.run_slice_receiver, sender.address, r, SHARDED, [1, 2, 3, 4], q, extra)
+            for r in range(2)
+        ]
+        procs.append(
+            start(workers.run_sharded_backend_trainer, sender.address, 1, 2, SHARDED, 2, [1, 2, 3], q, 3)
+        )
+        try:
+            sender.send(workers.make_weights(1), version=1)
+            for rank, version, digests, missing, held_v, failed, torn in receivers(3):
+                assert (version, missing, held_v, torn) == (1, ["extra.weight"], 1, False), rank
+                assert digests == workers.slice_digests(1, rank), rank
+            state = workers.make_weights(2)
+            boxes = {n: Box.whole(tuple(t.shape)) for n, t in state.items()}
+            boxes["embed.weight"] = Box((0, 0), (100, 512))
+            with pytest.raises(SyncError, match=r"'embed\.weight'") as err:
+                sender.send(held(state, boxes), version=2)
+            reports = collect(q, 3)
+            (trainer,) = [r for r in reports if isinstance(r[0], tuple)]
+            assert trainer[1] == "error" and "embed.weight" in trainer[2], trainer
+            for rank, version, digests, message, held_v, failed, torn in sorted(
+                r for r in reports if not isinstance(r[0], tuple)
+            ):
+                assert version == "error" and "embed.weight" in message, (rank, message, err.value)
+                assert (held_v, torn, digests) == (1, False, workers.slice_digests(1, rank)), rank
+            with pytest.raises(SyncError, match="trainer rank 1"):
+                sender.send(workers.make_weights(3), version=3)
+            landed = []
+            for rank, version, digests, message, held_v, failed, torn in receivers(2):
+                if version == 3:  # it took all its fragments before the loss
+                    assert (held_v, torn, digests) == (3, False, workers.slice_digests(3, rank)), rank
+                    continue
+                assert version == "error" and "version 3" in message, (rank, message)
+                assert (held_v, failed) == (1, 3), rank
+                # torn wherever a slice holds bytes of version 3 (also where a receive was only
+                # posted straight into a slice: it may have written some)
+                changed = digests != workers.slice_digests(1, rank)
+                assert torn or not changed, (rank, torn, changed)
+                landed.append(torn)
+            procs.append(start(workers.run_sharded_backend_trainer, sender.address, 1, 2, SHARDED, 2, [4], q))
+            sender.send(workers.make_weights(4), version=4)
+            for rank, version, digests, missing, held_v, failed, torn in receivers(3):
+                assert (version, missing, held_v, torn) == (4, ["extra.weight"], 4, False), rank
+                assert digests == workers.slice_digests(4, rank), rank
+            assert any(landed), "no receiver was left torn by version 3: torn was not put to the test"
+        finally:
+            stop(procs)
+
+
 @pytest.mark.timeout(120)
-def test_with_drop_lost_receivers_a_lost_receiver_fails_the_sync_and_the_next_goes_to_the_others():
+@pytest.mark.parametrize("links", LINKS)
+def test_with_drop_lost_receivers_a_lost_receiver_fails_the_sync_and_the_next_goes_to_the_others(links):
     """docs/reliability.md, ``sharded`` with ``drop_lost_receivers=true`` (2 trainer ranks,
-    3 receivers that declare nothing: one chain): receiver 1, the middle of the chain, exits
+    3 receivers that declare nothing: one chain; over Gloo pairs and over Mooncake writes): receiver 1, the middle of the chain, exits
     abruptly after its first tensor of version 2. The route is every trainer rank's, so it
     is not rebuilt around the loss in the same sync: the sync fails on rank 0 naming the
     lost receiver, which rank 0 drops by itself; version 3 is planned for the two others and
@@ -684,7 +783,7 @@ def test_with_drop_lost_receivers_a_lost_receiver_fails_the_sync_and_the_next_go
     from weightsync import EngineConfig, PeerLost, Sender
 
     q = CTX.Queue()
-    overrides = [*SHARDED, "drop_lost_receivers=true"]
+    overrides = [*SHARDED, "drop_lost_receivers=true", f"engine_kwargs.sharded.links={links}"]
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 3, rank=0, num_trainers=2) as sender:
         procs = [
             start(workers.run_receiver, sender.address, 0, overrides, [1, 2, 3, 4], q, None, False, True),

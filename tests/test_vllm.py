@@ -242,6 +242,7 @@ def test_a_rollout_with_an_initial_version_serves_the_model_when_constructed(set
         VLLMRollout(setup.replicas, OVERRIDES, initial_version=setup.version + 1)
 
 
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize("update_mode", ["stream", "staged"])
 def test_delta_sync_reaches_both_replicas_bit_exact(setup, tmp_path, update_mode):
     """delta=on through real vLLM workers. Streamed, each worker keeps a base copy and
@@ -279,6 +280,26 @@ def test_delta_sync_reaches_both_replicas_bit_exact(setup, tmp_path, update_mode
         setup.model.save_pretrained(str(tmp_path))
         b.collective_rpc("weightsync_reload_from_path", args=(str(tmp_path),))
         assert b.collective_rpc("weightsync_digests")[0] == synced
+        if update_mode == "stream":
+            # docs/vllm.md: a replica taken in (add_replica) gets a delta sync dense. B leaves,
+            # A takes a trained version as a delta; B, back under a new rank, holds the one
+            # before: the same weights as the next version go as a (null) delta to A and
+            # dense to B (a delta applied to B's older base would leave it where it was).
+            rollout = setup.rollout
+            removed = rollout.remove_replica("B")
+            expected = setup.train()
+            setup.version += 1
+            report = rollout.update(setup.model, setup.version, mode="abort")
+            assert report.ok and report.stats.delta_base == setup.version - 1, report.summary()
+            rollout.add_replica(removed)
+            setup.version += 1
+            report = rollout.update(setup.model, setup.version, mode="abort")
+            assert report.ok and [r.name for r in report.replicas] == ["A", "B"], report.summary()
+            stats = report.stats
+            assert stats.delta_base == setup.version - 1 and stats.wire_bytes > stats.bytes, stats
+            for llm in setup.llms:
+                assert replica_greedy(llm, PROMPTS, NEW) == expected
+            assert b.collective_rpc("weightsync_digests")[0] == a.collective_rpc("weightsync_digests")[0]
     finally:
         setup._connect()  # the module's usual rollout (no delta) for the next tests
 

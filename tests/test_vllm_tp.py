@@ -2,7 +2,10 @@
 each worker learns the slices it keeps from its own loaders (a dry run) and takes only
 those, from the trainer ranks that hold them.
 
-One replica (two workers, a core each) is started for the module; the last test kills one
+One replica (two workers, a core each) is started for the module, of a model shaped so that
+a slicing mistake shows (``MODEL``: k/v heads split between the ranks, a padded vocabulary,
+tied embeddings); the demo's model, whose one k/v head both ranks replicate, is covered by
+``weightsync demo --rollout vllm --tp 2`` in test_doc_commands.py. The last test kills one
 of its workers. Without vLLM, conftest.py skips them (marker ``vllm``), or fails them in CI.
 """
 
@@ -43,17 +46,35 @@ DETECT_S = 10
 OVERRIDES = ["backend=sharded", "update_weights_bucket_megabytes=1", f"timeout_s={TIMEOUT_S}"]
 
 
+#: The demo's model reshaped where a slicing mistake shows (the demo's own, with one k/v
+#: head, a vocabulary of 512 and no tie, hid three): 2 k/v heads for 4 query heads, so each
+#: TP rank keeps other k/v heads (GQA, 2 query heads per k/v head); a vocabulary of 500,
+#: padded to 512 and split 256 + 244; embeddings tied (no ``lm_head.weight`` in the
+#: checkpoint: vLLM's head is the embedding, updated with it). Head size 32, as the CPU
+#: attention backend needs.
+MODEL = dict(
+    vocab_size=500, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True
+)
+
+
+def trainer_load(model, state) -> None:
+    """The trainer's copy of ``state``: a checkpoint of a tied model has no ``lm_head.weight``
+    (the head is the embedding)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert (missing, unexpected) == (["lm_head.weight"], []), (missing, unexpected)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory):
-    """The demo's default model (2 query heads, 1 k/v head: fewer k/v heads than TP ranks)
-    in one replica of 2 workers, each bound to a core as vLLM's CPU build wants."""
+    """``MODEL`` in one replica of 2 workers, each bound to a core as vLLM's CPU build wants."""
     from transformers import AutoModelForCausalLM
 
     saved = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "PYTHONPATH")}
     here = os.path.dirname(__file__)  # the planted extension, for vLLM's worker processes
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, saved["PYTHONPATH"]) if p)
     vllm_environment(tp=TP)  # each worker bound to a core of its own: 0|1
-    model_dir = save_tiny_model(str(tmp_path_factory.mktemp("tp") / "model"), seed=3)
+    model_dir = save_tiny_model(str(tmp_path_factory.mktemp("tp") / "model"), seed=3, **MODEL)
     llm = start_replica(
         model_dir,
         max_model_len=128,
@@ -128,25 +149,26 @@ def test_each_worker_takes_only_its_slices_from_two_trainer_ranks_and_serves_the
                 for spec in specs:
                     got = Box.from_wire(worker["boxes"][spec.name])
                     assert got == vllm_boxes(spec, rank, model.config), (rank, spec.name)
+            whole = sum(s.nbytes for s in specs)
+            norms = sum(s.nbytes for s in specs if s.name.endswith("norm.weight"))
+            # both workers together: the model once (each k/v head and vocabulary row on one
+            # worker only), plus the norms that both keep
+            assert sum(kept := [w["kept_bytes"] for w in slices]) == whole + norms, (kept, whole, norms)
             for v in versions:
                 state = workers.tp_version_weights(model_dir, v)
                 # version 3 staged: the slices land in a compact staging copy while the replica serves
                 report = rollout.update(shards_of(state, 0, 2), v, staged=v == 3)
                 assert report.ok, report.summary()
-                model.load_state_dict(state)
+                trainer_load(model, state)
                 assert replica_greedy(llm, PROMPTS, NEW) == trainer_greedy(model, PROMPTS, NEW), v
                 (rep,) = report.replicas
                 # each worker received exactly the bytes of the slices it keeps
-                kept = [w["kept_bytes"] for w in slices]
                 if v == 3:
                     assert report.phase == "staged" and rep.staging_bytes == sum(kept)
                 else:
                     assert rep.worker_bytes == rep.worker_kept_bytes == kept
                 peer_v = results.get(timeout=30)
                 assert peer_v[:2] == (1, v) and isinstance(peer_v[2], int), peer_v
-            whole = sum(s.nbytes for s in specs)
-            # both workers together: the model once, plus k/v and norms that both keep
-            assert sum(rep.worker_bytes) < 1.25 * whole, (rep.worker_bytes, whole)
     finally:
         stop([peer])
 
@@ -187,7 +209,7 @@ def test_vllms_trainer_factory_with_backend_sharded_brings_each_worker_only_its_
     try:
         for v in (11, 12):
             state = workers.tp_version_weights(model_dir, v)
-            model.load_state_dict(state)
+            trainer_load(model, state)
             stats = engine.send_weights(version=v)
             assert replica_greedy(llm, PROMPTS, NEW) == trainer_greedy(model, PROMPTS, NEW), v
         specs = [TensorSpec.of(n, t).to_wire() for n, t in model.named_parameters()]
@@ -210,17 +232,42 @@ def test_a_loader_step_that_no_box_describes_takes_that_tensor_whole_and_still_m
             assert worker["boxes"][planted] == Box.whole(state[planted].shape).to_wire()
         report = rollout.update(state, 4)
         assert report.ok, report.summary()
-        model.load_state_dict(state)
+        trainer_load(model, state)
         assert replica_greedy(llm, PROMPTS, NEW) == trainer_greedy(model, PROMPTS, NEW)
         (rep,) = report.replicas
         assert rep.worker_bytes == [w["kept_bytes"] for w in slices]
+        # LoRA updates send the adapter whole: a sharded rollout refuses one before anything moves
+        with pytest.raises(ValueError, match="use another backend than sharded"):
+            rollout.update(model, 5, lora=True)
+        # The trainer now sends bf16: tensors other than those the slices were learned for. The
+        # streamed update learns them again (the same boxes, half the bytes) and matches.
+        state = {n: t.bfloat16() for n, t in workers.tp_version_weights(model_dir, 5).items()}
+        report = rollout.update(state, 5)
+        assert report.ok, report.summary()
+        trainer_load(model, {n: t.float() for n, t in state.items()})
+        assert replica_greedy(llm, PROMPTS, NEW) == trainer_greedy(model, PROMPTS, NEW)
+        specs = [TensorSpec.of(n, t) for n, t in state.items()]
+        kept = [
+            sum(
+                (Box.whole(s.shape) if s.name == planted else vllm_boxes(s, r, model.config)).numel
+                for s in specs
+            )
+            * 2
+            for r in range(TP)
+        ]
+        (rep,) = report.replicas
+        assert rep.worker_kept_bytes == rep.worker_bytes == kept, (
+            rep.worker_kept_bytes,
+            rep.worker_bytes,
+            kept,
+        )
 
 
 def test_a_worker_killed_mid_update_is_named_with_its_tp_rank_and_the_replica_stays_paused(replica):
     llm, model, model_dir = replica
-    state = workers.tp_version_weights(model_dir, 5)
+    state = workers.tp_version_weights(model_dir, 6)
     with VLLMRollout([LLMReplica(llm, "tp")], OVERRIDES) as rollout:
-        rollout.update(state, 5)
+        rollout.update(state, 6)
         victim = llm.collective_rpc("weightsync_status")[1]["pid"]
 
         class KillingShards(dict):
@@ -234,11 +281,11 @@ def test_a_worker_killed_mid_update_is_named_with_its_tp_rank_and_the_replica_st
                         time.sleep(0.05)
                 return super().__getitem__(name)
 
-        source = ShardSource.of(workers.tp_version_weights(model_dir, 6))
+        source = ShardSource.of(workers.tp_version_weights(model_dir, 7))
         source.shards = KillingShards(source.shards)
         t0 = time.monotonic()
         with pytest.raises(ReplicaUpdateError, match=r"receiver rank 1 \(replica 'tp', TP rank 1\)") as info:
-            rollout.update(source, 6)
+            rollout.update(source, 7)
         assert time.monotonic() - t0 < DETECT_S
         (rep,) = info.value.report.replicas
-        assert not rep.ok and not rep.resumed and rep.version != 6
+        assert not rep.ok and not rep.resumed and rep.version != 7

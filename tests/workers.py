@@ -562,3 +562,59 @@ def run_fsdp_like_trainer(
                 queue.put((rank, v, f"{type(e).__name__}: {e}"))
                 continue
             queue.put((rank, v, stats.bytes))
+
+
+def slice_boxes(rank, tp=2):
+    """Receiver rank ``rank``'s boxes of ``make_weights``' tensors as TP rank ``rank % tp``
+    of a replica (``typical.replica_boxes``)."""
+    from weightsync.sharding.typical import replica_boxes
+
+    return replica_boxes([TensorSpec.of(n, t) for n, t in make_weights(0).items()], tp, rank % tp)
+
+
+def slice_digests(version, rank, tp=2):
+    """The digests of receiver rank ``rank``'s slices of version ``version``."""
+    from weightsync.sharding.fragments import region
+
+    weights = make_weights(version)
+    return {n: digest(region(weights[n], box).contiguous()) for n, box in slice_boxes(rank, tp).items()}
+
+
+def run_slice_receiver(address, rank, overrides, versions, queue, extra=None, tp=2):
+    """A ``sharded`` receiver rank that keeps the slices of TP rank ``rank % tp``
+    (``slice_boxes``, declared) and loads each version into them; reports ``(rank, version,
+    slice digests, stats.missing, receiver.version, receiver.failed_version,
+    receiver.torn)``, with ``"error"`` and the message in place of the version and the
+    missing list after a failed sync, and goes on. ``extra``: ``{name: shape}`` of float32
+    tensors it also keeps, which no trainer sends."""
+    from weightsync.sharding import FragmentSink, declared_shards
+    from weightsync.sharding.layout import Box
+
+    torch.set_num_threads(1)
+    specs = {n: TensorSpec.of(n, t) for n, t in make_weights(0).items()}
+    shards = {
+        n: (specs[n].shape, box, torch.zeros(box.lengths, dtype=specs[n].torch_dtype))
+        for n, box in slice_boxes(rank, tp).items()
+    }
+    for n, shape in (extra or {}).items():
+        shards[n] = (tuple(shape), Box.whole(tuple(shape)), torch.zeros(shape))
+    sink = FragmentSink(declared_shards(shards))
+    with Receiver(EngineConfig.from_overrides(overrides), address, rank) as receiver:
+        for v in versions:
+            try:
+                stats = receiver.load_into(sink, version=v)
+                outcome = (v, stats.missing)
+            except Exception as e:
+                outcome = ("error", f"{type(e).__name__}: {e}")
+            digests = {n: digest(s.tensor.contiguous()) for n, s in sink.shards.items() if n in specs}
+            queue.put(
+                (
+                    rank,
+                    outcome[0],
+                    digests,
+                    outcome[1],
+                    receiver.version,
+                    receiver.failed_version,
+                    receiver.torn,
+                )
+            )
