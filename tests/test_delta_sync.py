@@ -92,6 +92,36 @@ def test_a_receiver_joining_later_gets_the_version_whole_in_the_same_sync():
             stop(procs)
 
 
+def test_a_receiver_without_the_base_refuses_a_delta_sync_that_comes_without_its_dense_section(monkeypatch):
+    """A sender that wrongly believes a newcomer holds the base, and ignores its ask for a
+    dense section (both planted here), must not make the newcomer take the deltas alone:
+    it would hand out only the tensors sent whole and report the version complete. The
+    newcomer fails the sync naming the missing section, and keeps what it had (nothing)."""
+    from weightsync.delta import send_stage
+
+    ov = overrides("shm")
+    payloads = delta_workers.versions(2)
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(ov), "127.0.0.1:0", 1) as sender:
+        procs = [start(delta_workers.receiver, sender.address, 0, ov, [1, 2], q)]
+        try:
+            sender.send(payloads[0], version=1)
+            expect(collect(q, 1), 1, payloads[0], [0])
+            sender.add_receiver(1)
+            procs.append(start(delta_workers.receiver, sender.address, 1, ov, [2], q))
+            base = sender._delta_stage.base  # the planted sender bug: receiver 1 counted as a holder
+            base.holders.add(1)
+            monkeypatch.setattr(send_stage.Outgoing, "again", lambda self, replies: None)
+            with pytest.raises(SyncError):
+                sender.send(payloads[1], version=2)
+            results = {r[0]: r for r in collect(q, 2, timeout=90)}
+            rank, what, message, held, _ = results[1]
+            assert what == "error" and held is None, results[1]
+            assert "without the dense section it asked for" in message, message
+        finally:
+            stop(procs)
+
+
 def test_a_damaged_base_gets_the_version_whole_not_garbage():
     ov = overrides("shm")
     payloads = delta_workers.versions(3)

@@ -21,6 +21,7 @@ import torch
 from weightsync.delta.decoder import apply_many
 from weightsync.delta.format import Kind
 from weightsync.delta.header import DeltaHeader, base_digest
+from weightsync.errors import ProtocolError
 from weightsync.plan import Assembler, Bucket, Plan, TensorSpec, as_bytes
 from weightsync.state import VersionState
 from weightsync.stats import SyncStats
@@ -134,6 +135,17 @@ class Incoming:
     def wants_dense(self) -> bool:
         """A delta sync whose base this receiver lacks (it asks for a dense section)."""
         return self.header is not None and not self.route.relative
+
+    def go(self, peer: str, version: int) -> None:
+        """The sender gave the go: a delta sync whose base this receiver lacks must come
+        with the dense section it asked for (taking the deltas alone would hand out only
+        the tensors sent whole, and report the version complete)."""
+        if self.wants_dense and self.header is not None and not self.header.dense:
+            raise ProtocolError(
+                f"{peer} gave the go of version {version} as deltas against version "
+                f"{self.header.base_version}, which this receiver does not hold, without the dense "
+                "section it asked for"
+            )
 
     @property
     def consumer_has_all(self) -> bool:

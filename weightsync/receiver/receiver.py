@@ -361,6 +361,7 @@ class Receiver:
                 Deadline(self.config.timeout_s, f"for the go of version {v}"), expect=("go", "again")
             )
             if go["type"] == "go":
+                incoming.go(ch.peer, v)  # a delta sync without the dense section asked for fails
                 return v, plan, incoming, msg
             msg = ch.recv(Deadline(self.config.timeout_s, f"for version {v} again"), expect="sync")
 
