@@ -852,3 +852,123 @@ def test_receivers_carry_their_links_over_what_trainer_rank_0_names(links):
                     assert (version, held, digests) == (v, v, workers.expected_digests(v)), rank
         finally:
             stop(procs)
+
+
+#: the pieces of a Mooncake link in ``test_mooncake_links_wait_while_a_socket_buffer_is_full``:
+#: a 16 MiB bucket is then 256 pieces, so 3 buckets posted ahead are 768 frames each way,
+#: as many frames per posted byte as 2048 MiB buckets of 1 MiB pieces have
+SMALL_PIECE = 64 << 10
+
+
+def _small_link_frames(patch, direction: str) -> None:
+    """Mooncake links of this process from now on: pieces of ``SMALL_PIECE``, and the
+    sockets of the frames going ``direction`` ("post": receiver to trainer, "landed": back)
+    with the smallest buffers the kernel allows (about 100 frames, where 768 may be
+    unread). ``patch(owner, name, value)`` sets an attribute (``monkeypatch.setattr``, or
+    ``setattr`` in a child process)."""
+    import socket
+
+    from weightsync.engines import mooncake_links, nccl
+
+    # (sending end's socket, receiving end's): the buffer each fills going ``direction``
+    sending, receiving = {
+        "post": (socket.SO_RCVBUF, socket.SO_SNDBUF),
+        "landed": (socket.SO_SNDBUF, socket.SO_RCVBUF),
+    }[direction]
+
+    def shrink(sock: socket.socket, option: int) -> None:
+        sock.setsockopt(socket.SOL_SOCKET, option, 1)  # the kernel raises it to its minimum
+
+    def endpoint(init):
+        def opened(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            shrink(self.listener, receiving)  # receiving ends' sockets inherit it on accept
+
+        return opened
+
+    def end(init, option):
+        def opened(self, endpoint, sock, *args, **kwargs):
+            shrink(sock, option)
+            init(self, endpoint, sock, *args, **kwargs)
+
+        return opened
+
+    for module in (nccl, mooncake_links):
+        patch(module, "CHUNK_BYTES", SMALL_PIECE)
+    patch(mooncake_links._Endpoint, "__init__", endpoint(mooncake_links._Endpoint.__init__))
+    patch(mooncake_links._Sending, "__init__", end(mooncake_links._Sending.__init__, sending))
+    patch(mooncake_links._Receiving, "__init__", end(mooncake_links._Receiving.__init__, receiving))
+
+
+def _big_buckets(version: int) -> dict[str, torch.Tensor]:
+    """``workers.make_weights`` plus six 16 MiB tensors: a 16 MiB bucket each."""
+    import workers
+
+    g = torch.Generator().manual_seed(version)
+    return {
+        **workers.make_weights(version),
+        **{f"extra.{i}": torch.randn(1 << 22, generator=g) for i in range(6)},
+    }
+
+
+def _receiver_of_small_link_frames(address, rank, overrides, versions, queue, direction):
+    """``workers.run_receiver`` over ``_small_link_frames``, its consumer holding the first
+    bucket of each version 0.5 s: the trainer writes the posted buckets' pieces meanwhile,
+    and says so in LANDED frames no one reads."""
+    import time
+
+    import workers
+
+    from weightsync.engines.sharded import ShardedEngine
+
+    _small_link_frames(setattr, direction)
+    recv = ShardedEngine.recv_buckets
+
+    def holding(self, *args, **kwargs):
+        for i, item in enumerate(recv(self, *args, **kwargs)):
+            yield item
+            if i == 0:
+                time.sleep(0.5)
+
+    ShardedEngine.recv_buckets = holding
+    workers.run_receiver(address, rank, overrides, versions, queue)
+
+
+@pytest.mark.mooncake
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("direction", ["post", "landed"])
+def test_mooncake_links_wait_while_a_socket_buffer_is_full_and_every_version_is_exact(monkeypatch, direction):
+    """A Mooncake link's frames (a POST per piece from the receiver, a LANDED per piece
+    back) fill the socket buffers of their direction (``_small_link_frames``: up to 768 of
+    them unread, where about 100 fit), as the kernel's default buffers fill at the default
+    2048 MiB buckets. "post": the receiver keeps 4 buckets posted, the trainer reads a POST
+    per piece it writes. "landed": the receiver's consumer holds a bucket while the trainer
+    writes the 3 buckets posted after it. A full buffer waits; it is not a peer that "closed
+    its link". Two versions to one receiver, bit-exact."""
+    import workers
+    from procs import CTX, collect, start, stop
+
+    from weightsync import EngineConfig, Sender
+
+    _small_link_frames(monkeypatch.setattr, direction)
+    overrides = [
+        "backend=sharded",
+        "update_weights_bucket_megabytes=16",
+        "timeout_s=30",
+        "engine_kwargs.sharded.links=mooncake",
+    ]
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 1) as sender:
+        procs = [start(_receiver_of_small_link_frames, sender.address, 0, overrides, [1, 2], q, direction)]
+        try:
+            for v in (1, 2):
+                weights = _big_buckets(v)
+                stats = sender.send(weights, version=v)
+                assert stats.buckets >= 6, stats
+                expected = {n: workers.digest(t.contiguous()) for n, t in weights.items()}
+                ((rank, version, digests, held),) = collect(q, 1)
+                assert (version, held) == (v, v), digests
+                assert digests == expected
+        finally:
+            stop(procs)
