@@ -764,17 +764,21 @@ def test_tensor_parallel_receivers_list_what_no_trainer_has_refuse_layouts_witho
             stop(procs)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("links", LINKS)
 def test_with_drop_lost_receivers_a_lost_receiver_fails_the_sync_and_the_next_goes_to_the_others(links):
     """docs/reliability.md, ``sharded`` with ``drop_lost_receivers=true`` (2 trainer ranks,
-    3 receivers that declare nothing: one chain; over Gloo pairs and over Mooncake writes): receiver 1, the middle of the chain, exits
-    abruptly after its first tensor of version 2. The route is every trainer rank's, so it
+    3 receivers that declare nothing: one chain; over Gloo pairs and over Mooncake writes):
+    receiver 1, the middle of the chain, exits abruptly after its first tensor of version 2.
+    The route is every trainer rank's, so it
     is not rebuilt around the loss in the same sync: the sync fails on rank 0 naming the
     lost receiver, which rank 0 drops by itself; version 3 is planned for the two others and
     reaches them bit-exact, both trainer ranks sending, with no ``remove_receiver``. A new
     receiver under a rank no one had (3, as ``VLLMRollout.add_replica`` gives) then takes
-    version 4 with them."""
+    version 4 with them. In version 5 receiver 2, now the middle of the chain 0, 2, 3 (group
+    rank 2: its place among the members, not its rank), exits the same way: receiver 3,
+    whose link from it closed, fails naming it by its rank (over Mooncake links, where the
+    link's error names the peer; Gloo's does not)."""
     import time
 
     import workers
@@ -786,10 +790,12 @@ def test_with_drop_lost_receivers_a_lost_receiver_fails_the_sync_and_the_next_go
     overrides = [*SHARDED, "drop_lost_receivers=true", f"engine_kwargs.sharded.links={links}"]
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 3, rank=0, num_trainers=2) as sender:
         procs = [
-            start(workers.run_receiver, sender.address, 0, overrides, [1, 2, 3, 4], q, None, False, True),
+            start(workers.run_receiver, sender.address, 0, overrides, [1, 2, 3, 4, 5], q, None, False, True),
             start(workers.run_receiver, sender.address, 1, overrides, [1, 2], q, 1, False, True, 2),
-            start(workers.run_receiver, sender.address, 2, overrides, [1, 2, 3, 4], q, None, False, True),
-            start(workers.run_sharded_backend_trainer, sender.address, 1, 2, overrides, 3, [1, 2, 3, 4], q),
+            start(workers.run_receiver, sender.address, 2, overrides, [1, 2, 3, 4, 5], q, 1, False, True, 5),
+            start(
+                workers.run_sharded_backend_trainer, sender.address, 1, 2, overrides, 3, [1, 2, 3, 4, 5], q
+            ),
         ]
         try:
             sender.send(workers.make_weights(1), version=1)
@@ -816,12 +822,22 @@ def test_with_drop_lost_receivers_a_lost_receiver_fails_the_sync_and_the_next_go
             got = sorted(r for r in reports if not isinstance(r[0], tuple))
             assert got == [(r, 3, workers.expected_digests(3), 3) for r in (0, 2)]
             sender.add_receiver(3)
-            procs.append(start(workers.run_receiver, sender.address, 3, overrides, [4], q, None, False, True))
+            procs.append(
+                start(workers.run_receiver, sender.address, 3, overrides, [4, 5], q, None, False, True)
+            )
             stats = sender.send(workers.make_weights(4), version=4)
             assert stats.receivers == 3 and sender.receivers == [0, 2, 3]
             reports = collect(q, 4)
             got = sorted(r for r in reports if not isinstance(r[0], tuple))
             assert got == [(r, 4, workers.expected_digests(4), 4) for r in (0, 2, 3)]
+            with pytest.raises(PeerLost, match=r"receiver rank 2 \(pid \d+") as err:
+                sender.send(workers.make_weights(5), version=5)
+            assert err.value.ranks == [2] and sender.receivers == [0, 3]
+            reports = {rank: rest for rank, *rest in collect(q, 3)}
+            version, message, held = reports[3]  # its link from receiver 2 closed mid-version
+            assert (version, held) == ("error", 4) and "version 5" in message, message
+            if links == "mooncake":
+                assert "receiver rank 2 closed its link (mooncake)" in message, message
         finally:
             stop(procs)
 

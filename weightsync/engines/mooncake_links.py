@@ -426,6 +426,13 @@ def _shut(sock: socket.socket) -> None:
 Link = _Sending | _Receiving
 
 
+def _name(said: dict[str, Any], rank: int) -> str:
+    """How errors name the peer at group rank ``rank``: as it names itself in ``said`` (its
+    endpoint or its first message; it holds the group's token)."""
+    name = said.get("name")
+    return name if isinstance(name, str) and 0 < len(name) <= 100 else f"the peer at group rank {rank}"
+
+
 class MooncakeLinks:
     """This process's ends of ``sharded``'s links over Mooncake: one Transfer Engine, the
     bucket buffers registered with it, and a link per pair of the route it is in."""
@@ -472,15 +479,19 @@ class MooncakeLinks:
         store: dist.Store,
         token: str,
         links: list[tuple[int, int]],
-        name_of: Callable[[int], str],
     ) -> dict[tuple[int, int], Link]:
-        """This rank's ends of ``links`` (group ranks, sending end first)."""
+        """This rank's ends of ``links`` (group ranks, sending end first). Each end names
+        its peer as the peer names itself (``Join.name``: "receiver rank 3"), which it
+        publishes with its endpoint and says when it connects: a group rank is a place
+        among this sync's members, not a receiver rank (after a receiver was dropped, or
+        one added under a new rank, the two differ)."""
         endpoint = self._open_endpoint(join)
         me, timeout = join.rank, self.config.timeout_s
         where = {
             "host": endpoint.host,
             "rpc_port": endpoint.rpc_port,
             "port": endpoint.listener.getsockname()[1],
+            "name": join.name,
         }
         store.set(f"mooncake/{me}", msgpack.packb(where))
         opened: dict[tuple[int, int], Link] = {}
@@ -496,11 +507,13 @@ class MooncakeLinks:
                         (host, port), timeout=timeout, source_address=(endpoint.host, 0)
                     )
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    sock.sendall(ring.pack_message({"token": token, "from": a, "to": b}))
+                    sock.sendall(ring.pack_message({"token": token, "from": a, "to": b, "name": join.name}))
                 except OSError as e:
-                    raise PeerError(f"mooncake: could not reach {name_of(b)} at {host}:{port}: {e}") from e
+                    raise PeerError(
+                        f"mooncake: could not reach {_name(peer, b)} at {host}:{port}: {e}"
+                    ) from e
                 target = f"{host}:{ring.int_field(peer, 'rpc_port')}"
-                opened[(a, b)] = _Sending(endpoint, sock, target, name_of(b), timeout, stage=not inbound)
+                opened[(a, b)] = _Sending(endpoint, sock, target, _name(peer, b), timeout, stage=not inbound)
 
             def check(msg: dict, sock: socket.socket, taken: dict) -> int:
                 source = ring.int_field(msg, "from")
@@ -512,9 +525,9 @@ class MooncakeLinks:
                 accepted = ring.accept_peers(
                     endpoint.listener, len(inbound), token, check, timeout, join.watch, "mooncake link(s)"
                 )
-                for a, (sock, _, _) in accepted.items():
+                for a, (sock, hello, _) in accepted.items():
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    opened[(a, me)] = _Receiving(endpoint, sock, name_of(a), timeout)
+                    opened[(a, me)] = _Receiving(endpoint, sock, _name(hello, a), timeout)
         except BaseException:
             self.close(list(opened.values()), failed=True)
             raise
