@@ -145,9 +145,10 @@ def test_lora_keep_beyond_the_replicas_max_loras_is_refused_before_anything_move
 
 
 def test_a_failed_adapter_load_leaves_the_previous_adapter_serving(replica):
-    """An adapter vLLM refuses (rank above max_lora_rank, found by the worker's own check
-    when the rollout's is bypassed) fails the update naming the replica; the previous
-    version's adapter still serves its outputs."""
+    """An adapter vLLM refuses (DoRA, which vLLM does not serve: found by the worker's own
+    check, vLLM's ``PEFTHelper.validate_legal``, as the rollout checks only the engine's
+    limits) fails the update naming the replica; the previous version's adapter still
+    serves its outputs."""
     model_dir, llm = replica
     model = _peft(model_dir, 8, TARGETS)
     with VLLMRollout([LLMReplica(llm, "A")], OVERRIDES) as rollout:
