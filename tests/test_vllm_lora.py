@@ -85,9 +85,10 @@ def replica(tmp_path_factory):
 
 def test_each_version_moves_only_the_adapter_and_serves_the_trainers_merged_outputs(replica):
     """Three versions of a rank-4 LoRA on a replica started for rank 4 (the third: rank 8,
-    its max_lora_rank, on fewer modules, which vLLM serves as a new adapter): after each, greedy outputs under the report's LoRARequest equal
-    the trainer's merged model's; only the adapter's bytes crossed; the base model serves
-    as it did. A request of version N-1 in flight while N loads finishes with N-1's adapter."""
+    its max_lora_rank, on fewer modules, which vLLM serves as a new adapter): after each,
+    greedy outputs under the report's LoRARequest equal the trainer's merged model's; only
+    the adapter's bytes crossed; the base model serves as it did. A request of version N-1
+    in flight while N loads finishes with N-1's adapter."""
     from vllm import SamplingParams
 
     model_dir, llm = replica
@@ -152,7 +153,8 @@ def test_lora_keep_beyond_max_loras_and_a_rank_beyond_max_lora_rank_are_refused_
         rollout.lora_keep = 1
         with pytest.raises(
             ValueError,
-            match=r"replica 'A': the adapter's rank 12 is above its max_lora_rank 8: start it with max_lora_rank=16",
+            match=r"replica 'A': the adapter's rank 12 is above its max_lora_rank 8: "
+            r"start it with max_lora_rank=16",
         ):
             rollout.update(_peft(model_dir, 12, TARGETS), 1, lora=True)
 
