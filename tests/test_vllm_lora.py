@@ -27,7 +27,7 @@ from weightsync.demo.vllm import (
     trainer_greedy,
     vllm_environment,
 )
-from weightsync.integrations.vllm_lora import engine_lora_rank
+from weightsync.integrations.vllm_lora import engine_lora_rank, start_for_rank
 from weightsync.integrations.vllm_replicas import LLMReplica
 from weightsync.integrations.vllm_reports import ReplicaUpdateError
 from weightsync.integrations.vllm_rollout import VLLMRollout
@@ -172,6 +172,7 @@ def test_the_engines_max_lora_rank_is_the_next_value_vllm_accepts():
         assert LoRAConfig(max_lora_rank=value).max_lora_rank == value
     with pytest.raises(ValueError, match="LoRA rank 1024: vLLM serves adapters up to max_lora_rank 512"):
         engine_lora_rank(1024)
+    assert start_for_rank(1024).startswith("LoRA rank 1024: vLLM serves adapters up to")  # the check's advice
 
 
 def test_a_failed_adapter_load_leaves_the_previous_adapter_serving(replica):

@@ -53,6 +53,14 @@ def engine_lora_rank(rank: int) -> int:
     return fits[0]
 
 
+def start_for_rank(rank: int) -> str:
+    """What to start an engine with for adapters of ``rank``, for messages."""
+    try:
+        return f"start it with max_lora_rank={engine_lora_rank(rank)}"
+    except ValueError as e:
+        return str(e)
+
+
 class AdapterSlots:
     """The LoRA adapters weightsync loaded into one vLLM worker."""
 

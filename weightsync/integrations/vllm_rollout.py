@@ -331,7 +331,7 @@ class VLLMRollout:
     def _check_lora(self, adapter: Any, base: Any, unknown: list[Replica]) -> None:
         """The replicas' LoRA limits against ``adapter`` and ``lora_keep``; with ``base``, the
         trainer's base weights against the checkpoint of each replica in ``unknown``."""
-        from weightsync.integrations.vllm_lora import engine_lora_rank
+        from weightsync.integrations.vllm_lora import start_for_rank
         from weightsync.lora import base_weights
         from weightsync.verify import named_digests
 
@@ -346,13 +346,9 @@ class VLLMRollout:
                         f"(and max_cpu_loras >= {need}), or lower lora_keep"
                     )
                 if adapter.rank > limits["max_lora_rank"]:
-                    try:  # what to start it with: vLLM accepts only some values
-                        fix = f": start it with max_lora_rank={engine_lora_rank(adapter.rank)}"
-                    except ValueError as e:
-                        fix = f" ({e})"
                     raise ValueError(
                         f"replica {r.name!r}: the adapter's rank {adapter.rank} is above its max_lora_rank "
-                        f"{limits['max_lora_rank']}{fix}"
+                        f"{limits['max_lora_rank']}: {start_for_rank(adapter.rank)}"
                     )
         if base is None:
             return
