@@ -44,9 +44,11 @@ def digests(version, weights="partition_weights"):
 class Partition:
     """A trainer on host 0 and ``receivers`` resilient receivers (ranks 0, 1, ...) on hosts
     1, 2, ...; the trainer sends what ``send`` asks for and reports on ``reports``; the
-    receivers' reports reach ``arrivals`` with the moment each came. The last host's NIC is
-    slow (250 Mbit/s, 1 Gbit/s the others), so a version takes about 2 s; ``cut_mid_sync``
-    cuts a host once the NICs' counters show the version under way."""
+    receivers' reports reach ``arrivals`` with the moment each came; trainer ranks > 0
+    (``trainers``) on the hosts after the receivers'. The last receiver's host (host
+    ``receivers``) has the slow NIC (250 Mbit/s, 1 Gbit/s every other host, trainer ranks'
+    included), so a version takes about 2 s; ``cut_mid_sync`` cuts a host once the NICs'
+    counters show the version under way."""
 
     def __init__(
         self,

@@ -50,7 +50,7 @@ def view_chain(draw, shape):
         if not dims:
             break
         d = draw(st.integers(0, len(dims) - 1))
-        kind = draw(st.sampled_from(["narrow", "select", "transpose", "chunk", "slice"]))
+        kind = draw(st.sampled_from(["narrow", "select", "transpose", "chunk", "split", "slice"]))
         if kind == "narrow":
             start = draw(st.integers(0, dims[d] - 1))
             n = draw(st.integers(1, dims[d] - start))
@@ -70,6 +70,12 @@ def view_chain(draw, shape):
             k = draw(st.integers(0, len(chunks) - 1))
             ops.append(lambda t, d=d, p=parts, k=k: t.chunk(p, d)[k])
             dims[d] = chunks[k].shape[d]
+        elif kind == "split":  # by sizes that add up to the dimension
+            cuts = sorted(draw(st.sets(st.integers(1, dims[d] - 1), max_size=3))) if dims[d] > 1 else []
+            sizes = [b - a for a, b in zip([0, *cuts], [*cuts, dims[d]])]
+            k = draw(st.integers(0, len(sizes) - 1))
+            ops.append(lambda t, d=d, s=sizes, k=k: t.split(s, d)[k])
+            dims[d] = sizes[k]
         elif kind == "slice":
             start = draw(st.integers(0, dims[d] - 1))
             stop = draw(st.integers(start + 1, dims[d]))
@@ -110,6 +116,19 @@ def _two_reads(t):  # a fused parameter loaded from two boxes of one tensor: the
     torch.empty(1, 6).copy_(t[5:6])
 
 
+def _fused_split(t):  # a fused q/k/v tensor: vLLM's loaders take a shard's part by split
+    q, k, v = t.split([4, 2, 2], 0)
+    torch.empty(2, 6).copy_(k)
+
+
+def _heads_view(t):  # rows viewed as (heads, head_dim, columns), one head taken: view, then select
+    torch.empty(2, 6).copy_(t.view(4, 2, 6)[3])
+
+
+def _columns_view(t):  # each row's columns viewed as two halves, the second taken
+    torch.empty(8, 3).copy_(t.view(8, 2, 3)[:, 1])
+
+
 @pytest.mark.parametrize(
     "load, box",
     [
@@ -120,6 +139,10 @@ def _two_reads(t):  # a fused parameter loaded from two boxes of one tensor: the
         (lambda t: torch.empty(4, 6, dtype=torch.half).copy_(t.to(torch.half)[4:]), Box((4, 0), (4, 6))),
         (_vocab, Box((4, 0), (4, 6))),
         (_two_reads, Box((1, 0), (5, 6))),
+        (_fused_split, Box((4, 0), (2, 6))),
+        (lambda t: torch.empty(8, 2).copy_(t.split(2, 1)[1]), Box((0, 2), (8, 2))),
+        (_heads_view, Box((6, 0), (2, 6))),
+        (_columns_view, Box((0, 3), (8, 3))),
     ],
 )
 def test_view_ops_before_a_copy_give_the_box_read(load, box):
@@ -136,6 +159,7 @@ def test_view_ops_before_a_copy_give_the_box_read(load, box):
         (lambda t: t.copy_(torch.zeros(8, 6)), "copy into"),
         (lambda t: None, "read nothing"),
         (lambda t: torch.empty(48).copy_(t.t().reshape(-1)), "reshape"),
+        (lambda t: torch.empty(2, 6).copy_(t.view(2, 24)[:, :6]), "stride 24"),  # rows 0 and 4
     ],
 )
 def test_what_no_box_describes_takes_the_tensor_whole(load, why):

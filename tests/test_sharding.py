@@ -764,17 +764,21 @@ def test_tensor_parallel_receivers_list_what_no_trainer_has_refuse_layouts_witho
             stop(procs)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("links", LINKS)
 def test_with_drop_lost_receivers_a_lost_receiver_fails_the_sync_and_the_next_goes_to_the_others(links):
     """docs/reliability.md, ``sharded`` with ``drop_lost_receivers=true`` (2 trainer ranks,
-    3 receivers that declare nothing: one chain; over Gloo pairs and over Mooncake writes): receiver 1, the middle of the chain, exits
-    abruptly after its first tensor of version 2. The route is every trainer rank's, so it
+    3 receivers that declare nothing: one chain; over Gloo pairs and over Mooncake writes):
+    receiver 1, the middle of the chain, exits abruptly after its first tensor of version 2.
+    The route is every trainer rank's, so it
     is not rebuilt around the loss in the same sync: the sync fails on rank 0 naming the
     lost receiver, which rank 0 drops by itself; version 3 is planned for the two others and
     reaches them bit-exact, both trainer ranks sending, with no ``remove_receiver``. A new
     receiver under a rank no one had (3, as ``VLLMRollout.add_replica`` gives) then takes
-    version 4 with them."""
+    version 4 with them. In version 5 receiver 2, now the middle of the chain 0, 2, 3 (group
+    rank 2: its place among the members, not its rank), exits the same way: receiver 3,
+    whose link from it closed, fails naming it by its rank (over Mooncake links, where the
+    link's error names the peer; Gloo's does not)."""
     import time
 
     import workers
@@ -786,10 +790,12 @@ def test_with_drop_lost_receivers_a_lost_receiver_fails_the_sync_and_the_next_go
     overrides = [*SHARDED, "drop_lost_receivers=true", f"engine_kwargs.sharded.links={links}"]
     with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 3, rank=0, num_trainers=2) as sender:
         procs = [
-            start(workers.run_receiver, sender.address, 0, overrides, [1, 2, 3, 4], q, None, False, True),
+            start(workers.run_receiver, sender.address, 0, overrides, [1, 2, 3, 4, 5], q, None, False, True),
             start(workers.run_receiver, sender.address, 1, overrides, [1, 2], q, 1, False, True, 2),
-            start(workers.run_receiver, sender.address, 2, overrides, [1, 2, 3, 4], q, None, False, True),
-            start(workers.run_sharded_backend_trainer, sender.address, 1, 2, overrides, 3, [1, 2, 3, 4], q),
+            start(workers.run_receiver, sender.address, 2, overrides, [1, 2, 3, 4, 5], q, 1, False, True, 5),
+            start(
+                workers.run_sharded_backend_trainer, sender.address, 1, 2, overrides, 3, [1, 2, 3, 4, 5], q
+            ),
         ]
         try:
             sender.send(workers.make_weights(1), version=1)
@@ -816,12 +822,22 @@ def test_with_drop_lost_receivers_a_lost_receiver_fails_the_sync_and_the_next_go
             got = sorted(r for r in reports if not isinstance(r[0], tuple))
             assert got == [(r, 3, workers.expected_digests(3), 3) for r in (0, 2)]
             sender.add_receiver(3)
-            procs.append(start(workers.run_receiver, sender.address, 3, overrides, [4], q, None, False, True))
+            procs.append(
+                start(workers.run_receiver, sender.address, 3, overrides, [4, 5], q, None, False, True)
+            )
             stats = sender.send(workers.make_weights(4), version=4)
             assert stats.receivers == 3 and sender.receivers == [0, 2, 3]
             reports = collect(q, 4)
             got = sorted(r for r in reports if not isinstance(r[0], tuple))
             assert got == [(r, 4, workers.expected_digests(4), 4) for r in (0, 2, 3)]
+            with pytest.raises(PeerLost, match=r"receiver rank 2 \(pid \d+") as err:
+                sender.send(workers.make_weights(5), version=5)
+            assert err.value.ranks == [2] and sender.receivers == [0, 3]
+            reports = {rank: rest for rank, *rest in collect(q, 3)}
+            version, message, held = reports[3]  # its link from receiver 2 closed mid-version
+            assert (version, held) == ("error", 4) and "version 5" in message, message
+            if links == "mooncake":
+                assert "receiver rank 2 closed its link (mooncake)" in message, message
         finally:
             stop(procs)
 
@@ -850,5 +866,125 @@ def test_receivers_carry_their_links_over_what_trainer_rank_0_names(links):
                 sender.send(workers.make_weights(v), version=v)
                 for rank, version, digests, held in collect(q, 2):
                     assert (version, held, digests) == (v, v, workers.expected_digests(v)), rank
+        finally:
+            stop(procs)
+
+
+#: the pieces of a Mooncake link in ``test_mooncake_links_wait_while_a_socket_buffer_is_full``:
+#: a 16 MiB bucket is then 256 pieces, so 3 buckets posted ahead are 768 frames each way,
+#: as many frames per posted byte as 2048 MiB buckets of 1 MiB pieces have
+SMALL_PIECE = 64 << 10
+
+
+def _small_link_frames(patch, direction: str) -> None:
+    """Mooncake links of this process from now on: pieces of ``SMALL_PIECE``, and the
+    sockets of the frames going ``direction`` ("post": receiver to trainer, "landed": back)
+    with the smallest buffers the kernel allows (about 100 frames, where 768 may be
+    unread). ``patch(owner, name, value)`` sets an attribute (``monkeypatch.setattr``, or
+    ``setattr`` in a child process)."""
+    import socket
+
+    from weightsync.engines import mooncake_links, nccl
+
+    # (sending end's socket, receiving end's): the buffer each fills going ``direction``
+    sending, receiving = {
+        "post": (socket.SO_RCVBUF, socket.SO_SNDBUF),
+        "landed": (socket.SO_SNDBUF, socket.SO_RCVBUF),
+    }[direction]
+
+    def shrink(sock: socket.socket, option: int) -> None:
+        sock.setsockopt(socket.SOL_SOCKET, option, 1)  # the kernel raises it to its minimum
+
+    def endpoint(init):
+        def opened(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            shrink(self.listener, receiving)  # receiving ends' sockets inherit it on accept
+
+        return opened
+
+    def end(init, option):
+        def opened(self, endpoint, sock, *args, **kwargs):
+            shrink(sock, option)
+            init(self, endpoint, sock, *args, **kwargs)
+
+        return opened
+
+    for module in (nccl, mooncake_links):
+        patch(module, "CHUNK_BYTES", SMALL_PIECE)
+    patch(mooncake_links._Endpoint, "__init__", endpoint(mooncake_links._Endpoint.__init__))
+    patch(mooncake_links._Sending, "__init__", end(mooncake_links._Sending.__init__, sending))
+    patch(mooncake_links._Receiving, "__init__", end(mooncake_links._Receiving.__init__, receiving))
+
+
+def _big_buckets(version: int) -> dict[str, torch.Tensor]:
+    """``workers.make_weights`` plus six 16 MiB tensors: a 16 MiB bucket each."""
+    import workers
+
+    g = torch.Generator().manual_seed(version)
+    return {
+        **workers.make_weights(version),
+        **{f"extra.{i}": torch.randn(1 << 22, generator=g) for i in range(6)},
+    }
+
+
+def _receiver_of_small_link_frames(address, rank, overrides, versions, queue, direction):
+    """``workers.run_receiver`` over ``_small_link_frames``, its consumer holding the first
+    bucket of each version 0.5 s: the trainer writes the posted buckets' pieces meanwhile,
+    and says so in LANDED frames no one reads."""
+    import time
+
+    import workers
+
+    from weightsync.engines.sharded import ShardedEngine
+
+    _small_link_frames(setattr, direction)
+    recv = ShardedEngine.recv_buckets
+
+    def holding(self, *args, **kwargs):
+        for i, item in enumerate(recv(self, *args, **kwargs)):
+            yield item
+            if i == 0:
+                time.sleep(0.5)
+
+    ShardedEngine.recv_buckets = holding
+    workers.run_receiver(address, rank, overrides, versions, queue)
+
+
+@pytest.mark.mooncake
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("direction", ["post", "landed"])
+def test_mooncake_links_wait_while_a_socket_buffer_is_full_and_every_version_is_exact(monkeypatch, direction):
+    """A Mooncake link's frames (a POST per piece from the receiver, a LANDED per piece
+    back) fill the socket buffers of their direction (``_small_link_frames``: up to 768 of
+    them unread, where about 100 fit), as the kernel's default buffers fill at the default
+    2048 MiB buckets. "post": the receiver keeps 4 buckets posted, the trainer reads a POST
+    per piece it writes. "landed": the receiver's consumer holds a bucket while the trainer
+    writes the 3 buckets posted after it. A full buffer waits; it is not a peer that "closed
+    its link". Two versions to one receiver, bit-exact."""
+    import workers
+    from procs import CTX, collect, start, stop
+
+    from weightsync import EngineConfig, Sender
+
+    _small_link_frames(monkeypatch.setattr, direction)
+    overrides = [
+        "backend=sharded",
+        "update_weights_bucket_megabytes=16",
+        "timeout_s=30",
+        "engine_kwargs.sharded.links=mooncake",
+    ]
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 1) as sender:
+        procs = [start(_receiver_of_small_link_frames, sender.address, 0, overrides, [1, 2], q, direction)]
+        try:
+            for v in (1, 2):
+                weights = _big_buckets(v)
+                stats = sender.send(weights, version=v)
+                assert stats.buckets >= 6, stats
+                expected = {n: workers.digest(t.contiguous()) for n, t in weights.items()}
+                ((rank, version, digests, held),) = collect(q, 1)
+                assert (version, held) == (v, v), digests
+                assert digests == expected
         finally:
             stop(procs)

@@ -1,8 +1,9 @@
 """LoRA-only sync into a real vLLM (CPU build) replica, from a real PEFT model.
 
-One replica, started once with LoRA enabled (``max_loras=2``: the new adapter and the one
-version kept for requests in flight). The trainer fine-tunes a PEFT LoRA on the tiny Qwen2
-model the replica loaded; each update moves only the adapter, from memory, and vLLM's greedy
+One replica, started once with LoRA enabled for adapters of rank 4 (``max_loras=2``: the
+new adapter and the one version kept for requests in flight; ``max_lora_rank`` 8, the next
+value vLLM accepts). The trainer fine-tunes a PEFT LoRA on the tiny Qwen2 model the replica
+loaded; each update moves only the adapter, from memory, and vLLM's greedy
 output under the update's ``LoRARequest`` must equal the trainer's merged model's.
 """
 
@@ -26,6 +27,7 @@ from weightsync.demo.vllm import (
     trainer_greedy,
     vllm_environment,
 )
+from weightsync.integrations.vllm_lora import engine_lora_rank, start_for_rank
 from weightsync.integrations.vllm_replicas import LLMReplica
 from weightsync.integrations.vllm_reports import ReplicaUpdateError
 from weightsync.integrations.vllm_rollout import VLLMRollout
@@ -38,6 +40,7 @@ NEW = 8
 VOCAB = 5000
 OVERRIDES = ["backend=shm", "update_weights_bucket_megabytes=1", "timeout_s=60"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK = 4  # the replica's adapters: vLLM accepts no max_lora_rank of 4 (start_replica asks for 8)
 
 
 def _peft(model_dir: str, rank: int, targets: list[str], base=None):
@@ -75,26 +78,27 @@ def _generate(llm, request, max_tokens: int = NEW) -> list[list[int]]:
 def replica(tmp_path_factory):
     vllm_environment()
     model_dir = save_tiny_model(str(tmp_path_factory.mktemp("lora") / "model"), seed=3, vocab_size=VOCAB)
-    llm = start_replica(model_dir, max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8)
+    llm = start_replica(model_dir, max_model_len=256, max_loras=2, lora_rank=RANK)
     yield model_dir, llm
     llm.llm_engine.engine_core.shutdown()
 
 
 def test_each_version_moves_only_the_adapter_and_serves_the_trainers_merged_outputs(replica):
-    """Three versions of a rank-8 LoRA (the third: rank 4 on fewer modules, which vLLM
-    serves as a new adapter): after each, greedy outputs under the report's LoRARequest equal
-    the trainer's merged model's; only the adapter's bytes crossed; the base model serves
-    as it did. A request of version N-1 in flight while N loads finishes with N-1's adapter."""
+    """Three versions of a rank-4 LoRA on a replica started for rank 4 (the third: rank 8,
+    its max_lora_rank, on fewer modules, which vLLM serves as a new adapter): after each,
+    greedy outputs under the report's LoRARequest equal the trainer's merged model's; only
+    the adapter's bytes crossed; the base model serves as it did. A request of version N-1
+    in flight while N loads finishes with N-1's adapter."""
     from vllm import SamplingParams
 
     model_dir, llm = replica
     base_out = replica_greedy(llm, PROMPTS, NEW)
-    model = _peft(model_dir, 8, TARGETS)
+    model = _peft(model_dir, RANK, TARGETS)
     with VLLMRollout([LLMReplica(llm, "A")], OVERRIDES, lora_keep=1) as rollout:
         requests = []
         for version in (1, 2, 3):
             if version == 3:  # another rank and other target modules: a new adapter, served as such
-                model = _peft(model_dir, 4, ["q_proj", "v_proj", "down_proj"])
+                model = _peft(model_dir, 8, ["q_proj", "v_proj", "down_proj"])
             expected = _train(model, seed=version)
             adapter = lora_adapter(model)
             in_flight = None
@@ -135,19 +139,47 @@ def test_a_base_model_that_is_not_the_replicas_checkpoint_is_refused_naming_the_
             rollout.update(model, 1, lora=True)
 
 
-def test_lora_keep_beyond_the_replicas_max_loras_is_refused_before_anything_moves(replica):
+def test_lora_keep_beyond_max_loras_and_a_rank_beyond_max_lora_rank_are_refused_before_anything_moves(
+    replica,
+):
+    """Each names the replica, the limit, and what to start it with: for a rank-12 adapter
+    max_lora_rank 16 (vLLM accepts no 12)."""
     model_dir, llm = replica
     with VLLMRollout([LLMReplica(llm, "A")], OVERRIDES, lora_keep=2) as rollout:
         with pytest.raises(
             ValueError, match=r"replica 'A': max_loras=2.* lora_keep=2 keeps 3 adapters loaded"
         ):
             rollout.update(_peft(model_dir, 8, TARGETS), 1, lora=True)
+        rollout.lora_keep = 1
+        with pytest.raises(
+            ValueError,
+            match=r"replica 'A': the adapter's rank 12 is above its max_lora_rank 8: "
+            r"start it with max_lora_rank=16",
+        ):
+            rollout.update(_peft(model_dir, 12, TARGETS), 1, lora=True)
+
+
+def test_the_engines_max_lora_rank_is_the_next_value_vllm_accepts():
+    """vLLM's own config (no engine) refuses a max_lora_rank of 4; ``engine_lora_rank``
+    gives one it accepts, the smallest that holds the adapter's rank."""
+    from vllm.config.lora import LoRAConfig
+
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        LoRAConfig(max_lora_rank=4)
+    got = {rank: engine_lora_rank(rank) for rank in (1, 2, 4, 8, 12, 24, 320, 400)}
+    assert got == {1: 1, 2: 8, 4: 8, 8: 8, 12: 16, 24: 32, 320: 320, 400: 512}
+    for value in got.values():
+        assert LoRAConfig(max_lora_rank=value).max_lora_rank == value
+    with pytest.raises(ValueError, match="LoRA rank 1024: vLLM serves adapters up to max_lora_rank 512"):
+        engine_lora_rank(1024)
+    assert start_for_rank(1024).startswith("LoRA rank 1024: vLLM serves adapters up to")  # the check's advice
 
 
 def test_a_failed_adapter_load_leaves_the_previous_adapter_serving(replica):
-    """An adapter vLLM refuses (rank above max_lora_rank, found by the worker's own check
-    when the rollout's is bypassed) fails the update naming the replica; the previous
-    version's adapter still serves its outputs."""
+    """An adapter vLLM refuses (DoRA, which vLLM does not serve: found by the worker's own
+    check, vLLM's ``PEFTHelper.validate_legal``, as the rollout checks only the engine's
+    limits) fails the update naming the replica; the previous version's adapter still
+    serves its outputs."""
     model_dir, llm = replica
     model = _peft(model_dir, 8, TARGETS)
     with VLLMRollout([LLMReplica(llm, "A")], OVERRIDES) as rollout:
@@ -166,10 +198,12 @@ def test_a_full_update_keeps_the_adapters_serving_on_the_new_base(replica):
     """A full update makes vLLM drop every adapter. Before, a request naming one then ended
     the engine (vLLM looked for the placeholder path). Now the worker adds its adapters back
     from memory, applied to the new base, as vLLM's reload from a path would serve them:
-    version 21's adapter is served over the base merged with it (version 22), a new adapter
+    version 21's adapter is served over the base merged with it (version 22: other outputs
+    than that base's alone, the adapter's delta applied a second time), a new adapter
     over that base (23) gives its trainer's outputs, and with the original base back (24)
     version 21's adapter gives its trainer's outputs again. (Its outputs over the merged
-    base, the delta applied twice, are not compared: no training gave them a margin.)"""
+    base, the delta applied twice, are not compared token for token with the trainer's: no
+    training gave them a margin.)"""
     from transformers import AutoModelForCausalLM
 
     model_dir, llm = replica
@@ -182,8 +216,10 @@ def test_a_full_update_keeps_the_adapters_serving_on_the_new_base(replica):
         merged = copy.deepcopy(model).merge_and_unload()
         assert rollout.update(merged, 22).ok
         assert replica_greedy(llm, PROMPTS, NEW) == expected  # the new base: the merged model
-        served = _generate(llm, old)  # the engine lives, and serves it
-        assert [len(tokens) for tokens in served] == [NEW] * len(PROMPTS)
+        # The engine lives, and serves it, over the new base: its delta applied again, so not
+        # what the merged base gives alone (an adapter added back empty, or not applied, would)
+        served = _generate(llm, old)
+        assert served != expected, served
         fresh = _peft(model_dir, 8, TARGETS, base=copy.deepcopy(merged))
         fresh_out = _train(fresh, seed=23)
         assert _generate(llm, rollout.update(fresh, 23, lora=True).lora_request) == fresh_out
@@ -200,7 +236,7 @@ def test_a_replica_killed_mid_update_is_named_at_once_and_the_other_serves_the_n
     B (its rank), and A serves the new adapter: the report's LoRARequest gives the merged
     model's outputs there. B left the rollout: the next update goes to A alone, at once."""
     model_dir, a = replica
-    b = start_replica(model_dir, max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8)
+    b = start_replica(model_dir, max_model_len=256, max_loras=2, lora_rank=RANK)
     victim = b.collective_rpc("weightsync_status")[0]["pid"]
     try:
         model = _peft(model_dir, 8, TARGETS)

@@ -317,7 +317,7 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
         host = "127.0.0.1"
         engine: dict[str, Any] = {"tensor_parallel_size": opts.tp} if opts.tp > 1 else {}
         if opts.lora_rank:
-            engine |= dict(enable_lora=True, max_loras=2, max_lora_rank=opts.lora_rank)
+            engine |= dict(max_loras=2, lora_rank=opts.lora_rank)  # start_replica sizes max_lora_rank
         for i in range(opts.replicas):
             if cluster is not None:  # vLLM's processes start in the replica's host
                 from weightsync.bench.cluster import enter

@@ -106,15 +106,23 @@ def save_tiny_model(path: str, seed: int = 0, **overrides: Any) -> str:
 TCMALLOC = "tcmalloc_minimal"
 
 
-def start_replica(model_dir: str, *, max_model_len: int, seed: int = 0, **kwargs: Any) -> Any:
+def start_replica(
+    model_dir: str, *, max_model_len: int, seed: int = 0, lora_rank: int = 0, **kwargs: Any
+) -> Any:
     """A vLLM ``LLM`` for ``model_dir`` with the weightsync worker extension (float32,
     token ids in and out, eager), its processes started with TCMalloc preloaded where the
-    system has it, as vLLM's CPU installation guide sets up."""
+    system has it, as vLLM's CPU installation guide sets up. ``lora_rank``: LoRA enabled,
+    for adapters up to that rank (``max_lora_rank``: the next value vLLM accepts,
+    ``engine_lora_rank``); ``kwargs`` go to ``LLM`` (``max_loras`` ...)."""
     import ctypes.util
 
     from vllm import LLM
 
+    from weightsync.integrations.vllm_lora import engine_lora_rank
     from weightsync.integrations.vllm_replicas import EXTENSION
+
+    if lora_rank:
+        kwargs = {"enable_lora": True, "max_lora_rank": engine_lora_rank(lora_rank), **kwargs}
 
     args: dict[str, Any] = dict(
         model=model_dir,
@@ -508,9 +516,7 @@ def run_vllm_lora_demo(
     from weightsync.integrations.vllm_replicas import LLMReplica
     from weightsync.integrations.vllm_rollout import VLLMRollout
 
-    llms = _start_replicas(
-        opts, console, model_dir, max_len, enable_lora=True, max_loras=2, max_lora_rank=opts.lora_rank
-    )
+    llms = _start_replicas(opts, console, model_dir, max_len, max_loras=2, lora_rank=opts.lora_rank)
     replicas = [LLMReplica(llm, f"replica{i}") for i, llm in enumerate(llms)]
     peft_model = get_peft_model(
         model, LoraConfig(r=opts.lora_rank, lora_alpha=2 * opts.lora_rank, target_modules=LORA_TARGETS)

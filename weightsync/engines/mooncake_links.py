@@ -9,7 +9,9 @@ The receiving end posts each piece with the address it must land at, in its buck
 one-sided, and says it landed. The ends talk over a TCP connection of our own, fixed frames:
 POST ("piece n lands at address a, b bytes") one way, LANDED ("piece n is in your memory")
 the other. A thread per sending end serves its link in order, so every link of a rank moves
-at once; a receiving end learns of landed pieces when it next looks.
+at once; a receiving end learns of landed pieces when it next looks. A full socket buffer is
+no failure: a receiving end keeps the POSTs its socket cannot take yet and sends them as it
+drains, a sending end waits to send a LANDED (up to ``timeout_s`` without a byte taken).
 
 Set-up goes through the group's rendezvous store (whose keys only token holders reach): every
 rank publishes its endpoint (Transfer Engine's ``host:rpc_port``, its link listener), a
@@ -22,6 +24,7 @@ receiving end's buffers, a sending thread's that did not stop) is kept, never fr
 from __future__ import annotations
 
 import logging
+import selectors
 import socket
 import struct
 import threading
@@ -225,6 +228,27 @@ class _Sending:
             raise PeerError(f"{self.peer} posted piece {got} (kind {kind}) where piece {piece} was due")
         return address, nbytes
 
+    def _tell(self, frame: bytes) -> None:
+        """Send ``frame`` to the receiving end. While its socket buffers are full (it reads
+        them when it next looks at its link: a consumer may hold a bucket meanwhile) this
+        waits, up to ``timeout_s`` without a byte taken; ``close`` ends the wait."""
+        view = memoryview(frame)
+        since = time.monotonic()
+        while view:
+            if self._stop:
+                raise PeerError(f"the link to {self.peer} was closed")
+            try:
+                view = view[self.sock.send(view) :]  # the socket's timeout: ring.POLL_S
+            except TimeoutError:
+                if time.monotonic() - since > self.timeout_s:
+                    raise PeerError(
+                        f"{self.peer} read nothing of its link (mooncake) for {self.timeout_s} s"
+                    ) from None
+                continue
+            except OSError as e:
+                raise PeerError(f"{self.peer} closed its link (mooncake) ({e})") from e
+            since = time.monotonic()
+
     def _landed(self, batch: int) -> bool:
         """Whether the write ``batch`` landed (asks Mooncake once); raises if it failed."""
         status = self.endpoint.te.transfer_check_status(batch)
@@ -266,7 +290,7 @@ class _Sending:
                         time.sleep(pause)
                         pause = min(pause * 2, _POLL_MAX_S)
                         continue
-                    self.sock.sendall(_FRAME.pack(LANDED, piece - 1, 0, 0))
+                    self._tell(_FRAME.pack(LANDED, piece - 1, 0, 0))
                     self.moved = time.monotonic()
                     writing[0].end()
                     writing, pause = None, _POLL_MIN_S
@@ -308,7 +332,12 @@ class _Sending:
 
 
 class _Receiving:
-    """The receiving end of one link: posts where each piece lands; reads what landed."""
+    """The receiving end of one link: posts where each piece lands; reads what landed.
+
+    Its socket never blocks: POST frames the socket cannot take now (the sending end reads
+    one per piece it writes, and ``sharded`` posts up to 4 buckets of pieces ahead: 8192
+    frames, 256 KiB, at the default 2048 MiB buckets) wait in ``_out`` and go as it drains,
+    whenever this end looks at its link."""
 
     def __init__(self, endpoint: _Endpoint, sock: socket.socket, peer: str, timeout_s: float) -> None:
         self.endpoint = endpoint
@@ -319,7 +348,11 @@ class _Receiving:
         self.landed = 0  # pieces landed (they land in order)
         self.moved = time.monotonic()  # when the last one landed
         self.error: PeerError | None = None
-        self._buf = bytearray()
+        self._buf = bytearray()  # LANDED frames read, not yet whole
+        self._out = bytearray()  # POST frames not yet taken by the socket
+        sock.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(sock, selectors.EVENT_READ)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> _Arrival:
         """Post ``tensor`` (uint8, in registered memory) as where the next piece lands.
@@ -327,27 +360,37 @@ class _Receiving:
         assert src == 0
         if not self.endpoint.holds(tensor):
             raise RuntimeError("sharded over mooncake: a piece must land in registered memory")
-        try:
-            self.sock.sendall(_FRAME.pack(POST, self.posted, tensor.data_ptr(), tensor.numel()))
-        except OSError as e:
-            self.error = self.error or PeerError(f"{self.peer} closed its link (mooncake) ({e})")
+        self._out += _FRAME.pack(POST, self.posted, tensor.data_ptr(), tensor.numel())
         self.posted += 1
+        self.read(block=False)  # sends what the socket takes now
         return _Arrival(self, self.posted - 1)
 
+    def _send(self) -> None:
+        """Send as much of ``_out`` as the socket takes now."""
+        while self._out:
+            try:
+                sent = self.sock.send(self._out)
+            except BlockingIOError:
+                return
+            del self._out[:sent]
+
     def read(self, block: bool) -> None:
-        """Take the frames that arrived; with ``block``, wait for one (at most
-        ``ring.POLL_S``)."""
+        """Send the POST frames the socket takes and take the frames that arrived; with
+        ``block``, first wait (at most ``ring.POLL_S``) until one arrives or, while POST
+        frames wait, the socket takes more."""
         if self.error is not None:
             return
         try:
+            self._send()
+            if block:
+                wanted = selectors.EVENT_READ | (selectors.EVENT_WRITE if self._out else 0)
+                self._selector.modify(self.sock, wanted)
+                self._selector.select(ring.POLL_S)
+                self._send()
             while True:
-                if block:
-                    self.sock.settimeout(ring.POLL_S)
-                else:
-                    self.sock.setblocking(False)
                 try:
                     chunk = self.sock.recv(64 * _FRAME.size)
-                except (BlockingIOError, TimeoutError):
+                except BlockingIOError:
                     return
                 if not chunk:
                     raise PeerError(f"{self.peer} closed its link (mooncake)")
@@ -361,7 +404,6 @@ class _Receiving:
                         )
                     self.landed += 1
                     self.moved = time.monotonic()
-                block = False  # something came: take the rest without waiting
         except PeerError as e:
             self.error = e
         except OSError as e:
@@ -369,6 +411,7 @@ class _Receiving:
 
     def close(self, failed: bool) -> None:
         _shut(self.sock)
+        self._selector.close()
         self.sock.close()
 
 
@@ -381,6 +424,13 @@ def _shut(sock: socket.socket) -> None:
 
 
 Link = _Sending | _Receiving
+
+
+def _name(said: dict[str, Any], rank: int) -> str:
+    """How errors name the peer at group rank ``rank``: as it names itself in ``said`` (its
+    endpoint or its first message; it holds the group's token)."""
+    name = said.get("name")
+    return name if isinstance(name, str) and 0 < len(name) <= 100 else f"the peer at group rank {rank}"
 
 
 class MooncakeLinks:
@@ -429,15 +479,19 @@ class MooncakeLinks:
         store: dist.Store,
         token: str,
         links: list[tuple[int, int]],
-        name_of: Callable[[int], str],
     ) -> dict[tuple[int, int], Link]:
-        """This rank's ends of ``links`` (group ranks, sending end first)."""
+        """This rank's ends of ``links`` (group ranks, sending end first). Each end names
+        its peer as the peer names itself (``Join.name``: "receiver rank 3"), which it
+        publishes with its endpoint and says when it connects: a group rank is a place
+        among this sync's members, not a receiver rank (after a receiver was dropped, or
+        one added under a new rank, the two differ)."""
         endpoint = self._open_endpoint(join)
         me, timeout = join.rank, self.config.timeout_s
         where = {
             "host": endpoint.host,
             "rpc_port": endpoint.rpc_port,
             "port": endpoint.listener.getsockname()[1],
+            "name": join.name,
         }
         store.set(f"mooncake/{me}", msgpack.packb(where))
         opened: dict[tuple[int, int], Link] = {}
@@ -453,11 +507,13 @@ class MooncakeLinks:
                         (host, port), timeout=timeout, source_address=(endpoint.host, 0)
                     )
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    sock.sendall(ring.pack_message({"token": token, "from": a, "to": b}))
+                    sock.sendall(ring.pack_message({"token": token, "from": a, "to": b, "name": join.name}))
                 except OSError as e:
-                    raise PeerError(f"mooncake: could not reach {name_of(b)} at {host}:{port}: {e}") from e
+                    raise PeerError(
+                        f"mooncake: could not reach {_name(peer, b)} at {host}:{port}: {e}"
+                    ) from e
                 target = f"{host}:{ring.int_field(peer, 'rpc_port')}"
-                opened[(a, b)] = _Sending(endpoint, sock, target, name_of(b), timeout, stage=not inbound)
+                opened[(a, b)] = _Sending(endpoint, sock, target, _name(peer, b), timeout, stage=not inbound)
 
             def check(msg: dict, sock: socket.socket, taken: dict) -> int:
                 source = ring.int_field(msg, "from")
@@ -469,9 +525,9 @@ class MooncakeLinks:
                 accepted = ring.accept_peers(
                     endpoint.listener, len(inbound), token, check, timeout, join.watch, "mooncake link(s)"
                 )
-                for a, (sock, _, _) in accepted.items():
+                for a, (sock, hello, _) in accepted.items():
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    opened[(a, me)] = _Receiving(endpoint, sock, name_of(a), timeout)
+                    opened[(a, me)] = _Receiving(endpoint, sock, _name(hello, a), timeout)
         except BaseException:
             self.close(list(opened.values()), failed=True)
             raise

@@ -132,13 +132,7 @@ class ShardedEngine(CollectiveEngine):
         if self._mooncake is None:
             super()._open_groups(join, store, info)
             return
-        self._groups.update(self._mooncake.open(join, store, info["token"], self._links(), self._name_of))
-
-    def _name_of(self, rank: int) -> str:
-        """How errors name group rank ``rank``."""
-        if rank == 0 or rank > self._replicas:
-            return f"trainer rank {0 if rank == 0 else rank - self._replicas}"
-        return f"the receiver at group rank {rank}"
+        self._groups.update(self._mooncake.open(join, store, info["token"], self._links()))
 
     def _buffer_count(self) -> int:
         # Over mooncake every bucket a receiver takes lands in a buffer (none in the model's

@@ -30,6 +30,37 @@ from typing import Any
 from weightsync.verify import named_digests
 
 
+def engine_lora_rank(rank: int) -> int:
+    """The ``max_lora_rank`` to start a vLLM engine with for adapters of rank up to
+    ``rank``: the smallest value vLLM accepts that holds it. vLLM takes only some values
+    (0.32: 1, 8, 16, 32, 64, 128, 256, 320, 512, its ``vllm.config.lora.MaxLoRARanks``) and
+    refuses others with a bare validation error, while adapters of rank 2, 4, 12 or 24 are
+    common; an adapter keeps its own rank (vLLM's LoRA layers take any rank up to
+    ``max_lora_rank``). Raises ``ValueError`` above the largest value vLLM accepts."""
+    from typing import get_args
+
+    from vllm.config import lora
+
+    allowed = sorted(get_args(getattr(lora, "MaxLoRARanks", None)))
+    if not allowed:  # a vLLM that takes any value
+        return rank
+    fits = [r for r in allowed if r >= rank]
+    if not fits:
+        raise ValueError(
+            f"LoRA rank {rank}: vLLM serves adapters up to max_lora_rank {allowed[-1]}, the largest "
+            f"value it accepts ({', '.join(map(str, allowed))})"
+        )
+    return fits[0]
+
+
+def start_for_rank(rank: int) -> str:
+    """What to start an engine with for adapters of ``rank``, for messages."""
+    try:
+        return f"start it with max_lora_rank={engine_lora_rank(rank)}"
+    except ValueError as e:
+        return str(e)
+
+
 class AdapterSlots:
     """The LoRA adapters weightsync loaded into one vLLM worker."""
 

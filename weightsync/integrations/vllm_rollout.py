@@ -331,6 +331,7 @@ class VLLMRollout:
     def _check_lora(self, adapter: Any, base: Any, unknown: list[Replica]) -> None:
         """The replicas' LoRA limits against ``adapter`` and ``lora_keep``; with ``base``, the
         trainer's base weights against the checkpoint of each replica in ``unknown``."""
+        from weightsync.integrations.vllm_lora import start_for_rank
         from weightsync.lora import base_weights
         from weightsync.verify import named_digests
 
@@ -347,7 +348,7 @@ class VLLMRollout:
                 if adapter.rank > limits["max_lora_rank"]:
                     raise ValueError(
                         f"replica {r.name!r}: the adapter's rank {adapter.rank} is above its max_lora_rank "
-                        f"{limits['max_lora_rank']}"
+                        f"{limits['max_lora_rank']}: {start_for_rank(adapter.rank)}"
                     )
         if base is None:
             return
