@@ -503,6 +503,8 @@ def _check_sharded_mooncake(outs, tmp_path):
     (row,) = json.loads(outs[0].stdout)
     assert row["backend"] == "sharded"
     _check_sharded_nics(row)
+    # the estimate walks the same route and bytes whatever carries the links (TCP either way)
+    check_predicted([row])
 
 
 def _check_sharded_nics(row):
@@ -609,8 +611,14 @@ def _check_tp(outs, tmp_path):
     assert (sharded["backend"], sharded["tp"], sharded["trainers"]) == ("sharded", 2, 2), sharded
     assert sharded["worker_bytes"] == sharded["worker_kept_bytes"], sharded
     assert all(b <= 0.6 * model for b in sharded["worker_bytes"]), (sharded["worker_bytes"], model)
-    sent = sharded["trainer_bytes"]
-    assert sum(sent) == sum(sharded["worker_bytes"]) and max(sent) <= 0.55 * sum(sent), sent
+    # bytes counted on the wire: each trainer rank's transport counts what it posted, each
+    # worker's what its transport handed over; one replica (no chain), so the two ends agree,
+    # and each worker's is its slices plus at most its pieces' alignment (64 bytes a piece:
+    # one per tensor and trainer rank). A bucket moved twice, or dropped, breaks these.
+    sent, wire = sharded["trainer_bytes"], sharded["worker_wire_bytes"]
+    assert sum(sent) == sum(wire) and max(sent) <= 0.55 * sum(sent), (sent, wire)
+    for kept, got in zip(sharded["worker_kept_bytes"], wire):
+        assert kept <= got < kept + 64 * 2 * result["model_tensors"], (kept, got)
     assert (nccl["backend"], nccl["trainers"], nccl["worker_bytes"]) == ("nccl", 1, [model, model]), nccl
     assert all(result["greedy_matches_trainer"].values())
 
