@@ -529,7 +529,7 @@ def _session_rank(rank: int, folder: str, port: int, links: str) -> dict:
             parallelize_module(model, replica_mesh, plan)
         peer = Receiver(config, address, rank=rank - trainers)
     shards = local_shards(model)
-    report = {"sent": [], "taken": [], "wire": [], "exact": [], "collectives": []}
+    report = {"sent": [], "taken": [], "wire": [], "links": [], "exact": [], "collectives": []}
     for version in (1, 2, 3):
         if rank < trainers:
             ids = torch.arange(6).remainder(10).view(2, 3) + version
@@ -549,11 +549,13 @@ def _session_rank(rank: int, folder: str, port: int, links: str) -> dict:
             stats = peer.load_into(model, version)
             report["taken"].append(stats.bytes)
             report["wire"].append(stats.wire_bytes)  # the buckets the transport handed over
+            report["links"].append(peer._transport.received_bytes)  # the pieces its links took
         else:
             got = dict(peer.receive(version))
             model.load_state_dict(got)
             report["taken"].append(peer.last_stats.bytes)
             report["wire"].append(peer.last_stats.wire_bytes)
+            report["links"].append(peer._transport.received_bytes)
             report["names"] = sorted(got)
         assert peer.version == version if rank >= trainers else True
         dist.barrier()
@@ -618,6 +620,8 @@ def test_fsdp2_shards_reach_a_tensor_parallel_replica_slice_by_slice_and_a_whole
         for rank in (2, 3, 4):
             kept = reports[rank]["kept"]
             assert kept <= reports[rank]["wire"][v] < kept + 64 * 16, (rank, v, reports[rank]["wire"], kept)
+            # what its links took, piece by piece, is what its transport handed over
+            assert reports[rank]["links"] == reports[rank]["wire"], (rank, reports[rank])
         assert 0.4 * total < reports[1]["sent"][v] < 0.6 * total, (v, reports[1]["sent"], total)
 
 
