@@ -42,3 +42,25 @@ def test_bench_reads_a_model_directory_and_explains_a_bad_one(tmp_path):
     empty.mkdir()
     out = bench("--model", str(empty), "--backend", "shm")
     assert out.returncode == 1 and "no *.safetensors files" in out.stderr
+
+
+def test_bump_changes_every_byte_of_every_tensor_each_version():
+    """The bench checks each version bit-exact on every receiver (digests, or slices against
+    ``bump`` of a reference): that finds a stale byte only if every byte changes each version."""
+    from weightsync.bench import models
+    from weightsync.plan import TensorSpec, as_bytes
+
+    specs = models.synthetic_specs("small-tensors", 1, "bfloat16")[:3] + [
+        TensorSpec("mask", (300,), "bool"),
+        TensorSpec("ids", (5, 7), "int64"),
+        TensorSpec("empty", (0,), "float32"),
+    ]
+    state = models.filled(specs, seed=1)
+    state["mask"].copy_(torch.arange(300) % 3 == 0)
+    for version in range(1, 300):  # every step modulo 256, and past it
+        before = {n: as_bytes(t).clone() for n, t in state.items()}
+        models.bump(state, version)
+        for name, t in state.items():
+            stale = (as_bytes(t) == before[name]).sum().item()
+            assert stale == 0, (version, name, stale)
+        assert state["mask"].view(torch.uint8).max() <= 1  # still valid bools

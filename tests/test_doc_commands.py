@@ -226,10 +226,11 @@ COMMANDS: dict[str, Run | NotHere] = {
     "weightsync bench --hosts 6 --trainers 2 --tp 2 --receivers 2 --link 1gbit --size-mb 256 --backend sharded --set engine_kwargs.sharded.links=mooncake --json": Run(
         (
             "bench --hosts 6 --trainers 2 --tp 2 --receivers 2 --link 1gbit --size-mb 64 --backend sharded "
-            "--set engine_kwargs.sharded.links=mooncake --json --repeats 2",
+            "--set engine_kwargs.sharded.links=mooncake --json --repeats 3",
         ),
-        "--size-mb 64 --repeats 2: over Mooncake writes, each trainer NIC sends its shard once, each receiver "
-        "NIC takes its slices once, bit-exact after each of the 3 versions",
+        "--size-mb 64 --repeats 3: over Mooncake writes, each trainer NIC sends its shard once, each receiver "
+        "NIC takes its slices once, bit-exact after each of the 4 versions, the median within 20% of the "
+        "prediction (3 repeats: one sync slowed by this busy machine's other processes leaves the median)",
         timeout=240,
         check="sharded_mooncake",
     ),
@@ -502,11 +503,13 @@ def _check_sharded_mooncake(outs, tmp_path):
     (fails if the route falls back to whole tensors, or a link carries a piece twice)."""
     (row,) = json.loads(outs[0].stdout)
     assert row["backend"] == "sharded"
-    _check_sharded_nics(row)
+    _check_sharded_nics(row, versions=4)
+    # the estimate walks the same route and bytes whatever carries the links (TCP either way)
+    check_predicted([row])
 
 
-def _check_sharded_nics(row):
-    """A ``sharded`` row on 6 hosts, 3 versions checked bit-exact: each trainer host sent its
+def _check_sharded_nics(row, versions=3):
+    """A ``sharded`` row on 6 hosts, ``versions`` checked bit-exact: each trainer host sent its
     shard once, each receiver host took its slices once (within 5%)."""
     from weightsync.bench import models
     from weightsync.sharding.typical import box_bytes, replica_boxes, trainer_boxes
@@ -514,7 +517,7 @@ def _check_sharded_nics(row):
     specs = models.synthetic_specs("llm", 64, "bfloat16")
     shard = [box_bytes(specs, trainer_boxes(specs, 2, t)) for t in range(2)]
     slices = [box_bytes(specs, replica_boxes(specs, 2, r)) for r in range(2)]
-    assert (row["receivers"], row["versions_checked"]) == (4, 3), row
+    assert (row["receivers"], row["versions_checked"]) == (4, versions), row
     nic = row["nic_bytes_per_sync"]
     for t in range(2):  # hosts 0-1: the trainer ranks
         assert shard[t] <= nic[t]["tx_bytes"] < 1.05 * shard[t], (t, nic[t], shard[t])
@@ -609,8 +612,14 @@ def _check_tp(outs, tmp_path):
     assert (sharded["backend"], sharded["tp"], sharded["trainers"]) == ("sharded", 2, 2), sharded
     assert sharded["worker_bytes"] == sharded["worker_kept_bytes"], sharded
     assert all(b <= 0.6 * model for b in sharded["worker_bytes"]), (sharded["worker_bytes"], model)
-    sent = sharded["trainer_bytes"]
-    assert sum(sent) == sum(sharded["worker_bytes"]) and max(sent) <= 0.55 * sum(sent), sent
+    # bytes counted on the wire: each trainer rank's transport counts what it posted, each
+    # worker's what its transport handed over; one replica (no chain), so the two ends agree,
+    # and each worker's is its slices plus at most its pieces' alignment (64 bytes a piece:
+    # one per tensor and trainer rank). A bucket moved twice, or dropped, breaks these.
+    sent, wire = sharded["trainer_bytes"], sharded["worker_wire_bytes"]
+    assert sum(sent) == sum(wire) and max(sent) <= 0.55 * sum(sent), (sent, wire)
+    for kept, got in zip(sharded["worker_kept_bytes"], wire):
+        assert kept <= got < kept + 64 * 2 * result["model_tensors"], (kept, got)
     assert (nccl["backend"], nccl["trainers"], nccl["worker_bytes"]) == ("nccl", 1, [model, model]), nccl
     assert all(result["greedy_matches_trainer"].values())
 

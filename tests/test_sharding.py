@@ -408,6 +408,48 @@ def test_box_of_dtensor_names_each_ranks_local_shard_of_fsdp2_and_tensor_paralle
 
 
 # ------------------------------------------------ fragments between real processes
+class _Collectives:
+    """Counts collectives on the given process groups while entered: c10d's (``dist.all_gather``,
+    a group's ``broadcast``) and the functional ones DTensor issues (``full_tensor``,
+    ``redistribute``), named by op. The engine's own links are other groups: not counted."""
+
+    def __init__(self, *groups) -> None:
+        self.names = {g.group_name for g in groups}
+        self.seen: list[str] = []
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace in ("c10d", "_c10d_functional") and outer._on_ours(
+                    [*args, *(kwargs or {}).values()]
+                ):
+                    outer.seen.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
+    def _on_ours(self, args) -> bool:
+        for a in args:
+            if isinstance(a, str) and a in self.names:  # functional collectives name their group
+                return True
+            if type(a).__name__ == "ScriptObject":  # c10d's pass the group itself
+                try:
+                    if torch.distributed.ProcessGroup.unbox(a).group_name in self.names:
+                        return True
+                except RuntimeError:
+                    pass
+        return False
+
+
 class _Tiny(torch.nn.Module):
     """Every kind of tensor a tensor-parallel replica keeps: a vocab-parallel embedding,
     column- and row-parallel projections (the row-parallel bias replicated), an uneven
@@ -487,35 +529,33 @@ def _session_rank(rank: int, folder: str, port: int, links: str) -> dict:
             parallelize_module(model, replica_mesh, plan)
         peer = Receiver(config, address, rank=rank - trainers)
     shards = local_shards(model)
-    report = {"sent": [], "taken": [], "exact": [], "full_calls": 0}
+    report = {"sent": [], "taken": [], "wire": [], "links": [], "exact": [], "collectives": []}
     for version in (1, 2, 3):
         if rank < trainers:
             ids = torch.arange(6).remainder(10).view(2, 3) + version
             model(ids).square().mean().backward()
             optim.step()
             optim.zero_grad()
-            calls = []
-            original = torch.distributed.tensor.DTensor.full_tensor
-            torch.distributed.tensor.DTensor.full_tensor = lambda self, *a, **k: (
-                calls.append(1),
-                original(self, *a, **k),
-            )[1]
-            try:
+            # every collective on the trainer mesh (or the world) during the sync: a gather
+            # of any kind (full_tensor, redistribute to Replicate, an all_gather) shows here
+            with _Collectives(trainer_mesh.get_group(), dist.group.WORLD) as collectives:
                 stats = peer.send(model, version)
-            finally:
-                torch.distributed.tensor.DTensor.full_tensor = original
-            report["full_calls"] += len(calls)
-            report["sent"].append(stats.bytes)
+            report["collectives"] += collectives.seen
+            report["sent"].append(stats.wire_bytes)  # counted by the transport as it posts
             full = {n: p.full_tensor() for n, p in model.state_dict().items()}  # the check, not the sync
             if rank == 0:
                 save_file(full, f"{folder}/v{version}.safetensors")
         elif rank < 4:
             stats = peer.load_into(model, version)
             report["taken"].append(stats.bytes)
+            report["wire"].append(stats.wire_bytes)  # the buckets the transport handed over
+            report["links"].append(peer._transport.received_bytes)  # the pieces its links took
         else:
             got = dict(peer.receive(version))
             model.load_state_dict(got)
             report["taken"].append(peer.last_stats.bytes)
+            report["wire"].append(peer.last_stats.wire_bytes)
+            report["links"].append(peer._transport.received_bytes)
             report["names"] = sorted(got)
         assert peer.version == version if rank >= trainers else True
         dist.barrier()
@@ -538,9 +578,11 @@ def test_fsdp2_shards_reach_a_tensor_parallel_replica_slice_by_slice_and_a_whole
 ):
     """``backend=sharded`` through the session: FSDP2 on 2 trainer ranks -> one replica
     tensor-parallel over 2 ranks, and one receiver that declares nothing, in the same sync:
-    three AdamW versions, each trainer rank sending fragments of its local shard (never
-    ``full_tensor``), every kept slice bit-exact against the trainer's saved full tensors,
-    every receiver rank taking exactly the bytes it keeps (the whole one: every tensor).
+    three AdamW versions, each trainer rank sending fragments of its local shard (no
+    collective on the trainer mesh during a send: no gather of any kind), every kept slice
+    bit-exact against the trainer's saved full tensors, every receiver rank taking exactly
+    the bytes it keeps (the whole one: every tensor), the bytes counted on the wire at both
+    ends agreeing.
     Over Gloo pairs, and over Mooncake one-sided writes (``links=mooncake``)."""
     from procs import CTX, collect, free_port, start, stop
 
@@ -565,14 +607,22 @@ def test_fsdp2_shards_reach_a_tensor_parallel_replica_slice_by_slice_and_a_whole
     assert reports[4]["kept"] == whole and reports[2]["kept"] + reports[3]["kept"] < 1.2 * whole
     for rank in (2, 3, 4):  # exactly its slices, each byte once
         assert reports[rank]["taken"] == [reports[rank]["kept"]] * 3, rank
-    for rank in (0, 1):
-        assert reports[rank]["full_calls"] == 0  # the sync never materializes a full tensor
-    # each trainer rank sends its own shard once to each replica: the two together send
-    # every byte to the whole replica once, and to the tensor-parallel one about once
-    # (rank 0's figure is every trainer rank's: it counts the others' too)
-    total = reports[0]["sent"][0]
-    assert total == sum(reports[r]["kept"] for r in (2, 3, 4))
-    assert 0.4 * total < reports[1]["sent"][0] < 0.6 * total
+    for rank in (0, 1):  # the sync never gathers: no collective on the trainer mesh at all
+        assert reports[rank]["collectives"] == [], (rank, reports[rank]["collectives"])
+    # Bytes counted on the wire, at both ends: each trainer rank's transport counts what it
+    # posts (rank 0's figure adds the others' reports), each receiver's what its transport
+    # handed over. Every bucket crosses once (no chains here): the two ends agree, each
+    # receiver takes its slices plus at most the alignment of its pieces (64 bytes each),
+    # and each trainer rank sends about half. A bucket sent twice, or dropped, breaks these.
+    for v in range(3):
+        total = reports[0]["sent"][v]
+        assert total == sum(reports[r]["wire"][v] for r in (2, 3, 4)), (v, total, reports)
+        for rank in (2, 3, 4):
+            kept = reports[rank]["kept"]
+            assert kept <= reports[rank]["wire"][v] < kept + 64 * 16, (rank, v, reports[rank]["wire"], kept)
+            # what its links took, piece by piece, is what its transport handed over
+            assert reports[rank]["links"] == reports[rank]["wire"], (rank, reports[rank])
+        assert 0.4 * total < reports[1]["sent"][v] < 0.6 * total, (v, reports[1]["sent"], total)
 
 
 SHARDED = ["backend=sharded", "update_weights_bucket_megabytes=1", "timeout_s=30"]
@@ -613,8 +663,14 @@ def test_whole_holders_share_the_sends_and_a_trainer_rank_dying_mid_transfer_is_
             stats = sender.send(workers.make_weights(1), version=1)
             reports = collect(q, receivers + 1)
             (trainer,) = [r for r in reports if isinstance(r[0], tuple)]
-            model = sum(t.numel() * t.element_size() for t in workers.make_weights(1).values())
+            weights = workers.make_weights(1)
+            model = sum(t.numel() * t.element_size() for t in weights.values())
             assert stats.bytes == receivers * model  # every receiver took every tensor once
+            # Counted on the wire (rank 0's figure adds rank 1's): the chain's first receiver
+            # takes each byte once from the trainer ranks, plus at most each fragment's
+            # alignment (64 bytes; a tensor is split at most once between 2 ranks), and rank 1
+            # sends about half. A bucket sent twice breaks it.
+            assert model <= stats.wire_bytes < model + 64 * 2 * len(weights), (stats.wire_bytes, model)
             assert 0.3 * model < trainer[2] < 0.7 * model, (trainer, model)  # rank 1's share
             for rank, version, digests, held in (r for r in reports if not isinstance(r[0], tuple)):
                 assert (version, held, digests) == (1, 1, workers.expected_digests(1)), rank

@@ -342,7 +342,8 @@ def run_sharded_backend_trainer(
     address, rank, num_trainers, overrides, num_receivers, versions, queue, die_in_version=None
 ):
     """Trainer rank > 0 of ``sharded``, holding every whole tensor (as verl hands them):
-    send its part of each version, report as ``run_paired_trainer`` does; in
+    send its part of each version, report as ``run_paired_trainer`` does (the bytes its
+    transport sent, counted on the wire: alignment included); in
     ``die_in_version``, exit abruptly after its third fragment (a crash mid-transfer)."""
     from weightsync.sharding.agreement import Part
 
@@ -364,7 +365,7 @@ def run_sharded_backend_trainer(
             except SyncError as e:
                 queue.put((("trainer", rank), "error", f"{type(e).__name__}: {e}", None))
                 continue
-            queue.put((("trainer", rank), v, stats.bytes, stats.buckets))
+            queue.put((("trainer", rank), v, stats.wire_bytes, stats.buckets))
 
 
 def slow_weights(version, queue, after=12):

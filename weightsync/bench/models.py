@@ -138,12 +138,20 @@ def filled(
 
 
 def bump(state: dict[str, torch.Tensor], version: int) -> None:
-    """Change every tensor, cheaply: each version must differ from the last everywhere."""
+    """Change every byte of every tensor, cheaply (one in-place add over the raw bytes):
+    each version differs from the last everywhere, so a receiver that keeps any byte of the
+    previous version fails the bench's bit-exact checks. The bytes are arbitrary (floats
+    among them are NaN or infinite already): only their equality is ever checked."""
+    step = (2 * version + 1) % 256  # odd, so never 0 modulo 256: no byte keeps its value
     for t in state.values():
+        if not t.is_contiguous():  # as_bytes would copy, and the change would be lost
+            raise ValueError("bump changes tensors in place: they must be contiguous")
         raw = as_bytes(t)
         if raw.numel():
-            raw[0] = version % 256
-            raw[-1] = (version * 7) % 256
+            if t.dtype == torch.bool:  # keep each a valid bool
+                raw.bitwise_xor_(1)
+            else:
+                raw.add_(step)  # wraps modulo 256
 
 
 def digest(state: dict[str, torch.Tensor]) -> str:

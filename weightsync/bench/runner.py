@@ -96,7 +96,7 @@ class BenchOptions:
     overrides: list[str] = field(default_factory=list)
     work_dir: str | None = None
     timeout_s: float = 300.0
-    #: how versions differ: "bump" (every tensor changes, cheaply) or "adamw" (an AdamW step
+    #: how versions differ: "bump" (every byte of every tensor changes, cheaply) or "adamw" (an AdamW step
     #: of fp32 masters sent in the model's dtype; rows with delta off, auto and on per backend)
     update: str = "bump"
     lr: float = 1e-6

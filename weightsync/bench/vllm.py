@@ -460,6 +460,9 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
                             if mode == "staged"
                             else None,
                             "worker_bytes": [b for rep in report.replicas for b in rep.worker_bytes],
+                            "worker_wire_bytes": [
+                                b for rep in report.replicas for b in rep.worker_wire_bytes
+                            ],
                             "worker_kept_bytes": [
                                 b for rep in report.replicas for b in rep.worker_kept_bytes
                             ],
@@ -517,6 +520,7 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
                         # the last update's bytes received by each worker (TP rank), the bytes of
                         # the slices each keeps (sharded: its loaders' boxes), sent by each trainer rank
                         "worker_bytes": steady[-1]["worker_bytes"],
+                        "worker_wire_bytes": steady[-1]["worker_wire_bytes"],
                         "worker_kept_bytes": steady[-1]["worker_kept_bytes"],
                         "trainer_bytes": steady[-1]["trainer_bytes"],
                         "init_s": round(init_s, 4),
@@ -592,6 +596,7 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
         greedy = {r.name: replica_greedy(llm, PROMPTS, 8) == expected for r, llm in zip(replicas, llms)}
         return {
             "model_bytes": nbytes,
+            "model_tensors": len(model.state_dict()),
             "replicas": opts.replicas,
             "tp": opts.tp,
             "trainers": opts.trainers,

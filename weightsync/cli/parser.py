@@ -160,7 +160,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "--update",
         choices=("bump", "adamw"),
         default="bump",
-        help="how versions differ: every tensor a little (bump, default), or an AdamW step of fp32 "
+        help="how versions differ: every byte of every tensor (bump, default), or an AdamW step of fp32 "
         "masters sent in the model dtype, with rows for delta off, auto and on per backend (adamw)",
     )
     p.add_argument("--lr", type=float, default=1e-6, help="learning rate of --update adamw (default: 1e-6)")

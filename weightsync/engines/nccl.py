@@ -114,6 +114,10 @@ class CollectiveEngine(Transport):
             None  # a failed sync (its version) left receives posted into the model
         )
         self._join: Join | None = None  # the sync in progress
+        #: Receiver: bytes its receives took off its links in the last ``recv_buckets``,
+        #: counted piece by piece as each completes (what crossed, not what was planned;
+        #: pieces it forwards are not counted again).
+        self.received_bytes = 0
 
     # ------------------------------------------------------------------ group
     @property
@@ -423,6 +427,7 @@ class CollectiveEngine(Transport):
         ahead; a bucket that needs a buffer waits for a free slot. A slot is free again
         once its bucket was consumed and, where it is forwarded, forwarded."""
         bufs = self._bufs()
+        self.received_bytes = 0
         free = list(range(len(bufs)))  # buffer slots not holding a posted, handed-out or forwarding bucket
         # Receives posted, in plan order: (bucket, slot, target, its pieces' receives, each
         # with the piece and the rank to forward it to, if any).
@@ -488,6 +493,7 @@ class CollectiveEngine(Transport):
                     if i == max(0, len(works) - POST_EARLY):  # the next bucket is posted as this one ends
                         post_ahead()
                     self._wait(work)
+                    self.received_bytes += piece.numel()
                     if forward is not None:
                         onward.append(self._send_op(forward, piece))
                 del works, work

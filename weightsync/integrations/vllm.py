@@ -301,6 +301,8 @@ class ReplicaReceiver:
             "applied": applied,
             "tensors": stats.tensors if stats is not None and error is None else applied,
             "bytes": stats.bytes if stats is not None and error is None else 0,
+            # the buckets this worker's transport handed over (alignment included)
+            "wire_bytes": stats.wire_bytes if stats is not None and error is None else 0,
             "seconds": time.perf_counter() - start,
             "load_s": result.load_s,
             "first_s": result.first_s,

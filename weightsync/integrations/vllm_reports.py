@@ -38,6 +38,10 @@ class ReplicaReport:
     adapter: int | None = None
     #: bytes each worker (tensor-parallel rank) received in the update
     worker_bytes: list[int] = field(default_factory=list)
+    #: bytes each worker's transport handed over in its last streamed update, and in its
+    #: last stage (staged updates), buckets' alignment included: counted off the wire
+    worker_wire_bytes: list[int] = field(default_factory=list)
+    worker_stage_wire_bytes: list[int] = field(default_factory=list)
     #: ``backend=sharded``: the bytes of the slices each worker keeps (its loaders' boxes)
     worker_kept_bytes: list[int] = field(default_factory=list)
     #: it left the rollout after this update: the sender dropped it as lost
@@ -69,6 +73,8 @@ class ReplicaReport:
             staging_bytes=sum(s.get("staging_bytes", 0) for s in status),
             staging_allocated_bytes=sum(s.get("staging_allocated_bytes", 0) for s in status),
             worker_bytes=[s.get("bytes", 0) for s in status],
+            worker_wire_bytes=[s.get("wire_bytes", 0) for s in status],
+            worker_stage_wire_bytes=[s.get("stage_wire_bytes", 0) for s in status],
             worker_kept_bytes=[s["kept_bytes"] for s in status if s.get("kept_bytes") is not None],
         )
 

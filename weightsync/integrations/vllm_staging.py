@@ -144,6 +144,7 @@ class Stager:
                 "stage_ok": error is None,
                 "stage_error": None if error is None else f"{type(error).__name__}: {error}",
                 "stage_bytes": stats.bytes if stats is not None else 0,
+                "stage_wire_bytes": stats.wire_bytes if stats is not None else 0,
                 "stage_s": time.perf_counter() - start,
                 "staging_bytes": self.slice_store.bytes
                 if self._sliced and self.slice_store

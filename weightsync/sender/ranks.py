@@ -72,7 +72,7 @@ class TrainerPeers:
     ) -> int:
         """Wait until every other trainer rank sent its share; merge their checksums into
         ``sums`` (or, each rank's buckets being its own: ``by_rank[i]``, ``sharded``);
-        return the bytes they sent."""
+        return the bytes their transports sent (counted as posted, alignment included)."""
         sent = 0
         for i, ch in sorted(self.channels.items()):
             reply = ch.recv(deadline, expect="sent")
@@ -83,7 +83,8 @@ class TrainerPeers:
             into = by_rank.setdefault(i, {}) if by_rank is not None else sums
             for index, value in reply.get("checksums") or []:
                 into[int(index)] = value
-            sent += int(reply.get("bytes") or 0)
+            # "wire_bytes": what crossed; "bytes" alone from a rank of an older weightsync
+            sent += int(reply.get("wire_bytes", reply.get("bytes")) or 0)
         return sent
 
     def tell(self, version: int, failure: str | None, timeout_s: float) -> None:
@@ -235,7 +236,14 @@ class TrainerFollower:
             stats.transfer_s = time.perf_counter() - t0
             stats.buckets, stats.tensors = packer.buckets, packer.pulled
             ch.send(
-                {"type": "sent", "ok": True, "bytes": stats.bytes, "checksums": list(sums.items())}, deadline
+                {
+                    "type": "sent",
+                    "ok": True,
+                    "bytes": stats.bytes,
+                    "wire_bytes": stats.wire_bytes,
+                    "checksums": list(sums.items()),
+                },
+                deadline,
             )
             result = ch.recv(
                 Deadline(config.timeout_s, f"for the outcome of version {version}"), expect="result"
