@@ -507,6 +507,72 @@ def test_a_source_failing_mid_stream_leaves_both_replicas_mixed_and_paused_until
         assert replica_greedy(llm, PROMPTS, NEW) == expected
 
 
+def _refused(setup, update, version, *names):
+    """``update`` fails naming ``names`` for both replicas, each worker and its receiver
+    rank; both then report a mix, kept paused, and still answer."""
+    with pytest.raises(ReplicaUpdateError) as info:
+        update()
+    message = str(info.value)
+    for rep, rank in zip(info.value.report.replicas, (0, 1)):
+        assert f"replica {rep.name!r} (receiver rank {rank})" in message
+        assert f"worker 0 (receiver rank {rank}): the engine did not take the update" in rep.error or (
+            f"worker 0 (receiver rank {rank}): the engine's loader failed on tensor" in rep.error
+        ), rep.error
+        assert all(n in rep.error for n in names), rep.error
+        assert (rep.ok, rep.version, rep.mixed, rep.resumed) == (False, None, True, False), rep
+    assert [(r.version, r.mixed, r.failed_version) for r in setup.rollout.status()] == [
+        (None, True, version)
+    ] * 2
+    return message
+
+
+def test_an_update_the_engine_does_not_wholly_take_fails_naming_it_and_the_next_complete_one_serves_the_trainer(
+    setup,
+):
+    """Never silent: each worker checks an update against what vLLM's loader reports it
+    loaded. An extra tensor its loader skips without a word (a ``.bias`` where the layer has
+    none: vLLM ignores such names), one it has no parameter for, and a full version that
+    leaves a parameter out (streamed, and staged then committed) each fail naming it; the
+    replicas report a mix and stay paused. A complete update then serves the trainer's
+    outputs, and an update that says ``partial=True`` may leave a parameter as it is."""
+    served = setup.version
+    expected = setup.train()
+    state = dict(setup.model.state_dict())
+    first, *rest = state.items()
+
+    def extra(name):  # early in the version, so loading goes on past it
+        return dict([first, (name, torch.zeros(state[name.replace("bias", "weight")].shape[:1])), *rest])
+
+    skipped = "model.layers.0.mlp.down_proj.bias"  # Qwen2's MLP has no bias: vLLM skips the name
+    _refused(
+        setup, lambda: setup.rollout.update(extra(skipped), served + 1), served + 1, skipped, "took nothing"
+    )
+    unknown = "model.layers.0.mlp.extra_proj.weight"
+    state_unknown = dict([first, (unknown, torch.zeros(4, 4)), *rest])
+    _refused(setup, lambda: setup.rollout.update(state_unknown, served + 2), served + 2, unknown)
+
+    left_out = "model.layers.1.mlp.down_proj.weight"
+    without = {n: t for n, t in state.items() if n != left_out}
+    _refused(setup, lambda: setup.rollout.update(without, served + 3), served + 3, left_out, "unwritten")
+    staged = setup.rollout.stage(without, served + 4)  # the stage takes what is sent; the commit checks
+    assert staged.ok, staged.summary()
+    _refused(setup, lambda: setup.rollout.commit(served + 4), served + 4, left_out, "unwritten")
+
+    setup.version = served + 5
+    report = setup.rollout.update(setup.model, setup.version)
+    assert (
+        report.ok
+        and [(r.version, r.mixed, r.resumed) for r in report.replicas] == [(setup.version, False, True)] * 2
+    )
+    for llm in setup.llms:
+        assert replica_greedy(llm, PROMPTS, NEW) == expected
+    setup.version = served + 6  # left_out did not change since the last version: partial says so
+    report = setup.rollout.update(without, setup.version, partial=True)
+    assert report.ok and [r.version for r in report.replicas] == [setup.version] * 2, report.summary()
+    for llm in setup.llms:
+        assert replica_greedy(llm, PROMPTS, NEW) == expected
+
+
 def _in_thread(fn, *args, **kwargs):
     """Run ``fn`` in a thread; returns the thread and a dict that gets "value" or "error"."""
     out: dict = {}
