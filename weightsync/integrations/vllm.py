@@ -247,6 +247,9 @@ class ReplicaReceiver:
         """Start receiving ``version`` into the staging copy in the background (the engine
         keeps serving its weights); return the status at once."""
         self.stager.begin(self._open_receiver(), version, self.state, self.slices)
+        # the status now gives the stage's account: the last update's outcome (a failed one
+        # would fail the stage's report) is not the stage's; ``mixed`` still tells its effect
+        self.last = {}
         return self.status()
 
     def staged(self, wait_s: float) -> dict[str, Any]:
