@@ -30,6 +30,7 @@ from weightsync.demo.vllm import (
     trainer_greedy,
     vllm_environment,
 )
+from weightsync.errors import SyncError
 from weightsync.integrations.vllm_replicas import LLMReplica
 from weightsync.integrations.vllm_reports import ReplicaUpdateError
 from weightsync.integrations.vllm_rollout import VLLMRollout
@@ -404,9 +405,37 @@ def test_vllm_weight_transfer_registry_backend(setup):
         assert not errors and stats.version == 100
         assert _cpu_s(core) - before < 0.3  # it waited idle for update_weights (weightsync is the backend)
         assert sender._transport._generation == 1  # the update joined no new group
+        # never silent on this path too: a full version that leaves a parameter out fails
+        # update_weights naming it (and the sender's send); the next complete one serves
+        left_out = "model.layers.1.mlp.down_proj.weight"
+        without = {n: x for n, x in setup.model.state_dict().items() if n != left_out}
+        for version, source in ((101, without), (102, setup.model)):
+            errors.clear()
+            t = threading.Thread(
+                target=lambda v=version: _catch(
+                    errors, b.collective_rpc, "update_weights", args=({"version": v},)
+                )
+            )
+            t.start()
+            sent: list[BaseException] = []
+            _catch(sent, sender.send, source, version=version)
+            t.join(timeout=60)
+            if source is without:
+                assert len(errors) == 1 and len(sent) == 1 and isinstance(sent[0], SyncError), (errors, sent)
+                assert "worker 0 (receiver rank 0): the engine did not take the update" in str(errors[0])
+                assert f"unwritten: {left_out}" in str(errors[0]), errors
+            else:
+                assert not errors and not sent, (errors, sent)
         b.collective_rpc("finish_weight_update")
         b.collective_rpc("shutdown_weight_transfer_engine")
     assert replica_greedy(b, PROMPTS, NEW) == expected
+
+
+def _catch(errors, fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except BaseException as e:
+        errors.append(e)
 
 
 def test_replica_killed_during_a_sync_fails_fast_naming_it_and_the_other_keeps_serving(setup):

@@ -54,7 +54,12 @@ from weightsync.config.engine import EngineConfig
 from weightsync.config.keys import ConfigError, canonical_key, flatten, parse_overrides
 from weightsync.errors import HandshakeError
 from weightsync.integrations.vllm_lora import AdapterSlots
-from weightsync.integrations.vllm_reload import checked_load, finalize_reload, reprocess_tied
+from weightsync.integrations.vllm_reload import (
+    checked_load,
+    finalize_reload,
+    repack_cpu_experts,
+    reprocess_tied,
+)
 from weightsync.integrations.vllm_slices import Slices, derive_slices
 from weightsync.integrations.vllm_staging import Reload, Stager
 from weightsync.plan import TensorSpec
@@ -338,12 +343,15 @@ def _worker_reload(worker: Any, state: ReplicaReceiver, partial: bool = False) -
     def reload(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         model = worker.model_runner.get_model()
         where = _where(state, int(getattr(worker, "rank", 0)))
+        written: set[str] = set()
         try:
-            with checked_load(model, worker.vllm_config, where=where, partial=partial):
+            with checked_load(model, worker.vllm_config, where=where, partial=partial) as written:
                 worker.reload_weights(weights_iterator=weights)
         except BaseException:
             finalize_reload(model, worker.vllm_config)
             raise
+        finally:  # also after a check failed: what was written is served as the kernel reads it
+            repack_cpu_experts(model, worker.vllm_config, written)
         reprocess_tied(model, worker.vllm_config)
         _restore_adapters(worker)
 
@@ -555,8 +563,11 @@ def _engine_classes() -> tuple[type, type, type]:
             where = _where(self.state, local)
 
             def reload(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+                written: set[str] = set()
                 try:
-                    with checked_load(self.model, self.vllm_config, where=where, partial=update_info.partial):
+                    with checked_load(
+                        self.model, self.vllm_config, where=where, partial=update_info.partial
+                    ) as written:
                         reload_weights(
                             self.vllm_config,
                             self.model,
@@ -567,6 +578,8 @@ def _engine_classes() -> tuple[type, type, type]:
                 except BaseException:
                     finalize_reload(self.model, self.vllm_config)
                     raise
+                finally:
+                    repack_cpu_experts(self.model, self.vllm_config, written)
                 reprocess_tied(self.model, self.vllm_config)
 
             version, phase = update_info.version, update_info.phase

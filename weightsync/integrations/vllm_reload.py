@@ -85,7 +85,7 @@ class _Writes(TorchDispatchMode):
 @contextlib.contextmanager
 def checked_load(
     model: torch.nn.Module, vllm_config: Any, *, where: str, partial: bool = False
-) -> Iterator[None]:
+) -> Iterator[set[str]]:
     """Around one reload of ``model``: fail it (``NotTaken``, after the reload returned)
     naming what the engine did not take. vLLM's own ``reload_weights`` only logs a warning
     for parameters not loaded, and a loader may skip a name silently (transformers 5's fused
@@ -111,6 +111,8 @@ def checked_load(
       model (its kernel-format parameters, scales among them, need not come from a
       checkpoint).
     - A loader that raises: the error names the tensor it was loading.
+
+    Yields the set of parameters the loader reports it wrote (filled once it returned).
     """
     expected = {
         name.replace(".base_layer.", ".") if vllm_config.lora_config else name
@@ -120,6 +122,7 @@ def checked_load(
     expert_parallel = bool(getattr(vllm_config.parallel_config, "enable_expert_parallel", False))
     untaken: list[str] = []
     reported: list[set[str] | None] = []
+    written: set[str] = set()
     original = model.__dict__.get("load_weights")  # an instance attribute of its own (rare)
     bound = model.load_weights
 
@@ -149,11 +152,12 @@ def checked_load(
                 f"{where}: the engine's loader failed on tensor {current[0]!r}: {type(e).__name__}: {e}"
             ) from e
         reported.append(set(loaded) if loaded is not None else None)
+        written.update(loaded or ())
         return loaded
 
     model.load_weights = load_weights  # type: ignore[method-assign]
     try:
-        yield
+        yield written
     finally:
         if original is None:
             del model.load_weights
@@ -174,3 +178,37 @@ def checked_load(
             )
     if problems:
         raise NotTaken(f"{where}: the engine did not take the update: " + "; ".join(problems))
+
+
+def repack_cpu_experts(model: torch.nn.Module, vllm_config: Any, written: set[str]) -> list[str]:
+    """Redo the CPU experts' prepacking that vLLM skips on a weight update; the layers redone.
+
+    vLLM 0.32's unquantized MoE method sets its kernel up at the first load only
+    (``UnquantizedFusedMoEMethod.process_weights_after_loading``: on a weight update it copies
+    the new weights into the parameters and skips ``moe_kernel.fused_experts
+    .process_weights_after_loading``). On the CPU backend that step prepacks ``w13_weight``
+    and ``w2_weight`` into the layout its grouped GEMM reads, so after an update the kernel
+    read plain weights as packed ones: a Qwen3-MoE replica served other tokens than its
+    trainer while every update reported success (issue 58), although its parameters held
+    the trainer's values. Only layers whose experts this reload wrote are repacked (a layer
+    it did not reach keeps its packed weights: packing them again would garble them).
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return []
+    from vllm.config import set_current_vllm_config
+
+    done = []
+    with set_current_vllm_config(vllm_config), torch.no_grad():
+        for name, module in model.named_modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if not isinstance(experts, CPUUnquantizedExperts):
+                continue
+            if f"{name}.w13_weight" in written or f"{name}.w2_weight" in written:
+                experts.process_weights_after_loading(module)
+                done.append(name)
+    if done:
+        log.debug("weightsync: repacked the CPU experts of %d layer(s) after the reload", len(done))
+    return done
