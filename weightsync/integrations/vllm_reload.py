@@ -88,9 +88,9 @@ def checked_load(
 ) -> Iterator[set[str]]:
     """Around one reload of ``model``: fail it (``NotTaken``, after the reload returned)
     naming what the engine did not take. vLLM's own ``reload_weights`` only logs a warning
-    for parameters not loaded, and a loader may skip a name silently (transformers 5's fused
-    ``mlp.experts.gate_up_proj`` in vLLM 0.32's Qwen3-MoE: the experts kept their old
-    values while the update reported success).
+    for parameters not loaded, and a loader may skip a name silently (``AutoWeightsLoader``
+    ignores any ``.bias`` a layer lacks): the update reported success while the replica
+    served a mix of versions.
 
     - A tensor the engine did not take: ``model.load_weights`` (which ``reload_weights``
       calls once with the whole iterator) is wrapped for the reload, and so is the
