@@ -30,6 +30,7 @@ from weightsync.demo.vllm import (
     trainer_greedy,
     vllm_environment,
 )
+from weightsync.errors import SyncError
 from weightsync.integrations.vllm_replicas import LLMReplica
 from weightsync.integrations.vllm_reports import ReplicaUpdateError
 from weightsync.integrations.vllm_rollout import VLLMRollout
@@ -425,9 +426,39 @@ def test_vllm_weight_transfer_registry_backend(setup):
         assert not errors and stats.version == 100
         assert _cpu_s(core) - before < 0.3  # it waited idle for update_weights (weightsync is the backend)
         assert sender._transport._generation == 1  # the update joined no new group
+        # never silent on this path too: a full version that leaves a parameter out fails
+        # update_weights naming it (and the sender's send); the next complete one serves
+        left_out = "model.layers.1.mlp.down_proj.weight"
+        without = {n: x for n, x in setup.model.state_dict().items() if n != left_out}
+        for version, source in ((101, without), (102, setup.model)):
+            errors.clear()
+            if version == 102:  # vLLM ends the update session where update_weights raised
+                b.collective_rpc("start_weight_update")
+            t = threading.Thread(
+                target=lambda v=version: _catch(
+                    errors, b.collective_rpc, "update_weights", args=({"version": v},)
+                )
+            )
+            t.start()
+            sent: list[BaseException] = []
+            _catch(sent, sender.send, source, version=version)
+            t.join(timeout=60)
+            if source is without:
+                assert len(errors) == 1 and len(sent) == 1 and isinstance(sent[0], SyncError), (errors, sent)
+                assert "worker 0 (receiver rank 0): the engine did not take the update" in str(errors[0])
+                assert f"unwritten: {left_out}" in str(errors[0]), errors
+            else:
+                assert not errors and not sent, (errors, sent)
         b.collective_rpc("finish_weight_update")
         b.collective_rpc("shutdown_weight_transfer_engine")
     assert replica_greedy(b, PROMPTS, NEW) == expected
+
+
+def _catch(errors, fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except BaseException as e:
+        errors.append(e)
 
 
 def test_replica_killed_during_a_sync_fails_fast_naming_it_and_the_other_keeps_serving(setup):
@@ -524,6 +555,72 @@ def test_a_source_failing_mid_stream_leaves_both_replicas_mixed_and_paused_until
     for t in runners:
         t.join(timeout=60)
     assert done == {0: expected, 1: expected}
+    for llm in setup.llms:
+        assert replica_greedy(llm, PROMPTS, NEW) == expected
+
+
+def _refused(setup, update, version, *names):
+    """``update`` fails naming ``names`` for both replicas, each worker and its receiver
+    rank; both then report a mix, kept paused, and still answer."""
+    with pytest.raises(ReplicaUpdateError) as info:
+        update()
+    message = str(info.value)
+    for rep, rank in zip(info.value.report.replicas, (0, 1)):
+        assert f"replica {rep.name!r} (receiver rank {rank})" in message
+        assert f"worker 0 (receiver rank {rank}): the engine did not take the update" in rep.error or (
+            f"worker 0 (receiver rank {rank}): the engine's loader failed on tensor" in rep.error
+        ), rep.error
+        assert all(n in rep.error for n in names), rep.error
+        assert (rep.ok, rep.version, rep.mixed, rep.resumed) == (False, None, True, False), rep
+    assert [(r.version, r.mixed, r.failed_version) for r in setup.rollout.status()] == [
+        (None, True, version)
+    ] * 2
+    return message
+
+
+def test_an_update_the_engine_does_not_wholly_take_fails_naming_it_and_the_next_complete_one_serves_the_trainer(
+    setup,
+):
+    """Never silent: each worker checks an update against what vLLM's loader reports it
+    loaded. An extra tensor its loader skips without a word (a ``.bias`` where the layer has
+    none: vLLM ignores such names), one it has no parameter for, and a full version that
+    leaves a parameter out (streamed, and staged then committed) each fail naming it; the
+    replicas report a mix and stay paused. A complete update then serves the trainer's
+    outputs, and an update that says ``partial=True`` may leave a parameter as it is."""
+    served = setup.version
+    expected = setup.train()
+    state = dict(setup.model.state_dict())
+    first, *rest = state.items()
+
+    def extra(name):  # early in the version, so loading goes on past it
+        return dict([first, (name, torch.zeros(state[name.replace("bias", "weight")].shape[:1])), *rest])
+
+    skipped = "model.layers.0.mlp.down_proj.bias"  # Qwen2's MLP has no bias: vLLM skips the name
+    _refused(
+        setup, lambda: setup.rollout.update(extra(skipped), served + 1), served + 1, skipped, "took nothing"
+    )
+    unknown = "model.layers.0.mlp.extra_proj.weight"
+    state_unknown = dict([first, (unknown, torch.zeros(4, 4)), *rest])
+    _refused(setup, lambda: setup.rollout.update(state_unknown, served + 2), served + 2, unknown)
+
+    left_out = "model.layers.1.mlp.down_proj.weight"
+    without = {n: t for n, t in state.items() if n != left_out}
+    _refused(setup, lambda: setup.rollout.update(without, served + 3), served + 3, left_out, "unwritten")
+    staged = setup.rollout.stage(without, served + 4)  # the stage takes what is sent; the commit checks
+    assert staged.ok, staged.summary()
+    _refused(setup, lambda: setup.rollout.commit(served + 4), served + 4, left_out, "unwritten")
+
+    setup.version = served + 5
+    report = setup.rollout.update(setup.model, setup.version)
+    assert (
+        report.ok
+        and [(r.version, r.mixed, r.resumed) for r in report.replicas] == [(setup.version, False, True)] * 2
+    )
+    for llm in setup.llms:
+        assert replica_greedy(llm, PROMPTS, NEW) == expected
+    setup.version = served + 6  # left_out did not change since the last version: partial says so
+    report = setup.rollout.update(without, setup.version, partial=True)
+    assert report.ok and [r.version for r in report.replicas] == [setup.version] * 2, report.summary()
     for llm in setup.llms:
         assert replica_greedy(llm, PROMPTS, NEW) == expected
 

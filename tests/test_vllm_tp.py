@@ -245,6 +245,15 @@ def test_a_loader_step_that_no_box_describes_takes_that_tensor_whole_and_still_m
             assert list(worker["whole_tensors"]) == [planted], worker["whole_tensors"]
             assert "mul" in worker["whole_tensors"][planted]
             assert worker["boxes"][planted] == Box.whole(state[planted].shape).to_wire()
+        # never silent on every TP worker: a full version that leaves a tensor out fails
+        # naming it and each worker; the retry of that version, complete, goes through
+        left_out = "model.layers.1.mlp.down_proj.weight"
+        with pytest.raises(ReplicaUpdateError) as info:
+            rollout.update({n: t for n, t in state.items() if n != left_out}, 4)
+        (rep,) = info.value.report.replicas
+        for rank in range(TP):
+            assert f"worker {rank} (receiver rank {rank}): the engine did not take the update" in rep.error
+        assert rep.error.count(f"unwritten: {left_out}") == TP and rep.mixed, rep
         report = rollout.update(state, 4)
         assert report.ok, report.summary()
         trainer_load(model, state)

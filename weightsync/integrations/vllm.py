@@ -54,7 +54,12 @@ from weightsync.config.engine import EngineConfig
 from weightsync.config.keys import ConfigError, canonical_key, flatten, parse_overrides
 from weightsync.errors import HandshakeError
 from weightsync.integrations.vllm_lora import AdapterSlots
-from weightsync.integrations.vllm_reload import finalize_reload, reprocess_tied
+from weightsync.integrations.vllm_reload import (
+    checked_load,
+    finalize_reload,
+    repack_cpu_experts,
+    reprocess_tied,
+)
 from weightsync.integrations.vllm_slices import Slices, derive_slices
 from weightsync.integrations.vllm_staging import Reload, Stager
 from weightsync.plan import TensorSpec
@@ -247,6 +252,9 @@ class ReplicaReceiver:
         """Start receiving ``version`` into the staging copy in the background (the engine
         keeps serving its weights); return the status at once."""
         self.stager.begin(self._open_receiver(), version, self.state, self.slices)
+        # the status now gives the stage's account: the last update's outcome (a failed one
+        # would fail the stage's report) is not the stage's; ``mixed`` still tells its effect
+        self.last = {}
         return self.status()
 
     def staged(self, wait_s: float) -> dict[str, Any]:
@@ -323,16 +331,29 @@ class ReplicaReceiver:
         return self.status()
 
 
-def _worker_reload(worker: Any) -> Reload:
-    """Load through the worker's ``reload_weights`` (checkpoint format, layerwise)."""
+def _where(state: ReplicaReceiver, worker_rank: int) -> str:
+    """This worker, as a failed update's error names it."""
+    rank = state.receiver.rank if state.receiver is not None else None
+    return f"worker {worker_rank} (receiver rank {rank})"
+
+
+def _worker_reload(worker: Any, state: ReplicaReceiver, partial: bool = False) -> Reload:
+    """Load through the worker's ``reload_weights`` (checkpoint format, layerwise),
+    checked against what the loader reports it loaded (``checked_load``; ``partial``: the
+    update may leave parameters as they are)."""
 
     def reload(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         model = worker.model_runner.get_model()
+        where = _where(state, int(getattr(worker, "rank", 0)))
+        written: set[str] = set()
         try:
-            worker.reload_weights(weights_iterator=weights)
+            with checked_load(model, worker.vllm_config, where=where, partial=partial) as written:
+                worker.reload_weights(weights_iterator=weights)
         except BaseException:
             finalize_reload(model, worker.vllm_config)
             raise
+        finally:  # also after a check failed: what was written is served as the kernel reads it
+            repack_cpu_experts(model, worker.vllm_config, written)
         reprocess_tied(model, worker.vllm_config)
         _restore_adapters(worker)
 
@@ -381,9 +402,11 @@ class WeightsyncWorkerExtension:
             address, rank_offset + int(getattr(self, "rank", 0)), overrides, warm_up
         )
 
-    def weightsync_receive(self, version: int) -> dict[str, Any]:
-        """Receive ``version`` into the running model; return this worker's status."""
-        return self._weightsync().receive(version, _worker_reload(self))
+    def weightsync_receive(self, version: int, partial: bool = False) -> dict[str, Any]:
+        """Receive ``version`` into the running model; return this worker's status. The
+        update fails naming every tensor the engine did not take and, unless ``partial``,
+        every parameter it left unwritten (``checked_load``)."""
+        return (state := self._weightsync()).receive(version, _worker_reload(self, state, partial))
 
     def weightsync_stage(self, version: int) -> dict[str, Any]:
         """Start staging ``version`` in host memory while the engine serves; returns at once."""
@@ -393,9 +416,10 @@ class WeightsyncWorkerExtension:
         """Wait up to ``wait_s`` for the stage in progress; this worker's status."""
         return self._weightsync().staged(wait_s)
 
-    def weightsync_commit(self, version: int) -> dict[str, Any]:
-        """Load the staged ``version`` into the running model (between a pause and a resume)."""
-        return self._weightsync().commit(version, _worker_reload(self))
+    def weightsync_commit(self, version: int, partial: bool = False) -> dict[str, Any]:
+        """Load the staged ``version`` into the running model (between a pause and a
+        resume), checked as ``weightsync_receive`` is."""
+        return (state := self._weightsync()).commit(version, _worker_reload(self, state, partial))
 
     def weightsync_status(self) -> dict[str, Any]:
         """The version this worker serves, the last failed one, and the last sync's figures."""
@@ -491,6 +515,9 @@ def _engine_classes() -> tuple[type, type, type]:
 
         version: int
         phase: str = "stream"
+        #: ``stream``/``commit``: the version may leave parameters as they are (otherwise a
+        #: parameter it left unwritten fails the update)
+        partial: bool = False
         #: ``staged``: how long to wait for the stage (the call holds the engine's loop)
         wait_s: float = 60.0
 
@@ -531,20 +558,30 @@ def _engine_classes() -> tuple[type, type, type]:
             pass
 
         def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
+            import torch.distributed as dist
             from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
+            local = dist.get_rank() if dist.is_initialized() else 0
+            where = _where(self.state, local)
+
             def reload(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+                written: set[str] = set()
                 try:
-                    reload_weights(
-                        self.vllm_config,
-                        self.model,
-                        weights_iterator=weights,
-                        weights_path=None,
-                        is_checkpoint_format=True,
-                    )
+                    with checked_load(
+                        self.model, self.vllm_config, where=where, partial=update_info.partial
+                    ) as written:
+                        reload_weights(
+                            self.vllm_config,
+                            self.model,
+                            weights_iterator=weights,
+                            weights_path=None,
+                            is_checkpoint_format=True,
+                        )
                 except BaseException:
                     finalize_reload(self.model, self.vllm_config)
                     raise
+                finally:
+                    repack_cpu_experts(self.model, self.vllm_config, written)
                 reprocess_tied(self.model, self.vllm_config)
 
             version, phase = update_info.version, update_info.phase

@@ -7,10 +7,13 @@ raised is finalized, so the replica still runs. These follow vLLM's reload inter
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 log = logging.getLogger("weightsync.vllm")
 
@@ -49,3 +52,163 @@ def finalize_reload(model: torch.nn.Module, vllm_config: Any) -> None:
             finalize_layerwise_reload(model, vllm_config.model_config)
     except Exception:  # best effort: the original error is the one to report
         log.exception("weightsync: could not finalize the interrupted reload")
+
+
+class NotTaken(RuntimeError):
+    """An update the engine did not wholly take: a tensor its loader wrote nothing of, or
+    (a full version) a parameter no tensor wrote. The replica holds what the loader did
+    write: a mix of two versions, reported as such."""
+
+
+def _listed(names: Iterable[str], limit: int = 8) -> str:
+    names = sorted(names)
+    more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+class _Writes(TorchDispatchMode):
+    """Elements written by ``copy_`` on this thread while active: what vLLM's layerwise
+    reload counts as loaded (its ``CopyCounter``, vLLM 0.32), counted here across the
+    whole ``load_weights`` call. Dispatch modes are per thread: the receiving thread's
+    copies are not seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten.copy_.default:
+            self.numel += args[0].numel()
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def checked_load(
+    model: torch.nn.Module, vllm_config: Any, *, where: str, partial: bool = False
+) -> Iterator[set[str]]:
+    """Around one reload of ``model``: fail it (``NotTaken``, after the reload returned)
+    naming what the engine did not take. vLLM's own ``reload_weights`` only logs a warning
+    for parameters not loaded, and a loader may skip a name silently (``AutoWeightsLoader``
+    ignores any ``.bias`` a layer lacks): the update reported success while the replica
+    served a mix of versions.
+
+    - A tensor the engine did not take: ``model.load_weights`` (which ``reload_weights``
+      calls once with the whole iterator) is wrapped for the reload, and so is the
+      iterator handed to it. Loaders consume it one item at a time (a plain loop, or
+      ``itertools.groupby`` in ``AutoWeightsLoader``, which pulls the next item only when
+      asked for it), so what is written between handing out an item and being asked for
+      the next is that item's doing. An item in whose window nothing was copied into the
+      model (``_Writes``: vLLM's own measure of loading) was not taken: an unknown name a
+      loader skips, or a layout it ignores. A loader that buffers items to write them later
+      would be refused by this: fail closed, never a guess. Exempt: names of parameters
+      tied to another one (vLLM skips them and itself checks that the one they are tied to
+      loaded), and under expert parallelism the per-expert tensors (``.experts.``), which a
+      rank that does not own the expert skips by design: their check across the replica's
+      ranks is not built.
+    - A parameter a full version left untouched: ``load_weights`` returns the names of
+      the parameters it wrote; every parameter of the model must be among them, unless the
+      caller says the update is ``partial``. As vLLM does, not checked for a quantized
+      model (its kernel-format parameters, scales among them, need not come from a
+      checkpoint).
+    - A loader that raises: the error names the tensor it was loading.
+
+    Yields the set of parameters the loader reports it wrote (filled once it returned).
+    """
+    expected = {
+        name.replace(".base_layer.", ".") if vllm_config.lora_config else name
+        for name, _ in model.named_parameters()
+    }
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - expected
+    expert_parallel = bool(getattr(vllm_config.parallel_config, "enable_expert_parallel", False))
+    untaken: list[str] = []
+    reported: list[set[str] | None] = []
+    written: set[str] = set()
+    original = model.__dict__.get("load_weights")  # an instance attribute of its own (rare)
+    bound = model.load_weights
+
+    def exempt(name: str) -> bool:
+        return name in tied or (expert_parallel and ".experts." in name)
+
+    def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+        writes = _Writes()
+        current: list[str | None] = [None]
+
+        def watched() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                current[0] = name
+                before = writes.numel
+                yield name, tensor
+                if writes.numel == before and not exempt(name):
+                    untaken.append(name)
+                current[0] = None
+
+        try:
+            with writes:
+                loaded = bound(watched())
+        except Exception as e:
+            if current[0] is None:
+                raise
+            raise NotTaken(
+                f"{where}: the engine's loader failed on tensor {current[0]!r}: {type(e).__name__}: {e}"
+            ) from e
+        reported.append(set(loaded) if loaded is not None else None)
+        written.update(loaded or ())
+        return loaded
+
+    model.load_weights = load_weights  # type: ignore[method-assign]
+    try:
+        yield written
+    finally:
+        if original is None:
+            del model.load_weights
+        else:
+            model.load_weights = original  # type: ignore[method-assign]
+    problems = []
+    if untaken:
+        problems.append(f"it took nothing of {len(untaken)} tensor(s): {_listed(untaken)}")
+    if not reported:
+        problems.append("its loader was not called")
+    elif reported[-1] is None:
+        problems.append("its loader did not say which parameters it wrote")
+    elif not partial and vllm_config.model_config.quantization is None:
+        if missing := expected - reported[-1]:
+            problems.append(
+                f"the full version left {len(missing)} of its {len(expected)} parameter(s) unwritten: "
+                f"{_listed(missing)} (an update that leaves parameters as they are must say partial=True)"
+            )
+    if problems:
+        raise NotTaken(f"{where}: the engine did not take the update: " + "; ".join(problems))
+
+
+def repack_cpu_experts(model: torch.nn.Module, vllm_config: Any, written: set[str]) -> list[str]:
+    """Redo the CPU experts' prepacking that vLLM skips on a weight update; the layers redone.
+
+    vLLM 0.32's unquantized MoE method sets its kernel up at the first load only
+    (``UnquantizedFusedMoEMethod.process_weights_after_loading``: on a weight update it copies
+    the new weights into the parameters and skips ``moe_kernel.fused_experts
+    .process_weights_after_loading``). On the CPU backend that step prepacks ``w13_weight``
+    and ``w2_weight`` into the layout its grouped GEMM reads, so after an update the kernel
+    read plain weights as packed ones: a Qwen3-MoE replica served other tokens than its
+    trainer while every update reported success (issue 58), although its parameters held
+    the trainer's values. Only layers whose experts this reload wrote are repacked (a layer
+    it did not reach keeps its packed weights: packing them again would garble them).
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return []
+    from vllm.config import set_current_vllm_config
+
+    done = []
+    with set_current_vllm_config(vllm_config), torch.no_grad():
+        for name, module in model.named_modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if not isinstance(experts, CPUUnquantizedExperts):
+                continue
+            if f"{name}.w13_weight" in written or f"{name}.w2_weight" in written:
+                experts.process_weights_after_loading(module)
+                done.append(name)
+    if done:
+        log.debug("weightsync: repacked the CPU experts of %d layer(s) after the reload", len(done))
+    return done

@@ -229,6 +229,7 @@ class VLLMRollout:
         release_kv_cache: bool = False,
         staged: bool | None = None,
         lora: bool = False,
+        partial: bool = False,
     ) -> UpdateReport:
         """Bring every replica to ``version`` from ``source``; return the report.
 
@@ -246,13 +247,19 @@ class VLLMRollout:
         ``lora=True``: ``source`` is a PEFT model (or a ``weightsync.lora.LoRAAdapter``) and
         only its LoRA adapter moves (``update_lora``); ``mode`` and ``staged`` do not apply,
         nothing is paused.
+
+        Every worker checks the update against what its loader reports it loaded: a tensor
+        the engine did not take (an unknown name, a name or layout its loader skips) fails
+        it, and so does a parameter the version left unwritten unless ``partial=True`` (the
+        caller sends only some tensors; the others stay as they are). The error names the
+        replica, the worker and the tensors; the replica then holds a mix and stays paused.
         """
         if lora:
             return self.update_lora(source, version)
         check_mode(mode)
         if self.config.update_mode == "staged" if staged is None else staged:
             staging = self.stage(source, version)
-            report = self.commit(version, mode=mode, release_kv_cache=release_kv_cache)
+            report = self.commit(version, mode=mode, release_kv_cache=release_kv_cache, partial=partial)
             report.phase, report.stage_s, report.stats = "staged", staging.sync_s, staging.stats
             return report
         return self._pause_around(
@@ -260,7 +267,7 @@ class VLLMRollout:
             mode,
             release_kv_cache,
             "update",
-            lambda failures: self._stream(source, version, failures),
+            lambda failures: self._stream(source, version, failures, partial),
         )
 
     def update_lora(self, source: Any, version: int) -> UpdateReport:
@@ -425,13 +432,14 @@ class VLLMRollout:
             time.sleep(0.05)
 
     def commit(
-        self, version: int, *, mode: PauseMode = "keep", release_kv_cache: bool = False
+        self, version: int, *, mode: PauseMode = "keep", release_kv_cache: bool = False, partial: bool = False
     ) -> UpdateReport:
         """Pause every replica, load the staged ``version`` from host memory through vLLM's
         ``reload_weights``, resume. Refused before pausing anything unless every replica
         holds ``version`` staged and complete. A replica whose load fails is left a mix of
         two versions and paused (as a failed streamed update leaves it); the others serve
-        ``version``."""
+        ``version``. Checked as ``update`` is (``partial``: the staged version may leave
+        parameters as they are)."""
         check_mode(mode)
         missing = [
             f"replica {rep.name!r} has {'no complete version' if rep.staged is None else f'version {rep.staged}'} staged"
@@ -442,7 +450,7 @@ class VLLMRollout:
             raise ValueError(f"cannot commit version {version}: " + "; ".join(missing) + " (stage it first)")
 
         def load(failures: dict[str, str]) -> tuple[dict[str, Any], Exception | None]:
-            statuses = self._results(self._start_each("weightsync_commit", version), failures)
+            statuses = self._results(self._start_each("weightsync_commit", version, partial), failures)
             for r in self.replicas:
                 if r.name in failures:
                     statuses[r.name] = self._ask_status(r)
@@ -451,10 +459,10 @@ class VLLMRollout:
         return self._pause_around(version, mode, release_kv_cache, "commit", load)
 
     def _stream(
-        self, source: Any, version: int, failures: dict[str, str]
+        self, source: Any, version: int, failures: dict[str, str], partial: bool = False
     ) -> tuple[dict[str, Any], Exception | None]:
         """Stream ``version`` into the paused replicas' running models."""
-        futures = self._start_each("weightsync_receive", version)
+        futures = self._start_each("weightsync_receive", version, partial)
         sync_error: Exception | None = None
         try:
             self._last_stats = self.sender.send(source, version)

@@ -371,6 +371,13 @@ class Sender:
             transport.finish(ok=outcome not in ("broken", "rerouted"))
             if outcome == "ok" and out.plan is not None:
                 self._peers.acked_plan = {r: out.plan.hash for r in self._peers.channels}
+            elif out.plan is not None:
+                # a receiver adopts a new plan at the handshake, before the transfer: after a
+                # failed sync one that held another may hold this one or that, so the next
+                # sync sends it its plan
+                for r, held in list(self._peers.acked_plan.items()):
+                    if held != out.plan.hash:
+                        del self._peers.acked_plan[r]
             if outcome in ("broken", "rerouted"):  # receivers see the failure and reconnect
                 self._peers.drop(lost if outcome == "rerouted" else None)
         return stats
