@@ -59,6 +59,8 @@ from weightsync.integrations.vllm_reload import (
     finalize_reload,
     repack_cpu_experts,
     reprocess_tied,
+    restore_adapters,
+    worker_reload,
 )
 from weightsync.integrations.vllm_slices import Slices, derive_slices
 from weightsync.integrations.vllm_staging import Reload, Stager
@@ -337,40 +339,6 @@ def _where(state: ReplicaReceiver, worker_rank: int) -> str:
     return f"worker {worker_rank} (receiver rank {rank})"
 
 
-def _worker_reload(worker: Any, state: ReplicaReceiver, partial: bool = False) -> Reload:
-    """Load through the worker's ``reload_weights`` (checkpoint format, layerwise),
-    checked against what the loader reports it loaded (``checked_load``; ``partial``: the
-    update may leave parameters as they are)."""
-
-    def reload(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        model = worker.model_runner.get_model()
-        where = _where(state, int(getattr(worker, "rank", 0)))
-        written: set[str] = set()
-        try:
-            with checked_load(model, worker.vllm_config, where=where, partial=partial) as written:
-                worker.reload_weights(weights_iterator=weights)
-        except BaseException:
-            finalize_reload(model, worker.vllm_config)
-            raise
-        finally:  # also after a check failed: what was written is served as the kernel reads it
-            repack_cpu_experts(model, worker.vllm_config, written)
-        reprocess_tied(model, worker.vllm_config)
-        _restore_adapters(worker)
-
-    return reload
-
-
-def _restore_adapters(worker: Any) -> None:
-    """vLLM drops every LoRA adapter when a reload succeeds; put weightsync's back. A failure
-    here is logged, not raised: the weights did load, and the update must say so."""
-    slots = getattr(worker, "_weightsync_adapters", None)
-    try:
-        if slots is not None and (count := slots.restore()):
-            log.info("weightsync: %d LoRA adapter(s) kept across the full update", count)
-    except Exception:
-        log.exception("weightsync: the LoRA adapters could not be added back after the reload")
-
-
 def tensor_digests(model: torch.nn.Module) -> dict[str, str]:
     """``dtype|shape|blake2b`` of every tensor in ``model``'s state dict (parameters and
     persistent buffers), by name.
@@ -406,7 +374,12 @@ class WeightsyncWorkerExtension:
         """Receive ``version`` into the running model; return this worker's status. The
         update fails naming every tensor the engine did not take and, unless ``partial``,
         every parameter it left unwritten (``checked_load``)."""
-        return (state := self._weightsync()).receive(version, _worker_reload(self, state, partial))
+        return self._weightsync().receive(version, self._reload(partial))
+
+    def _reload(self, partial: bool) -> Reload:
+        """This worker's checked reload (``vllm_reload.worker_reload``), its errors naming it."""
+        where = functools.partial(_where, self._weightsync(), int(getattr(self, "rank", 0)))
+        return worker_reload(self, where, partial)
 
     def weightsync_stage(self, version: int) -> dict[str, Any]:
         """Start staging ``version`` in host memory while the engine serves; returns at once."""
@@ -419,7 +392,7 @@ class WeightsyncWorkerExtension:
     def weightsync_commit(self, version: int, partial: bool = False) -> dict[str, Any]:
         """Load the staged ``version`` into the running model (between a pause and a
         resume), checked as ``weightsync_receive`` is."""
-        return (state := self._weightsync()).commit(version, _worker_reload(self, state, partial))
+        return self._weightsync().commit(version, self._reload(partial))
 
     def weightsync_status(self) -> dict[str, Any]:
         """The version this worker serves, the last failed one, and the last sync's figures."""
@@ -479,7 +452,7 @@ class WeightsyncWorkerExtension:
         t0 = time.perf_counter()
         self.reload_weights(weights_path=path)
         seconds = time.perf_counter() - t0
-        _restore_adapters(self)
+        restore_adapters(self)
         return seconds
 
 

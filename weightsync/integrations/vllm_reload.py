@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -212,3 +212,40 @@ def repack_cpu_experts(model: torch.nn.Module, vllm_config: Any, written: set[st
     if done:
         log.debug("weightsync: repacked the CPU experts of %d layer(s) after the reload", len(done))
     return done
+
+
+def worker_reload(
+    worker: Any, where: Callable[[], str], partial: bool = False
+) -> Callable[[Iterable[tuple[str, torch.Tensor]]], None]:
+    """A worker extension's reload: the worker's ``reload_weights`` (checkpoint format,
+    layerwise), checked against what the loader reports it loaded (``checked_load``, its
+    errors naming ``where()``; ``partial``: the update may leave parameters as they are),
+    then the CPU experts repacked, tied modules processed again and the LoRA adapters
+    put back."""
+
+    def reload(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        model = worker.model_runner.get_model()
+        written: set[str] = set()
+        try:
+            with checked_load(model, worker.vllm_config, where=where(), partial=partial) as written:
+                worker.reload_weights(weights_iterator=weights)
+        except BaseException:
+            finalize_reload(model, worker.vllm_config)
+            raise
+        finally:  # also after a check failed: what was written is served as the kernel reads it
+            repack_cpu_experts(model, worker.vllm_config, written)
+        reprocess_tied(model, worker.vllm_config)
+        restore_adapters(worker)
+
+    return reload
+
+
+def restore_adapters(worker: Any) -> None:
+    """vLLM drops every LoRA adapter when a reload succeeds; put weightsync's back. A failure
+    here is logged, not raised: the weights did load, and the update must say so."""
+    slots = getattr(worker, "_weightsync_adapters", None)
+    try:
+        if slots is not None and (count := slots.restore()):
+            log.info("weightsync: %d LoRA adapter(s) kept across the full update", count)
+    except Exception:
+        log.exception("weightsync: the LoRA adapters could not be added back after the reload")

@@ -168,3 +168,48 @@ class ReplicaUpdateError(SyncError):
     def __init__(self, message: str, report: UpdateReport) -> None:
         super().__init__(message)
         self.report = report
+
+    @classmethod
+    def of(
+        cls,
+        report: UpdateReport,
+        sync_error: Exception | None,
+        what: str,
+        intact: str,
+        first_rank: dict[str, int],
+        workers: dict[str, tuple[int, int]],
+    ) -> ReplicaUpdateError:
+        """The error naming every replica that did not end where asked, with what it serves
+        (``intact``: what an untouched one still does), and the sender's error with each
+        ``receiver rank N`` followed by the replica (and TP rank) it is. ``first_rank``: each
+        replica's first receiver rank; ``workers``: the rollout's replicas' first receiver
+        rank and worker count."""
+        lora = report.phase == "lora"
+        bad = [
+            r
+            for r in report.replicas
+            if not r.ok or (r.version != report.version and report.phase not in ("stage", "lora"))
+        ]
+        lines = [
+            f"replica {r.name!r} (receiver rank {first_rank[r.name]}): {r.error or 'not updated'}; "
+            + (
+                f"serves adapter version {r.adapter}"
+                if lora
+                else f"serves {'a mix of versions (kept paused)' if r.mixed else f'version {r.version}'}"
+            )
+            + (f" ({intact})" if intact and not r.mixed else "")
+            + ("; it left the rollout (drop_lost_receivers: add_replica takes it back)" if r.left else "")
+            for r in bad
+        ]
+        if sync_error is not None:
+            lines.append(f"sender: {_name_ranks(str(sync_error), workers)}")
+        return cls(f"{what} version {report.version} failed: " + "; ".join(lines), report)
+
+
+def _name_ranks(message: str, ranks: dict[str, tuple[int, int]]) -> str:
+    """Add the replica's name after every ``receiver rank N`` in a sender error."""
+    for name, (first, workers) in ranks.items():
+        for k in range(first, first + workers):
+            where = f"replica {name!r}" + (f", TP rank {k - first}" if workers > 1 else "")
+            message = message.replace(f"receiver rank {k} ", f"receiver rank {k} ({where}) ")
+    return message

@@ -561,41 +561,14 @@ class VLLMRollout:
 
     def _raise(self, report: UpdateReport, sync_error: Exception | None, what: str, intact: str) -> None:
         """Raise ``ReplicaUpdateError`` naming every replica that did not end where asked."""
-        lora = report.phase == "lora"
-        bad = [
-            r
-            for r in report.replicas
-            if not r.ok or (r.version != report.version and report.phase not in ("stage", "lora"))
-        ]
-        lines = [
-            f"replica {r.name!r} (receiver rank {self._first_rank[r.name]}): {r.error or 'not updated'}; "
-            + (
-                f"serves adapter version {r.adapter}"
-                if lora
-                else f"serves {'a mix of versions (kept paused)' if r.mixed else f'version {r.version}'}"
-            )
-            + (f" ({intact})" if intact and not r.mixed else "")
-            + ("; it left the rollout (drop_lost_receivers: add_replica takes it back)" if r.left else "")
-            for r in bad
-        ]
-        if sync_error is not None:
-            lines.append(f"sender: {self._name_ranks(str(sync_error))}")
-        raise ReplicaUpdateError(f"{what} version {report.version} failed: " + "; ".join(lines), report)
+        workers = {r.name: (self._first_rank[r.name], r.workers()) for r in self.replicas}
+        raise ReplicaUpdateError.of(report, sync_error, what, intact, self._first_rank, workers)
 
     def _ask_status(self, replica: Replica) -> list[dict[str, Any]] | None:
         try:
             return replica.call("weightsync_status", timeout=self.config.timeout_s)
         except Exception:
             return None
-
-    def _name_ranks(self, message: str) -> str:
-        """Add the replica's name after every ``receiver rank N`` in a sender error."""
-        for r in self.replicas:
-            first = self._first_rank[r.name]
-            for k in range(first, first + r.workers()):
-                where = f"replica {r.name!r}" + (f", TP rank {k - first}" if r.workers() > 1 else "")
-                message = message.replace(f"receiver rank {k} ", f"receiver rank {k} ({where}) ")
-        return message
 
     # ------------------------------------------------------------------ membership
     def add_replica(self, replica: Replica) -> None:
