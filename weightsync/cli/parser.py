@@ -41,14 +41,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         default=64,
         help="bucket size in MiB (default: 64; may be smaller than the largest tensor)",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="any configuration key (repeatable), e.g. --set timeout_s=60",
-    )
+    _add_overrides(p, "any configuration key (repeatable), e.g. --set timeout_s=60")
     p.add_argument(
         "--address", default="127.0.0.1:0", help="sender's control address (default: 127.0.0.1, a free port)"
     )
@@ -229,14 +222,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         metavar="RATE",
         help="--hosts: the trainer hosts' NIC rate (default: --link)",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="configuration key for weightsync's rows (repeatable)",
-    )
+    _add_overrides(p, "configuration key for weightsync's rows (repeatable)")
     p.add_argument(
         "--codec",
         action="store_true",
@@ -352,3 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(sub)
     _add_gpu_check(sub)
     return parser
+
+
+def _add_overrides(p: argparse.ArgumentParser, help: str) -> None:
+    """``--set KEY=VALUE`` (repeatable): configuration overrides, as Hydra-style dotted keys."""
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
