@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from weightsync.checkpoint_form import checkpoint_views, is_converted, is_view_of
 from weightsync.plan import TensorSpec, dtype_name
 
 
@@ -23,13 +24,26 @@ class SinkError(ValueError):
 
 class ModuleSink:
     """Copies received tensors into a module's parameters and persistent buffers (or into
-    the tensors of a mapping, by name)."""
+    the tensors of a mapping, by name).
+
+    A transformers model whose checkpoint form differs from its in-memory one (an MoE's
+    fused experts) takes either: its own names, or the checkpoint form's, landed in views
+    of its own tensors (``weightsync.checkpoint_form``)."""
 
     def __init__(self, module: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
         self.module = module
         self.targets: dict[str, torch.Tensor] = (
             dict(module.state_dict(keep_vars=True)) if isinstance(module, torch.nn.Module) else dict(module)
         )
+        self._own = list(self.targets)  # the module's own names (not its checkpoint pieces)
+        self._pieces: dict[str, list[torch.Tensor]] = {}  # own name -> checkpoint views of it
+        if is_converted(module):
+            own = {n: t.data for n, t in self.targets.items()}
+            for name, piece in checkpoint_views(module, own).items():
+                if name not in self.targets and is_view_of(piece, own):
+                    self.targets[name] = piece
+                    base = next(n for n, t in own.items() if _shares(piece, t))
+                    self._pieces.setdefault(base, []).append(piece)
         self._loaded: set[int] = set()  # ids of target tensors written (tied names share one)
 
     def _problem(self, name: str, shape: tuple[int, ...], dtype: str) -> str | None:
@@ -71,8 +85,18 @@ class ModuleSink:
         self._loaded.add(id(target))
 
     def missing(self) -> list[str]:
-        """Model names the sync did not carry (tied names count as carried with their twin)."""
-        return [n for n, t in self.targets.items() if id(t) not in self._loaded]
+        """Model names the sync did not carry (tied names count as carried with their twin; a
+        fused tensor as carried when every checkpoint piece of it was)."""
+        return [
+            n
+            for n in self._own
+            if id(self.targets[n]) not in self._loaded
+            and not (n in self._pieces and all(id(p) in self._loaded for p in self._pieces[n]))
+        ]
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

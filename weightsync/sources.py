@@ -14,6 +14,14 @@ from typing import Any
 
 import torch
 
+from weightsync.checkpoint_form import (
+    FORMS,
+    checkpoint_views,
+    converted_items,
+    is_converted,
+    layer_groups,
+    meta_like,
+)
 from weightsync.plan import TensorSpec, dtype_name
 
 
@@ -92,6 +100,32 @@ class ModuleSource(StateDictSource):
         super().__init__(state, wire_dtype)
 
 
+class CheckpointSource(ModuleSource):
+    """A transformers model in its checkpoint form (``weightsync.checkpoint_form``): the
+    names and layouts ``save_pretrained`` writes and inference engines load, each piece a
+    view of the model's own tensor (an MoE's experts one matrix each, not fused stacks)."""
+
+    def __init__(self, module: torch.nn.Module, wire_dtype: torch.dtype | None = None) -> None:
+        super().__init__(module, wire_dtype)
+        self.model = module
+
+    def specs(self) -> list[TensorSpec]:
+        meta = meta_like(self.state)
+        return [
+            TensorSpec(name, tuple(t.shape), dtype_name(_wire_dtype(t.dtype, self.wire_dtype)))
+            for group in layer_groups(list(meta))
+            for name, t in checkpoint_views(self.model, {n: meta[n] for n in group}).items()
+        ]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in converted_items(self.model, self.state, _plain):
+            yield name, _wire_cast(t, self.wire_dtype)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if is_dtensor(t) else t  # a collective: every trainer rank gets here
+
+
 class IteratorSource(WeightSource):
     """An iterable of ``(name, tensor)`` whose specs are not known before iterating."""
 
@@ -136,12 +170,20 @@ class _WireCast(WeightSource):
             yield name, _wire_cast(t, self.wire_dtype)
 
 
-def as_source(obj: Any, wire_dtype: torch.dtype | None = None) -> WeightSource:
+def as_source(obj: Any, wire_dtype: torch.dtype | None = None, form: str = "checkpoint") -> WeightSource:
     """Wrap an ``nn.Module``, a state dict, an iterable of ``(name, tensor)`` or a
-    ``WeightSource`` as a source; ``wire_dtype`` casts floating tensors for the wire."""
+    ``WeightSource`` as a source; ``wire_dtype`` casts floating tensors for the wire.
+
+    ``form``: a transformers model whose checkpoint form differs from its in-memory form (an
+    MoE's fused experts) is sent in checkpoint form (what engines load; every receiver takes
+    it) unless ``form="module"`` (the in-memory names, for receivers that take them)."""
+    if form not in FORMS:
+        raise ValueError(f"form {form!r}: expected one of {', '.join(FORMS)}")
     if isinstance(obj, WeightSource):
         return _WireCast(obj, wire_dtype) if wire_dtype is not None else obj
     if isinstance(obj, torch.nn.Module):
+        if form == "checkpoint" and is_converted(obj):
+            return CheckpointSource(obj, wire_dtype)
         return ModuleSource(obj, wire_dtype)
     if isinstance(obj, Mapping):
         return StateDictSource(obj, wire_dtype)

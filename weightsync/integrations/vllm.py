@@ -56,8 +56,8 @@ from weightsync.errors import HandshakeError
 from weightsync.integrations.vllm_lora import AdapterSlots
 from weightsync.integrations.vllm_reload import (
     checked_load,
+    cpu_experts_repacked,
     finalize_reload,
-    repack_cpu_experts,
     reprocess_tied,
     restore_adapters,
     worker_reload,
@@ -448,9 +448,11 @@ class WeightsyncWorkerExtension:
 
     def weightsync_reload_from_path(self, path: str) -> float:
         """vLLM's own reload from a weights directory on disk; returns its seconds (the
-        baseline that weightsync's sync is measured against)."""
+        baseline that weightsync's sync is measured against), with the CPU experts repacked as
+        weightsync's own reload does (vLLM's alone fails or serves garbled experts there)."""
         t0 = time.perf_counter()
-        self.reload_weights(weights_path=path)
+        with cpu_experts_repacked(self.model_runner.get_model(), self.vllm_config):
+            self.reload_weights(weights_path=path)
         seconds = time.perf_counter() - t0
         restore_adapters(self)
         return seconds
@@ -538,11 +540,11 @@ def _engine_classes() -> tuple[type, type, type]:
             where = _where(self.state, local)
 
             def reload(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-                written: set[str] = set()
                 try:
-                    with checked_load(
-                        self.model, self.vllm_config, where=where, partial=update_info.partial
-                    ) as written:
+                    with (
+                        checked_load(self.model, self.vllm_config, where=where, partial=update_info.partial),
+                        cpu_experts_repacked(self.model, self.vllm_config),
+                    ):
                         reload_weights(
                             self.vllm_config,
                             self.model,
@@ -553,8 +555,6 @@ def _engine_classes() -> tuple[type, type, type]:
                 except BaseException:
                     finalize_reload(self.model, self.vllm_config)
                     raise
-                finally:
-                    repack_cpu_experts(self.model, self.vllm_config, written)
                 reprocess_tied(self.model, self.vllm_config)
 
             version, phase = update_info.version, update_info.phase

@@ -180,38 +180,52 @@ def checked_load(
         raise NotTaken(f"{where}: the engine did not take the update: " + "; ".join(problems))
 
 
-def repack_cpu_experts(model: torch.nn.Module, vllm_config: Any, written: set[str]) -> list[str]:
-    """Redo the CPU experts' prepacking that vLLM skips on a weight update; the layers redone.
+@contextlib.contextmanager
+def cpu_experts_repacked(model: torch.nn.Module, vllm_config: Any) -> Iterator[list[str]]:
+    """Within a reload: each CPU expert layer the reload processes is padded and prepacked
+    again, as at its first load; yields the names of the layers done.
 
     vLLM 0.32's unquantized MoE method sets its kernel up at the first load only
-    (``UnquantizedFusedMoEMethod.process_weights_after_loading``: on a weight update it copies
-    the new weights into the parameters and skips ``moe_kernel.fused_experts
-    .process_weights_after_loading``). On the CPU backend that step prepacks ``w13_weight``
-    and ``w2_weight`` into the layout its grouped GEMM reads, so after an update the kernel
-    read plain weights as packed ones: a Qwen3-MoE replica served other tokens than its
-    trainer while every update reported success (issue 58), although its parameters held
-    the trainer's values. Only layers whose experts this reload wrote are repacked (a layer
-    it did not reach keeps its packed weights: packing them again would garble them).
+    (``UnquantizedFusedMoEMethod.process_weights_after_loading``: on a weight update it
+    copies the new weights in and skips ``moe_kernel.fused_experts
+    .process_weights_after_loading``). On the CPU backend that step pads the intermediate
+    dimension to the kernel's alignment and prepacks ``w13_weight``/``w2_weight`` into the
+    layout its grouped GEMM reads. Without it, after an update the kernel read plain weights
+    as packed ones (a Qwen3-MoE replica served other tokens than its trainer while every
+    update reported success, issue 58), and a layer whose intermediate size needs padding
+    (48 -> 64) failed the reload (``The size of tensor a (128) must match the size of
+    tensor b (96)``: the processed weights are copied back into the padded storage). So the
+    step runs right after the method's own, inside the layer's processing, for exactly the
+    layers the reload processes (a layer it did not reach keeps its packed weights).
     """
     try:
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     except ImportError:
-        return []
-    from vllm.config import set_current_vllm_config
+        yield []
+        return
+    done: list[str] = []
+    methods = []
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts):
+            continue
+        original = method.process_weights_after_loading
 
-    done = []
-    with set_current_vllm_config(vllm_config), torch.no_grad():
-        for name, module in model.named_modules():
-            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-            experts = getattr(kernel, "fused_experts", None)
-            if not isinstance(experts, CPUUnquantizedExperts):
-                continue
-            if f"{name}.w13_weight" in written or f"{name}.w2_weight" in written:
-                experts.process_weights_after_loading(module)
-                done.append(name)
-    if done:
-        log.debug("weightsync: repacked the CPU experts of %d layer(s) after the reload", len(done))
-    return done
+        def processed(layer: torch.nn.Module, original=original, experts=experts, name=name) -> None:
+            original(layer)
+            experts.process_weights_after_loading(layer)
+            done.append(name)
+
+        method.process_weights_after_loading = processed  # this instance, for this reload
+        methods.append(method)
+    try:
+        yield done
+    finally:
+        for method in methods:
+            del method.process_weights_after_loading
+        if done:
+            log.debug("weightsync: repacked the CPU experts of %d layer(s) in the reload", len(done))
 
 
 def worker_reload(
@@ -220,20 +234,20 @@ def worker_reload(
     """A worker extension's reload: the worker's ``reload_weights`` (checkpoint format,
     layerwise), checked against what the loader reports it loaded (``checked_load``, its
     errors naming ``where()``; ``partial``: the update may leave parameters as they are),
-    then the CPU experts repacked, tied modules processed again and the LoRA adapters
+    with the CPU experts repacked, then tied modules processed again and the LoRA adapters
     put back."""
 
     def reload(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         model = worker.model_runner.get_model()
-        written: set[str] = set()
         try:
-            with checked_load(model, worker.vllm_config, where=where(), partial=partial) as written:
+            with (
+                checked_load(model, worker.vllm_config, where=where(), partial=partial),
+                cpu_experts_repacked(model, worker.vllm_config),
+            ):
                 worker.reload_weights(weights_iterator=weights)
         except BaseException:
             finalize_reload(model, worker.vllm_config)
             raise
-        finally:  # also after a check failed: what was written is served as the kernel reads it
-            repack_cpu_experts(model, worker.vllm_config, written)
         reprocess_tied(model, worker.vllm_config)
         restore_adapters(worker)
 

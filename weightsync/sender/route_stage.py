@@ -63,8 +63,8 @@ class SendRoute:
     #: each trainer rank's bucket checksums kept apart (its buckets are its own)
     own_buckets = False
 
-    def source(self, obj: Any, wire_dtype: torch.dtype | None) -> WeightSource:
-        return as_source(obj, wire_dtype)
+    def source(self, obj: Any, wire_dtype: torch.dtype | None, form: str) -> WeightSource:
+        return as_source(obj, wire_dtype, form)
 
     def plan(self, src: WeightSource, config: EngineConfig, engine_cls: type, all_send: bool) -> Plan | None:
         """The plan every receiver takes, checked against what the backend carries, before

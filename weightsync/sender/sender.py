@@ -62,6 +62,10 @@ class Sender:
             waits for the new set of trainer ranks and builds a new data plane.
         device: device of the transfer buffers (default: this process's accelerator, or CPU).
         wire_dtype: cast multi-byte floating tensors to this dtype for the wire.
+        form: a transformers model whose checkpoint form differs from its in-memory one (an
+            MoE's fused experts) goes in ``"checkpoint"`` form (default: the names and layouts
+            engines load, as views) or ``"module"`` form (its own names). Dense backends only;
+            ``sharded`` sends the module form (docs/moe.md).
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class Sender:
         num_trainers: int | None = None,
         device: str | torch.device | None = None,
         wire_dtype: torch.dtype | None = None,
+        form: str = "checkpoint",
     ) -> None:
         config.validate()
         if num_receivers < 1:
@@ -91,6 +96,7 @@ class Sender:
                 f"rank {self.rank} is not one of the {self.num_trainers} trainer rank(s) (num_trainers)"
             )
         self.wire_dtype = wire_dtype
+        self.form = form
         self.device = platform.local_device(device)
         self.address = address
         self.last_stats: SyncStats | None = None
@@ -202,7 +208,7 @@ class Sender:
         if self._peers.trainers.count or self._route.forms_in_sync:
             handshake.warm_connections(self._peers, self.config)  # the data plane forms in the first sync
             return
-        specs = as_source(source, self.wire_dtype).specs() if source is not None else None
+        specs = as_source(source, self.wire_dtype, self.form).specs() if source is not None else None
         plan = make_plan(specs, self.config.bucket_bytes) if specs is not None else None
         handshake.warm_up(self._peers, self._transport, self.config, plan)
 
@@ -234,7 +240,7 @@ class Sender:
         ``force`` (a deliberate rollback). Raises ``SyncError`` (naming the peer, with its
         rank in ``.ranks``) on any failure.
         """
-        src = self._route.source(source, wire_dtype or self.wire_dtype)
+        src = self._route.source(source, wire_dtype or self.wire_dtype, self.form)
         start = time.perf_counter()
         self._peers.doing = f"the transfer of version {version}"
         if self._publisher is not None and (self.rank == 0 or self._publisher.colocated):

@@ -42,7 +42,8 @@ class ShardedSend(SendRoute):
         self._part: Part | None = None  # this rank's part of the sync in progress
         self._rounds = 0  # rounds of the current handshake that changed the route
 
-    def source(self, obj: Any, wire_dtype: torch.dtype | None) -> WeightSource:
+    def source(self, obj: Any, wire_dtype: torch.dtype | None, form: str) -> WeightSource:
+        # the layouts are the module's own: a route of checkpoint pieces is not built yet
         return ShardSource.of(obj, wire_dtype)
 
     def plan(self, src: WeightSource, config: EngineConfig, engine_cls: type, all_send: bool) -> Plan | None:
