@@ -146,6 +146,7 @@ def _vllm_demo_command(args: argparse.Namespace) -> int:
         backend=args.backend,
         tp=args.tp,
         trainers=args.trainers,
+        arch=args.arch,
     )
     try:
         run_vllm_demo(opts)
@@ -165,7 +166,7 @@ def _sharded_demo_command(args: argparse.Namespace) -> int:
 
 def _demo_kwargs(args: argparse.Namespace) -> dict:
     """What every plain-process demo takes from the command line."""
-    keys = ("model", "receivers", "steps", "backend", "bucket_mb", "overrides", "address", "seed")
+    keys = ("model", "receivers", "steps", "backend", "bucket_mb", "overrides", "address", "seed", "arch")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -183,6 +184,12 @@ def _demo_command(args: argparse.Namespace) -> int:
 
     if args.trainers < 1 or args.tp < 1 or args.receivers < 1:
         print("demo: --trainers, --tp and --receivers must be at least 1", file=sys.stderr)
+        return 2
+    if args.model and args.arch != "dense":
+        print(
+            "demo: --arch picks the embedded model; with --model DIR the directory's config decides",
+            file=sys.stderr,
+        )
         return 2
     if args.backend is None:  # shards on either side: each byte from its holder to its keeper
         args.backend = "sharded" if args.trainers > 1 or args.tp > 1 else "nccl"

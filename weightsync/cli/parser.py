@@ -28,6 +28,13 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="Hugging Face model directory (config.json + safetensors), loaded locally",
     )
+    p.add_argument(
+        "--arch",
+        choices=("dense", "moe"),
+        default="dense",
+        help="the embedded model when no --model is given: dense (Qwen2-shaped, default) or moe "
+        "(Qwen3-MoE-shaped: experts fused in the trainer, sent one by one as engines load them)",
+    )
     p.add_argument("--receivers", type=int, default=2, help="rollout processes (default: 2)")
     p.add_argument("--steps", type=int, default=3, help="training steps, one sync each (default: 3)")
     p.add_argument(

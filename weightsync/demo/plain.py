@@ -40,6 +40,27 @@ DEFAULT_MODEL_CONFIG: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+#: ``--arch``: the embedded model's architecture (``moe``: its MLPs mixtures of experts)
+ARCHS = ("dense", "moe")
+#: ``--arch moe``: a Qwen3-MoE of the same width and depth (8 experts, top 2, about 60M
+#: parameters); transformers holds its experts fused, engines load them one by one
+MOE_OVERRIDES: dict[str, Any] = {
+    "model_type": "qwen3_moe",
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 352,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "head_dim": 64,
+}
+
+
+def embedded_config(base: dict[str, Any], arch: str, moe: dict[str, Any]) -> dict[str, Any]:
+    """An embedded model's config for ``arch`` (``moe``: ``base`` with ``moe``'s keys)."""
+    if arch not in ARCHS:
+        raise ValueError(f"--arch {arch!r}: expected one of {', '.join(ARCHS)}")
+    return {**base, **moe} if arch == "moe" else dict(base)
+
 
 @dataclass
 class DemoOptions:
@@ -51,9 +72,11 @@ class DemoOptions:
     overrides: list[str] = field(default_factory=list)
     address: str = "127.0.0.1:0"
     seed: int = 0
+    #: the embedded model's architecture when ``model`` is None (``ARCHS``)
+    arch: str = "dense"
 
 
-def build_model(model: str | None, *, pretrained: bool, seed: int) -> torch.nn.Module:
+def build_model(model: str | None, *, pretrained: bool, seed: int, arch: str = "dense") -> torch.nn.Module:
     """The trainer's model (weights from ``model`` if given) or a rollout's (config only)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -62,7 +85,7 @@ def build_model(model: str | None, *, pretrained: bool, seed: int) -> torch.nn.M
     hf_logging.set_verbosity_error()
     torch.manual_seed(seed)
     if model is None:
-        config = AutoConfig.for_model(**DEFAULT_MODEL_CONFIG)
+        config = AutoConfig.for_model(**embedded_config(DEFAULT_MODEL_CONFIG, arch, MOE_OVERRIDES))
     else:
         config = AutoConfig.from_pretrained(model, local_files_only=True)
         if pretrained:
@@ -90,7 +113,7 @@ def rollout_main(conn: Connection, opts: DemoOptions, address: str, rank: int) -
     torch.set_num_threads(1)
     try:
         config = engine_config(opts)
-        model = build_model(opts.model, pretrained=False, seed=opts.seed + 1000 + rank)
+        model = build_model(opts.model, pretrained=False, seed=opts.seed + 1000 + rank, arch=opts.arch)
         with Receiver(config, address, rank) as receiver:
             for step in range(1, opts.steps + 1):
                 stats = receiver.load_into(model, version=step)
@@ -112,6 +135,10 @@ def rollout_main(conn: Connection, opts: DemoOptions, address: str, rank: int) -
 
 class DemoFailed(RuntimeError):
     pass
+
+
+def _embedded_name(arch: str) -> str:
+    return "embedded Qwen3-MoE-shaped (--arch moe)" if arch == "moe" else "embedded Qwen2-shaped default"
 
 
 def _compare(expected: dict[str, str], got: dict[str, str], rank: int, version: int) -> None:
@@ -156,9 +183,9 @@ def _run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
     )
     torch.manual_seed(opts.seed)
     with console.status("building the trainer's model"):
-        model = build_model(opts.model, pretrained=True, seed=opts.seed)
+        model = build_model(opts.model, pretrained=True, seed=opts.seed, arch=opts.arch)
     n_params = sum(p.numel() for p in model.parameters())
-    console.print(f"model: {opts.model or 'embedded Qwen2-shaped default'}, {n_params / 1e6:.1f}M parameters")
+    console.print(f"model: {opts.model or _embedded_name(opts.arch)}, {n_params / 1e6:.1f}M parameters")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(opts.seed)
 
@@ -177,7 +204,9 @@ def _run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
                     local.append(
                         (
                             Receiver(config, sender.address, r),
-                            build_model(opts.model, pretrained=False, seed=opts.seed + 1000 + r),
+                            build_model(
+                                opts.model, pretrained=False, seed=opts.seed + 1000 + r, arch=opts.arch
+                            ),
                         )
                     )
             else:

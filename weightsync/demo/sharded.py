@@ -95,7 +95,7 @@ def trainer_main(
         from weightsync.sender.sender import Sender
 
         _world(rank, opts.trainers, port)
-        model = build_model(opts.model, pretrained=True, seed=opts.seed)
+        model = build_model(opts.model, pretrained=True, seed=opts.seed, arch=opts.arch)
         fully_shard(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(opts.seed)
@@ -135,7 +135,7 @@ def rollout_main(
         from weightsync.sharding.fragments import local_shards
 
         _world(tp_rank, opts.tp, port)
-        model = build_model(opts.model, pretrained=False, seed=opts.seed + 1000 + rank)
+        model = build_model(opts.model, pretrained=False, seed=opts.seed + 1000 + rank, arch=opts.arch)
         parallelize_module(model, init_device_mesh("cpu", (opts.tp,)), _tp_plan(model))
         model.tie_weights()  # the LM head of a tied model shares the embedding's new parameter
         with Receiver(engine_config(opts), address, rank) as receiver:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from weightsync.demo.plain import DemoFailed, read_report, send_json
+from weightsync.demo.plain import DemoFailed, embedded_config, read_report, send_json
 from weightsync.platform import free_port, process_context, start_process
 
 # A tiny Qwen2-shaped model (about 0.6M parameters) when no --model is given; the CPU
@@ -45,6 +45,21 @@ TINY_MODEL_CONFIG: dict[str, Any] = {
     "num_key_value_heads": 1,
     "max_position_embeddings": 256,
     "tie_word_embeddings": False,
+}
+
+#: ``--arch moe``: the tiny model's MLPs as a Qwen3-MoE's (6 experts, top 2, 4 query and
+#: 2 k/v heads); an expert width that vLLM's CPU kernel pads (48 -> 64), as TP slices of
+#: real models are
+TINY_MOE_OVERRIDES: dict[str, Any] = {
+    "model_type": "qwen3_moe",
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_experts": 6,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 48,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
 }
 
 PROMPTS: list[list[int]] = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12, 13]]
@@ -69,6 +84,8 @@ class VLLMDemoOptions:
     tp: int = 1
     #: trainer ranks (FSDP2 over Gloo, ``backend=sharded``): this process is rank 0
     trainers: int = 1
+    #: the tiny model's architecture when ``model`` is None (``dense`` or ``moe``)
+    arch: str = "dense"
 
 
 def vllm_environment(tp: int = 1) -> None:
@@ -90,12 +107,15 @@ def vllm_environment(tp: int = 1) -> None:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout stays the caller's (--json)
 
 
-def save_tiny_model(path: str, seed: int = 0, **overrides: Any) -> str:
-    """Save a tiny random Qwen2-shaped model (config + safetensors) to ``path``."""
+def save_tiny_model(path: str, seed: int = 0, arch: str = "dense", **overrides: Any) -> str:
+    """Save a tiny random Qwen2-shaped model (``arch="moe"``: Qwen3-MoE-shaped) (config +
+    safetensors) to ``path``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(**{**TINY_MODEL_CONFIG, **overrides})
+    config = AutoConfig.for_model(
+        **{**embedded_config(TINY_MODEL_CONFIG, arch, TINY_MOE_OVERRIDES), **overrides}
+    )
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     return path
 
@@ -233,7 +253,7 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
     if opts.trainers > 1 and config.backend != "sharded":
         raise DemoFailed(f"--trainers {opts.trainers} sends each rank's FSDP2 shards: use --backend sharded")
     workdir = tempfile.mkdtemp(prefix="weightsync-vllm-demo-")
-    model_dir = opts.model or save_tiny_model(os.path.join(workdir, "model"), seed=opts.seed)
+    model_dir = opts.model or save_tiny_model(os.path.join(workdir, "model"), seed=opts.seed, arch=opts.arch)
     torch.manual_seed(opts.seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
     vocab = model.config.vocab_size
@@ -245,7 +265,7 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
         f"{config.backend}, bucket {opts.bucket_mb} MiB, {opts.steps} steps, pause mode {opts.mode}"
     )
     console.print(
-        f"model: {opts.model or 'tiny Qwen2-shaped default'}, {n_params / 1e6:.2f}M parameters, float32"
+        f"model: {opts.model or ('tiny Qwen3-MoE-shaped (--arch moe)' if opts.arch == 'moe' else 'tiny Qwen2-shaped default')}, {n_params / 1e6:.2f}M parameters, float32"
     )
     if any(t >= vocab for p in PROMPTS for t in p):
         raise DemoFailed(f"the model's vocabulary ({vocab}) is too small for the demo prompts")
