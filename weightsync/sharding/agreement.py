@@ -400,6 +400,7 @@ class FragmentSink(ModuleSink):
         # declared shards (``declared_shards``) as they are; else a module's or state dict's
         self.shards = dict(module) if declared else local_shards(module)
         self.targets = {}
+        self._own, self._pieces = [], {}  # fragments land as they are: no checkpoint pieces
         self._loaded = set()
         self._unrouted: list[str] = []
 
@@ -416,6 +417,7 @@ class FragmentSink(ModuleSink):
             targets[fragment_name(part.route, f)] = region(shard.tensor, f.box.within(shard.box))
             routed.add(name)
         self.targets = targets
+        self._own = list(targets)
         self._loaded = set()
         self._unrouted = [n for n, s in self.shards.items() if n not in routed and s.box.numel]
 
