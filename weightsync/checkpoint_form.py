@@ -87,6 +87,19 @@ def checkpoint_views(model: Any, tensors: Mapping[str, torch.Tensor]) -> dict[st
     return {n: t.as_subclass(torch.Tensor) for n, t in out.items()}
 
 
+def piece_owners(model: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Each checkpoint piece that is a view -> the name of the in-memory tensor it views
+    (``tensors``: plain or meta, e.g. ``meta_like``'s; a piece that is the tensor itself
+    renamed maps to that tensor too)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    names = {id(t): n for n, t in tensors.items()}
+    out = revert_weight_conversion(model, {n: t.as_subclass(_Uncopied) for n, t in tensors.items()})
+    # a view's root tensor: meta tensors have no memory to compare, their views know their base
+    bases = {name: p._base for name, p in out.items()}  # noqa: SLF001 -- torch 2.13: a meta view's base
+    return {name: names[id(b)] for name, b in bases.items() if id(b) in names}
+
+
 def is_view_of(piece: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> bool:
     """Whether ``piece`` shares memory with one of ``tensors`` (a view, not a copy)."""
     ptr = piece.untyped_storage().data_ptr()

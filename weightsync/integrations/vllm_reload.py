@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from weightsync.checkpoint_form import piece_owners
 
 log = logging.getLogger("weightsync.vllm")
 
@@ -52,6 +55,57 @@ def finalize_reload(model: torch.nn.Module, vllm_config: Any) -> None:
             finalize_layerwise_reload(model, vllm_config.model_config)
     except Exception:  # best effort: the original error is the one to report
         log.exception("weightsync: could not finalize the interrupted reload")
+
+
+_COVERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def checkpoint_cover(model: torch.nn.Module, vllm_config: Any) -> dict[str, frozenset[str]]:
+    """What a full version of the served model carries, in transformers' terms: each tensor
+    of its transformers form (ties once) -> the checkpoint names that carry it together
+    (an MoE's fused stack: each expert's matrices; another tensor: its own name). Learned
+    once per model from a meta-device instance of its transformers class and transformers'
+    own conversion (``weightsync.checkpoint_form``); empty where that cannot be built (a
+    model transformers does not know): the parameter-level check then stands alone.
+
+    Why: vLLM reports the parameters it wrote, and an MoE's experts are one parameter
+    (``w13_weight``) to it: a version that left one expert's matrix out was reported as a
+    complete write of that parameter."""
+    if model in _COVERS:
+        return _COVERS[model]
+    cover: dict[str, frozenset[str]] = {}
+    try:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(vllm_config.model_config.hf_config)
+        seen: set[int] = set()
+        state = {}
+        for name, t in hf.state_dict(keep_vars=True).items():
+            if id(t) not in seen:  # a tie is carried once, under its first name
+                seen.add(id(t))
+                state[name] = t.detach()
+        pieces: dict[str, set[str]] = {}
+        for piece, own in piece_owners(hf, state).items():
+            pieces.setdefault(own, set()).add(piece)
+        cover = {own: frozenset(pieces.get(own, {own})) for own in state}
+    except Exception:
+        log.debug(
+            "weightsync: no transformers form of the served model to check a full version by", exc_info=True
+        )
+    _COVERS[model] = cover
+    return cover
+
+
+def uncovered(cover: dict[str, frozenset[str]], fed: set[str], exempt: Callable[[str], bool]) -> list[str]:
+    """Checkpoint names a full version should have carried and did not: of each tensor
+    carried neither under its own name nor by all its pieces, the pieces that are absent."""
+    missing = []
+    for own, pieces in cover.items():
+        if own in fed or pieces <= fed:
+            continue
+        missing.extend(sorted(p for p in pieces - fed if not exempt(p)))
+    return missing
 
 
 class NotTaken(RuntimeError):
@@ -121,6 +175,7 @@ def checked_load(
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - expected
     expert_parallel = bool(getattr(vllm_config.parallel_config, "enable_expert_parallel", False))
     untaken: list[str] = []
+    fed: set[str] = set()  # every name handed to the loader
     reported: list[set[str] | None] = []
     written: set[str] = set()
     original = model.__dict__.get("load_weights")  # an instance attribute of its own (rare)
@@ -136,6 +191,7 @@ def checked_load(
         def watched() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
                 current[0] = name
+                fed.add(name)
                 before = writes.numel
                 yield name, tensor
                 if writes.numel == before and not exempt(name):
@@ -175,6 +231,11 @@ def checked_load(
             problems.append(
                 f"the full version left {len(missing)} of its {len(expected)} parameter(s) unwritten: "
                 f"{_listed(missing)} (an update that leaves parameters as they are must say partial=True)"
+            )
+        elif absent := uncovered(checkpoint_cover(model, vllm_config), fed, exempt):
+            problems.append(
+                f"the full version did not carry {len(absent)} tensor(s) of the model's checkpoint: "
+                f"{_listed(absent)} (an update that leaves parameters as they are must say partial=True)"
             )
     if problems:
         raise NotTaken(f"{where}: the engine did not take the update: " + "; ".join(problems))
