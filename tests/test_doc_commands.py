@@ -286,6 +286,24 @@ COMMANDS: dict[str, Run | NotHere] = {
         timeout=240,
         vllm=True,
     ),
+    "weightsync demo --arch moe": Run(
+        ("demo --arch moe --bucket-mb 16 --steps 2",),
+        "16 MiB buckets, 2 steps: the embedded Qwen3-MoE, its fused experts sent one matrix each, checked bit-exact",
+        timeout=180,
+        check="demo",
+    ),
+    "weightsync demo --rollout vllm --arch moe": NotHere(
+        "a third MoE engine start: tests/test_vllm_moe.py starts this replica (the same model, seed aside) and "
+        "checks greedy parity over three versions and the never-silent expert updates"
+    ),
+    "weightsync demo --rollout vllm --arch moe --tp 2 --trainers 2": Run(
+        ("demo --rollout vllm --arch moe --tp 2 --trainers 2 --receivers 1",),
+        "--receivers 1: one replica of 2 tensor-parallel workers fed by 2 FSDP2 ranks; the demo fails unless every "
+        "worker received exactly the bytes of its slices of every expert and the replica generates the trainer's "
+        "greedy output after every version",
+        timeout=300,
+        vllm=True,
+    ),
     "weightsync bench --rollout vllm --tp 2 --trainers 2 --backend sharded,nccl --json": Run(
         (
             "bench --rollout vllm --tp 2 --trainers 2 --backend sharded,nccl --size-mb 16 --repeats 1 "
