@@ -14,7 +14,10 @@ import torch
 
 from weightsync.plan import TensorSpec, as_bytes, dtype_from_name, dtype_name
 
-SHAPES = ("llm", "small-tensors")
+SHAPES = ("llm", "moe", "small-tensors")
+#: ``--shape moe``: experts per layer and experts each token is routed to (a label: the sync
+#: moves every expert whatever top-k is)
+MOE_EXPERTS, MOE_TOP_K = 8, 2
 SMALL_TENSOR_BYTES = 256 * 1024
 
 
@@ -54,6 +57,43 @@ def llm_specs(total_bytes: int, dtype: str) -> list[TensorSpec]:
     return specs
 
 
+def moe_specs(total_bytes: int, dtype: str, experts: int = MOE_EXPERTS) -> list[TensorSpec]:
+    """A Qwen3-MoE-like decoder of about ``total_bytes``, experts as transformers 5 holds
+    them (what FSDP2 shards, ``Shard(0)`` over the experts): per layer attention, a router
+    and two stacks, ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj``
+    [E, H, I]; untied embedding and head."""
+    elem = torch.empty(0, dtype=dtype_from_name(dtype)).element_size()
+    hidden = 1024 if total_bytes <= 3 << 30 else 4096
+    kv = hidden // 4
+    inter = hidden // 2  # each expert narrower than a dense MLP (Qwen3-30B-A3B: 768 of 2048)
+    vocab = 32768
+    per_layer = (
+        2 * hidden * hidden + 2 * kv * hidden + experts * hidden + 3 * experts * inter * hidden + 2 * hidden
+    )
+    fixed = 2 * vocab * hidden + hidden
+    layers = max(1, round((total_bytes / elem - fixed) / per_layer))
+
+    def spec(name: str, *shape: int) -> TensorSpec:
+        return TensorSpec(name, tuple(shape), dtype)
+
+    specs = [spec("model.embed_tokens.weight", vocab, hidden)]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        specs += [
+            spec(p + "self_attn.q_proj.weight", hidden, hidden),
+            spec(p + "self_attn.k_proj.weight", kv, hidden),
+            spec(p + "self_attn.v_proj.weight", kv, hidden),
+            spec(p + "self_attn.o_proj.weight", hidden, hidden),
+            spec(p + "mlp.gate.weight", experts, hidden),
+            spec(p + "mlp.experts.gate_up_proj", experts, 2 * inter, hidden),
+            spec(p + "mlp.experts.down_proj", experts, hidden, inter),
+            spec(p + "input_layernorm.weight", hidden),
+            spec(p + "post_attention_layernorm.weight", hidden),
+        ]
+    specs += [spec("model.norm.weight", hidden), spec("lm_head.weight", vocab, hidden)]
+    return specs
+
+
 def small_tensor_specs(
     total_bytes: int, dtype: str, tensor_bytes: int = SMALL_TENSOR_BYTES
 ) -> list[TensorSpec]:
@@ -67,6 +107,8 @@ def synthetic_specs(shape: str, size_mb: float, dtype: str) -> list[TensorSpec]:
     total = int(size_mb * (1 << 20))
     if shape == "llm":
         return llm_specs(total, dtype)
+    if shape == "moe":
+        return moe_specs(total, dtype)
     if shape == "small-tensors":
         return small_tensor_specs(total, dtype)
     raise ValueError(f"unknown model shape {shape!r}; choose one of {', '.join(SHAPES)}")

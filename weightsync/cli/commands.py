@@ -365,7 +365,12 @@ def _bench_command(args: argparse.Namespace) -> int:
     except (BenchError, ValueError, FileNotFoundError, ConfigError) as e:
         print(f"bench FAILED: {e}", file=sys.stderr)
         return 1
-    what = f"{args.model}" if args.model else f"synthetic {args.shape} {opts.size_mb:g} MiB {args.dtype}"
+    from weightsync.bench import models
+
+    shape = (
+        f"moe ({models.MOE_EXPERTS} experts, top {models.MOE_TOP_K})" if args.shape == "moe" else args.shape
+    )
+    what = f"{args.model}" if args.model else f"synthetic {shape} {opts.size_mb:g} MiB {args.dtype}"
     senders = f"{args.trainers} trainer ranks (paired), else 1 sender" if args.trainers > 1 else "1 sender"
     title = f"{what}, {rows[0].tensors} tensors, {senders} -> {opts.receivers} receivers"
     if rows[0].device != "cpu":

@@ -147,9 +147,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--shape",
-        choices=("llm", "small-tensors"),
+        choices=("llm", "moe", "small-tensors"),
         default="llm",
-        help="synthetic model: a Qwen2-like decoder, or only 256 KiB tensors (default: llm)",
+        help="synthetic model: a Qwen2-like decoder, a Qwen3-MoE-like one (8 experts, top 2, stacked as "
+        "transformers holds them; replicas keep whole experts of their own), or only 256 KiB tensors "
+        "(default: llm)",
     )
     p.add_argument("--dtype", default="bfloat16", help="synthetic model dtype (default: bfloat16)")
     p.add_argument("--model", metavar="DIR", help="benchmark the *.safetensors weights of DIR instead")
@@ -269,7 +271,10 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         "--size-gb", type=float, default=None, help="synthetic model size in GiB (instead of --size-mb)"
     )
     p.add_argument(
-        "--shape", choices=("llm", "small-tensors"), default="llm", help="synthetic model (default: llm)"
+        "--shape",
+        choices=("llm", "moe", "small-tensors"),
+        default="llm",
+        help="synthetic model (default: llm)",
     )
     p.add_argument(
         "--dtype", default=None, help="synthetic model dtype (default: the cluster's, or bfloat16)"

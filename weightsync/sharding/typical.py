@@ -6,7 +6,9 @@ Trainer rank t of M holds ``Shard(0)`` of every tensor (what ``fully_shard`` giv
 r of a replica of T ranks keeps what a Megatron/vLLM-style tensor-parallel model keeps:
 output rows (``Shard(0)``) of the column-parallel projections, the embedding and the LM
 head, input columns (``Shard(1)``) of the row-parallel ``o_proj`` and ``down_proj``, and
-every 1-D tensor (norms, biases) whole.
+every 1-D tensor (norms, biases) whole. An MoE's expert stacks (``mlp.experts.gate_up_proj``
+[E, 2I, H], ``mlp.experts.down_proj``) are kept as expert parallelism keeps them: rank r of
+T a contiguous block of whole experts (``Shard(0)``).
 """
 
 from __future__ import annotations
