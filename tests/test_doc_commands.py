@@ -223,6 +223,16 @@ COMMANDS: dict[str, Run | NotHere] = {
         timeout=240,
         check="sharded",
     ),
+    "weightsync bench --hosts 6 --trainers 2 --tp 2 --receivers 2 --link 1gbit --size-mb 256 --shape moe --backend sharded,nccl --json": Run(
+        (
+            "bench --hosts 6 --trainers 2 --tp 2 --receivers 2 --link 1gbit --size-mb 64 --shape moe --backend sharded "
+            "--json --repeats 2",
+        ),
+        "--size-mb 64, sharded alone (its nccl row moves whole tensors as the llm shape's does) --repeats 2: each "
+        "trainer NIC sends its shard of the expert stacks once, each receiver NIC takes its own experts once",
+        timeout=240,
+        check="sharded_moe",
+    ),
     "weightsync bench --hosts 6 --trainers 2 --tp 2 --receivers 2 --link 1gbit --size-mb 256 --backend sharded --set engine_kwargs.sharded.links=mooncake --json": Run(
         (
             "bench --hosts 6 --trainers 2 --tp 2 --receivers 2 --link 1gbit --size-mb 64 --backend sharded "
@@ -526,13 +536,21 @@ def _check_sharded_mooncake(outs, tmp_path):
     check_predicted([row])
 
 
-def _check_sharded_nics(row, versions=3):
+def _check_sharded_moe(outs, tmp_path):
+    """M x N with experts: the stacks' shards to the ranks that keep those experts, once."""
+    (row,) = json.loads(outs[0].stdout)
+    assert row["backend"] == "sharded"
+    _check_sharded_nics(row, shape="moe")
+    check_predicted([row])
+
+
+def _check_sharded_nics(row, versions=3, shape="llm"):
     """A ``sharded`` row on 6 hosts, ``versions`` checked bit-exact: each trainer host sent its
     shard once, each receiver host took its slices once (within 5%)."""
     from weightsync.bench import models
     from weightsync.sharding.typical import box_bytes, replica_boxes, trainer_boxes
 
-    specs = models.synthetic_specs("llm", 64, "bfloat16")
+    specs = models.synthetic_specs(shape, 64, "bfloat16")
     shard = [box_bytes(specs, trainer_boxes(specs, 2, t)) for t in range(2)]
     slices = [box_bytes(specs, replica_boxes(specs, 2, r)) for r in range(2)]
     assert (row["receivers"], row["versions_checked"]) == (4, versions), row
@@ -664,6 +682,7 @@ CHECKS = {
     "hosts": _check_hosts,
     "sharded": _check_sharded,
     "sharded_mooncake": _check_sharded_mooncake,
+    "sharded_moe": _check_sharded_moe,
     "hosts5": _check_hosts5,
     "estimate": _check_estimate,
     "calibrate": _check_calibrate,
