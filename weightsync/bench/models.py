@@ -7,6 +7,7 @@ each process builds its own tensors: the sender fills them, receivers allocate z
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 import math
 from pathlib import Path
 
@@ -21,40 +22,56 @@ MOE_EXPERTS, MOE_TOP_K = 8, 2
 SMALL_TENSOR_BYTES = 256 * 1024
 
 
-def llm_specs(total_bytes: int, dtype: str) -> list[TensorSpec]:
-    """A Qwen2-like decoder of about ``total_bytes``: untied embedding and head (the few
-    large tensors), and per layer 7 projections, 3 biases and 2 norms (many small ones)."""
+def _decoder(
+    total_bytes: int, dtype: str, layer: Callable[[int, int], list[tuple[str, tuple[int, ...]]]]
+) -> list[TensorSpec]:
+    """A decoder of about ``total_bytes``: untied embedding and head (the few large
+    tensors) around as many layers as fit, each ``layer(hidden, kv)``'s tensors (name
+    suffix, shape)."""
     elem = torch.empty(0, dtype=dtype_from_name(dtype)).element_size()
     hidden = 1024 if total_bytes <= 3 << 30 else 4096
     kv = hidden // 4  # grouped-query attention
-    inter = math.ceil(2.6875 * hidden / 64) * 64
     vocab = 32768
-    per_layer = 2 * hidden * hidden + 2 * kv * hidden + 3 * inter * hidden + hidden + 2 * kv + 2 * hidden
+    per_layer = sum(math.prod(shape) for _, shape in layer(hidden, kv))
     fixed = 2 * vocab * hidden + hidden
     layers = max(1, round((total_bytes / elem - fixed) / per_layer))
-
-    def spec(name: str, *shape: int) -> TensorSpec:
-        return TensorSpec(name, tuple(shape), dtype)
-
-    specs = [spec("model.embed_tokens.weight", vocab, hidden)]
+    specs = [TensorSpec("model.embed_tokens.weight", (vocab, hidden), dtype)]
     for i in range(layers):
-        p = f"model.layers.{i}."
-        specs += [
-            spec(p + "self_attn.q_proj.weight", hidden, hidden),
-            spec(p + "self_attn.q_proj.bias", hidden),
-            spec(p + "self_attn.k_proj.weight", kv, hidden),
-            spec(p + "self_attn.k_proj.bias", kv),
-            spec(p + "self_attn.v_proj.weight", kv, hidden),
-            spec(p + "self_attn.v_proj.bias", kv),
-            spec(p + "self_attn.o_proj.weight", hidden, hidden),
-            spec(p + "mlp.gate_proj.weight", inter, hidden),
-            spec(p + "mlp.up_proj.weight", inter, hidden),
-            spec(p + "mlp.down_proj.weight", hidden, inter),
-            spec(p + "input_layernorm.weight", hidden),
-            spec(p + "post_attention_layernorm.weight", hidden),
-        ]
-    specs += [spec("model.norm.weight", hidden), spec("lm_head.weight", vocab, hidden)]
+        specs += [TensorSpec(f"model.layers.{i}.{name}", shape, dtype) for name, shape in layer(hidden, kv)]
+    specs += [
+        TensorSpec("model.norm.weight", (hidden,), dtype),
+        TensorSpec("lm_head.weight", (vocab, hidden), dtype),
+    ]
     return specs
+
+
+def _attention(hidden: int, kv: int, bias: bool) -> list[tuple[str, tuple[int, ...]]]:
+    out = []
+    for proj, rows in (("q", hidden), ("k", kv), ("v", kv)):
+        out.append((f"self_attn.{proj}_proj.weight", (rows, hidden)))
+        if bias:
+            out.append((f"self_attn.{proj}_proj.bias", (rows,)))
+    return [*out, ("self_attn.o_proj.weight", (hidden, hidden))]
+
+
+def _norms(hidden: int) -> list[tuple[str, tuple[int, ...]]]:
+    return [("input_layernorm.weight", (hidden,)), ("post_attention_layernorm.weight", (hidden,))]
+
+
+def llm_specs(total_bytes: int, dtype: str) -> list[TensorSpec]:
+    """A Qwen2-like decoder of about ``total_bytes``: untied embedding and head (the few
+    large tensors), and per layer 7 projections, 3 biases and 2 norms (many small ones)."""
+
+    def layer(hidden: int, kv: int) -> list[tuple[str, tuple[int, ...]]]:
+        inter = math.ceil(2.6875 * hidden / 64) * 64
+        mlp = [
+            ("mlp.gate_proj.weight", (inter, hidden)),
+            ("mlp.up_proj.weight", (inter, hidden)),
+            ("mlp.down_proj.weight", (hidden, inter)),
+        ]
+        return _attention(hidden, kv, bias=True) + mlp + _norms(hidden)
+
+    return _decoder(total_bytes, dtype, layer)
 
 
 def moe_specs(total_bytes: int, dtype: str, experts: int = MOE_EXPERTS) -> list[TensorSpec]:
@@ -62,36 +79,17 @@ def moe_specs(total_bytes: int, dtype: str, experts: int = MOE_EXPERTS) -> list[
     them (what FSDP2 shards, ``Shard(0)`` over the experts): per layer attention, a router
     and two stacks, ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj``
     [E, H, I]; untied embedding and head."""
-    elem = torch.empty(0, dtype=dtype_from_name(dtype)).element_size()
-    hidden = 1024 if total_bytes <= 3 << 30 else 4096
-    kv = hidden // 4
-    inter = hidden // 2  # each expert narrower than a dense MLP (Qwen3-30B-A3B: 768 of 2048)
-    vocab = 32768
-    per_layer = (
-        2 * hidden * hidden + 2 * kv * hidden + experts * hidden + 3 * experts * inter * hidden + 2 * hidden
-    )
-    fixed = 2 * vocab * hidden + hidden
-    layers = max(1, round((total_bytes / elem - fixed) / per_layer))
 
-    def spec(name: str, *shape: int) -> TensorSpec:
-        return TensorSpec(name, tuple(shape), dtype)
-
-    specs = [spec("model.embed_tokens.weight", vocab, hidden)]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        specs += [
-            spec(p + "self_attn.q_proj.weight", hidden, hidden),
-            spec(p + "self_attn.k_proj.weight", kv, hidden),
-            spec(p + "self_attn.v_proj.weight", kv, hidden),
-            spec(p + "self_attn.o_proj.weight", hidden, hidden),
-            spec(p + "mlp.gate.weight", experts, hidden),
-            spec(p + "mlp.experts.gate_up_proj", experts, 2 * inter, hidden),
-            spec(p + "mlp.experts.down_proj", experts, hidden, inter),
-            spec(p + "input_layernorm.weight", hidden),
-            spec(p + "post_attention_layernorm.weight", hidden),
+    def layer(hidden: int, kv: int) -> list[tuple[str, tuple[int, ...]]]:
+        inter = hidden // 2  # each expert narrower than a dense MLP (Qwen3-30B-A3B: 768 of 2048)
+        mlp = [
+            ("mlp.gate.weight", (experts, hidden)),
+            ("mlp.experts.gate_up_proj", (experts, 2 * inter, hidden)),
+            ("mlp.experts.down_proj", (experts, hidden, inter)),
         ]
-    specs += [spec("model.norm.weight", hidden), spec("lm_head.weight", vocab, hidden)]
-    return specs
+        return _attention(hidden, kv, bias=False) + mlp + _norms(hidden)
+
+    return _decoder(total_bytes, dtype, layer)
 
 
 def small_tensor_specs(
