@@ -7,8 +7,8 @@ each process builds its own tensors: the sender fills them, receivers allocate z
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
