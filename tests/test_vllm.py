@@ -584,8 +584,8 @@ def test_an_update_the_engine_does_not_wholly_take_fails_naming_it_and_the_next_
     """Never silent: each worker checks an update against what vLLM's loader reports it
     loaded. An extra tensor its loader skips without a word (a ``.bias`` where the layer has
     none: vLLM ignores such names), one it has no parameter for, and a full version that
-    leaves a parameter out (streamed, and staged then committed) each fail naming it; the
-    replicas report a mix and stay paused. A complete update then serves the trainer's
+    leaves a parameter out (streamed: refused before anything moves; staged then committed:
+    after the load) each fail naming it; the replicas report a mix and stay paused. A complete update then serves the trainer's
     outputs, and an update that says ``partial=True`` may leave a parameter as it is."""
     served = setup.version
     expected = setup.train()
@@ -605,7 +605,13 @@ def test_an_update_the_engine_does_not_wholly_take_fails_naming_it_and_the_next_
 
     left_out = "model.layers.1.mlp.down_proj.weight"
     without = {n: t for n, t in state.items() if n != left_out}
-    _refused(setup, lambda: setup.rollout.update(without, served + 3), served + 3, left_out, "unwritten")
+    # streamed: refused before anything moves (each worker vets the offered tensors against
+    # its model's checkpoint), so the replicas keep what they hold: the earlier cases' mix
+    with pytest.raises(ReplicaUpdateError) as info:
+        setup.rollout.update(without, served + 3)
+    for rep in info.value.report.replicas:
+        assert "refused version" in rep.error and "does not carry" in rep.error and left_out in rep.error
+        assert (rep.ok, rep.version, rep.mixed) == (False, None, True), rep
     staged = setup.rollout.stage(without, served + 4)  # the stage takes what is sent; the commit checks
     assert staged.ok, staged.summary()
     _refused(setup, lambda: setup.rollout.commit(served + 4), served + 4, left_out, "unwritten")

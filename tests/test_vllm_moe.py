@@ -78,30 +78,38 @@ def test_three_versions_of_fused_experts_reach_the_replica_one_by_one_with_greed
         assert replica_greedy(setup.llm, PROMPTS, NEW) == expected, f"version {setup.version}"
 
 
-def _refused(setup, state, *names):
+def _refused(setup, state, *names, before=None):
+    """The update fails naming ``names``; ``before``: refused before anything moved, the
+    replica still serving that version (else a mix, reported)."""
     setup.version += 1
     with pytest.raises(ReplicaUpdateError) as info:
         setup.rollout.update(state, setup.version)
     (rep,) = info.value.report.replicas
     assert all(n in rep.error for n in names), rep.error
-    assert (rep.ok, rep.version, rep.mixed) == (False, None, True), rep
+    assert (rep.ok, rep.version, rep.mixed) == (False, before, before is None), rep
 
 
 def test_an_expert_update_the_engine_does_not_wholly_take_fails_naming_it(setup):
     """vLLM reports the parameters it wrote, and all experts of a layer are one parameter to
-    it: a version missing one expert's matrix was a complete write of ``w13_weight``. Each
-    of these fails naming the tensor; the next complete version serves the trainer."""
+    it: a version missing one expert's matrix was a complete write of ``w13_weight``. Now it
+    is refused before anything moves, naming the matrix (the replica serves what it had), and
+    so is a misspelled one (named beside the matrix it hides); an expert the model lacks
+    fails naming it once the loader took nothing of it. The next complete version serves
+    the trainer."""
     state = dict(as_source(setup.model).tensors())
     left_out = "model.layers.1.mlp.experts.3.up_proj.weight"
-    _refused(setup, {n: t for n, t in state.items() if n != left_out}, left_out, "did not carry")
-    unknown = "model.layers.0.mlp.experts.6.up_proj.weight"  # 6 experts: ids 0-5
-    first, *rest = state.items()
-    _refused(setup, dict([first, (unknown, state[left_out]), *rest]), unknown)
+    serving = setup.rollout.status()[0].version
+    _refused(
+        setup, {n: t for n, t in state.items() if n != left_out}, left_out, "does not carry", before=serving
+    )
     renamed = "model.layers.0.mlp.experts.2.upp_proj.weight"
     swapped = {
         (renamed if n == "model.layers.0.mlp.experts.2.up_proj.weight" else n): t for n, t in state.items()
     }
-    _refused(setup, swapped, renamed)
+    _refused(setup, swapped, renamed, "model.layers.0.mlp.experts.2.up_proj.weight", before=serving)
+    unknown = "model.layers.0.mlp.experts.6.up_proj.weight"  # 6 experts: ids 0-5
+    first, *rest = state.items()
+    _refused(setup, dict([first, (unknown, state[left_out]), *rest]), unknown)
 
     expected = setup.train()
     setup.version += 1

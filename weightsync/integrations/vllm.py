@@ -58,6 +58,7 @@ from weightsync.integrations.vllm_reload import (
     checked_load,
     cpu_experts_repacked,
     finalize_reload,
+    full_version_vet,
     reprocess_tied,
     restore_adapters,
     worker_reload,
@@ -68,6 +69,7 @@ from weightsync.plan import TensorSpec
 from weightsync.receiver.landing import LandingPool
 from weightsync.receiver.prefetch import receive_into
 from weightsync.receiver.receiver import Receiver
+from weightsync.receiver.route_stage import Vet
 from weightsync.sharding.layout import Box
 from weightsync.state import VersionState
 from weightsync.verify import named_digests
@@ -270,8 +272,9 @@ class ReplicaReceiver:
         self.last = self.stager.commit(version, reload, self.state)
         return self.status()
 
-    def receive(self, version: int, reload: Reload) -> dict[str, Any]:
-        """Receive ``version`` and load it through ``reload``; return the status.
+    def receive(self, version: int, reload: Reload, vet: Vet | None = None) -> dict[str, Any]:
+        """Receive ``version`` and load it through ``reload``; return the status. ``vet``: the
+        offered tensors checked before anything moves (a full version's, ``full_version_vet``).
 
         Pipelined (``weightsync.receiver.prefetch``): the transfer runs in a background thread ahead
         of ``reload``, and tensors land in this worker's landing arena of
@@ -285,6 +288,7 @@ class ReplicaReceiver:
         config = self.receiver.config
         allocated = self.pool.allocated_bytes
         self._may_derive = True  # the engine waits for this call: the model is ours
+        self.receiver.vet = vet
         try:
             result = receive_into(
                 self.receiver,
@@ -297,6 +301,7 @@ class ReplicaReceiver:
             )
         finally:
             self._may_derive = False
+            self.receiver.vet = None
         error, applied = result.error, result.applied
         stats = self.receiver.last_stats
         if error is not None:
@@ -374,7 +379,8 @@ class WeightsyncWorkerExtension:
         """Receive ``version`` into the running model; return this worker's status. The
         update fails naming every tensor the engine did not take and, unless ``partial``,
         every parameter it left unwritten (``checked_load``)."""
-        return self._weightsync().receive(version, self._reload(partial))
+        vet = None if partial else full_version_vet(self.model_runner.get_model(), self.vllm_config)
+        return self._weightsync().receive(version, self._reload(partial), vet)
 
     def _reload(self, partial: bool) -> Reload:
         """This worker's checked reload (``vllm_reload.worker_reload``), its errors naming it."""
@@ -570,7 +576,11 @@ def _engine_classes() -> tuple[type, type, type]:
             status = (
                 self.state.commit(version, reload)
                 if phase == "commit"
-                else self.state.receive(version, reload)
+                else self.state.receive(
+                    version,
+                    reload,
+                    None if update_info.partial else full_version_vet(self.model, self.vllm_config),
+                )
             )
             if not status["ok"]:
                 raise RuntimeError(f"weightsync: version {version} failed: {status['error']}")

@@ -108,6 +108,34 @@ def uncovered(cover: dict[str, frozenset[str]], fed: set[str], exempt: Callable[
     return missing
 
 
+def full_version_vet(model: torch.nn.Module, vllm_config: Any) -> Callable[[Any], None]:
+    """A receiver's ``vet`` for a full version: before anything moves, the offered tensors
+    must carry every tensor of the served model's checkpoint (``checkpoint_cover``), or the
+    sync is refused naming what it lacks, and the replica keeps serving what it holds. Not
+    for a quantized model (its checkpoint's scales need not come) nor, under expert
+    parallelism, for per-expert names (``checked_load`` says why)."""
+    expert_parallel = bool(getattr(vllm_config.parallel_config, "enable_expert_parallel", False))
+
+    def vet(specs: Any) -> None:
+        if vllm_config.model_config.quantization is not None:
+            return
+        cover = checkpoint_cover(model, vllm_config)
+        offered = {s.name for s in specs}
+        absent = uncovered(cover, offered, lambda name: expert_parallel and ".experts." in name)
+        if absent:
+            known = set(cover).union(*cover.values())
+            strangers = sorted(offered - known)  # a misspelling, say: named beside what it hides
+            besides = (
+                f"; it carries {len(strangers)} it does not know: {_listed(strangers)}" if strangers else ""
+            )
+            raise ValueError(
+                f"the full version does not carry {len(absent)} tensor(s) of the served model's checkpoint: "
+                f"{_listed(absent)}{besides} (an update that leaves parameters as they are must say partial=True)"
+            )
+
+    return vet
+
+
 class NotTaken(RuntimeError):
     """An update the engine did not wholly take: a tensor its loader wrote nothing of, or
     (a full version) a parameter no tensor wrote. The replica holds what the loader did

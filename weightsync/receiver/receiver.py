@@ -1,12 +1,11 @@
 """``Receiver``: the rollout side of a weight sync.
 
 One path per family, one version state for both (``weightsync.state``). With a transport
-backend the receiver joins the sender's session, in phases (``_sync_session``): the
-sender's offer (``SenderLink.await_sync``), the handshake (``_accept``: admission's checks,
-the route stage's plan, the delta stage's ``Incoming``), the data plane joined, then the
-transfer (``weightsync.receiver.transfer``), acknowledgement and version state
-(``_finish``). With a publisher backend it takes the version the publisher offers and
-acknowledges it through the publisher.
+backend the receiver joins the sender's session, in phases (``_sync_session``): the sender's
+offer (``SenderLink.await_sync``), the handshake (``_accept``: admission's checks, the route
+stage's plan, the delta stage's ``Incoming``), the data plane joined, then the transfer
+(``weightsync.receiver.transfer``), acknowledgement and version state (``_finish``). With a
+publisher backend it takes the version the publisher offers and acknowledges it through it.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from weightsync.plan import Plan, capacity
 from weightsync.receiver import admission
 from weightsync.receiver.link import SenderLink
 from weightsync.receiver.publication import take
-from weightsync.receiver.route_stage import DenseReceive, Needs, ReceiveRoute
+from weightsync.receiver.route_stage import DenseReceive, Needs, ReceiveRoute, Vet
 from weightsync.receiver.sharded_route import ShardedReceive
 from weightsync.receiver.transfer import Transfer
 from weightsync.session import reroute
@@ -68,7 +67,6 @@ class Receiver:
       sync (a retry of the same version, or a newer one) makes it whole again.
 
     A version older than ``version`` is refused unless the sender passes ``force=True``.
-
     Sizes from the wire are checked before memory is taken (``weightsync.plan.WireLimits``):
     a tensor larger than ``max_tensor_bytes`` (default: the memory of this receiver's
     device) is refused, as is a plan whose bucket size differs from ``bucket_bytes``.
@@ -108,11 +106,11 @@ class Receiver:
         sharded = self._transport is not None and self._transport.sharded
         #: the route stage: which wire entries this receiver takes and how they land
         self._route: ReceiveRoute = ShardedReceive(config.bucket_bytes) if sharded else DenseReceive()
-        #: ``sharded``, ``receive`` (no module to land in): what this receiver keeps of the
-        #: offered tensors, as a box per tensor name (a name left out is not needed); None,
-        #: or a hook that answers None, declares nothing: every tensor whole. An inference
-        #: engine's worker sets it (``weightsync.integrations.vllm_slices``).
+        #: ``sharded``, ``receive``: the box kept of each offered tensor (a name left out: not
+        #: needed; None, or a hook answering None: all whole), set by a worker (``vllm_slices``)
         self.needs: Needs | None = None
+        #: dense syncs: the offered tensors checked before anything moves (a worker's, ``Vet``)
+        self.vet: Vet | None = None
 
     @property
     def sharded(self) -> bool:
@@ -482,6 +480,8 @@ class Receiver:
                 plan, problem, agreed = self._route.accept(
                     msg, sink, self._link.plan, self.config, self.max_tensor_bytes, host, self.needs
                 )
+            if problem is None and plan is not None and self.vet is not None and not self.sharded:
+                self.vet(plan.tensors)
             if problem is None:
                 incoming = self._decoder.accept(
                     msg.get("delta"), plan, sink, self.state, self.max_tensor_bytes

@@ -33,6 +33,8 @@ from weightsync.sinks import ModuleSink
 #: a receive hook's answer: what this receiver keeps of the offered tensors, as a box per
 #: tensor name (None: every tensor whole)
 Needs = Callable[[Sequence[TensorSpec]], Mapping[str, Box] | None]
+#: a check of a dense sync's tensors before anything moves (raising ValueError refuses it)
+Vet = Callable[[Sequence[TensorSpec]], None]
 #: a sync's entries as the session hands them out (a generator: a failing consumer is thrown in)
 Entries = Generator[tuple[str, torch.Tensor], None, None]
 
