@@ -426,8 +426,9 @@ def test_vllm_weight_transfer_registry_backend(setup):
         assert not errors and stats.version == 100
         assert _cpu_s(core) - before < 0.3  # it waited idle for update_weights (weightsync is the backend)
         assert sender._transport._generation == 1  # the update joined no new group
-        # never silent on this path too: a full version that leaves a parameter out fails
-        # update_weights naming it (and the sender's send); the next complete one serves
+        # never silent on this path too: a full version that leaves a parameter out is
+        # refused before anything moves, failing update_weights naming it (and the sender's
+        # send); the next complete one serves
         left_out = "model.layers.1.mlp.down_proj.weight"
         without = {n: x for n, x in setup.model.state_dict().items() if n != left_out}
         for version, source in ((101, without), (102, setup.model)):
@@ -445,8 +446,10 @@ def test_vllm_weight_transfer_registry_backend(setup):
             t.join(timeout=60)
             if source is without:
                 assert len(errors) == 1 and len(sent) == 1 and isinstance(sent[0], SyncError), (errors, sent)
-                assert "worker 0 (receiver rank 0): the engine did not take the update" in str(errors[0])
-                assert f"unwritten: {left_out}" in str(errors[0]), errors
+                assert "receiver rank 0 refused version 101" in str(errors[0]), errors
+                assert f"does not carry 1 tensor(s) of the served model's checkpoint: {left_out}" in str(
+                    errors[0]
+                )
             else:
                 assert not errors and not sent, (errors, sent)
         b.collective_rpc("finish_weight_update")
