@@ -76,34 +76,27 @@ def layer_groups(names: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
+def checkpoint_pieces(
+    model: Any, tensors: Mapping[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, str | None]]:
+    """``tensors`` (some or all of ``model``'s, in its in-memory names; plain tensors or
+    ``meta_like``'s stand-ins) in checkpoint form, in transformers' order: each piece with
+    the name of the input it is a view of (None: a copy, where the conversion concatenates)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    plain = {n: t.detach() for n, t in tensors.items()}
+    names = {id(t): n for n, t in plain.items()}
+    out = revert_weight_conversion(model, {n: t.as_subclass(_Uncopied) for n, t in plain.items()})
+    # A piece's root: views know their base (a meta stand-in has no memory to compare).
+    return {
+        name: (p.as_subclass(torch.Tensor), names.get(id(p._base)))  # noqa: SLF001 -- torch 2.13: a view's base
+        for name, p in out.items()
+    }
+
+
 def checkpoint_views(model: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` (some or all of ``model``'s, in its in-memory names; plain tensors, meta
-    ones included) in checkpoint form, in transformers' order; each piece a view of an input
-    where the conversion only slices, renames or transposes."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    wrapped = {n: t.detach().as_subclass(_Uncopied) for n, t in tensors.items()}
-    out = revert_weight_conversion(model, wrapped)
-    return {n: t.as_subclass(torch.Tensor) for n, t in out.items()}
-
-
-def piece_owners(model: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Each checkpoint piece that is a view -> the name of the in-memory tensor it views
-    (``tensors``: plain or meta, e.g. ``meta_like``'s; a piece that is the tensor itself
-    renamed maps to that tensor too)."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    names = {id(t): n for n, t in tensors.items()}
-    out = revert_weight_conversion(model, {n: t.as_subclass(_Uncopied) for n, t in tensors.items()})
-    # a view's root tensor: meta tensors have no memory to compare, their views know their base
-    bases = {name: p._base for name, p in out.items()}  # noqa: SLF001 -- torch 2.13: a meta view's base
-    return {name: names[id(b)] for name, b in bases.items() if id(b) in names}
-
-
-def is_view_of(piece: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> bool:
-    """Whether ``piece`` shares memory with one of ``tensors`` (a view, not a copy)."""
-    ptr = piece.untyped_storage().data_ptr()
-    return any(t.untyped_storage().data_ptr() == ptr for t in tensors.values())
+    """``checkpoint_pieces`` without their owners."""
+    return {name: piece for name, (piece, _) in checkpoint_pieces(model, tensors).items()}
 
 
 def converted_items(

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from weightsync.checkpoint_form import checkpoint_views, is_converted, is_view_of
+from weightsync.checkpoint_form import checkpoint_pieces, is_converted
 from weightsync.plan import TensorSpec, dtype_name
 
 
@@ -39,10 +39,9 @@ class ModuleSink:
         self._pieces: dict[str, list[torch.Tensor]] = {}  # own name -> checkpoint views of it
         if is_converted(module):
             own = {n: t.data for n, t in self.targets.items()}
-            for name, piece in checkpoint_views(module, own).items():
-                if name not in self.targets and is_view_of(piece, own):
+            for name, (piece, base) in checkpoint_pieces(module, own).items():
+                if name not in self.targets and base is not None:  # a copy could not land in place
                     self.targets[name] = piece
-                    base = next(n for n, t in own.items() if _shares(piece, t))
                     self._pieces.setdefault(base, []).append(piece)
         self._loaded: set[int] = set()  # ids of target tensors written (tied names share one)
 
@@ -93,10 +92,6 @@ class ModuleSink:
             if id(self.targets[n]) not in self._loaded
             and not (n in self._pieces and all(id(p) in self._loaded for p in self._pieces[n]))
         ]
-
-
-def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from weightsync.checkpoint_form import piece_owners
+from weightsync.checkpoint_form import checkpoint_pieces
 
 log = logging.getLogger("weightsync.vllm")
 
@@ -86,8 +86,9 @@ def checkpoint_cover(model: torch.nn.Module, vllm_config: Any) -> dict[str, froz
                 seen.add(id(t))
                 state[name] = t.detach()
         pieces: dict[str, set[str]] = {}
-        for piece, own in piece_owners(hf, state).items():
-            pieces.setdefault(own, set()).add(piece)
+        for piece, (_, own) in checkpoint_pieces(hf, state).items():
+            if own is not None:
+                pieces.setdefault(own, set()).add(piece)
         cover = {own: frozenset(pieces.get(own, {own})) for own in state}
     except Exception:
         log.debug(
