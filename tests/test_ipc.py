@@ -76,16 +76,18 @@ def expected(trainer: Trainer) -> dict[str, str]:
     return {n: workers.digest(t.contiguous()) for n, t in trainer.source().items()}
 
 
-def mapped_regions(pid: int) -> set[int]:
-    """Inodes of the trainer's shared tensors (not the staging ring) that ``pid`` maps."""
+def mapped_regions(pid: int) -> set[tuple[int, int]]:
+    """The trainer's shared storages (not the staging ring) that ``pid`` maps, as (inode of
+    their memfd, offset in it)."""
     with open(f"/proc/{pid}/maps") as f:
-        return {int(line.split()[4]) for line in f if "/memfd:weightsync-ipc " in line}
+        fields = [line.split() for line in f if "/memfd:weightsync-ipc " in line]
+    return {(int(x[4]), int(x[2], 16)) for x in fields}
 
 
-def inode(t: torch.Tensor) -> int:
+def region(t: torch.Tensor) -> tuple[int, int]:
     found = shared_region(t)
     assert found is not None
-    return os.fstat(found[0].fd).st_ino
+    return os.fstat(found[0].arena.fd).st_ino, found[0].offset
 
 
 @pytest.mark.timeout(90)
@@ -103,10 +105,10 @@ def test_three_receivers_read_the_trainers_memory_bit_exact_and_follow_a_realloc
         try:
             for v in (1, 2, 3, 4):
                 if v == 3:  # a new storage for one parameter, shared again
-                    old = inode(trainer.shared["lm_head.weight"])
+                    old = region(trainer.shared["lm_head.weight"])
                     trainer.shared["lm_head.weight"] = torch.empty(600, 512)
                     share_tensors(trainer.shared)
-                    assert inode(trainer.shared["lm_head.weight"]) != old
+                    assert region(trainer.shared["lm_head.weight"]) != old
                 trainer.step(v)
                 stats = sender.send(trainer.source(), version=v)
                 for rank, version, got, held in collect(q, 3):
@@ -115,7 +117,7 @@ def test_three_receivers_read_the_trainers_memory_bit_exact_and_follow_a_realloc
                 shared = trainer.shared["lm_head.weight"].nbytes + trainer.shared["embed.weight"].nbytes
                 assert stats.shared_bytes == shared, stats
                 assert stats.staged_bytes == stats.wire_bytes - shared >= 2 * 600 * 512 * 4, stats
-                regions = {inode(trainer.shared[n]) for n in ("lm_head.weight", "embed.weight")}
+                regions = {region(trainer.shared[n]) for n in ("lm_head.weight", "embed.weight")}
                 for p in procs if v < 4 else ():  # each maps exactly the regions this version used
                     assert mapped_regions(p.pid) == regions, (v, p.pid)
         finally:

@@ -72,13 +72,21 @@ _ids = itertools.count(1)  # region ids: never reused in a process
 
 
 @dataclass
+class _Arena:
+    """One memfd holding the storages one ``share_tensors`` call moved (page-aligned)."""
+
+    fd: int
+    memory: weakref.ref  # its mapping; dead once every storage in it was freed
+
+
+@dataclass
 class _Region:
-    """One memfd holding one storage's bytes (the whole storage, page-rounded)."""
+    """One storage in an arena: what a receiver maps (``offset`` is page-aligned)."""
 
     id: int
-    fd: int
+    arena: _Arena
+    offset: int
     nbytes: int
-    memory: weakref.ref  # the mapping the storage views; dead once the storage is freed
 
 
 _regions: dict[int, _Region] = {}  # by the address of the storage's first byte
@@ -87,22 +95,22 @@ _lock = threading.Lock()
 T = TypeVar("T")
 
 
-def _forget(address: int, region_id: int, fd: int) -> None:
+def _forget(arena: _Arena) -> None:
     with _lock:
-        if (r := _regions.get(address)) is not None and r.id == region_id:
+        for address in [a for a, r in _regions.items() if r.arena is arena]:
             del _regions[address]
-    os.close(fd)
+    os.close(arena.fd)
 
 
 def shared_region(tensor: torch.Tensor) -> tuple[_Region, int] | None:
-    """The region ``tensor`` lives in and its byte offset there, or None (not shared by
-    ``share_tensors``, or its storage was re-allocated since)."""
+    """The region ``tensor``'s storage is and the tensor's byte offset in it, or None (not
+    shared by ``share_tensors``, or its storage was re-allocated since)."""
     if tensor.device.type != "cpu":
         return None
     storage = tensor.untyped_storage()
     with _lock:
         region = _regions.get(storage.data_ptr())
-    if region is None or region.memory() is None or storage.nbytes() != region.nbytes:
+    if region is None or region.arena.memory() is None or storage.nbytes() != region.nbytes:
         return None
     return region, tensor.data_ptr() - storage.data_ptr()
 
@@ -113,28 +121,26 @@ def share_tensors(obj: T) -> T:
     each tensor keeps its identity (``tensor.data`` is swapped, as ``Module.share_memory()``
     does), tensors viewing one storage (tied weights) still view one. Already shared
     storages and device tensors (shared by CUDA IPC as they are) are left alone. Returns
-    ``obj``. Call it again after replacing a parameter: the new storage is moved then."""
+    ``obj``. Call it again after replacing a parameter: the new storage is moved then.
+
+    The storages of one call share one memfd (one descriptor in the trainer, however many
+    tensors); its memory is returned when the last of them is freed."""
     if isinstance(obj, torch.nn.Module):
         tensors = [*obj.parameters(), *obj.buffers()]
     elif isinstance(obj, Mapping):
         tensors = [t for t in obj.values() if isinstance(t, torch.Tensor)]
     else:
         raise TypeError(f"share_tensors takes an nn.Module or a mapping of tensors, not {type(obj).__name__}")
-    moved: dict[int, torch.UntypedStorage] = {}  # old storage address -> its shared copy
-    for t in tensors:
-        if t.device.type != "cpu" or t.untyped_storage().nbytes() == 0 or shared_region(t) is not None:
-            continue
-        old = t.untyped_storage()
-        new = moved.get(old.data_ptr())
-        if new is None:
-            new = moved[old.data_ptr()] = _shared_copy(old)
-        with torch.no_grad():
-            t.data = torch.empty(0, dtype=t.dtype).set_(new, t.storage_offset(), t.size(), t.stride())
-    return obj
-
-
-def _shared_copy(old: torch.UntypedStorage) -> torch.UntypedStorage:
-    size = -(-old.nbytes() // mmap.PAGESIZE) * mmap.PAGESIZE
+    todo = [
+        t for t in tensors if t.device.type == "cpu" and t.untyped_storage().nbytes() and not shared_region(t)
+    ]
+    old = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in todo}
+    if not old:
+        return obj
+    offsets, size = {}, 0
+    for address, storage in old.items():
+        offsets[address] = size
+        size += -(-storage.nbytes() // mmap.PAGESIZE) * mmap.PAGESIZE
     fd = os.memfd_create("weightsync-ipc", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
@@ -142,14 +148,21 @@ def _shared_copy(old: torch.UntypedStorage) -> torch.UntypedStorage:
     except BaseException:
         os.close(fd)
         raise
-    flat = torch.frombuffer(memory, dtype=torch.uint8)  # keeps ``memory`` alive with the storage
-    flat[: old.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(old))
-    storage = flat.untyped_storage()
-    region = _Region(next(_ids), fd, size, weakref.ref(memory))
-    with _lock:
-        _regions[storage.data_ptr()] = region
-    weakref.finalize(memory, _forget, storage.data_ptr(), region.id, fd)
-    return storage
+    arena = _Arena(fd, weakref.ref(memory))
+    weakref.finalize(memory, _forget, arena)
+    moved: dict[int, torch.UntypedStorage] = {}
+    for address, storage in old.items():
+        # each storage its own view of the arena, keeping the mapping alive while it lives
+        flat = torch.frombuffer(memory, dtype=torch.uint8, count=storage.nbytes(), offset=offsets[address])
+        flat.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+        moved[address] = flat.untyped_storage()
+        with _lock:
+            _regions[flat.data_ptr()] = _Region(next(_ids), arena, offsets[address], storage.nbytes())
+    with torch.no_grad():
+        for t in todo:
+            new = moved[t.untyped_storage().data_ptr()]
+            t.data = torch.empty(0, dtype=t.dtype).set_(new, t.storage_offset(), t.size(), t.stride())
+    return obj
 
 
 def _read_only_fd(fd: int) -> int:
@@ -157,8 +170,8 @@ def _read_only_fd(fd: int) -> int:
     return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
 
 
-def _map_read_only(fd: int, nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
-    memory = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+def _map_read_only(fd: int, nbytes: int, offset: int) -> tuple[mmap.mmap, torch.Tensor]:
+    memory = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=offset)
     with warnings.catch_warnings():  # torch warns that it cannot enforce read-only tensors
         warnings.simplefilter("ignore", UserWarning)
         return memory, torch.frombuffer(memory, dtype=torch.uint8)
@@ -342,21 +355,18 @@ class IpcEngine(Transport):
 
     def _region(self, payload: torch.Tensor) -> tuple[int, int, int, Any] | None:
         """Where ``payload``'s bytes live in memory receivers can map: (region id, offset,
-        region bytes, what a receiver maps it by: a descriptor or the device handle), or None."""
+        region bytes, what a receiver maps it by: (descriptor, offset in it) for host memory, a
+        device handle, or the device ring), or None."""
         if self._ring is not None and payload.untyped_storage().data_ptr() == self._ring.data_ptr():
             offset = payload.data_ptr() - self._ring.data_ptr()
-            return (
-                self._ring_id,
-                offset,
-                self._ring.numel(),
-                self._ring_fd if self._ring_fd is not None else self._ring,
-            )
+            how = (self._ring_fd, 0) if self._ring_fd is not None else self._ring
+            return self._ring_id, offset, self._ring.numel(), how
         if payload.device.type == "cpu":
             found = shared_region(payload)
             if found is None:
                 return None
             region, offset = found
-            return region.id, offset, region.nbytes, region.fd
+            return region.id, offset, region.nbytes, (region.arena.fd, region.offset)
         if payload.device.type != "cuda":
             return None
         storage = payload.untyped_storage()
@@ -379,10 +389,10 @@ class IpcEngine(Transport):
         """Tell ``peer`` how to map region ``region_id``, unless it has already."""
         if region_id in peer.mapped:
             return
-        if isinstance(how, int):  # a host descriptor, handed over read-only
-            fd = _read_only_fd(how)
+        if isinstance(how, tuple):  # host memory: (descriptor, offset), handed over read-only
+            fd = _read_only_fd(how[0])
             try:
-                peer.send(["map", region_id, nbytes, None], [fd])
+                peer.send(["map", region_id, nbytes, how[1]], [fd])
             finally:
                 os.close(fd)
         else:
@@ -514,17 +524,19 @@ class IpcEngine(Transport):
                     os.close(fd)  # a mapping keeps its memory
 
     def _map(self, message: list, fds: list[int]) -> None:
-        _, region_id, nbytes, handle = message
+        _, region_id, nbytes, where = message
         if not isinstance(region_id, int) or not isinstance(nbytes, int) or nbytes <= 0:
             raise PeerError(f"ipc: the sender announced a malformed region {message[1:3]!r}")
-        if handle is None:
+        if isinstance(where, int):  # host memory: the offset in the descriptor that came with it
             if len(fds) != 1:
                 raise PeerError(f"ipc: region {region_id} came with {len(fds)} descriptors, not one")
-            if os.fstat(fds[0]).st_size < nbytes:
-                raise PeerError(f"ipc: region {region_id} is smaller than the {nbytes} bytes announced")
-            self._maps[region_id] = _map_read_only(fds[0], nbytes)
+            if where < 0 or where % mmap.PAGESIZE or os.fstat(fds[0]).st_size < where + nbytes:
+                raise PeerError(f"ipc: region {region_id} ({nbytes} bytes at {where}) is not in its memory")
+            self._maps[region_id] = _map_read_only(fds[0], nbytes, where)
+        elif not isinstance(where, dict):
+            raise PeerError(f"ipc: region {region_id} came without a way to map it")
         else:
-            self._maps[region_id] = (None, platform.open_device_buffer(handle, self.device))
+            self._maps[region_id] = (None, platform.open_device_buffer(where, self.device))
 
     def recv_buckets(
         self, next_bucket: NextBucket, landing: Landing | None = None
