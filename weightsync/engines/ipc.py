@@ -66,6 +66,7 @@ log = logging.getLogger("weightsync.engines.ipc")
 #: largest message the sender sends in one record (an ``unmap`` list is cut to fit)
 MAX_RECORD = 1 << 16
 _UNMAP_CHUNK = 4096  # region ids per unmap message
+_STAGE_ALIGN = 4096  # staged buckets start on a page in the ring (any dtype's alignment)
 _ids = itertools.count(1)  # region ids: never reused in a process
 
 # ---------------------------------------------------------------------------- shared host memory
@@ -406,7 +407,10 @@ class IpcEngine(Transport):
         version = self._version
         on_device = self.device.type != "cpu"
         sent = k = 0
-        staged: list[int] = []  # bucket numbers of this sync's staged buckets
+        staged: list[
+            tuple[int, int, int]
+        ] = []  # this sync's staged buckets: (number, start, end) in the ring
+        head = 0  # where the ring's next staged bucket goes
         used: set[int] = set()
         held: list[torch.Tensor] = []  # what receivers read stays alive until they are done
         pending: list[list] = []  # announcements waiting for the device to finish writing
@@ -416,10 +420,18 @@ class IpcEngine(Transport):
             peer.acked = 0
         try:
             while True:
-                if len(staged) >= SLOTS:  # the next slot must be free before anything packs into it
-                    self._wait_staged(staged, len(staged) - SLOTS, version)
                 ring_ = self._ring_for(self._capacity)
-                slot = ring.slot(ring_, self._ring_slot, len(staged))
+                # a bucket's room in the ring, free of staged buckets a receiver still reads:
+                # staged buckets are packed one after another (small ones are the rule), so
+                # the sender waits for the receivers only when the ring comes round
+                start = head if head + self._ring_slot <= ring_.numel() else 0
+                end = start + self._ring_slot
+                self._wait_staged(
+                    staged,
+                    max((i for i, (_, a, b) in enumerate(staged) if a < end and b > start), default=-1),
+                    version,
+                )
+                slot = ring_[start:end]
                 produced = produce(slot)
                 if produced is None:
                     break
@@ -431,7 +443,8 @@ class IpcEngine(Transport):
                         platform.copy_bytes(slot[: bucket.nbytes], payload)
                     where = self._region(slot)
                     assert where is not None
-                    staged.append(k)
+                    staged.append((k, start, start + bucket.nbytes))
+                    head = start + -(-bucket.nbytes // _STAGE_ALIGN) * _STAGE_ALIGN
                     self._staged_bytes += bucket.nbytes
                     if on_device:
                         platform.synchronize(self.device)
@@ -445,7 +458,14 @@ class IpcEngine(Transport):
                     used.add(region_id)
                     for peer in self._peers:
                         self._announce(peer, region_id, nbytes, how)
-                    message = ["ref", k, region_id, offset, bucket.nbytes, bool(staged and staged[-1] == k)]
+                    message = [
+                        "ref",
+                        k,
+                        region_id,
+                        offset,
+                        bucket.nbytes,
+                        bool(staged and staged[-1][0] == k),
+                    ]
                 pending.append(message)
                 if not on_device or message[5]:  # on a device: one synchronize for the rest, at the end
                     self._flush(pending)
@@ -476,12 +496,12 @@ class IpcEngine(Transport):
                 peer.send(message)
         pending.clear()
 
-    def _wait_staged(self, staged: list[int], upto: int, version: int) -> None:
-        """Wait until every receiver is done with staged bucket number ``upto`` (and those
-        before it)."""
+    def _wait_staged(self, staged: list[tuple[int, int, int]], upto: int, version: int) -> None:
+        """Wait until every receiver is done with the ``upto``-th staged bucket of this sync
+        (and those before it)."""
         for peer in self._peers:
             while peer.acked <= upto:
-                peer.signals.wait(DONE, version, staged[peer.acked])
+                peer.signals.wait(DONE, version, staged[peer.acked][0])
                 peer.acked += 1
 
     def account(self, stats: SyncStats) -> None:
