@@ -190,7 +190,7 @@ def test_strangers_cannot_open_the_trainers_memory(caplog):
     """While the trainer waits for its receiver, a process of this user with a wrong token
     and a process of another user (``nobody``) with the right one both connect: both are
     hung up on without a descriptor; the real receiver joins and reads the trainer's tensor
-    from its memory."""
+    from its memory, and ``send_buckets`` returns only once that (slow) reader is done."""
     caplog.set_level("WARNING", logger="weightsync.engines.ring")
     config = EngineConfig.from_overrides(overrides())
     weights = share_tensors({"w": torch.arange(1 << 18, dtype=torch.float32)})
@@ -230,14 +230,22 @@ def test_strangers_cannot_open_the_trainers_memory(caplog):
         got: list[torch.Tensor] = []
         left = list(plan.buckets)
         buckets = receiver.recv_buckets(lambda: left.pop(0) if left else None)
-        reading = threading.Thread(
-            target=_run, args=(errors, lambda: got.extend(b.clone() for _, b in buckets))
-        )
+        read_at: list[float] = []
+
+        def read() -> None:  # a slow reader: the trainer must wait for it
+            for _, b in buckets:
+                time.sleep(0.5)
+                got.append(b.clone())
+                read_at.append(time.monotonic())
+
+        reading = threading.Thread(target=_run, args=(errors, read))
         reading.start()
         sent = iter([(plan.buckets[0], payload)])
         assert sender.send_buckets(lambda buffer: next(sent, None)) == payload.numel()
+        returned_at = time.monotonic()
         reading.join(30)
         assert not errors and torch.equal(got[0], payload)
+        assert returned_at >= read_at[-1]  # send_buckets returned only once the reader was done
         stats = SyncStats(1)
         sender.account(stats)
         assert (stats.shared_bytes, stats.staged_bytes) == (payload.numel(), 0)
