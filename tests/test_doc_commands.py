@@ -176,6 +176,12 @@ COMMANDS: dict[str, Run | NotHere] = {
         "DIR: the tiny tied Llama's model.safetensors; --no-alternatives --repeats 1",
         check="json",
     ),
+    # docs/ipc.md
+    "weightsync bench --backend ipc,shm --receivers 3": Run(
+        ("bench --backend ipc,shm --size-mb 16 --receivers 3 --repeats 1 --bucket-mb 64 --json",),
+        "ipc beside shm and their memcpy ceiling on the LLM shape at its smallest, 3 receivers, one timed "
+        "version after the warm-up (every receiver checked bit-exact after each version)",
+    ),
     "weightsync bench --backend mooncake,paired,disk,nccl,shm": Run(
         (
             "bench --backend mooncake,paired,disk,nccl,shm --size-mb 16 --receivers 2 --repeats 1 --bucket-mb 64 "

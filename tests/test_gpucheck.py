@@ -58,8 +58,17 @@ def test_dry_run_lists_the_checks_and_writes_nothing(tmp_path):
     out = tmp_path / "never"
     done = cli("gpu-check", "--out", str(out), "--dry-run", env={"WEIGHTSYNC_PLATFORM": "cpu"})
     assert done.returncode == 0, done.stderr
-    for name in ("environment", "nccl-multi-rank", "pytest-cuda", "bench-shm", "bench-nccl", "bench-codec"):
+    for name in (
+        "environment",
+        "nccl-multi-rank",
+        "pytest-cuda",
+        "bench-shm",
+        "bench-ipc",
+        "bench-nccl",
+        "bench-codec",
+    ):
         assert f"  {name}" in done.stdout
+    assert "$ weightsync bench --device cuda:0 --backend ipc --receivers 3" in done.stdout
     assert "$ python -m pytest -m cuda tests/test_cuda.py" in done.stdout
     assert (
         "$ weightsync bench --device cuda:0 --backend shm --receivers 3 --size-mb 4096 --repeats 3"
@@ -377,6 +386,7 @@ def test_a_rehearsal_on_the_cpu_runs_every_step_and_passes(tmp_path):
         "pytest-cuda": "passed",
         "test_cuda::test_platform_resolves_the_gpu": "passed",
         "bench-shm": "passed",
+        "bench-ipc": "passed",
         "bench-nccl": "passed",
         "bench-codec": "passed",
     }
@@ -387,7 +397,7 @@ def test_a_rehearsal_on_the_cpu_runs_every_step_and_passes(tmp_path):
         and codec["apply_gbps"] > 0
         and 0 < codec["density"] < 0.2
     )
-    assert [r["backend"] for r in report["bench"]["rows"]] == ["shm", "nccl"]
+    assert [r["backend"] for r in report["bench"]["rows"]] == ["shm", "ipc", "nccl"]
     assert all(r["device"] == "cpu" and r["gbps"] > 0 for r in report["bench"]["rows"])
     log = (out / "gpu-check.log").read_text()
     assert "pytest -m cuda" in log and "bench --device cpu --backend nccl" in log

@@ -9,6 +9,7 @@ from weightsync.config.backends import register_engine
 from weightsync.config.engine import EngineConfig
 from weightsync.config.keys import ConfigError
 from weightsync.engines.base import Engine, EngineUnavailable, Join, Offer, Publisher, Transport
+from weightsync.engines.ipc import share_tensors
 from weightsync.errors import (
     HandshakeError,
     PeerLost,
@@ -58,4 +59,5 @@ __all__ = [
     "as_source",
     "make_plan",
     "register_engine",
+    "share_tensors",
 ]

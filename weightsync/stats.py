@@ -42,6 +42,10 @@ class SyncStats:
     delta_base: int | None = None
     #: a delta sync, on the sender: the fraction of elements that changed since the base
     density: float | None = None
+    #: ``ipc``, on the sender: payload bytes receivers read straight from the trainer's
+    #: tensors, and those staged into its ring first (not shareable, or packed small tensors)
+    shared_bytes: int = 0
+    staged_bytes: int = 0
     #: receivers lost in this sync and dropped (``drop_lost_receivers``), on the sender
     dropped: list[int] = field(default_factory=list)
 

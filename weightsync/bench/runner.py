@@ -7,7 +7,7 @@ Rows, all from one run on one machine (compare ratios, not absolute times):
 - ``safetensors-reload``: the trainer writes safetensors, every receiver loads them;
 - the transports' ceilings: ``broadcast-ceiling`` (one broadcast of all bytes as a single
   buffer, the bound for ``nccl``) and ``memcpy-ceiling`` (one process copying the bytes
-  every receiver needs, the bound for ``shm``).
+  every receiver needs, the bound for ``shm`` and ``ipc``).
 
 With ``device="cuda"`` every process holds its model and transfer buffers on that GPU
 (all processes share it); the CPU-only alternatives are left out and the one ceiling is
@@ -55,7 +55,12 @@ _ALL_RANKS_SEND = ("paired", "sharded")
 #: directory both sides see, ``naive`` one process)
 CROSS_HOST = ("nccl", "mooncake", "paired", "sharded")
 #: the ceiling row that bounds each backend (backends not listed have none measured)
-CEILING_OF = {"nccl": "broadcast-ceiling", "paired": "broadcast-ceiling", "shm": "memcpy-ceiling"}
+CEILING_OF = {
+    "nccl": "broadcast-ceiling",
+    "paired": "broadcast-ceiling",
+    "shm": "memcpy-ceiling",
+    "ipc": "memcpy-ceiling",
+}
 #: the ceiling of those backends when the model lives on a device (``--device cuda``)
 DEVICE_CEILING = "d2d-ceiling"
 #: rows measured by one process alone (no receivers join)

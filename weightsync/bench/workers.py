@@ -132,6 +132,10 @@ def sync_sender(job: Job, queue, rank: int = 0, address: str | None = None) -> N
             state = updates.tensors
         else:
             state = job.sender_state()
+        if job.kind == "ipc":  # receivers read the trainer's own tensors: they live in shared memory
+            from weightsync.engines.ipc import share_tensors
+
+            share_tensors(state)
         source: Any = state
         if job.kind == "sharded":  # this rank's FSDP2-like shard: views, updated in place
             source = shards.held(state, shards.trainer_boxes(job.specs, job.trainers, rank))

@@ -13,6 +13,7 @@ _BUILTIN: dict[str, str] = {
     "naive": "weightsync.engines.naive:NaivePublisher",
     "nccl": "weightsync.engines.nccl:CollectiveEngine",
     "shm": "weightsync.engines.shm:ShmEngine",
+    "ipc": "weightsync.engines.ipc:IpcEngine",
     "paired": "weightsync.engines.paired:PairedEngine",
     "sharded": "weightsync.engines.sharded:ShardedEngine",
     "disk": "weightsync.engines.disk:DiskPublisher",

@@ -211,6 +211,8 @@ class EngineKeys:
         metadata=_doc(
             "Transfer backend: `naive` (colocated, same process), `nccl` (collective broadcast; "
             "HCCL on Ascend, Gloo on CPU), `shm` (one host: shared memory, CUDA IPC on GPUs), "
+            "`ipc` (one host: receivers read the trainer's own tensors, shared by `share_tensors` or "
+            "CUDA IPC; docs/ipc.md), "
             "`paired` (every trainer rank feeds its own replica, replicas forward along a ring), "
             "`sharded` (M x N: every trainer rank sends its own shards, each receiver rank takes only "
             "the slices it keeps; docs/sharded.md), "
@@ -218,7 +220,8 @@ class EngineKeys:
             "needs the `mooncake` extra), `disk` (checkpoints in a shared directory, "
             "`engine_kwargs.disk.path`), or one registered by `custom_backend_module`.",
             "传输后端：`naive`（同进程共置）、`nccl`（集合通信广播；昇腾上为 HCCL，CPU 上为 Gloo）、"
-            "`shm`（单机共享内存，GPU 上为 CUDA IPC）、`paired`（每个训练 rank 发给各自的副本，副本沿环转发）、"
+            "`shm`（单机共享内存，GPU 上为 CUDA IPC）、`ipc`（单机：接收端直接读取训练端自身的张量，"
+            "由 `share_tensors` 或 CUDA IPC 共享；见 docs/ipc.md）、`paired`（每个训练 rank 发给各自的副本，副本沿环转发）、"
             "`sharded`（M x N：每个训练 rank 只发送自己持有的分片，每个接收 rank 只接收自己保留的切片；见 docs/sharded.md）、"
             "`mooncake`（Mooncake Transfer Engine，沿接收端链点对点传输；需要 `mooncake` 可选依赖）、"
             "`disk`（共享目录中的检查点，见 `engine_kwargs.disk.path`），或由 `custom_backend_module` 注册的后端。",

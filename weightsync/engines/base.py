@@ -21,6 +21,7 @@ Transport, per sync (the session calls, in order):
    group of the previous sync is still the one ``info`` describes);
 3. ``send_buckets(produce)`` on ranks that send, ``recv_buckets(next_bucket, landing)``
    on receivers;
+   (then ``account(stats)`` on the sender);
 4. ``finish(ok)`` on every rank, success or failure; ``close()`` once at the end.
 
 Everything a transport needs from the session comes in the ``Join`` record of that sync;
@@ -162,6 +163,10 @@ class Transport(ABC):
         valid until the next item is requested. A transport that can write bytes anywhere
         may receive a bucket straight into ``landing(bucket)`` (then yielded as the buffer);
         others ignore it. Closing the generator early abandons the transfer."""
+
+    def account(self, stats: SyncStats) -> None:
+        """Sender, after ``send_buckets``: add this transport's own figures of the sync to
+        ``stats`` (``ipc``: the bytes read from the trainer's memory and those staged)."""
 
     def settle(self, version: int, retake: bool) -> None:
         """Receiver, before it answers the sync of ``version`` (``retake``: the version of

@@ -48,7 +48,8 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _peer_uid(sock: socket.socket) -> int:
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (``SO_PEERCRED``)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", creds)[1]
 
@@ -134,7 +135,7 @@ class ShmEngine(Transport):
         count = join.world_size - 1
 
         def check(msg: dict, sock: socket.socket, taken: dict) -> int:
-            uid = _peer_uid(sock)
+            uid = peer_uid(sock)
             if uid != os.getuid():
                 raise ValueError(f"process of uid {uid} is not this user ({os.getuid()})")
             if ring.int_field(msg, "generation") != self._generation:
@@ -192,7 +193,7 @@ class ShmEngine(Transport):
             if not msg:
                 raise PeerError("shm: the sender closed the ring's socket during set-up")
             capacity = ring.int_field(ring.unpack_message(msg[4:]), "slot_bytes")
-            if _peer_uid(sock) != os.getuid():
+            if peer_uid(sock) != os.getuid():
                 raise PeerError("shm: the ring's socket belongs to another user")
             if capacity != int(info["slot_bytes"]):
                 raise PeerError(

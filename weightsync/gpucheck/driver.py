@@ -122,6 +122,13 @@ def planned_checks(opts: Options) -> list[Check]:
             command=" ".join(bench_command(opts, "shm")),
         ),
         Check(
+            "bench-ipc",
+            "bench",
+            "the ipc row (receivers read the trainer's own tensors through CUDA IPC handles, one "
+            "synchronize per sync), the same model" + (", against the same ceiling" if ceiling else ""),
+            command=" ".join(bench_command(opts, "ipc")),
+        ),
+        Check(
             "bench-nccl",
             "bench",
             "the nccl row, the same model" + (", against the same ceiling" if ceiling else ""),
@@ -427,7 +434,7 @@ def run_checks(opts: Options, log) -> Result:
                     tests.message += "\n" + _tail(out + "\n" + err)
 
     # 3. bench rows on the device
-    for name, backend in (("bench-shm", "shm"), ("bench-nccl", "nccl")):
+    for name, backend in (("bench-shm", "shm"), ("bench-ipc", "ipc"), ("bench-nccl", "nccl")):
         if name not in checks:  # --no-bench
             continue
         check = checks[name]
@@ -439,9 +446,10 @@ def run_checks(opts: Options, log) -> Result:
             check.message = "not run: the time budget (--budget-s) was spent"
             continue
         cmd = [sys.executable, "-m", "weightsync.cli", *bench_command(opts, backend)[1:]]
-        # at most 100 s each, the shm run leaving nccl 35 s
-        cap = left() - (35 if name == "bench-shm" and not blocked else 0)
-        code, out, err, seconds = _run(cmd, _child_env(opts, blocked), min(100.0, cap), log)
+        # at most 100 s each (ipc 60 s), shm and ipc leaving nccl 35 s
+        cap = left() - (35 if name != "bench-nccl" and not blocked else 0)
+        most = 60.0 if name == "bench-ipc" else 100.0
+        code, out, err, seconds = _run(cmd, _child_env(opts, blocked), min(most, cap), log)
         check.seconds = round(seconds, 1)
         try:
             rows = _bench_rows(out) if code == 0 else []

@@ -415,6 +415,7 @@ class Sender:
         t0 = time.perf_counter()
         stats.wire_bytes = transport.send_buckets(produce)  # buckets, alignment padding included
         stats.transfer_s = time.perf_counter() - t0
+        transport.account(stats)
         stats.buckets, stats.tensors, stats.bytes = packer.buckets, packer.pulled, packer.nbytes
         # each trainer rank's checksums: kept apart where its buckets are its own
         rank_sums = {0: sums}
