@@ -30,6 +30,7 @@ Streamed updates only: staged and LoRA updates are vLLM's (refused here, saying 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -86,9 +87,66 @@ def start_engine(model_dir: str, *, tp: int = 1, seed: int = 0, **kwargs: Any) -
         "random_seed": seed,
         "custom_weight_loader": [LOADER],
         "log_level": "error",
+        "custom_sigquit_handler": _on_sigquit,
         **({} if torch.cuda.is_available() else cpu_engine_args()),
     }
     return Engine(**(args | kwargs))
+
+
+def _on_sigquit(signum: int, frame: Any) -> None:
+    """SGLang's engine SIGQUITs its own process when one of its subprocesses dies, and by
+    default then kills the whole process tree: the trainer's process, where the offline
+    ``Engine`` lives. weightsync names the lost worker itself (``SGLangReplica`` watches
+    its workers' processes), so the trainer only logs it and goes on with the others."""
+    log.error(
+        "weightsync: an SGLang subprocess died (SIGQUIT from its engine); the replica's next call names it"
+    )
+
+
+class _Loop:
+    """Runs coroutines of SGLang's tokenizer manager on an engine's event loop, from any
+    thread. Offline engines in one process share one event loop (the main thread's), and
+    the replicas' calls come from a thread each and must run at once (one version reaches
+    every replica in the same sync): the first thread runs the loop until every coroutine
+    other threads handed it meanwhile has finished."""
+
+    _lock = threading.Lock()
+    _handed: dict[int, int] = {}  # id(loop) -> coroutines handed to the thread running it
+
+    @classmethod
+    def run(cls, loop: Any, coroutine: Any) -> Any:
+        import asyncio
+
+        key = id(loop)
+        with cls._lock:
+            running = key in cls._handed
+            if running:
+                cls._handed[key] += 1
+                future = asyncio.run_coroutine_threadsafe(coroutine, loop)
+            else:
+                cls._handed[key] = 0
+        if running:
+            try:
+                return future.result()
+            finally:
+                with cls._lock:
+                    cls._handed[key] -= 1
+
+        async def drive() -> Any:
+            try:
+                return await coroutine
+            finally:
+                while True:
+                    with cls._lock:
+                        if cls._handed[key] == 0:
+                            del cls._handed[key]
+                            break
+                    with contextlib.suppress(asyncio.CancelledError):  # never leave the others' coroutines
+                        await asyncio.sleep(0.005)
+
+        while loop.is_running():  # the last driver is between its last check and its return
+            time.sleep(0.001)
+        return loop.run_until_complete(drive())
 
 
 def _alive(pid: int) -> bool:
@@ -120,10 +178,9 @@ class SGLangReplica:
         return int(self.engine.server_args.tp_size)
 
     # -------------------------------------------------------------- SGLang's own calls
-    def _run(self, coroutine_fn: Any, *args: Any) -> Any:
-        with self._lock:
-            tm = self.engine.tokenizer_manager
-            return self.engine.loop.run_until_complete(coroutine_fn(tm, *args))
+    def _run(self, coroutine_fn: Any) -> Any:
+        """``coroutine_fn(tokenizer_manager)`` run on the engine's loop (``_Loop``)."""
+        return _Loop.run(self.engine.loop, coroutine_fn(self.engine.tokenizer_manager))
 
     def pause(self, mode: PauseMode) -> None:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
@@ -183,7 +240,11 @@ class SGLangReplica:
         if method == "weightsync_reload_from_path":
             (path,) = args
             t0 = time.perf_counter()
-            ok, message = self.engine.update_weights_from_disk(path)[:2]
+            from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+            ok, message = self._run(
+                lambda tm: tm.update_weights_from_disk(UpdateWeightFromDiskReqInput(model_path=path), None)
+            )[:2]
             if not ok:
                 raise RuntimeError(
                     f"SGLang replica {self.name!r}: update_weights_from_disk failed: {message}"
@@ -203,23 +264,48 @@ class SGLangReplica:
 
         for name in os.listdir(self.status_dir):
             os.remove(os.path.join(self.status_dir, name))
+        from sglang.srt.managers.io_struct import (
+            BeginWeightUpdateReqInput,
+            EndWeightUpdateReqInput,
+            UpdateWeightsFromTensorReqInput,
+        )
+        from sglang.srt.utils import MultiprocessingSerializer
+
         payload = [(json.dumps({"op": op, "args": args, "status_dir": self.status_dir}), torch.zeros(1))]
+        # one serialized copy per TP rank, as Engine.update_weights_from_tensor sends it
+        update = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[MultiprocessingSerializer.serialize(payload)] * self.workers(),
+            load_format=LOADER,
+            flush_cache=flush,
+        )
         result: dict[str, Any] = {}
+
+        async def body(tm: Any) -> tuple[bool, str]:
+            import asyncio
+
+            ok, message = (await tm.begin_weight_update(BeginWeightUpdateReqInput(), None))[:2]
+            if not ok:
+                return False, f"begin_weight_update failed: {message}"
+            try:
+                out = tuple((await tm.update_weights_from_tensor(update, None))[:2])
+            except asyncio.CancelledError:
+                raise  # given up on (a worker is gone): nothing there would answer the end
+            except BaseException:
+                await tm.end_weight_update(EndWeightUpdateReqInput(), None)
+                raise
+            await tm.end_weight_update(EndWeightUpdateReqInput(), None)
+            return out  # type: ignore[return-value]
+
+        async def session(tm: Any) -> tuple[bool, str]:
+            import asyncio
+
+            task = asyncio.ensure_future(body(tm))  # what _abandon cancels
+            result["task"] = (asyncio.get_running_loop(), task)
+            return await task
 
         def run() -> None:
             try:
-                ok, message = self.engine.begin_weight_update()[:2]
-                if not ok:
-                    result["sglang"] = (False, f"begin_weight_update failed: {message}")
-                    return
-                try:
-                    result["sglang"] = tuple(
-                        self.engine.update_weights_from_tensor(
-                            payload, load_format=LOADER, flush_cache=flush
-                        )[:2]
-                    )
-                finally:
-                    self.engine.end_weight_update()
+                result["sglang"] = self._run(session)
             except BaseException as e:
                 result["error"] = e
 
@@ -232,11 +318,13 @@ class SGLangReplica:
                 dead = [(k, pid) for k, pid in enumerate(self._pids) if not _alive(pid)]
                 if dead:
                     k, pid = dead[0]
+                    self._abandon(result)
                     raise RuntimeError(
                         f"SGLang replica {self.name!r}: TP worker {k} (receiver rank {self._rank_offset + k}, "
                         f"pid {pid}) is gone (during {op})"
                     )
                 if time.monotonic() > deadline:
+                    self._abandon(result)
                     raise TimeoutError(
                         f"SGLang replica {self.name!r}: {op} did not return within {timeout:.0f} s"
                     )
@@ -250,6 +338,14 @@ class SGLangReplica:
             for s in statuses:
                 s.update(ok=False, mixed=True, error=f"SGLang: {message}")
         return statuses
+
+    @staticmethod
+    def _abandon(result: dict[str, Any]) -> None:
+        """Cancel a command given up on: its coroutine would wait for a dead worker forever
+        and keep the event loop that every engine of this process shares running."""
+        if "task" in result:
+            loop, task = result["task"]
+            loop.call_soon_threadsafe(task.cancel)
 
     def _read_statuses(self, missing_ok: bool = False) -> list[dict[str, Any]]:
         out = []
