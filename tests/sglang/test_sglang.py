@@ -149,3 +149,24 @@ def test_worker_killed_mid_update_is_named_fast_and_the_other_replica_serves_it(
             setup.rollout.remove_replica("B")
         threading.Thread(target=engine_b.shutdown, daemon=True).start()
         b.close()
+
+
+def test_tp2_replica_over_gloo_each_rank_loads_through_sglang(setup: Setup) -> None:
+    """A replica of 2 TP workers (SGLang's CPU engine, Gloo between them): both join as
+    receivers, each loads the version through SGLang's own sliced loaders (checked: rank 1's
+    loaders write its halves of q/k/v and o_proj with other in-place ops than copy_), and
+    the replica's greedy output is the trainer's."""
+    engine = start_engine(setup.dir, tp=2)
+    replica = SGLangReplica(engine, name="T")
+    try:
+        with SGLangRollout([replica], OVERRIDES) as rollout:
+            setup.train([11] * 8)
+            report = rollout.update(setup.model, 1)
+            assert report.ok, report.summary()
+            statuses = replica.call("weightsync_status")
+            assert [(s["tp_rank"], s["version"], s["ok"]) for s in statuses] == [(0, 1, True), (1, 1, True)]
+            assert greedy(engine) == trainer_greedy(setup.model, PROMPTS, NEW)
+            assert replica.weight_version() == "1"
+    finally:
+        engine.shutdown()
+        replica.close()

@@ -77,6 +77,9 @@ def start_engine(model_dir: str, *, tp: int = 1, seed: int = 0, **kwargs: Any) -
 
     if not torch.cuda.is_available():
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        if tp > 1:  # SGLang's CPU engine binds one NUMA node per rank unless told cores: one each
+            cores = os.cpu_count() or 1
+            os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(k % cores) for k in range(tp)))
     from sglang.srt.entrypoints.engine import Engine
 
     args: dict[str, Any] = {
@@ -272,9 +275,12 @@ class SGLangReplica:
         from sglang.srt.utils import MultiprocessingSerializer
 
         payload = [(json.dumps({"op": op, "args": args, "status_dir": self.status_dir}), torch.zeros(1))]
-        # one serialized copy per TP rank, as Engine.update_weights_from_tensor sends it
+        # one serialized copy per TP rank, as Engine.update_weights_from_tensor sends it (a
+        # tensor's shared memory can be fetched once per serialization)
         update = UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=[MultiprocessingSerializer.serialize(payload)] * self.workers(),
+            serialized_named_tensors=[
+                MultiprocessingSerializer.serialize(payload) for _ in range(self.workers())
+            ],
             load_format=LOADER,
             flush_cache=flush,
         )

@@ -63,8 +63,8 @@ def _listed(names: Iterable[str], limit: int = 8) -> str:
 
 
 class _Writes(TorchDispatchMode):
-    """``copy_`` calls on this thread while active: how many elements were written, and into
-    which parameters (by storage). Dispatch modes are per thread: the receiving thread's
+    """In-place writes on this thread while active: how many elements were written, and
+    into which parameters (by storage). Dispatch modes are per thread: the receiving thread's
     copies into landing memory are not seen."""
 
     def __init__(self, owners: dict[int, list[str]]) -> None:
@@ -74,7 +74,9 @@ class _Writes(TorchDispatchMode):
         self.params: set[str] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten.copy_.default:
+        # copy_, and any other in-place write (index_put_, fill_, ...: an overload whose
+        # name ends in "_" writes its first argument)
+        if args and isinstance(args[0], torch.Tensor) and func.overloadpacket.__name__.endswith("_"):
             dst = args[0]
             self.numel += dst.numel()
             self.params.update(self.owners.get(dst.untyped_storage().data_ptr(), ()))
