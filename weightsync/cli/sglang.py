@@ -4,12 +4,19 @@ line's side (SGLang is imported only here, when asked for)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
+
+NO_SGLANG = "needs SGLang: make install-sglang, then run it as .venv-sglang/bin/weightsync"
 
 
 def sglang_demo_command(args: argparse.Namespace) -> int:
     from weightsync.demo.sglang import SGLangDemoOptions, run_sglang_demo
+
+    if importlib.util.find_spec("sglang") is None:
+        print(f"demo: --rollout sglang {NO_SGLANG}", file=sys.stderr)
+        return 2
 
     if args.trainers != 1 or args.lora_rank or args.pause_mode == "wait":
         print(
@@ -39,6 +46,10 @@ def sglang_demo_command(args: argparse.Namespace) -> int:
 
 def sglang_bench_command(args: argparse.Namespace) -> int:
     from weightsync.bench.sglang import SGLangBenchOptions, run_sglang_bench
+
+    if importlib.util.find_spec("sglang") is None:
+        print(f"bench: --rollout sglang {NO_SGLANG}", file=sys.stderr)
+        return 2
 
     if args.trainers != 1 or args.lora_rank or args.update_mode != ["stream"]:
         print(
