@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # multi-GB CUDA build. On a GPU machine: make TORCH=torch==<cuda build> ...
 TORCH  ?= torch==2.13.0
 
-.PHONY: lint install install-vllm install-mooncake install-verl install-cluster install-test install-main demo demo-vllm test test-fast gpu-check docs clean
+.PHONY: lint install install-vllm install-mooncake install-verl install-sglang install-cluster install-test install-main demo demo-vllm test test-fast gpu-check docs clean
 
 install: $(VENV)/.installed
 
@@ -62,6 +62,33 @@ $(VERL_VENV)/.installed: pyproject.toml Makefile
 	$(VERL_BIN)/pip install --quiet "$(TORCH)" -e ".[test,verl]"
 	touch $@
 
+# SGLang 0.5.23 for weightsync.integrations.sglang, tests/sglang and `weightsync demo/bench
+# --rollout sglang`, in an environment of its own: SGLang pins torch 2.14.1 and CUDA packages
+# (and transformers==5.19.0, beside vLLM's own pins), so it goes in with --no-deps and its
+# runtime imports follow one by one, torch pinned on the same line. PyPI has no CPU
+# sgl_kernel and its torchvision is a CUDA build: tools/sglang_cpu closes both gaps in this
+# environment only (a placeholder sgl_kernel whose every name raises when called, and the
+# torchvision::nms/qnms op schemas defined before torchvision loads), put on the path by a
+# .pth file. Never in the library.
+SGLANG_VENV := .venv-sglang
+SGLANG_BIN  := $(SGLANG_VENV)/bin
+SGLANG      := sglang==0.5.23
+SGLANG_DEPS := transformers==5.19.0 xgrammar==0.2.7 apache-tvm-ffi==0.1.11 compressed-tensors==0.18.0 \
+	sentencepiece==0.2.1 openai==2.8.0 fastapi uvicorn orjson msgspec pyzmq triton pybase64 pillow \
+	IPython uvloop dill gguf partial_json_parser setproctitle einops aiohttp
+
+install-sglang: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_BIN)/pip install --quiet "$(TORCH)"
+	$(SGLANG_BIN)/pip install --quiet --no-deps "$(SGLANG)" torchvision==0.28.0
+	$(SGLANG_BIN)/pip install --quiet "$(TORCH)" -e ".[test]" $(SGLANG_DEPS)
+	printf '%s\nimport sglang_cpu_hook\n' "$(CURDIR)/tools/sglang_cpu" > \
+		"$$($(SGLANG_BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/weightsync_sglang_cpu.pth"
+	$(SGLANG_BIN)/python -c 'import torchvision.transforms, sglang.srt.entrypoints.engine'
+	touch $@
+
 demo: install
 	$(BIN)/weightsync demo
 
@@ -83,11 +110,11 @@ lint: install
 	$(BIN)/ruff format --check weightsync tests
 	$(BIN)/ruff check weightsync tests
 
-# Everything make test needs. verl's environment is its own venv and needs no Debian
-# package: it installs beside the main one (-j2); the main one's steps stay in order, one pip
+# Everything make test needs. verl's and SGLang's environments are venvs of their own and need
+# no Debian package: they install beside the main one (-j2); the main one's steps stay in order, one pip
 # and one apt-get at a time (-j1).
 install-test:
-	$(MAKE) -j2 install-main install-verl
+	$(MAKE) -j2 install-main install-verl install-sglang
 
 install-main:
 	$(MAKE) -j1 install-vllm install-mooncake install-cluster
@@ -96,6 +123,7 @@ test: install-test lint
 	@$(CUDA_NOTE)
 	WEIGHTSYNC_REQUIRE_ALL=1 $(BIN)/python -m pytest -q -rs --durations=25 -m "not cuda"
 	WEIGHTSYNC_REQUIRE_ALL=1 $(VERL_BIN)/python -m pytest -q -rs --durations=10 tests/verl
+	WEIGHTSYNC_REQUIRE_ALL=1 $(SGLANG_BIN)/python -m pytest -q -rs --durations=10 tests/sglang
 
 test-fast: install
 	@$(CUDA_NOTE)
@@ -130,4 +158,4 @@ docs: install
 	$(BIN)/weightsync config --docs --lang zh > docs/configuration.zh.md
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) $(SGLANG_VENV) .pytest_cache .hypothesis

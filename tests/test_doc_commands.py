@@ -351,6 +351,15 @@ COMMANDS: dict[str, Run | NotHere] = {
     ),
     # README: GPU check
     "weightsync gpu-check --dry-run": Run(slow=False, timeout=60),
+    # README: SGLang replicas (SGLang lives in .venv-sglang, not in this environment)
+    "weightsync demo --rollout sglang": NotHere(
+        "SGLang is installed in .venv-sglang only: tests/sglang/test_sglang_cli.py runs it there (make test), "
+        "1 replica and 2 steps"
+    ),
+    "weightsync bench --rollout sglang --backend nccl,shm": NotHere(
+        "SGLang is installed in .venv-sglang only: tests/sglang/test_sglang_cli.py runs it there (make test), "
+        "1 replica, the smallest Qwen2 shape, 1 timed update per row"
+    ),
     # docs/vllm.md
     "weightsync demo --rollout vllm": Run(timeout=240, vllm=True),  # about 80 s here: 2 vLLM replicas start
     "weightsync demo --rollout vllm --model DIR --receivers 3 --pause-mode abort": NotHere(

@@ -193,6 +193,10 @@ def _demo_command(args: argparse.Namespace) -> int:
         return 2
     if args.backend is None:  # shards on either side: each byte from its holder to its keeper
         args.backend = "sharded" if args.trainers > 1 or args.tp > 1 else "nccl"
+    if args.rollout == "sglang":
+        from weightsync.cli.sglang import sglang_demo_command
+
+        return sglang_demo_command(args)
     if args.rollout == "vllm":
         if args.trainers > 1 and args.backend != "sharded":
             print(
@@ -311,6 +315,10 @@ def _bench_command(args: argparse.Namespace) -> int:
         return _codec_bench_command(args)
     if args.rollout == "vllm":
         return _vllm_bench_command(args)
+    if args.rollout == "sglang":
+        from weightsync.cli.sglang import sglang_bench_command
+
+        return sglang_bench_command(args)
     if args.lora_rank:
         print(
             "bench: --lora-rank measures LoRA updates of vLLM replicas: use it with --rollout vllm",

@@ -68,9 +68,10 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--rollout",
-        choices=("process", "vllm"),
+        choices=("process", "vllm", "sglang"),
         default="process",
-        help="rollout side: plain PyTorch processes (default) or vLLM replicas (needs weightsync[vllm])",
+        help="rollout side: plain PyTorch processes (default), vLLM replicas (needs weightsync[vllm]) or "
+        "SGLang replicas (needs SGLang: make install-sglang)",
     )
     p.add_argument(
         "--pause-mode",
@@ -140,7 +141,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--rollout",
-        choices=("processes", "vllm"),
+        choices=("processes", "vllm", "sglang"),
         default="processes",
         help="receivers: plain processes (default), or real vLLM replicas (--receivers of them, default 2 "
         "here: update vs. the replicas reloading from disk and the trainer's save)",

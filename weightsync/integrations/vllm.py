@@ -600,11 +600,9 @@ def __getattr__(name: str) -> Any:
         from weightsync.integrations import vllm_trainer
 
         return getattr(vllm_trainer, name)
-    classes = dict(
-        zip(("WeightsyncInitInfo", "WeightsyncUpdateInfo", "WeightsyncTransferEngine"), _engine_classes())
-    )
-    if name in classes:
-        return classes[name]
+    engine_names = ("WeightsyncInitInfo", "WeightsyncUpdateInfo", "WeightsyncTransferEngine")
+    if name in engine_names:  # any other name is not here: asking must not import vLLM
+        return dict(zip(engine_names, _engine_classes()))[name]
     raise AttributeError(name)
 
 

@@ -1,0 +1,172 @@
+"""Real SGLang replicas (0.5.23, its CPU engine) fed by a trainer through weightsync: greedy
+parity with the trainer after every version, SGLang's weight_version, a tensor SGLang's
+loader does not take, a worker killed mid-update.
+
+One engine is started for the module (about 30 s on 2 cores) and shared; the test that
+kills its worker runs last and starts its own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from weightsync.demo.vllm import PROMPTS, save_tiny_model, train_until_changed, trainer_greedy
+from weightsync.integrations.sglang import SGLangReplica, SGLangRollout, start_engine
+from weightsync.integrations.vllm_reports import ReplicaUpdateError
+
+pytestmark = [pytest.mark.timeout(300)]
+
+NEW = 8
+TIMEOUT_S = 30
+OVERRIDES = ["backend=nccl", "update_weights_bucket_megabytes=1", f"timeout_s={TIMEOUT_S}"]
+
+
+def greedy(engine, prompts=PROMPTS, new=NEW) -> list[list[int]]:
+    params = {"temperature": 0.0, "max_new_tokens": new, "ignore_eos": True}
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    return [list(o["output_ids"]) for o in outs]
+
+
+class Setup:
+    def __init__(self, tmp: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.dir = save_tiny_model(os.path.join(tmp, "model"), seed=3)
+        self.model = AutoModelForCausalLM.from_pretrained(self.dir, dtype=torch.float32)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.engine = start_engine(self.dir)
+        self.replica = SGLangReplica(self.engine, name="A")
+        self.rollout = SGLangRollout([self.replica], OVERRIDES)
+        self.version = 0
+
+    def train(self, target: list[int]) -> None:
+        before = trainer_greedy(self.model, PROMPTS, NEW)
+        train_until_changed(self.model, self.optimizer, target, before, NEW)
+
+    def close(self) -> None:
+        self.rollout.close()
+        self.engine.shutdown()
+        self.replica.close()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    s = Setup(str(tmp_path_factory.mktemp("sglang")))
+    yield s
+    s.close()
+
+
+def test_three_versions_greedy_parity(setup: Setup) -> None:
+    """Each version the trainer sends is what SGLang serves: its greedy tokens equal the
+    trainer's (float32 on both sides), and SGLang's weight_version names it."""
+    assert greedy(setup.engine) == trainer_greedy(setup.model, PROMPTS, NEW)  # same checkpoint
+    for target in ([7, 7, 7, 7, 7, 7, 7, 7], [3, 9, 3, 9, 3, 9, 3, 9], [42] * 8):
+        before = greedy(setup.engine)
+        setup.train(target)
+        expected = trainer_greedy(setup.model, PROMPTS, NEW)
+        assert expected != before  # the version changes what is served
+        setup.version += 1
+        report = setup.rollout.update(setup.model, setup.version)
+        assert report.ok, report.summary()
+        assert [r.version for r in report.replicas] == [setup.version]
+        assert greedy(setup.engine) == expected
+        assert setup.replica.weight_version() == str(setup.version)
+        assert [s["version"] for s in setup.replica.call("weightsync_status")] == [setup.version]
+
+
+def test_tensor_sglang_does_not_take_fails_naming_it(setup: Setup) -> None:
+    """A tensor SGLang's loader skips (Qwen2's load_weights ignores unknown names) fails the
+    update naming it; SGLang's weight_version is not moved to the failed version."""
+    state = dict(setup.model.state_dict())
+    state["model.layers.0.mlp.not_a_weight"] = torch.ones(4)
+    served = setup.replica.weight_version()
+    with pytest.raises(ReplicaUpdateError, match="model.layers.0.mlp.not_a_weight"):
+        setup.rollout.update(state, setup.version + 1)
+    assert setup.replica.weight_version() == served
+    # the next whole version repairs it (the failed one left the replica a mix, paused)
+    setup.version += 2
+    report = setup.rollout.update(setup.model, setup.version)
+    assert report.ok, report.summary()
+    assert greedy(setup.engine) == trainer_greedy(setup.model, PROMPTS, NEW)
+
+
+def test_parameter_left_unwritten_fails_naming_it(setup: Setup) -> None:
+    """A full version that leaves a parameter of SGLang's model unwritten fails naming it,
+    unless the caller says partial=True."""
+    state = {k: v for k, v in setup.model.state_dict().items() if k != "model.norm.weight"}
+    with pytest.raises(ReplicaUpdateError, match="model.norm.weight"):
+        setup.rollout.update(state, setup.version + 1)
+    setup.version += 2
+    report = setup.rollout.update(state, setup.version, partial=True)
+    assert report.ok, report.summary()
+    assert greedy(setup.engine) == trainer_greedy(setup.model, PROMPTS, NEW)
+
+
+def test_worker_killed_mid_update_is_named_fast_and_the_other_replica_serves_it(setup: Setup) -> None:
+    """Replica B (a second engine, added to the rollout) has its TP worker killed after the
+    handshake of an update: the update fails naming B well within the deadline, and A ends
+    on the new version whole and serves it. B leaves the rollout (its workers are gone)."""
+    from procs import alive
+
+    from weightsync.sources import StateDictSource
+
+    engine_b = start_engine(setup.dir)
+    b = SGLangReplica(engine_b, name="B")
+    try:
+        setup.rollout.add_replica(b)
+        setup.version += 1
+        report = setup.rollout.update(setup.model, setup.version)  # B joins on this version
+        assert [r.version for r in report.replicas] == [setup.version] * 2, report.summary()
+        assert greedy(engine_b) == trainer_greedy(setup.model, PROMPTS, NEW)
+        setup.train([5] * 8)
+        victim = b.call("weightsync_status")[0]["pid"]
+
+        class KillingSource(StateDictSource):
+            def tensors(self):
+                os.kill(victim, signal.SIGKILL)
+                while alive(victim):
+                    time.sleep(0.05)
+                yield from super().tensors()
+
+        t0 = time.monotonic()
+        with pytest.raises(ReplicaUpdateError, match=r"replica 'B'") as info:
+            setup.rollout.update(KillingSource(dict(setup.model.state_dict())), setup.version + 1)
+        assert time.monotonic() - t0 < TIMEOUT_S, info.value  # named by the lost worker, not by a deadline
+        ra, rb = info.value.report.replicas
+        assert (rb.name, rb.ok) == ("B", False)
+        assert (ra.name, ra.ok, ra.version, ra.resumed) == ("A", True, setup.version + 1, True), ra
+        setup.version += 1
+        assert greedy(setup.engine) == trainer_greedy(setup.model, PROMPTS, NEW)
+        assert setup.replica.weight_version() == str(setup.version)
+    finally:
+        if any(r.name == "B" for r in setup.rollout.replicas):
+            setup.rollout.remove_replica("B")
+        threading.Thread(target=engine_b.shutdown, daemon=True).start()
+        b.close()
+
+
+def test_tp2_replica_over_gloo_each_rank_loads_through_sglang(setup: Setup) -> None:
+    """A replica of 2 TP workers (SGLang's CPU engine, Gloo between them): both join as
+    receivers, each loads the version through SGLang's own sliced loaders (checked: rank 1's
+    loaders write its halves of q/k/v and o_proj with other in-place ops than copy_), and
+    the replica's greedy output is the trainer's."""
+    engine = start_engine(setup.dir, tp=2)
+    replica = SGLangReplica(engine, name="T")
+    try:
+        with SGLangRollout([replica], OVERRIDES) as rollout:
+            setup.train([11] * 8)
+            report = rollout.update(setup.model, 1)
+            assert report.ok, report.summary()
+            statuses = replica.call("weightsync_status")
+            assert [(s["tp_rank"], s["version"], s["ok"]) for s in statuses] == [(0, 1, True), (1, 1, True)]
+            assert greedy(engine) == trainer_greedy(setup.model, PROMPTS, NEW)
+            assert replica.weight_version() == "1"
+    finally:
+        engine.shutdown()
+        replica.close()
