@@ -16,6 +16,7 @@ import torch
 
 from weightsync.checkpoint_form import checkpoint_pieces, is_converted
 from weightsync.plan import TensorSpec, dtype_name
+from weightsync.quant.forms import Form, declared_forms, wire_name
 
 
 class SinkError(ValueError):
@@ -28,9 +29,19 @@ class ModuleSink:
 
     A transformers model whose checkpoint form differs from its in-memory one (an MoE's
     fused experts) takes either: its own names, or the checkpoint form's, landed in views
-    of its own tensors (``weightsync.checkpoint_form``)."""
+    of its own tensors (``weightsync.checkpoint_form``).
 
-    def __init__(self, module: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
+    A module holding FP8 tensors with their scales (``X.weight`` in ``float8_e4m3fn`` beside
+    ``X.weight_scale_inv``) declares those forms (``forms``; ``ue8m0``: its scales are powers
+    of two, for every tensor or by name) and takes them quantized by the trainer
+    (``weightsync.quant``)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        ue8m0: bool | Mapping[str, bool] = False,
+    ) -> None:
         self.module = module
         self.targets: dict[str, torch.Tensor] = (
             dict(module.state_dict(keep_vars=True)) if isinstance(module, torch.nn.Module) else dict(module)
@@ -43,9 +54,19 @@ class ModuleSink:
                 if name not in self.targets and base is not None:  # a copy could not land in place
                     self.targets[name] = piece
                     self._pieces.setdefault(base, []).append(piece)
+        #: the quantized forms this module holds (tensor name -> form), each landed from its
+        #: wire entries (``P@<tag>``, ``P_scale_inv@<tag>``)
+        self.forms: dict[str, Form] = declared_forms(self.targets, ue8m0)
+        for name, form in self.forms.items():
+            self.targets[wire_name(name, form)] = self.targets[name]
+            self.targets[wire_name(form.scale_name, form)] = self.targets[form.scale_name]
+        #: the sync's entries that are not for this module (other forms', ...): set per sync
+        self.skipped: set[str] = set()
         self._loaded: set[int] = set()  # ids of target tensors written (tied names share one)
 
     def _problem(self, name: str, shape: tuple[int, ...], dtype: str) -> str | None:
+        if name in self.skipped:
+            return None
         target = self.targets.get(name)
         if target is None:
             close = difflib.get_close_matches(name, list(self.targets), n=1)
@@ -68,12 +89,19 @@ class ModuleSink:
         """Where a tensor that arrives in pieces may be merged directly: the model's own
         tensor, if it matches and is contiguous (else None: merged elsewhere, then loaded)."""
         target = self.targets.get(spec.name)
-        if target is None or self._problem(spec.name, spec.shape, spec.dtype) or not target.is_contiguous():
+        if (
+            target is None
+            or spec.name in self.skipped
+            or self._problem(spec.name, spec.shape, spec.dtype)
+            or not target.is_contiguous()
+        ):
             return None
         return target.data
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
         """Copy one tensor into the model (in place, so references to it stay valid)."""
+        if name in self.skipped:
+            return
         problem = self._problem(name, tuple(tensor.shape), dtype_name(tensor.dtype))
         if problem:
             raise SinkError(problem)

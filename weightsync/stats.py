@@ -46,6 +46,11 @@ class SyncStats:
     #: tensors, and those staged into its ring first (not shareable, or packed small tensors)
     shared_bytes: int = 0
     staged_bytes: int = 0
+    #: quantized forms (``weightsync.quant``), on the sender: tensors quantized for the
+    #: receivers that hold them so, and the seconds it took (inside ``transfer_s``: each
+    #: tensor is quantized as its bucket is packed)
+    quantized: int = 0
+    quantize_s: float = 0.0
     #: receivers lost in this sync and dropped (``drop_lost_receivers``), on the sender
     dropped: list[int] = field(default_factory=list)
 

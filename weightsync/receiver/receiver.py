@@ -33,6 +33,8 @@ from weightsync.errors import (
     in_context,
 )
 from weightsync.plan import Plan, capacity
+from weightsync.quant import receive_stage as quant
+from weightsync.quant.forms import is_tagged
 from weightsync.receiver import admission
 from weightsync.receiver.link import SenderLink
 from weightsync.receiver.publication import take
@@ -233,7 +235,8 @@ class Receiver:
         if self._publisher is not None:
             return self._take(self._publisher, version, None, owned)
         owned = self._route.owned(owned, landing)
-        return self._route.wholes(self._sync_session(version, None, owned, landing=landing, settle=settle))
+        entries = self._route.wholes(self._sync_session(version, None, owned, landing=landing, settle=settle))
+        return quant.untagged(entries)
 
     def load_into(self, module: torch.nn.Module | ModuleSink, version: int | None = None) -> SyncStats:
         """Receive one version and copy it in place into ``module`` by name (or into a sink's
@@ -354,10 +357,14 @@ class Receiver:
         offer again) until the go; returns the version, plan, ``Incoming`` and the message
         agreed on."""
         while True:
-            v, plan, incoming = self._accept(msg, version, sink)
+            v, plan, incoming, declared = self._accept(msg, version, sink)
             go = ch.recv(
                 Deadline(self.config.timeout_s, f"for the go of version {v}"), expect=("go", "again")
             )
+            if go["type"] == "go" and declared:
+                raise ProtocolError(
+                    f"{ch.peer} gave the go of version {v} without the quantized forms this receiver declared"
+                )
             if go["type"] == "go":
                 incoming.go(ch.peer, v)  # a delta sync without the dense section asked for fails
                 return v, plan, incoming, msg
@@ -463,16 +470,19 @@ class Receiver:
 
     def _accept(
         self, msg: dict[str, Any], expected: int | None, sink: ModuleSink | None
-    ) -> tuple[int, Plan | None, Incoming]:
-        """Check the sender's sync message (``weightsync.receiver.admission``, then the delta stage);
-        reply ready, or error (and raise) naming both values. Returns the version, the plan
-        and the delta stage's ``Incoming`` (whether this receiver applies deltas)."""
+    ) -> tuple[int, Plan | None, Incoming, bool]:
+        """Check the sender's sync message (``weightsync.receiver.admission``, the route stage,
+        the quantized forms, then the delta stage); reply ready, or error (and raise) naming
+        both values. Returns the version, the plan, the delta stage's ``Incoming`` (whether
+        this receiver applies deltas) and whether it declared its forms (the sender must
+        offer the sync again)."""
         ch = self._link.channel
         assert ch is not None
         v = msg.get("version")
         plan: Plan | None = None
         incoming: Incoming | None = None
         agreed: dict[str, Any] = {}  # the route stage's fields of the ready answer
+        declared: dict[str, Any] | None = None  # forms that this sync does not serve as held
         try:
             problem = admission.sync_problem(msg, expected, self.state, self.config)
             if problem is None:
@@ -480,9 +490,19 @@ class Receiver:
                 plan, problem, agreed = self._route.accept(
                     msg, sink, self._link.plan, self.config, self.max_tensor_bytes, host, self.needs
                 )
-            if problem is None and plan is not None and self.vet is not None and not self.sharded:
-                self.vet(plan.tensors)
             if problem is None:
+                forms = sink.forms if sink is not None else {}
+                declared = quant.declaration(msg, self.rank, plan, forms)
+                if sink is not None:
+                    sink.skipped = (
+                        quant.skipped(plan, forms) if plan is not None and declared is None else set()
+                    )
+            if declared is not None:  # offered again as this receiver holds it: nothing to check yet
+                incoming = self._decoder.accept(None, None, None, self.state, self.max_tensor_bytes)
+                agreed["forms"] = declared
+            elif problem is None and plan is not None and self.vet is not None and not self.sharded:
+                self.vet([s for s in plan.tensors if not is_tagged(s.name)])
+            if problem is None and declared is None:
                 incoming = self._decoder.accept(
                     msg.get("delta"), plan, sink, self.state, self.max_tensor_bytes
                 )
@@ -497,4 +517,4 @@ class Receiver:
             self._link.plan = plan
         # A delta sync without a dense section is offered again with one if we lack its base.
         ch.send({"type": "ready", "dense": incoming.wants_dense, **agreed}, deadline)
-        return v, plan, incoming
+        return v, plan, incoming, declared is not None

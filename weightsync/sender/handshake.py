@@ -3,18 +3,20 @@
 A sync's handshake (``agree``)::
 
     rank 0 -> peer   sync {version, plan_hash[, plan], bucket_bytes, force, verify, engine,
-                           reroute, delta?, route?}
-    peer -> rank 0   ready {dense?, route? | layout?} | error {message}
+                           reroute, delta?, route?, forms?}
+    peer -> rank 0   ready {dense?, route? | layout?, forms?} | error {message}
     rank 0 -> peer   again (then a new sync message) | go | abort {message}
 
-Another round is offered where the delta stage (a receiver lacks the base of a delta sync)
-or the route stage (a peer declared a new layout) calls for it. The warm-up (``warm_up``)
+Another round is offered where the delta stage (a receiver lacks the base of a delta sync),
+the quantized-forms stage (a receiver declared forms it was not served) or the route stage
+(a peer declared a new layout) calls for it. The warm-up (``warm_up``)
 forms the data plane ahead of the first sync: warmup, ready, go, joined.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +27,7 @@ from weightsync.errors import HandshakeError
 from weightsync.plan import Plan, capacity
 from weightsync.sender.peers import Peer, SessionPeers
 from weightsync.sender.replies import answers
-from weightsync.sender.route_stage import Members, SendRoute
+from weightsync.sender.route_stage import Answer, Members, SendRoute
 from weightsync.session.channel import PROTOCOL_VERSION, Deadline
 
 log = logging.getLogger("weightsync")
@@ -41,8 +43,25 @@ class Offer:
     reroute: bool  # after a loss, receivers wait for the sender's word (``drop_lost_receivers``)
 
 
+@dataclass(frozen=True)
+class Forms:
+    """The quantized-forms stage's part in the rounds (``weightsync.quant.send_stage``): its
+    fields of every sync message, and the sync encoded again, with the offer that carries
+    it, for forms a receiver declared (None: nothing new; ``ValueError``: a form the
+    trainer cannot send)."""
+
+    fields: Callable[[], dict[str, Any]]
+    again: Callable[[Sequence[Answer]], tuple[Outgoing, Offer] | None]
+
+
 def agree(
-    peers: SessionPeers, route: SendRoute, config: EngineConfig, offer: Offer, out: Outgoing, trainers: int
+    peers: SessionPeers,
+    route: SendRoute,
+    config: EngineConfig,
+    offer: Offer,
+    out: Outgoing,
+    trainers: int,
+    forms: Forms | None = None,
 ) -> tuple[int, Outgoing]:
     """Agree on version, bucket size and plan with every receiver (and trainer rank);
     return how many receivers got the full plan, and what this rank packs (the route
@@ -50,8 +69,16 @@ def agree(
     the route stage finds no way."""
     members = peers.members(trainers)
     while True:
-        plans_sent, round_peers, replies, deadline = _round(peers, route, config, offer, out, members)
+        fields = forms.fields() if forms is not None else {}
+        plans_sent, round_peers, replies, deadline = _round(peers, route, config, offer, out, members, fields)
         again = out.again(replies)
+        if again is None and forms is not None:
+            try:
+                reformed = forms.again(peers.answers_of(replies))
+            except ValueError as e:
+                peers.abort(round_peers, deadline, str(e), e)
+            if reformed is not None:
+                again, offer = reformed
         if again is None:
             try:
                 if route.answered(out, peers.answers_of(replies), members):
@@ -66,16 +93,22 @@ def agree(
 
 
 def _round(
-    peers: SessionPeers, route: SendRoute, config: EngineConfig, offer: Offer, out: Outgoing, members: Members
+    peers: SessionPeers,
+    route: SendRoute,
+    config: EngineConfig,
+    offer: Offer,
+    out: Outgoing,
+    members: Members,
+    stage_fields: dict[str, Any],
 ) -> tuple[int, list[Peer], list[tuple[int | None, dict[str, Any]]], Deadline]:
-    """One round: the sync message to every peer, and their answers. Returns how many
-    receivers got the full plan, the peers, their replies (rank and reply) and the round's
-    deadline."""
+    """One round: the sync message to every peer (``stage_fields``: the forms stage's), and
+    their answers. Returns how many receivers got the full plan, the peers, their replies
+    (rank and reply) and the round's deadline."""
     deadline = Deadline(config.timeout_s, f"in the handshake of version {offer.version}")
     plan = out.plan
     plans_sent = 0
     msg: dict[str, Any] = {}
-    fields = route.offer(out, members)
+    fields = {**route.offer(out, members), **stage_fields}
     for rank, ch in peers.channels.items():
         msg = {
             "type": "sync",

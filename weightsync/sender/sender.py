@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from weightsync.engines.base import Publisher, Transport
 from weightsync.engines.registry import get_engine
 from weightsync.errors import HandshakeError, PeerLost, RemoteFailure
 from weightsync.plan import Plan, capacity, make_plan
+from weightsync.quant.send_stage import QuantSend
 from weightsync.sender import handshake
 from weightsync.sender.packer import producer
 from weightsync.sender.peers import SessionPeers
@@ -91,6 +94,13 @@ class Sender:
         sharded = issubclass(self.engine_cls, Transport) and self.engine_cls.sharded
         #: the route stage: what each sync's wire entries are and where they go
         self._route: SendRoute = ShardedSend() if sharded else DenseSend()
+        #: the quantized-forms stage: what receivers declared, quantized before the wire
+        self._quant = QuantSend(
+            f"backend {config.backend!r} sends from every trainer rank; quantized forms go over a dense "
+            "backend from one (docs/quantized.md)"
+            if sharded or self._all_send
+            else None
+        )
         if self._all_send and not 0 <= self.rank < self.num_trainers:
             raise ValueError(
                 f"rank {self.rank} is not one of the {self.num_trainers} trainer rank(s) (num_trainers)"
@@ -310,13 +320,19 @@ class Sender:
         self._confirmed = set()
         self._route.start()
         senders = self._peers.trainers.count + 1
+        bucket = self.config.bucket_bytes
+
+        def encode() -> Outgoing:  # the forms receivers declared, then what changed (a delta sync)
+            wire, wire_plan = self._quant.encode(src, plan, self.receivers, bucket)
+            return self._delta_stage.encode(wire, wire_plan, version, self.receivers, senders)
+
         # Before the handshake: the plan of a delta sync depends on what changed.
         try:
-            out = self._delta_stage.encode(src, plan, version, self.receivers, senders)
+            out = encode()
         except Exception as e:  # the source failed before the handshake: end the receivers' wait
             self.cancel(version, f"{type(e).__name__}: {e}")
             raise
-        join = self._peers.join(version, senders, capacity(out.plan, self.config.bucket_bytes))
+        join = self._peers.join(version, senders, capacity(out.plan, bucket))
         # "broken": the transport or a peer failed mid-protocol, so connections and group
         # are in an unknown state and are rebuilt; "refused": a receiver refused or failed
         # cleanly, everyone is between syncs and the connections stay.
@@ -325,11 +341,23 @@ class Sender:
         try:
             info = {**transport.prepare(join), "world_size": join.world_size, "senders": senders}
             offer = handshake.Offer(version, force, info, self._may_reroute(out.plan))
+
+            def reformed(answers: Sequence[handshake.Answer]) -> tuple[Outgoing, handshake.Offer] | None:
+                nonlocal join, info  # a larger bucket than the first round's: the data plane grows
+                if not self._quant.answered(answers):
+                    return None
+                again = encode()
+                if capacity(again.plan, bucket) > join.capacity:
+                    join = replace(join, capacity=capacity(again.plan, bucket))
+                    info = {**transport.prepare(join), "world_size": join.world_size, "senders": senders}
+                return again, handshake.Offer(version, force, info, self._may_reroute(again.plan))
+
+            forms = handshake.Forms(lambda: self._quant.offer(self.receivers), reformed)
             stats.plan_sent_to, out = handshake.agree(
-                self._peers, self._route, self.config, offer, out, self.num_trainers
+                self._peers, self._route, self.config, offer, out, self.num_trainers, forms
             )
             went = True
-            transport.connect(self._route.join(join, self.config.bucket_bytes), info)
+            transport.connect(self._route.join(join, bucket), info)
             stats.handshake_s = time.perf_counter() - start  # handshake and group join
             deadline = Deadline(self.config.timeout_s, f"in the transfer of version {version}")
             sums = self._transfer(out, stats, deadline)
@@ -426,6 +454,7 @@ class Sender:
             stats.buckets = len(out.plan.buckets)
             stats.bytes = sum(s.nbytes for s in out.plan.tensors)
         self._route.account(stats)
+        self._quant.account(stats)
         out.account(stats)  # a delta sync counts the model's bytes, not the wire's
         return rank_sums
 

@@ -1,0 +1,133 @@
+"""Quantized forms: FP8 blocks exact against vLLM's quantizer, and receivers holding FP8
+and bf16 in one sync over real transports (docs/quantized.md)."""
+
+import pytest
+import quant_workers as qw
+import torch
+import workers
+from procs import CTX, collect, start, stop
+
+from weightsync import EngineConfig, HandshakeError, Sender
+from weightsync.quant import quantize_blocks
+
+pytestmark = [pytest.mark.timeout(180)]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_block_fp8_equals_vllms_quantizer_bit_for_bit(ue8m0):
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(256, 384), (200, 130), (1, 5), (129, 128), (300, 77)]:
+        for dtype in (torch.bfloat16, torch.float32, torch.float16):
+            x = (torch.randn(shape, generator=g) * 3).to(dtype)
+            x[:1, :3] = 0  # a block with zeros, and (1, 5) all but zero: the amax floor
+            want_q, want_s = per_block_cast_to_fp8(x, [128, 128], use_ue8m0=ue8m0)
+            q, s = quantize_blocks(x, (128, 128), ue8m0)
+            assert q.dtype == torch.float8_e4m3fn and torch.equal(
+                q.view(torch.uint8), want_q.view(torch.uint8)
+            )
+            assert s.dtype == torch.float32 and torch.equal(s, want_s), (shape, dtype)
+    stack = torch.randn(3, 200, 130, generator=g).to(torch.bfloat16)
+    q, s = quantize_blocks(stack, ue8m0=ue8m0)
+    assert s.shape == (3, 2, 2)
+    for e in range(3):  # a stack: expert by expert
+        want_q, want_s = per_block_cast_to_fp8(stack[e], [128, 128], use_ue8m0=ue8m0)
+        assert torch.equal(q[e].view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s[e], want_s)
+    zeros = torch.zeros(130, 130)
+    assert torch.equal(quantize_blocks(zeros)[1], per_block_cast_to_fp8(zeros, [128, 128])[1])
+
+
+def reference(t, ue8m0):
+    """vLLM's block quantizer, expert by expert for a stack."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    pairs = [per_block_cast_to_fp8(m, list(qw.BLOCK), use_ue8m0=ue8m0) for m in t.view(-1, *t.shape[-2:])]
+    q, s = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+    return (q, s) if t.dim() == 3 else (q[0], s[0])
+
+
+def expected(version, form):
+    """A receiver's tensors after ``version``: the trainer's bf16, and for an FP8 receiver
+    vLLM's quantizer's bytes and scales of the quantized ones."""
+    out = {}
+    for name, t in qw.weights(version).items():
+        if form != "bf16" and name in qw.QUANTIZED:
+            q, s = reference(t, ue8m0=form == "ue8m0")
+            out[name], out[name + "_scale_inv"] = workers.digest(q), workers.digest(s)
+        else:
+            out[name] = workers.digest(t)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("backend", ["nccl", "shm"])
+def test_fp8_and_bf16_receivers_take_their_own_forms_from_one_sync(backend):
+    forms = ["fp8", "bf16", "ue8m0"]
+    overrides = [f"backend={backend}", "update_weights_bucket_megabytes=1", "timeout_s=60"]
+    versions = [1, 2, 3]
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", len(forms)) as sender:
+        procs = [
+            start(qw.run_receiver, sender.address, r, overrides, versions, q, form)
+            for r, form in enumerate(forms)
+        ]
+        try:
+            sizes = []
+            for v in versions:
+                stats = sender.send(qw.weights(v), version=v)
+                assert stats.quantized == 2 * len(qw.QUANTIZED)  # each form's tensors quantized once
+                sizes.append(stats.bytes)
+                reports = sorted(collect(q, len(forms)))
+                for (rank, got_v, digests, missing), form in zip(reports, forms):
+                    assert got_v == v, digests
+                    assert missing == [], (form, missing)
+                    assert digests == expected(v, form), f"receiver {rank} ({form}) differs at version {v}"
+            bf16 = sum(t.numel() * 2 for t in qw.weights(1).values())
+            quantized = sum(t.numel() for n, t in qw.weights(1).items() if n in qw.QUANTIZED)
+            assert sizes[0] > bf16 + 2 * quantized  # bf16 for one, each FP8 form for the others
+        finally:
+            stop(procs)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_only_fp8_receivers_halve_the_bytes_on_the_wire():
+    overrides = ["backend=shm", "update_weights_bucket_megabytes=1", "timeout_s=60"]
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
+        procs = [start(qw.run_receiver, sender.address, r, overrides, [1, 2], q, "fp8") for r in range(2)]
+        try:
+            for v in (1, 2):
+                stats = sender.send(qw.weights(v), version=v)
+                for _, got_v, digests, _ in collect(q, 2):
+                    assert got_v == v and digests == expected(v, "fp8")
+            held = qw.holding(fp8=True)  # only the FP8 form of the quantized tensors travels
+            assert stats.bytes == sum(t.numel() * t.element_size() for t in held.values())
+            full = sum(t.numel() * 2 for t in qw.weights(1).values())
+            assert stats.bytes < 0.56 * full  # the embedding and the norm stay bf16
+        finally:
+            stop(procs)
+
+
+@pytest.mark.slow
+def test_a_form_the_trainer_cannot_make_is_refused_in_the_handshake_naming_tensor_and_form():
+    overrides = ["backend=nccl", "update_weights_bucket_megabytes=1", "timeout_s=30"]
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
+        procs = [
+            start(qw.run_receiver, sender.address, 0, overrides, [1], q, "bf16"),
+            start(qw.run_receiver, sender.address, 1, overrides, [1], q, "bf16-scales"),
+        ]
+        try:
+            with pytest.raises(HandshakeError) as caught:
+                sender.send(qw.weights(1), version=1)
+            message = str(caught.value)
+            assert "receiver rank 1" in message and "'layers.0.proj.weight'" in message
+            assert "bfloat16 scales" in message and "unknown scale layout 'bfloat16'" in message
+            errors = collect(q, 2)
+            assert all(e[1] == "error" and "proj.weight" in e[2] for e in errors), errors
+        finally:
+            stop(procs)

@@ -1,0 +1,6 @@
+"""Quantized forms: receivers holding FP8 weights, quantized once on the trainer (docs/quantized.md)."""
+
+from weightsync.quant.forms import Form, declared_forms, wire_name
+from weightsync.quant.fp8 import dequantize_blocks, quantize_blocks
+
+__all__ = ["Form", "declared_forms", "dequantize_blocks", "quantize_blocks", "wire_name"]

@@ -1,0 +1,49 @@
+"""The receiver's quantized-forms stage: declare the forms it holds, take its own entries.
+
+A receiver answers a sync whose message serves it other forms than it holds (the first
+sync, or a module that changed) with its declaration instead of taking the plan, and the
+sender offers the sync again encoded for it (``weightsync.quant.send_stage``). Once served,
+it takes, of each tensor, the entries of its own form and skips the others: a module
+holding ``P`` in FP8 lands ``P@<tag>`` in ``P`` and ``P_scale_inv@<tag>`` in its scales, and
+skips ``P`` as the trainer holds it; a receiver without forms skips every tagged entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from weightsync.plan import Plan
+from weightsync.quant.forms import Form, is_tagged, offered, wire_name
+
+
+def declaration(
+    msg: Mapping[str, Any], rank: int, plan: Plan | None, forms: Mapping[str, Form]
+) -> dict[str, Any] | None:
+    """The forms to declare in the ready answer (None: the sync serves these ``forms``)."""
+    served = offered(msg, rank)
+    if served == {n: f.tag for n, f in forms.items()} and (plan is not None or not forms):
+        return None
+    return {n: f.to_wire() for n, f in forms.items()}
+
+
+def skipped(plan: Plan, forms: Mapping[str, Form]) -> set[str]:
+    """The wire entries of ``plan`` that are not for a receiver holding ``forms``: other
+    forms' entries, and a tensor it holds quantized as the trainer holds it."""
+    mine = {wire_name(n, f) for n, f in forms.items()} | {wire_name(f.scale_name, f) for f in forms.values()}
+    return {s.name for s in plan.tensors if (is_tagged(s.name) and s.name not in mine) or s.name in forms}
+
+
+def untagged(entries: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``receive()``'s entries without the quantized forms' (a streaming receiver declares
+    none: it takes every tensor as the trainer holds it)."""
+    try:
+        for name, tensor in entries:
+            if not is_tagged(name):
+                yield name, tensor
+    finally:  # a consumer that stops early closes the session's generator now (it drains)
+        close = getattr(entries, "close", None)
+        if close is not None:
+            close()

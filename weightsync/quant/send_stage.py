@@ -1,0 +1,146 @@
+"""The sender's quantized-forms stage: each declared tensor quantized once, before the wire.
+
+Receivers declare the forms they hold (``weightsync.quant.forms``) in their answer to the
+handshake; the sender keeps each receiver's declaration across syncs and offers every
+sync with the forms it serves each receiver (``offer``), so a declaration costs one more
+round once, when it is new. The sync's wire entries (``encode``) are then, per tensor, in
+the source's order: the tensor as the trainer sends it, where some receiver holds it so,
+and for each form some receiver holds it in, its FP8 bytes and scales (quantized as its
+bucket is packed, on the trainer's device, timed in ``SyncStats.quantize_s``). Where every
+receiver holds a tensor in one form, only that form travels: half of bf16's bytes.
+
+Forms need a source that announces its tensors (a module or a state dict) and one trainer
+rank that sends (dense backends); other syncs with declared forms are refused in the
+handshake naming the receiver and the tensor, as is a form the trainer cannot produce.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from weightsync.plan import Plan, TensorSpec, make_plan
+from weightsync.quant.forms import Form, wire_name
+from weightsync.quant.fp8 import quantize_blocks
+from weightsync.sources import WeightSource
+from weightsync.stats import SyncStats
+
+#: a round's answers as the sender reads them: (side, rank, ready reply)
+Answer = tuple[str, int, dict[str, Any]]
+
+
+class QuantizedSource(WeightSource):
+    """``src``'s tensors with the quantized forms receivers hold (``wanted``: receiver ->
+    tensor name -> form), each quantized once however many receivers hold it so."""
+
+    def __init__(
+        self, src: WeightSource, specs: Sequence[TensorSpec], wanted: Mapping[int, Mapping[str, Form]]
+    ) -> None:
+        self.src = src
+        self.reiterable = src.reiterable
+        self.forms: dict[str, dict[str, Form]] = {}  # tensor name -> tag -> form
+        for forms in wanted.values():
+            for name, form in forms.items():
+                self.forms.setdefault(name, {})[form.tag] = form
+        # a tensor goes as the trainer holds it too where some receiver did not declare it
+        self.whole = {s.name for s in specs if any(s.name not in forms for forms in wanted.values())}
+        self._specs = []
+        for spec in specs:
+            if spec.name in self.whole:
+                self._specs.append(spec)
+            for form in self.forms.get(spec.name, {}).values():
+                self._specs += form.specs(spec)
+        self.seconds = 0.0
+        self.quantized = 0
+
+    def specs(self) -> list[TensorSpec]:
+        return list(self._specs)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.seconds, self.quantized = 0.0, 0
+        for name, tensor in self.src.tensors():
+            if name in self.whole:
+                yield name, tensor
+            for form in self.forms.get(name, {}).values():
+                t0 = time.perf_counter()
+                q, scales = quantize_blocks(tensor, form.block, ue8m0=form.scale == "ue8m0")
+                self.seconds += time.perf_counter() - t0
+                self.quantized += 1
+                yield wire_name(name, form), q
+                yield wire_name(form.scale_name, form), scales
+
+
+class QuantSend:
+    """The sender's stage across syncs: what each receiver declared, and each sync's
+    entries. ``refusal``: why this sender cannot serve forms (None: it can)."""
+
+    def __init__(self, refusal: str | None = None) -> None:
+        self.refusal = refusal
+        #: receiver rank -> the forms it declared (absent: not heard from yet)
+        self.known: dict[int, dict[str, Form]] = {}
+        self._specs: dict[str, TensorSpec] = {}
+        self._source: QuantizedSource | None = None
+
+    def encode(
+        self, src: WeightSource, plan: Plan | None, receivers: Sequence[int], bucket_bytes: int
+    ) -> tuple[WeightSource, Plan | None]:
+        """This sync's wire entries and their plan, for the forms the receivers declared."""
+        self._specs = {s.name: s for s in plan.tensors} if plan is not None else {}
+        wanted = {r: self.known.get(r, {}) for r in receivers}
+        self._source = None
+        if plan is None or not any(wanted.values()):
+            return src, plan
+        self._source = QuantizedSource(src, plan.tensors, wanted)
+        return self._source, make_plan(self._source.specs(), bucket_bytes)
+
+    def offer(self, receivers: Sequence[int]) -> dict[str, Any]:
+        """The sync message's field: the forms served to each receiver (when any are)."""
+        served = {str(r): {n: f.tag for n, f in self.known.get(r, {}).items()} for r in receivers}
+        return {"forms": served} if any(served.values()) else {}
+
+    def answered(self, answers: Sequence[Answer]) -> bool:
+        """Take a round's answers; True when a receiver declared forms other than those
+        offered (the sync is encoded and offered again). Raises ``ValueError`` naming the
+        receiver, the tensor and the form the trainer cannot produce."""
+        again = False
+        for side, rank, reply in answers:
+            if side != "receiver":
+                continue
+            declared = reply.get("forms")
+            if declared is None:
+                self.known.setdefault(rank, {})
+                continue
+            if not isinstance(declared, Mapping):
+                raise ValueError(f"receiver rank {rank} declared forms that do not parse: {declared!r}")
+            forms = {str(n): Form.from_wire(f) for n, f in declared.items()}
+            for name, form in forms.items():
+                problem = self._problem(name, form)
+                if problem is not None:
+                    raise ValueError(
+                        f"receiver rank {rank} holds tensor {name!r} as {form.describe()}, which this "
+                        f"trainer cannot send: {problem}"
+                    )
+            self.known[rank] = forms
+            again = True
+        return again
+
+    def _problem(self, name: str, form: Form) -> str | None:
+        if self.refusal is not None:
+            return self.refusal
+        spec = self._specs.get(name)
+        if spec is None:
+            return (
+                "the trainer's source does not announce its tensors (a bare iterator)"
+                if not self._specs
+                else "the trainer sends no tensor of that name"
+            )
+        return form.problem(spec)
+
+    def account(self, stats: SyncStats) -> None:
+        """The sync's quantizing in the stats."""
+        if self._source is not None:
+            stats.quantized = self._source.quantized
+            stats.quantize_s = self._source.seconds
