@@ -177,6 +177,33 @@ def filled(
     return state
 
 
+def filled_values(
+    specs: list[TensorSpec], seed: int = 0, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """The trainer's model in finite values (tiled from a block of normal samples), for what
+    reads them as numbers (a quantizer); integer tensors as ``filled``'s."""
+    gen = torch.Generator().manual_seed(seed)
+    block = torch.randn(1 << 20, generator=gen)
+    state = filled(specs, seed, device)
+    for i, t in enumerate(state.values()):
+        if t.is_floating_point() and t.numel():
+            flat = t.view(-1)
+            shift = (i * 4099) % block.numel()  # neighbouring tensors differ
+            tile = torch.cat([block[shift:], block[:shift]]).to(device=device, dtype=t.dtype)
+            for start in range(0, flat.numel(), tile.numel()):
+                n = min(tile.numel(), flat.numel() - start)
+                flat[start : start + n].copy_(tile[:n])
+    return state
+
+
+def scale_values(state: dict[str, torch.Tensor]) -> None:
+    """``filled_values``'s next version: every float times -1.25 (every non-zero element,
+    and every FP8 block's sign and scale, changes; magnitudes stay finite for many versions)."""
+    for t in state.values():
+        if t.is_floating_point():
+            t.mul_(-1.25)
+
+
 def bump(state: dict[str, torch.Tensor], version: int) -> None:
     """Change every byte of every tensor, cheaply (one in-place add over the raw bytes):
     each version differs from the last everywhere, so a receiver that keeps any byte of the

@@ -47,6 +47,7 @@ from weightsync.bench.workers import (
 from weightsync.config.scratch import scratch_overrides
 from weightsync.plan import TensorSpec
 from weightsync.platform import process_context, start_process
+from weightsync.quant.replica import fp8_wire_specs
 
 ALTERNATIVES = ("per-tensor-broadcast", "safetensors-reload")
 #: backends where every trainer rank sends a share (``--trainers`` applies to them)
@@ -115,6 +116,9 @@ class BenchOptions:
     hosts: int = 0
     link: str = "1gbit"
     trainer_link: str | None = None
+    #: "fp8": each backend's row again with every receiver holding the decoder layers' matrices
+    #: in FP8 blocks, quantized on the trainer (``weightsync.quant``), beside the plain row
+    quantize: str | None = None
 
 
 @dataclass
@@ -150,6 +154,8 @@ class Row:
     #: versions (the warm-up and the timed ones) after which every receiver's digest was
     #: checked against the sender's (0: a ceiling, which moves no model)
     versions_checked: int = 0
+    #: the receivers' quantized form ("fp8"; None: they hold the model as the trainer does)
+    quantize: str | None = None
 
     @property
     def spread(self) -> float | None:
@@ -180,6 +186,7 @@ class Row:
             "density": None if self.density is None else round(self.density, 5),
             "device": self.device,
             "versions_checked": self.versions_checked,
+            "quantize": self.quantize,
             **({"phases_s": {k: round(v, 4) for k, v in self.phases.items()}} if self.phases else {}),
             **({"nic_bytes_per_sync": self.nic_bytes} if self.nic_bytes is not None else {}),
             **self.ratios,
@@ -240,6 +247,13 @@ def run_bench(opts: BenchOptions, progress: Callable[[str, int, int], None] | No
             raise ValueError(
                 "backend 'naive' hands tensors over inside one process: there is no transport to bench"
             )
+        if opts.quantize and backend in (*_ALL_RANKS_SEND, "disk"):
+            raise ValueError(
+                f"--quantize {opts.quantize}: backend {backend!r} cannot carry quantized forms (they go over "
+                "a dense backend from one trainer rank: nccl, shm, mooncake, ipc)"
+            )
+    if opts.quantize not in (None, "fp8"):
+        raise ValueError(f"--quantize {opts.quantize!r}: expected fp8")
     if opts.hosts:
         return _run_on_hosts(opts, progress)
     return _run_rows(opts, progress)
@@ -278,8 +292,8 @@ def _run_on_hosts(opts: BenchOptions, progress: Callable[[str, int, int], None] 
         rows = _run_rows(
             opts, progress, netns=netns, host=cluster.hosts[0].address, counters=cluster.counters
         )
-    specs = _specs(opts)
     for row in rows:
+        specs = fp8_wire_specs(_specs(opts)) if row.quantize else _specs(opts)  # the bytes it carried
         ceiling = ceiling_s(placed, specs, row.backend)
         predicted = predict(layout(row.bucket_mb), specs, row.backend).seconds
         row.ratios = {
@@ -288,6 +302,7 @@ def _run_on_hosts(opts: BenchOptions, progress: Callable[[str, int, int], None] 
             "predicted_s": round(predicted, 4),  # weightsync estimate's, for the same flags
         }
     _add_dense_ratios(rows)
+    _add_quantized_ratios(rows)
     return rows
 
 
@@ -310,6 +325,7 @@ def _run_rows(
     rows: list[Row] = []
     if opts.update not in ("bump", "adamw"):
         raise ValueError(f"--update {opts.update!r}: expected bump or adamw")
+    total_ticks += sum(opts.repeats for _, mb, _ in planned if mb and opts.quantize)
     for kind, mb, delta in planned:
         label = f"{kind}" + (f" {mb} MiB buckets" if mb else "") + (f" delta={delta}" if delta else "")
         overrides = (
@@ -328,28 +344,34 @@ def _run_rows(
 
         if progress is not None:
             progress(label, done, total_ticks)
-        # backend=disk without a path publishes into a temporary directory under --work-dir
-        with scratch_overrides([f"backend={kind}", *overrides] if mb else [], opts.work_dir) as row_overrides:
-            job = Job(
-                kind,
-                specs,
-                opts.receivers * opts.tp,
-                repeats.get(kind, opts.repeats),
-                row_overrides[1:],
-                opts.model,
-                opts.work_dir,
-                opts.timeout_s,
-                trainers=opts.trainers if kind in _ALL_RANKS_SEND else 1,
-                tp=opts.tp,
-                update=opts.update,
-                lr=opts.lr,
-                device=device,
-                netns=netns or {},
-                host=host,
-            )
-            row = _run_row(job, mb, tick, counters)
-            row.delta = delta
-            rows.append(row)
+        # --quantize: the same backend and bucket again, to receivers holding FP8
+        for quantize in [None, opts.quantize] if opts.quantize and mb else [None]:
+            # backend=disk without a path publishes into a temporary directory under --work-dir
+            with scratch_overrides(
+                [f"backend={kind}", *overrides] if mb else [], opts.work_dir
+            ) as row_overrides:
+                job = Job(
+                    kind,
+                    specs,
+                    opts.receivers * opts.tp,
+                    repeats.get(kind, opts.repeats),
+                    row_overrides[1:],
+                    opts.model,
+                    opts.work_dir,
+                    opts.timeout_s,
+                    trainers=opts.trainers if kind in _ALL_RANKS_SEND else 1,
+                    tp=opts.tp,
+                    update=opts.update,
+                    lr=opts.lr,
+                    device=device,
+                    netns=netns or {},
+                    host=host,
+                    quantize=quantize,
+                    values=opts.quantize is not None,
+                )
+                row = _run_row(job, mb, tick, counters)
+                row.delta, row.quantize = delta, quantize
+                rows.append(row)
     rows = merge_ceiling_runs(rows)
     if netns is None:
         _add_ratios(rows, device)
@@ -536,6 +558,7 @@ def _add_ratios(rows: list[Row], device: str = "cpu") -> None:
             "speedup_vs_disk": round(disk.seconds / row.seconds, 2) if disk else None,
         }
     _add_dense_ratios(rows)
+    _add_quantized_ratios(rows)
 
 
 def _add_dense_ratios(rows: list[Row]) -> None:
@@ -546,3 +569,30 @@ def _add_dense_ratios(rows: list[Row]) -> None:
                 None,
             )
             row.ratios["speedup_vs_dense"] = round(dense.seconds / row.seconds, 2) if dense else None
+
+
+def _add_quantized_ratios(rows: list[Row]) -> None:
+    """An FP8 row against the plain row of the same backend, bucket and delta (same run):
+    seconds, wire bytes, and the trainer's quantizing against the plain sync's seconds."""
+    for row in rows:
+        plain = next(
+            (
+                r
+                for r in rows
+                if r.quantize is None
+                and (r.backend, r.bucket_mb, r.delta) == (row.backend, row.bucket_mb, row.delta)
+            ),
+            None,
+        )
+        if row.quantize is None or plain is None:
+            continue
+        quantize_s = (row.phases or {}).get("quantize_s")
+        row.ratios |= {
+            "seconds_vs_plain": round(row.seconds / plain.seconds, 3),
+            "wire_vs_plain": round(row.wire_bytes / plain.wire_bytes, 3)
+            if row.wire_bytes and plain.wire_bytes
+            else None,
+            "quantize_vs_plain_sync": round(quantize_s / plain.seconds, 3)
+            if quantize_s is not None
+            else None,
+        }

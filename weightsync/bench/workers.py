@@ -64,6 +64,11 @@ class Job:
     between: Any = None
     #: the driver's process id: the disk path's files carry it (cleaned up after the row)
     driver_pid: int = 0
+    #: "fp8": receivers hold the decoder layers' matrices in FP8 blocks (``weightsync.quant``)
+    quantize: str | None = None
+    #: the model holds finite values and versions differ by a scaling (quantizing arbitrary
+    #: bytes would read NaNs); both rows of a ``--quantize`` run, so they move the same model
+    values: bool = False
 
     def enter_host(self, key: int) -> None:
         """Move this process onto its emulated host, first thing (threads follow)."""
@@ -75,7 +80,24 @@ class Job:
     def sender_state(self) -> dict[str, torch.Tensor]:
         if self.model_dir:
             return {n: t.to(self.device) for n, t in models.load_directory(self.model_dir).items()}
+        if self.values:
+            return models.filled_values(self.specs, device=self.device)
         return models.filled(self.specs, device=self.device)
+
+    def next_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """The trainer's next version of ``state`` (in place; not part of a sync's time)."""
+        if self.values:
+            models.scale_values(state)
+        else:
+            models.bump(state, version)
+
+    def held(self, state: dict[str, torch.Tensor]) -> str:
+        """The digest of what every receiver holds once ``state`` reached it."""
+        if self.quantize is None:
+            return models.digest(state)
+        from weightsync.quant.replica import fp8_expected
+
+        return models.digest(fp8_expected(state))
 
     def endpoint_kwargs(self) -> dict[str, Any]:
         """``device=`` for ``Sender``/``Receiver`` on a device; on "cpu" their own default
@@ -151,7 +173,7 @@ def sync_sender(job: Job, queue, rank: int = 0, address: str | None = None) -> N
                 if updates is not None:
                     updates.step()  # the trainer's step: not part of the sync's time
                 else:
-                    models.bump(state, v)
+                    job.next_weights(state, v)
                 stats = sender.send(source, version=v)
                 if v == 1 and rank == 0 and job.counted is not None:
                     queue.put(("warm", 0, v))
@@ -164,13 +186,14 @@ def sync_sender(job: Job, queue, rank: int = 0, address: str | None = None) -> N
                     phases.append(
                         {
                             "encode_s": stats.encode_s,
+                            "quantize_s": stats.quantize_s,  # inside transfer_s
                             "handshake_s": stats.handshake_s - stats.encode_s,
                             "transfer_s": stats.transfer_s,
                             "rest_s": stats.seconds - stats.handshake_s - stats.transfer_s,
                         }
                     )
                     queue.put(("tick", 0, v))
-                digests.append(models.digest(state))
+                digests.append(job.held(state))
                 job.next_version(v)
             return {
                 "seconds": seconds,
@@ -195,8 +218,13 @@ def sync_receiver(job: Job, address: str, rank: int, queue) -> None:
         return
 
     def body() -> dict[str, Any]:
-        state = models.zeros(job.specs, job.device)
-        module = models.module_of(state)
+        from weightsync.quant.replica import fp8_holding
+        from weightsync.sinks import ModuleSink
+
+        state = (
+            fp8_holding(job.specs, device=job.device) if job.quantize else models.zeros(job.specs, job.device)
+        )
+        module = ModuleSink(state) if job.quantize else models.module_of(state)
         baseline = _rss_mb()
         config = EngineConfig.from_overrides([f"backend={job.kind}", *job.overrides])
         digests = []

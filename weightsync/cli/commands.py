@@ -193,6 +193,9 @@ def _demo_command(args: argparse.Namespace) -> int:
         return 2
     if args.backend is None:  # shards on either side: each byte from its holder to its keeper
         args.backend = "sharded" if args.trainers > 1 or args.tp > 1 else "nccl"
+    if args.quantize and args.rollout != "process":
+        print(_NO_ENGINE_FP8.format(what="demo", fp8=args.quantize), file=sys.stderr)
+        return 2
     if args.rollout == "sglang":
         from weightsync.cli.sglang import sglang_demo_command
 
@@ -214,6 +217,13 @@ def _demo_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.quantize and (args.backend in ("sharded", "paired", "disk", "naive") or args.trainers > 1):
+        print(
+            f"demo: --quantize {args.quantize} quantizes on one trainer rank for a dense transport "
+            "(nccl, shm, mooncake, ipc), not with --trainers or --backend sharded, paired, disk or naive",
+            file=sys.stderr,
+        )
+        return 2
     if args.backend == "sharded":
         return _sharded_demo_command(args)
     if args.trainers != 1 or args.tp != 1:
@@ -222,7 +232,7 @@ def _demo_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    return _demo_run(run_demo, DemoOptions(**_demo_kwargs(args)))
+    return _demo_run(run_demo, DemoOptions(**_demo_kwargs(args), quantize=args.quantize))
 
 
 def _vllm_bench_command(args: argparse.Namespace) -> int:
@@ -310,9 +320,19 @@ def _codec_bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
+#: --quantize with an engine: neither engine's CPU build serves FP8 here
+_NO_ENGINE_FP8 = (
+    "{what}: --quantize {fp8} runs with plain rollout processes: vLLM's CPU build serves no FP8 without AMX "
+    "(docs/quantized.md says what an engine on a GPU declares)"
+)
+
+
 def _bench_command(args: argparse.Namespace) -> int:
     if args.codec:
         return _codec_bench_command(args)
+    if args.quantize and args.rollout != "processes":
+        print(_NO_ENGINE_FP8.format(what="bench", fp8=args.quantize), file=sys.stderr)
+        return 2
     if args.rollout == "vllm":
         return _vllm_bench_command(args)
     if args.rollout == "sglang":
@@ -354,6 +374,7 @@ def _bench_command(args: argparse.Namespace) -> int:
         hosts=args.hosts,
         link=args.link,
         trainer_link=args.trainer_link,
+        quantize=args.quantize,
     )
     err = Console(stderr=True)  # progress on stderr keeps --json output clean
     try:

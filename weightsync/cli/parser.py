@@ -36,6 +36,14 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "(Qwen3-MoE-shaped: experts fused in the trainer, sent one by one as engines load them)",
     )
     p.add_argument("--receivers", type=int, default=2, help="rollout processes (default: 2)")
+    p.add_argument(
+        "--quantize",
+        choices=("fp8",),
+        default=None,
+        help="rollout rank 0 holds the decoder layers' matrices in FP8 128x128 blocks, quantized on the "
+        "trainer, checked against vLLM's convention; the other ranks take the same sync as the trainer holds "
+        "it (docs/quantized.md)",
+    )
     p.add_argument("--steps", type=int, default=3, help="training steps, one sync each (default: 3)")
     p.add_argument(
         "--backend",
@@ -153,6 +161,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         help="synthetic model: a Qwen2-like decoder, a Qwen3-MoE-like one (8 experts, top 2, stacked as "
         "transformers holds them; replicas keep whole experts of their own), or only 256 KiB tensors "
         "(default: llm)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=("fp8",),
+        default=None,
+        help="each backend's row again with receivers holding the decoder layers' matrices in FP8 "
+        "128x128 blocks, quantized on the trainer (docs/quantized.md): seconds and wire bytes against "
+        "the plain row",
     )
     p.add_argument("--dtype", default="bfloat16", help="synthetic model dtype (default: bfloat16)")
     p.add_argument("--model", metavar="DIR", help="benchmark the *.safetensors weights of DIR instead")

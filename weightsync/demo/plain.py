@@ -18,11 +18,15 @@ from typing import Any
 
 import torch
 
+from weightsync.checkpoint_form import checkpoint_views, is_converted
 from weightsync.config.engine import EngineConfig
 from weightsync.config.scratch import scratch_overrides
+from weightsync.plan import TensorSpec
 from weightsync.platform import process_context, start_process
+from weightsync.quant.replica import fp8_expected, fp8_holding
 from weightsync.receiver.receiver import Receiver
 from weightsync.sender.sender import Sender
+from weightsync.sinks import ModuleSink
 from weightsync.stats import SyncStats
 from weightsync.verify import tensor_digest
 
@@ -74,6 +78,8 @@ class DemoOptions:
     seed: int = 0
     #: the embedded model's architecture when ``model`` is None (``ARCHS``)
     arch: str = "dense"
+    #: "fp8": rollout rank 0 holds the decoder layers' matrices in FP8 blocks (``weightsync.quant``)
+    quantize: str | None = None
 
 
 def build_model(model: str | None, *, pretrained: bool, seed: int, arch: str = "dense") -> torch.nn.Module:
@@ -98,6 +104,18 @@ def checksums(module: torch.nn.Module) -> dict[str, str]:
     return {name: tensor_digest(t) for name, t in module.state_dict().items()}
 
 
+def checkpoint_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors in the names engines load (an MoE's experts one by one), as the
+    trainer sends them."""
+    state = module.state_dict()
+    return checkpoint_views(module, state) if is_converted(module) else dict(state)
+
+
+def fp8_checksums(module: torch.nn.Module) -> dict[str, str]:
+    """What an FP8 rollout (``fp8_holding``) holds once ``module``'s weights reached it."""
+    return {name: tensor_digest(t) for name, t in fp8_expected(checkpoint_tensors(module)).items()}
+
+
 def engine_config(opts: DemoOptions) -> EngineConfig:
     return EngineConfig.from_overrides(
         [f"backend={opts.backend}", f"update_weights_bucket_megabytes={opts.bucket_mb}", *opts.overrides]
@@ -114,17 +132,20 @@ def rollout_main(conn: Connection, opts: DemoOptions, address: str, rank: int) -
     try:
         config = engine_config(opts)
         model = build_model(opts.model, pretrained=False, seed=opts.seed + 1000 + rank, arch=opts.arch)
+        held: dict[str, torch.Tensor] | None = None  # an FP8 rollout's tensors
+        if opts.quantize and rank == 0:
+            specs = [TensorSpec.of(n, t) for n, t in checkpoint_tensors(model).items()]
+            held = fp8_holding(specs)
+            del model  # this rollout holds its weights in FP8 only
         with Receiver(config, address, rank) as receiver:
             for step in range(1, opts.steps + 1):
-                stats = receiver.load_into(model, version=step)
+                stats = receiver.load_into(ModuleSink(held) if held is not None else model, version=step)
+                sums = (
+                    {n: tensor_digest(t) for n, t in held.items()} if held is not None else checksums(model)
+                )
                 send_json(
                     conn,
-                    {
-                        "rank": rank,
-                        "version": receiver.version,
-                        "stats": stats.to_dict(),
-                        "checksums": checksums(model),
-                    },
+                    {"rank": rank, "version": receiver.version, "stats": stats.to_dict(), "checksums": sums},
                 )
     except BaseException as e:  # report, then fail: the trainer turns this into its error
         send_json(conn, {"rank": rank, "error": f"{type(e).__name__}: {e}"})
@@ -234,6 +255,7 @@ def _run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
                 expected = checksums(model)
                 for receiver, rollout in local:
                     _compare(expected, checksums(rollout), receiver.rank, step)
+                quantized = fp8_checksums(model) if opts.quantize else {}
                 for r, conn in enumerate(conns):
                     report = read_report(conn, procs[r], f"rollout rank {r}", config.timeout_s)
                     if "error" in report:
@@ -242,7 +264,9 @@ def _run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
                         raise DemoFailed(
                             f"rollout rank {r} reports version {report['version']}, expected {step}"
                         )
-                    _compare(expected, report["checksums"], r, step)
+                    _compare(
+                        quantized if r == 0 and opts.quantize else expected, report["checksums"], r, step
+                    )
                 rows.append(stats)
                 table.add_row(
                     str(step),
@@ -265,7 +289,12 @@ def _run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
             for receiver, _ in local:
                 receiver.close()
     console.print(table)
-    console.print(f"demo OK: {len(rows)} syncs to {opts.receivers} receivers, bit-exact")
+    fp8 = (
+        " (rollout rank 0 in FP8 blocks: vLLM's per_block_cast_to_fp8 bytes and scales)"
+        if opts.quantize
+        else ""
+    )
+    console.print(f"demo OK: {len(rows)} syncs to {opts.receivers} receivers, bit-exact{fp8}")
     return rows
 
 

@@ -2,5 +2,15 @@
 
 from weightsync.quant.forms import Form, declared_forms, wire_name
 from weightsync.quant.fp8 import dequantize_blocks, quantize_blocks
+from weightsync.quant.replica import fp8_expected, fp8_holding, quantizable
 
-__all__ = ["Form", "declared_forms", "dequantize_blocks", "quantize_blocks", "wire_name"]
+__all__ = [
+    "Form",
+    "declared_forms",
+    "dequantize_blocks",
+    "fp8_expected",
+    "fp8_holding",
+    "quantizable",
+    "quantize_blocks",
+    "wire_name",
+]
