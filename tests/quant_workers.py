@@ -33,6 +33,17 @@ def weights(version: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def sparse_weights(version: int) -> dict[str, torch.Tensor]:
+    """``weights(1)`` with one row of each matrix changed per later version (an RL step
+    changes few elements): most FP8 bytes and scales stay, as deltas need."""
+    out = weights(1)
+    for name, t in out.items():
+        if t.dim() > 1 and version > 1:
+            rows = t.view(-1, t.shape[-1])
+            rows[version % rows.shape[0]] += version
+    return out
+
+
 def holding(fp8: bool) -> dict[str, torch.Tensor]:
     """A replica's tensors: bf16, or FP8 with scales for ``QUANTIZED``."""
     held = {}
@@ -58,6 +69,14 @@ def run_receiver(address, rank, overrides, versions, queue, form="bf16"):
         with Receiver(EngineConfig.from_overrides(overrides), address, rank) as receiver:
             for v in versions:
                 stats = receiver.load_into(sink, version=v)
-                queue.put((rank, v, {n: workers.digest(t) for n, t in held.items()}, stats.missing))
+                queue.put(
+                    (
+                        rank,
+                        v,
+                        {n: workers.digest(t) for n, t in held.items()},
+                        stats.missing,
+                        stats.delta_base,
+                    )
+                )
     except Exception as e:
         queue.put((rank, "error", f"{type(e).__name__}: {e}"))

@@ -165,6 +165,27 @@ def test_delta_codec_on_the_device_writes_the_hosts_bytes_and_applies_them_exact
                     assert torch.equal(target.cpu().view(torch.uint8), raw)
 
 
+def test_block_fp8_quantizer_on_the_device_makes_the_hosts_bytes_and_scales():
+    """The trainer-side quantizer where the trainer's tensors live (``weightsync.quant``):
+    CUDA tensors in, the same FP8 bytes and scales out as on the CPU (which
+    tests/test_quant.py holds to vLLM's per_block_cast_to_fp8), for plain and UE8M0 scales,
+    shapes that are not multiples of 128 and an expert stack."""
+    import torch
+
+    from weightsync.quant import quantize_blocks
+
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(2816, 1024), (200, 130), (1, 5), (3, 96, 130)]:
+        for dtype in (torch.bfloat16, torch.float32):
+            host = (torch.randn(shape, generator=gen) * 3).to(dtype)
+            for ue8m0 in (False, True):
+                q_h, s_h = quantize_blocks(host, ue8m0=ue8m0)
+                q_d, s_d = quantize_blocks(host.to(DEVICE), ue8m0=ue8m0)
+                assert q_d.device == torch.device(DEVICE) or ON_HOST
+                assert torch.equal(q_d.cpu().view(torch.uint8), q_h.view(torch.uint8)), (shape, dtype, ue8m0)
+                assert torch.equal(s_d.cpu(), s_h), (shape, dtype, ue8m0)
+
+
 # ---------------------------------------------------------------------------- bit-exact
 @pytest.mark.parametrize("backend", ["nccl", "shm"])
 def test_three_versions_reach_three_receivers_on_one_gpu_bit_exact(backend):

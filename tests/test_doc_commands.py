@@ -298,6 +298,24 @@ COMMANDS: dict[str, Run | NotHere] = {
         "the same path as the --arch moe line below, which runs it with experts besides (a replica start saved); "
         "tests/test_vllm_tp.py covers the dense model over TP 2 with 2 k/v heads, a padded vocabulary and ties"
     ),
+    "weightsync demo --quantize fp8": Run(
+        ("demo --quantize fp8 --bucket-mb 16 --steps 2",),
+        "16 MiB buckets, 2 steps: rank 0's FP8 blocks and rank 1's fp32 checked per version",
+        timeout=150,
+    ),
+    "weightsync bench --quantize fp8 --backend nccl,shm --json": Run(
+        (f"bench --quantize fp8 --backend nccl,shm --json --receivers 2 --no-alternatives {SMALL}",),
+        f"{SMALL}, 2 receivers, no alternatives: each backend's plain and FP8 rows, bit-exact per version",
+        timeout=180,
+        check="quantized",
+    ),
+    "weightsync bench --hosts 4 --link 1gbit --quantize fp8 --backend nccl,mooncake --json": Run(
+        (f"bench --hosts 4 --link 1gbit --quantize fp8 --backend nccl --json {SMALL}",),
+        f"{SMALL}, nccl alone (mooncake's rows run in the --hosts 4 line above): the FP8 row's trainer NIC "
+        "carries the FP8 bytes once",
+        timeout=240,
+        check="quantized_hosts",
+    ),
     "weightsync demo --arch moe": Run(
         ("demo --arch moe --bucket-mb 16 --steps 2",),
         "16 MiB buckets, 2 steps: the embedded Qwen3-MoE, its fused experts sent one matrix each, checked bit-exact",
@@ -519,6 +537,44 @@ def _check_hosts(outs, tmp_path):
     check_predicted(rows)
 
 
+def _fp8_pairs(rows):
+    """Each FP8 row with the plain row of the same backend, and the wire bytes both carry."""
+    from weightsync.bench import models
+    from weightsync.quant.replica import fp8_wire_specs
+
+    specs = models.synthetic_specs("llm", 64, "bfloat16")
+    fp8 = sum(s.nbytes for s in fp8_wire_specs(specs))
+    plain = {r["backend"]: r for r in rows if r["quantize"] is None}
+    pairs = [(plain[r["backend"]], r) for r in rows if r["quantize"] == "fp8"]
+    assert pairs and len(pairs) == len(plain), [(r["backend"], r["quantize"]) for r in rows]
+    return pairs, sum(s.nbytes for s in specs), fp8
+
+
+def _check_quantized(outs, tmp_path):
+    """Each backend's FP8 row beside its plain row: both checked bit-exact per version (the
+    FP8 receivers against the trainer's quantized bytes), the FP8 row carrying the FP8 bytes."""
+    pairs, plain_bytes, fp8_bytes = _fp8_pairs(json.loads(outs[0].stdout))
+    for plain, row in pairs:
+        assert row["versions_checked"] == plain["versions_checked"] == 2, row
+        assert fp8_bytes <= row["wire_bytes"] < 1.01 * fp8_bytes, (row["wire_bytes"], fp8_bytes)
+        assert plain_bytes <= plain["wire_bytes"] < 1.01 * plain_bytes
+        assert row["wire_vs_plain"] == round(row["wire_bytes"] / plain["wire_bytes"], 3)
+        assert row["phases_s"]["quantize_s"] > 0 and row["quantize_vs_plain_sync"] is not None
+
+
+def _check_quantized_hosts(outs, tmp_path):
+    """On 4 hosts: the trainer's NIC sends the FP8 bytes once (not the bf16 ones), each row
+    within its link ceiling and its prediction from the bytes it carried."""
+    rows = json.loads(outs[0].stdout)
+    pairs, plain_bytes, fp8_bytes = _fp8_pairs(rows)
+    for plain, row in pairs:
+        for r, nbytes in ((plain, plain_bytes), (row, fp8_bytes)):
+            tx = r["nic_bytes_per_sync"][0]["tx_bytes"]
+            assert nbytes <= tx < 1.3 * nbytes, (r["quantize"], tx, nbytes)
+            assert 0.3 <= r["ratio_to_link_ceiling"] <= 1.05, r
+    check_predicted(rows)
+
+
 def _check_hosts5(outs, tmp_path):
     check_predicted(json.loads(outs[0].stdout))
 
@@ -694,6 +750,8 @@ CHECKS = {
     "sharded": _check_sharded,
     "sharded_mooncake": _check_sharded_mooncake,
     "sharded_moe": _check_sharded_moe,
+    "quantized": _check_quantized,
+    "quantized_hosts": _check_quantized_hosts,
     "hosts5": _check_hosts5,
     "estimate": _check_estimate,
     "calibrate": _check_calibrate,

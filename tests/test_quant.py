@@ -48,11 +48,11 @@ def reference(t, ue8m0):
     return (q, s) if t.dim() == 3 else (q[0], s[0])
 
 
-def expected(version, form):
+def expected(version, form, weights=qw.weights):
     """A receiver's tensors after ``version``: the trainer's bf16, and for an FP8 receiver
     vLLM's quantizer's bytes and scales of the quantized ones."""
     out = {}
-    for name, t in qw.weights(version).items():
+    for name, t in weights(version).items():
         if form != "bf16" and name in qw.QUANTIZED:
             q, s = reference(t, ue8m0=form == "ue8m0")
             out[name], out[name + "_scale_inv"] = workers.digest(q), workers.digest(s)
@@ -81,7 +81,7 @@ def test_fp8_and_bf16_receivers_take_their_own_forms_from_one_sync(backend):
                 assert stats.quantized == 2 * len(qw.QUANTIZED)  # each form's tensors quantized once
                 sizes.append(stats.bytes)
                 reports = sorted(collect(q, len(forms)))
-                for (rank, got_v, digests, missing), form in zip(reports, forms):
+                for (rank, got_v, digests, missing, _), form in zip(reports, forms):
                     assert got_v == v, digests
                     assert missing == [], (form, missing)
                     assert digests == expected(v, form), f"receiver {rank} ({form}) differs at version {v}"
@@ -102,7 +102,7 @@ def test_only_fp8_receivers_halve_the_bytes_on_the_wire():
         try:
             for v in (1, 2):
                 stats = sender.send(qw.weights(v), version=v)
-                for _, got_v, digests, _ in collect(q, 2):
+                for _, got_v, digests, _, _ in collect(q, 2):
                     assert got_v == v and digests == expected(v, "fp8")
             held = qw.holding(fp8=True)  # only the FP8 form of the quantized tensors travels
             assert stats.bytes == sum(t.numel() * t.element_size() for t in held.values())
@@ -129,5 +129,24 @@ def test_a_form_the_trainer_cannot_make_is_refused_in_the_handshake_naming_tenso
             assert "bfloat16 scales" in message and "unknown scale layout 'bfloat16'" in message
             errors = collect(q, 2)
             assert all(e[1] == "error" and "proj.weight" in e[2] for e in errors), errors
+        finally:
+            stop(procs)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_delta_sync_carries_the_quantized_bytes_deltas():
+    overrides = ["backend=shm", "update_weights_bucket_megabytes=1", "timeout_s=60", "delta=on"]
+    q = CTX.Queue()
+    with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 2) as sender:
+        procs = [start(qw.run_receiver, sender.address, r, overrides, [1, 2, 3], q, "fp8") for r in range(2)]
+        try:
+            for v in (1, 2, 3):
+                stats = sender.send(qw.sparse_weights(v), version=v)
+                for _, got_v, digests, _, base in collect(q, 2):
+                    assert got_v == v and digests == expected(v, "fp8", qw.sparse_weights), v
+                    assert base == (None if v == 1 else v - 1)  # deltas against the FP8 bytes held
+                if v > 1:
+                    assert stats.delta_base == v - 1 and stats.wire_bytes < stats.bytes / 4
         finally:
             stop(procs)

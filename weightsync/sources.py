@@ -60,10 +60,15 @@ class WeightSource:
 
     #: True if ``tensors()`` can be called more than once.
     reiterable: bool = True
+    #: True if each tensor ``tensors()`` yields stays valid after the next one is requested
+    #: (a stage may then work on the next tensor while the last is sent)
+    keeps_tensors: bool = False
 
 
 class StateDictSource(WeightSource):
     """A mapping name -> tensor (a state dict). DTensors are materialized one at a time."""
+
+    keeps_tensors = True  # the mapping's own tensors, or new ones (materialized, cast)
 
     def __init__(self, state: Mapping[str, torch.Tensor], wire_dtype: torch.dtype | None = None) -> None:
         self.state = state
@@ -155,6 +160,7 @@ class _WireCast(WeightSource):
         self.inner = inner
         self.wire_dtype = wire_dtype
         self.reiterable = inner.reiterable
+        self.keeps_tensors = inner.keeps_tensors
 
     def specs(self) -> list[TensorSpec] | None:
         specs = self.inner.specs()

@@ -47,8 +47,8 @@ class SyncStats:
     shared_bytes: int = 0
     staged_bytes: int = 0
     #: quantized forms (``weightsync.quant``), on the sender: tensors quantized for the
-    #: receivers that hold them so, and the seconds it took (inside ``transfer_s``: each
-    #: tensor is quantized as its bucket is packed)
+    #: receivers that hold them so, and the quantizer's seconds (during ``transfer_s``, one
+    #: tensor ahead of the packing in a thread where the source keeps its tensors)
     quantized: int = 0
     quantize_s: float = 0.0
     #: receivers lost in this sync and dropped (``drop_lost_receivers``), on the sender

@@ -110,7 +110,8 @@ def planned_checks(opts: Options) -> list[Check]:
             f"pytest -m cuda {_rel(TEST_FILE)}: nccl, shm (CUDA IPC), paired, sharded between processes on {dev}: "
             "3 versions "
             "bit-exact, 1 MiB buckets under a 1.4 MB tensor, 3 receivers, host tensors into device buckets with crc32, "
-            "a SIGKILLed receiver failing the sync within its deadline; each test reported as a check",
+            "a SIGKILLed receiver failing the sync within its deadline; the FP8 block quantizer on the device "
+            "making the CPU's bytes and scales; each test reported as a check",
             command=f"python -m pytest -m cuda {_rel(TEST_FILE)}"
             + (f" -k {opts.tests!r}" if opts.tests else ""),
         ),

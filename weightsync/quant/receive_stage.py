@@ -15,8 +15,32 @@ from typing import Any
 
 import torch
 
-from weightsync.plan import Plan
+from weightsync.errors import ProtocolError
+from weightsync.plan import Plan, TensorSpec
 from weightsync.quant.forms import Form, is_tagged, offered, wire_name
+
+
+def accept(msg: Mapping[str, Any], rank: int, plan: Plan | None, sink: Any) -> dict[str, Any]:
+    """How receiver ``rank`` (its ``ModuleSink``, or None for ``receive()``) takes the sync
+    offered in ``msg``: the ready answer's fields (its declaration, where the sync does not
+    serve the forms it holds), and the sink told which entries to skip."""
+    forms = sink.forms if sink is not None else {}
+    declared = declaration(msg, rank, plan, forms)
+    if sink is not None:
+        sink.skipped = skipped(plan, forms) if plan is not None and declared is None else set()
+    return {"forms": declared} if declared is not None else {}
+
+
+def served(declared: bool, peer: str, version: int) -> None:
+    """The go of a sync to which this receiver declared its forms: a protocol error (the
+    sender offers such a sync again, encoded for them, or refuses it)."""
+    if declared:
+        raise ProtocolError(f"{peer} gave the go of version {version} without the quantized forms declared")
+
+
+def untagged_specs(plan: Plan) -> list[TensorSpec]:
+    """The plan's tensors as the trainer holds them (no form's entries)."""
+    return [s for s in plan.tensors if not is_tagged(s.name)]
 
 
 def declaration(

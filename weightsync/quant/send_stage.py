@@ -5,8 +5,9 @@ handshake; the sender keeps each receiver's declaration across syncs and offers 
 sync with the forms it serves each receiver (``offer``), so a declaration costs one more
 round once, when it is new. The sync's wire entries (``encode``) are then, per tensor, in
 the source's order: the tensor as the trainer sends it, where some receiver holds it so,
-and for each form some receiver holds it in, its FP8 bytes and scales (quantized as its
-bucket is packed, on the trainer's device, timed in ``SyncStats.quantize_s``). Where every
+and for each form some receiver holds it in, its FP8 bytes and scales (quantized on the
+trainer's device as the packer pulls them, one tensor ahead in a thread where the source
+keeps its tensors; the quantizer's seconds in ``SyncStats.quantize_s``). Where every
 receiver holds a tensor in one form, only that form travels: half of bf16's bytes.
 
 Forms need a source that announces its tensors (a module or a state dict) and one trainer
@@ -17,7 +18,9 @@ handshake naming the receiver and the tensor, as is a form the trainer cannot pr
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -61,16 +64,53 @@ class QuantizedSource(WeightSource):
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.seconds, self.quantized = 0.0, 0
-        for name, tensor in self.src.tensors():
-            if name in self.whole:
-                yield name, tensor
-            for form in self.forms.get(name, {}).values():
-                t0 = time.perf_counter()
-                q, scales = quantize_blocks(tensor, form.block, ue8m0=form.scale == "ue8m0")
-                self.seconds += time.perf_counter() - t0
-                self.quantized += 1
-                yield wire_name(name, form), q
-                yield wire_name(form.scale_name, form), scales
+        if not self.src.keeps_tensors:  # each tensor only until the next is requested
+            for name, tensor in self.src.tensors():
+                yield from self._entries(
+                    name, tensor, [_Done(self._quantize(tensor, f)) for f in self._of(name)]
+                )
+            return
+        # One tensor ahead: the next is quantized in a thread while the last is packed and
+        # sent (over a link, the quantizing then hides behind the wire).
+        with ThreadPoolExecutor(1, thread_name_prefix="weightsync-quantize") as pool:
+            ahead: deque[tuple[str, torch.Tensor, list[Any]]] = deque()
+            for name, tensor in self.src.tensors():
+                ahead.append((name, tensor, [pool.submit(self._quantize, tensor, f) for f in self._of(name)]))
+                if len(ahead) > 1:
+                    yield from self._entries(*ahead.popleft())
+            while ahead:
+                yield from self._entries(*ahead.popleft())
+
+    def _of(self, name: str) -> list[Form]:
+        return list(self.forms.get(name, {}).values())
+
+    def _quantize(self, tensor: torch.Tensor, form: Form) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        out = quantize_blocks(tensor, form.block, ue8m0=form.scale == "ue8m0")
+        self.seconds += time.perf_counter() - t0
+        self.quantized += 1
+        return out
+
+    def _entries(
+        self, name: str, tensor: torch.Tensor, quantized: list[Any]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """One tensor's wire entries: itself where some receiver holds it so, then each form's."""
+        if name in self.whole:
+            yield name, tensor
+        for form, pending in zip(self._of(name), quantized):
+            q, scales = pending.result()
+            yield wire_name(name, form), q
+            yield wire_name(form.scale_name, form), scales
+
+
+class _Done:
+    """A result already computed, read as a future's."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
 
 
 class QuantSend:

@@ -87,6 +87,22 @@ class SenderLink:
         except SyncError:
             self.reset()
 
+    def await_warmup(self) -> tuple[Channel, dict[str, Any]]:
+        """Connect and wait (``timeout_s``) for the sender's warm-up message: the channel and
+        the message. Raises ``PeerLost`` if the sender closes the session instead."""
+        ch = self.connect()
+        deadline = Deadline(self.config.timeout_s, "for the sender's warm-up")
+        msg = ch.recv(deadline, expect=("warmup", "closing"))
+        if msg["type"] == "closing":
+            # The goodbye of the sender we were connected to, read only now: the warm-up we
+            # were asked for is a new sender's at the same address (a restarted trainer).
+            ch = self.join_next_session(ch)
+            msg = ch.recv(deadline, expect=("warmup", "closing"))
+        if msg["type"] == "closing":
+            self.reset()
+            raise PeerLost(f"{ch.peer} closed the session before its warm-up")
+        return ch, msg
+
     def answer_warmup(
         self,
         ch: Channel,

@@ -34,7 +34,6 @@ from weightsync.errors import (
 )
 from weightsync.plan import Plan, capacity
 from weightsync.quant import receive_stage as quant
-from weightsync.quant.forms import is_tagged
 from weightsync.receiver import admission
 from weightsync.receiver.link import SenderLink
 from weightsync.receiver.publication import take
@@ -153,18 +152,7 @@ class Receiver:
         Raises ``SyncError`` if the warm-up fails (the first sync then joins as usual)."""
         if self._transport is None:
             return  # a publisher has no session to join
-        ch = self._link.connect()
-        deadline = Deadline(self.config.timeout_s, "for the sender's warm-up")
-        msg = ch.recv(deadline, expect=("warmup", "closing"))
-        if msg["type"] == "closing":
-            # The goodbye of the sender we were connected to, read only now: the warm-up we
-            # were asked for is a new sender's at the same address (a restarted trainer).
-            ch = self._link.join_next_session(ch)
-            msg = ch.recv(deadline, expect=("warmup", "closing"))
-        if msg["type"] == "closing":
-            self._link.reset()
-            raise PeerLost(f"{ch.peer} closed the session before its warm-up")
-        self._warm(ch, msg)
+        self._warm(*self._link.await_warmup())
 
     def _warm(self, ch: Channel, msg: dict[str, Any]) -> None:
         assert self._transport is not None
@@ -361,11 +349,8 @@ class Receiver:
             go = ch.recv(
                 Deadline(self.config.timeout_s, f"for the go of version {v}"), expect=("go", "again")
             )
-            if go["type"] == "go" and declared:
-                raise ProtocolError(
-                    f"{ch.peer} gave the go of version {v} without the quantized forms this receiver declared"
-                )
             if go["type"] == "go":
+                quant.served(declared, ch.peer, v)  # the forms this receiver declared must come
                 incoming.go(ch.peer, v)  # a delta sync without the dense section asked for fails
                 return v, plan, incoming, msg
             msg = ch.recv(Deadline(self.config.timeout_s, f"for version {v} again"), expect="sync")
@@ -471,18 +456,15 @@ class Receiver:
     def _accept(
         self, msg: dict[str, Any], expected: int | None, sink: ModuleSink | None
     ) -> tuple[int, Plan | None, Incoming, bool]:
-        """Check the sender's sync message (``weightsync.receiver.admission``, the route stage,
-        the quantized forms, then the delta stage); reply ready, or error (and raise) naming
-        both values. Returns the version, the plan, the delta stage's ``Incoming`` (whether
-        this receiver applies deltas) and whether it declared its forms (the sender must
-        offer the sync again)."""
+        """Check the sender's sync message (``weightsync.receiver.admission``, the route, forms
+        and delta stages); reply ready, or error (and raise) naming both values. Returns the
+        version, the plan, the delta stage's ``Incoming`` and whether it declared forms."""
         ch = self._link.channel
         assert ch is not None
         v = msg.get("version")
         plan: Plan | None = None
         incoming: Incoming | None = None
-        agreed: dict[str, Any] = {}  # the route stage's fields of the ready answer
-        declared: dict[str, Any] | None = None  # forms that this sync does not serve as held
+        agreed: dict[str, Any] = {}  # the route and forms stages' fields of the ready answer
         try:
             problem = admission.sync_problem(msg, expected, self.state, self.config)
             if problem is None:
@@ -490,21 +472,15 @@ class Receiver:
                 plan, problem, agreed = self._route.accept(
                     msg, sink, self._link.plan, self.config, self.max_tensor_bytes, host, self.needs
                 )
-            if problem is None:
-                forms = sink.forms if sink is not None else {}
-                declared = quant.declaration(msg, self.rank, plan, forms)
-                if sink is not None:
-                    sink.skipped = (
-                        quant.skipped(plan, forms) if plan is not None and declared is None else set()
-                    )
-            if declared is not None:  # offered again as this receiver holds it: nothing to check yet
-                incoming = self._decoder.accept(None, None, None, self.state, self.max_tensor_bytes)
-                agreed["forms"] = declared
-            elif problem is None and plan is not None and self.vet is not None and not self.sharded:
-                self.vet([s for s in plan.tensors if not is_tagged(s.name)])
-            if problem is None and declared is None:
+            if problem is None:  # a receiver served other forms than it holds declares them
+                agreed |= quant.accept(msg, self.rank, plan, sink)
+            if problem is None and plan is not None and self.vet is not None and not self.sharded:
+                self.vet(quant.untagged_specs(plan))
+            if problem is None:  # a declaring receiver checks the sync offered again, not this one
                 incoming = self._decoder.accept(
-                    msg.get("delta"), plan, sink, self.state, self.max_tensor_bytes
+                    *((msg.get("delta"), plan, sink) if "forms" not in agreed else (None, None, None)),
+                    self.state,
+                    self.max_tensor_bytes,
                 )
         except (ValueError, TypeError, KeyError) as e:
             problem = str(e)
@@ -517,4 +493,4 @@ class Receiver:
             self._link.plan = plan
         # A delta sync without a dense section is offered again with one if we lack its base.
         ch.send({"type": "ready", "dense": incoming.wants_dense, **agreed}, deadline)
-        return v, plan, incoming, declared is not None
+        return v, plan, incoming, "forms" in agreed

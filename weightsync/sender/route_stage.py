@@ -15,11 +15,12 @@ every transport; it asks the stage, in the order of a sync:
 
 Two stages: ``DenseSend`` (every receiver takes every tensor, by one plan) and
 ``ShardedSend`` (``weightsync.sender.sharded_route``: each rank sends or keeps its part of
-a route agreed in the handshake). A stage that changes what a tensor becomes on the wire (a
-fragment today; a converted name, a quantized block with its scale, a view of the trainer's
-own memory next) changes ``source`` and ``own``, and its receiving counterpart
+a route agreed in the handshake). A stage that changes where a tensor's bytes go (a
+fragment) changes ``source`` and ``own``, and its receiving counterpart
 (``weightsync.receiver.route_stage``) how the receiver lands it: the session stays as it is.
-The delta stage (``weightsync.delta.send_stage``) runs between ``plan`` and ``offer``.
+The forms stage (``weightsync.quant.send_stage``: quantized blocks with their scales, per
+receiver whatever the route) and then the delta stage (``weightsync.delta.send_stage``) run
+between ``plan`` and ``offer``.
 """
 
 from __future__ import annotations
