@@ -4,7 +4,7 @@ tensors in FP8 with block scales (float32 or UE8M0) and the rest as the trainer 
 import torch
 import workers
 
-from weightsync import EngineConfig, ModuleSink, Receiver
+from weightsync import EngineConfig, ModuleSink, Receiver, Sender
 from weightsync.quant.fp8 import scale_shape
 
 # Shapes that are not multiples of 128, a 1-D tensor, an expert stack, and an embedding and
@@ -80,3 +80,29 @@ def run_receiver(address, rank, overrides, versions, queue, form="bf16"):
                 )
     except Exception as e:
         queue.put((rank, "error", f"{type(e).__name__}: {e}"))
+
+
+def run_fsdp_trainer(rank, store_port, address_queue, overrides, versions, queue):
+    """Trainer rank of a 2-rank job whose matrices are DTensors sharded by rows (``Shard(0)``,
+    as FSDP2 holds them): ``layers.0.proj.weight``'s first 128-row block is cut at row 100,
+    ``layers.0.mlp.weight``'s second at row 192. Rank 0 sends over a dense backend, rank 1
+    gathers with it (``full_tensor`` is a collective)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=rank, world_size=2)
+        mesh = init_device_mesh("cpu", (2,))
+        with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 1) as sender:
+            if rank == 0:
+                address_queue.put(sender.address)
+            for v in versions:
+                state = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in weights(v).items()}
+                local = state["layers.0.proj.weight"].to_local().shape[0]
+                stats = sender.send(state, version=v)
+                queue.put((rank, v, local, stats.quantized))
+        dist.destroy_process_group()
+    except Exception as e:
+        queue.put((rank, "error", f"{type(e).__name__}: {e}", None))

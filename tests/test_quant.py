@@ -5,7 +5,7 @@ import pytest
 import quant_workers as qw
 import torch
 import workers
-from procs import CTX, collect, start, stop
+from procs import CTX, collect, free_port, start, stop
 
 from weightsync import EngineConfig, HandshakeError, Sender
 from weightsync.quant import quantize_blocks
@@ -150,3 +150,27 @@ def test_a_delta_sync_carries_the_quantized_bytes_deltas():
                     assert stats.delta_base == v - 1 and stats.wire_bytes < stats.bytes / 4
         finally:
             stop(procs)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_fsdp2_rows_cut_inside_a_block_get_one_scale_from_the_gathered_block():
+    """Over a dense backend the trainer ranks gather each tensor (``full_tensor``) before it
+    is quantized: a 128-row block split between two ranks' shards gets the scale of all its
+    rows, as vLLM quantizing the whole tensor gives (docs/quantized.md)."""
+    overrides = ["backend=nccl", "update_weights_bucket_megabytes=1", "timeout_s=60"]
+    q, addresses, rq = CTX.Queue(), CTX.Queue(), CTX.Queue()
+    port = free_port()
+    trainers = [start(qw.run_fsdp_trainer, r, port, addresses, overrides, [1, 2], q) for r in range(2)]
+    receivers = []
+    try:
+        address = addresses.get(timeout=90)
+        receivers = [start(qw.run_receiver, address, 0, overrides, [1, 2], rq, "fp8")]
+        for v in (1, 2):
+            reports = sorted(collect(q, 2), key=lambda r: r[0])
+            assert [(r[1], r[2]) for r in reports] == [(v, 100), (v, 100)], reports  # rows 0-99 | 100-199
+            assert reports[0][3] == len(qw.QUANTIZED) and reports[1][3] == 0  # rank 0 quantizes
+            ((_, got_v, digests, missing, _),) = collect(rq, 1)
+            assert got_v == v and missing == [] and digests == expected(v, "fp8"), v
+    finally:
+        stop(trainers + receivers)
