@@ -40,7 +40,7 @@ def quantize_blocks(
     The same arithmetic as the reference, in fewer passes over memory: block maxima from
     ``|x|`` in ``x``'s own dtype (the maximum of exactly converted values converts exactly),
     then the product and the cast a strip of row blocks at a time, so the float32 product
-    stays in cache (about 2x the reference's speed on a CPU)."""
+    stays in cache (several times the reference's speed on a CPU: BENCHMARKS.md)."""
     if x.dim() not in (2, 3):
         raise ValueError(f"block FP8 takes a 2-D tensor or a 3-D stack, got shape {tuple(x.shape)}")
     stack = x if x.dim() == 3 else x.unsqueeze(0)
