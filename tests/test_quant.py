@@ -174,3 +174,38 @@ def test_fsdp2_rows_cut_inside_a_block_get_one_scale_from_the_gathered_block():
             assert got_v == v and missing == [] and digests == expected(v, "fp8"), v
     finally:
         stop(trainers + receivers)
+
+
+def test_a_streaming_receiver_skips_the_forms_and_its_errors_still_reach_the_session():
+    """``receive()`` without forms takes only untagged entries; what its consumer throws in
+    (the vLLM worker's loader error) reaches the session's generator, which drains and
+    tells the sender, and stopping early closes it."""
+    from weightsync.quant.receive_stage import untagged
+
+    seen = []
+
+    def session():
+        try:
+            yield "a", torch.zeros(1)
+            yield "a@fp8-128x128", torch.zeros(1)
+            yield "a_scale_inv@fp8-128x128", torch.zeros(1)
+            yield "b", torch.zeros(1)
+            yield "c", torch.zeros(1)
+        except GeneratorExit:
+            seen.append("closed")
+            raise
+        except ValueError as e:
+            seen.append(f"thrown: {e}")
+            raise
+
+    items = untagged(session())
+    assert next(items)[0] == "a" and next(items)[0] == "b"
+    with pytest.raises(ValueError, match="loader failed"):
+        items.throw(ValueError("loader failed"))
+    assert seen == ["thrown: loader failed"]
+    items = untagged(session())
+    assert [n for n, _ in items] == ["a", "b", "c"]
+    items = untagged(session())
+    next(items)
+    items.close()
+    assert seen[-1] == "closed"

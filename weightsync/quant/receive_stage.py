@@ -10,7 +10,7 @@ skips ``P`` as the trainer holds it; a receiver without forms skips every tagged
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Mapping
 from typing import Any
 
 import torch
@@ -18,6 +18,9 @@ import torch
 from weightsync.errors import ProtocolError
 from weightsync.plan import Plan, TensorSpec
 from weightsync.quant.forms import Form, is_tagged, offered, wire_name
+
+#: a sync's entries as the session hands them out (a generator: a failing consumer is thrown in)
+Entries = Generator[tuple[str, torch.Tensor], None, None]
 
 
 def accept(msg: Mapping[str, Any], rank: int, plan: Plan | None, sink: Any) -> dict[str, Any]:
@@ -60,14 +63,25 @@ def skipped(plan: Plan, forms: Mapping[str, Form]) -> set[str]:
     return {s.name for s in plan.tensors if (is_tagged(s.name) and s.name not in mine) or s.name in forms}
 
 
-def untagged(entries: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def untagged(entries: Entries) -> Entries:
     """``receive()``'s entries without the quantized forms' (a streaming receiver declares
-    none: it takes every tensor as the trainer holds it)."""
+    none: it takes every tensor as the trainer holds it). As the session's own generator:
+    what a consumer throws in reaches the session (it drains and tells the sender), and a
+    consumer that stops early closes it."""
     try:
-        for name, tensor in entries:
-            if not is_tagged(name):
-                yield name, tensor
-    finally:  # a consumer that stops early closes the session's generator now (it drains)
-        close = getattr(entries, "close", None)
-        if close is not None:
-            close()
+        item = next(entries)
+        while True:
+            if is_tagged(item[0]):
+                item = next(entries)
+                continue
+            try:
+                yield item
+            except GeneratorExit:
+                entries.close()
+                raise
+            except BaseException as e:  # the consumer's error, thrown into the session
+                item = entries.throw(e)
+            else:
+                item = next(entries)
+    except StopIteration:
+        return
