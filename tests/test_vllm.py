@@ -305,6 +305,31 @@ def test_delta_sync_reaches_both_replicas_bit_exact(setup, tmp_path, update_mode
         setup._connect()  # the module's usual rollout (no delta) for the next tests
 
 
+def test_updates_over_ipc_read_the_trainers_own_tensors_with_greedy_parity(setup):
+    """``backend=ipc`` (docs/ipc.md) into real vLLM workers: the trainer's tensors moved into
+    shared memory once (``share_tensors``; the optimizer keeps training them in place), each
+    worker maps them and copies from there; three trained versions keep greedy parity, the
+    large tensors read from the trainer's memory, the rest staged in the same sync."""
+    from weightsync.engines.ipc import share_tensors
+
+    share_tensors(setup.model)
+    setup.rollout.close()
+    setup.rollout = VLLMRollout(setup.replicas, ["backend=ipc", *OVERRIDES[1:]])
+    try:
+        for _ in range(3):
+            expected = setup.train()
+            setup.version += 1
+            report = setup.rollout.update(setup.model, setup.version)
+            assert report.ok, report.summary()
+            stats = report.stats
+            assert stats.shared_bytes + stats.staged_bytes == stats.wire_bytes, stats
+            assert stats.shared_bytes > stats.bytes / 2, stats  # the embedding and head at least
+            for llm in setup.llms:
+                assert replica_greedy(llm, PROMPTS, NEW) == expected
+    finally:
+        setup._connect()  # the module's usual rollout (nccl) for the next tests
+
+
 def test_a_removed_replica_keeps_what_it_holds_and_taken_back_gets_the_next_version(setup):
     """remove_replica('B'): the next update goes to A alone and B keeps serving the version
     it held; add_replica takes B back under a receiver rank no replica had, and the update

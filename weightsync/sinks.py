@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from types import MappingProxyType
 
 import torch
 
@@ -36,6 +38,10 @@ class ModuleSink:
     of two, for every tensor or by name) and takes them quantized by the trainer
     (``weightsync.quant``)."""
 
+    #: a subclass that makes its own targets (``FragmentSink``) holds no quantized forms
+    forms: Mapping[str, Form] = MappingProxyType({})
+    skipped: AbstractSet[str] = frozenset()
+
     def __init__(
         self,
         module: torch.nn.Module | Mapping[str, torch.Tensor],
@@ -56,12 +62,12 @@ class ModuleSink:
                     self._pieces.setdefault(base, []).append(piece)
         #: the quantized forms this module holds (tensor name -> form), each landed from its
         #: wire entries (``P@<tag>``, ``P_scale_inv@<tag>``)
-        self.forms: dict[str, Form] = declared_forms(self.targets, ue8m0)
+        self.forms = declared_forms(self.targets, ue8m0)
         for name, form in self.forms.items():
             self.targets[wire_name(name, form)] = self.targets[name]
             self.targets[wire_name(form.scale_name, form)] = self.targets[form.scale_name]
         #: the sync's entries that are not for this module (other forms', ...): set per sync
-        self.skipped: set[str] = set()
+        self.skipped = set()
         self._loaded: set[int] = set()  # ids of target tensors written (tied names share one)
 
     def _problem(self, name: str, shape: tuple[int, ...], dtype: str) -> str | None:

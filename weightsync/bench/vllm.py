@@ -345,6 +345,10 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
             assert peers is not None
             ranks = opts.trainers if _all_send(backend) else 1
             if ranks == 1:
+                if backend == "ipc":  # the workers read the trainer's own tensors: in shared memory
+                    from weightsync.engines.ipc import share_tensors
+
+                    share_tensors(model)
                 return 1, address, model
             row_address = f"{host}:{free_port(host)}"
             peers.open(row_address, overrides, opts.replicas * opts.tp)
