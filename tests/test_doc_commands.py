@@ -298,6 +298,10 @@ COMMANDS: dict[str, Run | NotHere] = {
         "the same path as the --arch moe line below, which runs it with experts besides (a replica start saved); "
         "tests/test_vllm_tp.py covers the dense model over TP 2 with 2 k/v heads, a padded vocabulary and ties"
     ),
+    "weightsync bench --rollout vllm --backend ipc,shm --json": NotHere(
+        "two more vLLM engine starts: the --rollout vllm bench line above runs the same bench (shm among its "
+        "backends), and tests/test_vllm.py's ipc test updates its shared replicas over ipc with greedy parity"
+    ),
     "weightsync demo --quantize fp8": Run(
         ("demo --quantize fp8 --bucket-mb 16 --steps 2",),
         "16 MiB buckets, 2 steps: rank 0's FP8 blocks and rank 1's fp32 checked per version",
