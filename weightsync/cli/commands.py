@@ -322,8 +322,8 @@ def _codec_bench_command(args: argparse.Namespace) -> int:
 
 #: --quantize with an engine: neither engine's CPU build serves FP8 here
 _NO_ENGINE_FP8 = (
-    "{what}: --quantize {fp8} runs with plain rollout processes: vLLM's CPU build serves no FP8 without AMX "
-    "(docs/quantized.md says what an engine on a GPU declares)"
+    "{what}: --quantize {fp8} runs with plain rollout processes: vLLM's CPU build serves no FP8 without AMX, "
+    "and engine workers do not declare FP8 forms yet (docs/quantized.md)"
 )
 
 
