@@ -18,15 +18,14 @@ from typing import Any
 
 import torch
 
-from weightsync.checkpoint_form import checkpoint_views, is_converted
 from weightsync.config.engine import EngineConfig
 from weightsync.config.scratch import scratch_overrides
-from weightsync.plan import TensorSpec
 from weightsync.platform import process_context, start_process
 from weightsync.quant.replica import fp8_expected, fp8_holding
 from weightsync.receiver.receiver import Receiver
 from weightsync.sender.sender import Sender
 from weightsync.sinks import ModuleSink
+from weightsync.sources import as_source
 from weightsync.stats import SyncStats
 from weightsync.verify import tensor_digest
 
@@ -104,16 +103,10 @@ def checksums(module: torch.nn.Module) -> dict[str, str]:
     return {name: tensor_digest(t) for name, t in module.state_dict().items()}
 
 
-def checkpoint_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's tensors in the names engines load (an MoE's experts one by one), as the
-    trainer sends them."""
-    state = module.state_dict()
-    return checkpoint_views(module, state) if is_converted(module) else dict(state)
-
-
 def fp8_checksums(module: torch.nn.Module) -> dict[str, str]:
-    """What an FP8 rollout (``fp8_holding``) holds once ``module``'s weights reached it."""
-    return {name: tensor_digest(t) for name, t in fp8_expected(checkpoint_tensors(module)).items()}
+    """What an FP8 rollout (``fp8_holding``) holds once ``module``'s weights, as the trainer
+    sends them (an MoE's experts one by one), reached it."""
+    return {name: tensor_digest(t) for name, t in fp8_expected(dict(as_source(module).tensors())).items()}
 
 
 def engine_config(opts: DemoOptions) -> EngineConfig:
@@ -134,8 +127,7 @@ def rollout_main(conn: Connection, opts: DemoOptions, address: str, rank: int) -
         model = build_model(opts.model, pretrained=False, seed=opts.seed + 1000 + rank, arch=opts.arch)
         held: dict[str, torch.Tensor] | None = None  # an FP8 rollout's tensors
         if opts.quantize and rank == 0:
-            specs = [TensorSpec.of(n, t) for n, t in checkpoint_tensors(model).items()]
-            held = fp8_holding(specs)
+            held = fp8_holding(as_source(model).specs())
             del model  # this rollout holds its weights in FP8 only
         with Receiver(config, address, rank) as receiver:
             for step in range(1, opts.steps + 1):

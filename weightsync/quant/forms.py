@@ -32,7 +32,8 @@ SCALE_SUFFIX = "_scale_inv"
 #: the dtypes of scales the trainer produces
 SCALES = ("float32", "ue8m0")
 FP8 = "float8_e4m3fn"
-_FLOATS = ("float32", "bfloat16", "float16")
+#: the dtypes the trainer quantizes from
+FLOATS = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class Form:
             return f"the trainer quantizes to {FP8} only, not {self.dtype}"
         if self.scale not in SCALES:
             return f"unknown scale layout {self.scale!r} (the trainer makes {', '.join(SCALES)} scales)"
-        if spec.dtype not in _FLOATS:
+        if spec.dtype not in FLOATS:
             return f"the trainer holds it as {spec.dtype}, not a floating dtype it quantizes"
         if len(spec.shape) not in (2, 3):
             return f"block FP8 needs a 2-D tensor or a 3-D expert stack, the trainer's is {list(spec.shape)}"

@@ -15,17 +15,16 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from weightsync.plan import TensorSpec
-from weightsync.quant.forms import SCALE_SUFFIX
+from weightsync.quant.forms import FLOATS, FP8, SCALE_SUFFIX
 from weightsync.quant.fp8 import quantize_blocks, scale_shape
 
 _LAYER = re.compile(r"(^|\.)layers\.\d+\.")
-_FLOATS = ("float32", "bfloat16", "float16")
 
 
 def quantizable(spec: TensorSpec) -> bool:
     """Whether an FP8 replica holds ``spec`` quantized (see the module's docstring)."""
     return (
-        spec.dtype in _FLOATS
+        spec.dtype in FLOATS
         and len(spec.shape) in (2, 3)
         and _LAYER.search(spec.name) is not None
         and not spec.name.endswith(("norm.weight", "mlp.gate.weight"))
@@ -38,16 +37,9 @@ def fp8_holding(
     """Zeroed tensors of a replica holding ``specs`` in FP8 where ``quantizable``: ``P`` in
     ``float8_e4m3fn`` with ``P_scale_inv`` (float32) beside it, the rest as specified.
     ``ModuleSink`` over them declares those forms."""
-    held: dict[str, torch.Tensor] = {}
-    for spec in specs:
-        if quantizable(spec):
-            held[spec.name] = torch.zeros(spec.shape, dtype=torch.float8_e4m3fn, device=device)
-            held[spec.name + SCALE_SUFFIX] = torch.zeros(
-                scale_shape(spec.shape, block), dtype=torch.float32, device=device
-            )
-        else:
-            held[spec.name] = torch.zeros(spec.shape, dtype=spec.torch_dtype, device=device)
-    return held
+    return {
+        s.name: torch.zeros(s.shape, dtype=s.torch_dtype, device=device) for s in fp8_wire_specs(specs, block)
+    }
 
 
 def fp8_expected(
@@ -65,14 +57,15 @@ def fp8_expected(
 
 
 def fp8_wire_specs(specs: Iterable[TensorSpec], block: tuple[int, int] = (128, 128)) -> list[TensorSpec]:
-    """What a sync to replicas made by ``fp8_holding`` carries: the quantized tensors' FP8
-    bytes and scales in their place (estimates and link ceilings count these bytes)."""
+    """What a replica made by ``fp8_holding`` holds, and so what a sync to such replicas
+    carries: the quantized tensors' FP8 bytes and scales in their place (estimates and link
+    ceilings count these bytes)."""
     out: list[TensorSpec] = []
     for spec in specs:
         if quantizable(spec):
             shape = scale_shape(spec.shape, block)
             out += [
-                TensorSpec(spec.name, spec.shape, "float8_e4m3fn"),
+                TensorSpec(spec.name, spec.shape, FP8),
                 TensorSpec(spec.name + SCALE_SUFFIX, shape, "float32"),
             ]
         else:

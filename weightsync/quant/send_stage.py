@@ -64,22 +64,20 @@ class QuantizedSource(WeightSource):
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.seconds, self.quantized = 0.0, 0
-        if not self.src.keeps_tensors:  # each tensor only until the next is requested
-            for name, tensor in self.src.tensors():
-                yield from self._entries(
-                    name, tensor, [_Done(self._quantize(tensor, f)) for f in self._of(name)]
-                )
-            return
-        # One tensor ahead: the next is quantized in a thread while the last is packed and
-        # sent (over a link, the quantizing then hides behind the wire).
+        # Where the source keeps its tensors, one ahead: the next is quantized in a thread
+        # while the last is packed and sent (over a link the quantizing hides behind the
+        # wire); otherwise each tensor only until the next is requested.
+        ahead = 1 if self.src.keeps_tensors else 0
         with ThreadPoolExecutor(1, thread_name_prefix="weightsync-quantize") as pool:
-            ahead: deque[tuple[str, torch.Tensor, list[Any]]] = deque()
+            pending: deque[tuple[str, torch.Tensor, list[Any]]] = deque()
             for name, tensor in self.src.tensors():
-                ahead.append((name, tensor, [pool.submit(self._quantize, tensor, f) for f in self._of(name)]))
-                if len(ahead) > 1:
-                    yield from self._entries(*ahead.popleft())
-            while ahead:
-                yield from self._entries(*ahead.popleft())
+                pending.append(
+                    (name, tensor, [pool.submit(self._quantize, tensor, f) for f in self._of(name)])
+                )
+                if len(pending) > ahead:
+                    yield from self._entries(*pending.popleft())
+            while pending:
+                yield from self._entries(*pending.popleft())
 
     def _of(self, name: str) -> list[Form]:
         return list(self.forms.get(name, {}).values())
@@ -101,16 +99,6 @@ class QuantizedSource(WeightSource):
             q, scales = pending.result()
             yield wire_name(name, form), q
             yield wire_name(form.scale_name, form), scales
-
-
-class _Done:
-    """A result already computed, read as a future's."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def result(self) -> Any:
-        return self.value
 
 
 class QuantSend:
