@@ -292,8 +292,10 @@ def _run_on_hosts(opts: BenchOptions, progress: Callable[[str, int, int], None] 
         rows = _run_rows(
             opts, progress, netns=netns, host=cluster.hosts[0].address, counters=cluster.counters
         )
+    plain = _specs(opts)
+    fp8 = fp8_wire_specs(plain) if opts.quantize else plain
     for row in rows:
-        specs = fp8_wire_specs(_specs(opts)) if row.quantize else _specs(opts)  # the bytes it carried
+        specs = fp8 if row.quantize else plain  # the bytes the row carried
         ceiling = ceiling_s(placed, specs, row.backend)
         predicted = predict(layout(row.bucket_mb), specs, row.backend).seconds
         row.ratios = {
