@@ -126,6 +126,31 @@ def test_three_receivers_read_the_trainers_memory_bit_exact_and_follow_a_realloc
 
 
 @pytest.mark.timeout(90)
+def test_an_engines_loader_reads_the_trainers_tensors_in_place_and_copies_only_the_staged():
+    """A loader fed through a landing pool (``receive_into``, as a vLLM worker is) holding
+    every tensor until the version ends: the tensors the trainer shares, the one larger than
+    a bucket too (its pieces lie one after another in the trainer's memory), reach it as
+    the trainer's own memory, no landing copy; the staged ones are copied into the pool. 3
+    versions bit-exact, 2 loaders."""
+    trainer = Trainer()
+    q = CTX.Queue()
+    config = overrides()
+    with Sender(EngineConfig.from_overrides(config), "127.0.0.1:0", 2) as sender:
+        procs = [start(workers.run_pooled_loader, sender.address, r, config, [1, 2, 3], q) for r in range(2)]
+        try:
+            for v in (1, 2, 3):
+                trainer.step(v)
+                stats = sender.send(trainer.source(), version=v)
+                for rank, version, got, in_place, lent, copied in collect(q, 2):
+                    assert version == v and got == expected(trainer), (rank, version, got)
+                    assert in_place == ["embed.weight", "lm_head.weight"], rank
+                    assert lent == stats.shared_bytes and copied == stats.staged_bytes, (lent, copied, stats)
+        finally:
+            stop(procs)
+    assert trainer.shared["embed.weight"].nbytes > BUCKET
+
+
+@pytest.mark.timeout(90)
 def test_a_receiver_killed_while_reading_is_named_the_trainers_tensors_stay_and_survivors_sync():
     """A receiver SIGKILLs itself after its first tensor of version 2 (its mappings of the
     trainer's memory open): ``send`` fails within the deadline naming it, the trainer's

@@ -619,3 +619,46 @@ def run_slice_receiver(address, rank, overrides, versions, queue, extra=None, tp
                     receiver.torn,
                 )
             )
+
+
+def run_pooled_loader(address, rank, overrides, versions, queue):
+    """An engine's loader fed by ``receive_into`` through a ``LandingPool`` (as a vLLM worker
+    is): it holds every tensor until the end of the version (as a layerwise reload holds a
+    layer's), then reports ``(rank, version, digests, names read in place, lent bytes,
+    copied bytes)``; "in place": the tensor's memory is one of the trainer's shared regions
+    this process maps (``/memfd:weightsync-ipc``), not the staging ring nor the pool."""
+    from weightsync.receiver.landing import LandingPool
+    from weightsync.receiver.prefetch import receive_into
+
+    torch.set_num_threads(1)
+    config = EngineConfig.from_overrides(overrides)
+    pool = LandingPool()
+    with Receiver(config, address, rank) as receiver:
+        for v in versions:
+            held = []
+
+            def reload(tensors):
+                held.extend(tensors)
+
+            result = receive_into(
+                receiver,
+                v,
+                reload,
+                pool=pool,
+                in_flight_bytes=4 * config.bucket_bytes,
+                timeout_s=config.timeout_s,
+            )
+            if result.error is not None:
+                queue.put((rank, "error", f"{type(result.error).__name__}: {result.error}", None, None, None))
+                return
+            regions = _trainer_regions()
+            in_place = sorted(n for n, t in held if any(a <= t.data_ptr() < b for a, b in regions))
+            digests = {n: digest(t) for n, t in held}
+            queue.put((rank, v, digests, in_place, result.landing_lent_bytes, result.landing_copied_bytes))
+
+
+def _trainer_regions() -> list[tuple[int, int]]:
+    """The address ranges of the trainer's shared storages this process maps."""
+    with open("/proc/self/maps") as f:
+        lines = [line.split() for line in f if "/memfd:weightsync-ipc " in line]
+    return [tuple(int(x, 16) for x in fields[0].split("-")) for fields in lines]

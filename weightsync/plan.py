@@ -568,7 +568,12 @@ class Assembler:
             return None
         return target
 
-    def unpack(self, bucket: Bucket, buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    def unpack(
+        self, bucket: Bucket, buffer: torch.Tensor, lent: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``bucket``'s complete tensors. ``lent``: ``buffer`` stays unchanged until the sync's
+        acknowledgement (``Transport.lends``); this assembler copies as it would otherwise
+        (``owned`` tensors outlive the sync), a pooled one may hand out views of it."""
         for p in bucket.pieces:
             spec = self.tensors[p.tensor]
             whole = p.tensor_offset == 0 and p.length == spec.nbytes

@@ -459,6 +459,7 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
                             "landing_peak_mb": most("landing_peak_bytes", 2**20),
                             "landing_wait_s": most("landing_wait_s"),
                             "landing_copied_mb": most("landing_copied_bytes", 2**20),
+                            "landing_lent_mb": most("landing_lent_bytes", 2**20),
                             "staging_mb": most("staging_bytes", 2**20) if mode == "staged" else None,
                             "staging_allocated_mb": most("staging_allocated_bytes", 2**20)
                             if mode == "staged"
@@ -550,6 +551,7 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
                                 "landing_peak_mb",
                                 "landing_wait_s",
                                 "landing_copied_mb",
+                                "landing_lent_mb",
                                 "staging_mb",
                                 "staging_allocated_mb",
                                 "rss_before_mb",

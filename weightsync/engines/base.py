@@ -164,6 +164,13 @@ class Transport(ABC):
         may receive a bucket straight into ``landing(bucket)`` (then yielded as the buffer);
         others ignore it. Closing the generator early abandons the transfer."""
 
+    def lends(self, bucket: Bucket) -> bool:
+        """Receiver, for the bucket just yielded: whether its buffer stays unchanged until
+        this sync's acknowledgement (``ipc``: the trainer's own memory, which it may not
+        write before ``send`` returns), so a loader that is done before the receiver answers
+        may read its tensors in place instead of a copy."""
+        return False
+
     def account(self, stats: SyncStats) -> None:
         """Sender, after ``send_buckets``: add this transport's own figures of the sync to
         ``stats`` (``ipc``: the bytes read from the trainer's memory and those staged)."""

@@ -227,6 +227,7 @@ class IpcEngine(Transport):
         self._staged_bytes = 0
         # receiver: region id -> (mapping or None on a device, uint8 tensor over it)
         self._maps: dict[int, tuple[mmap.mmap | None, torch.Tensor]] = {}
+        self._lent: set[int] = set()  # receiver: this sync's buckets read from the trainer's memory
 
     # ------------------------------------------------------------------ set-up
     def prepare(self, join: Join) -> dict[str, Any]:
@@ -564,6 +565,7 @@ class IpcEngine(Transport):
         # ``landing`` is not used: the bytes are in the trainer's memory, read from there
         assert self._sender is not None, "connect() first"
         version, sender = self._version, self._sender
+        self._lent.clear()
         k = 0
         while (bucket := next_bucket()) is not None:
             message = self._next_message()
@@ -577,6 +579,8 @@ class IpcEngine(Transport):
                 view = self._maps.get(region_id)
                 if view is None or not 0 <= offset <= view[1].numel() - nbytes:
                     raise PeerError(f"ipc: bucket {k} lies outside region {region_id} as mapped here")
+                if not staged:
+                    self._lent.add(k)
                 yield bucket, view[1][offset : offset + nbytes]
             else:
                 yield bucket, torch.empty(0, dtype=torch.uint8, device=self.device)
@@ -589,6 +593,11 @@ class IpcEngine(Transport):
             raise PeerError(f"the sender sent {count} buckets, the plan {k}")
         platform.synchronize(self.device)  # our reads of the trainer's memory are complete
         sender.send(DONE, version, k, 0)
+
+    def lends(self, bucket: Bucket) -> bool:
+        # a staged bucket's slot is rewritten once every receiver is done with it; the
+        # trainer's own memory is not written before every receiver acknowledged
+        return bucket.index in self._lent
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self) -> None:

@@ -328,6 +328,7 @@ class ReplicaReceiver:
             "landing_peak_bytes": result.landing_peak_bytes,
             "landing_wait_s": result.landing_wait_s,
             "landing_copied_bytes": result.landing_copied_bytes,
+            "landing_lent_bytes": result.landing_lent_bytes,
         }
         if self.receiver.sharded:
             slices = self.slices.summary() if self.slices is not None else {"kept_bytes": None}

@@ -26,7 +26,7 @@ from typing import Any, overload
 import torch
 
 from weightsync.errors import SyncTimeout
-from weightsync.plan import Assembler, Bucket, Plan, TensorSpec
+from weightsync.plan import Assembler, Bucket, Plan, TensorSpec, as_bytes
 
 # Buckets a transport may receive straight into pool memory ahead of the receiving thread:
 # one keeps the wire busy while the thread unpacks the bucket before it.
@@ -97,6 +97,9 @@ class LandingPool:
         self.waited_s = 0.0
         #: bytes received elsewhere (the transport's own buffers) and copied in this version
         self.copied_bytes = 0
+        #: bytes handed to the engine in place, in memory the transport lends until the
+        #: sync's acknowledgement (``Transport.lends``), this version
+        self.lent_bytes = 0
 
     # -------------------------------------------------------------- accounting
     def _entries(self) -> list[list[Any]]:
@@ -303,7 +306,7 @@ class LandingPool:
             self._generation += 1
             self.peak_bytes = 0
             self.waited_s = 0.0
-            self.copied_bytes = 0
+            self.copied_bytes = self.lent_bytes = 0
 
     def trim(self) -> None:
         """Free the overflow buffers neither this version nor the one before handed out
@@ -388,7 +391,13 @@ class PooledAssembler(Assembler):
     At most ``ahead`` buckets land in pool memory before they are unpacked: a transport
     that posts receives further ahead (``nccl`` posts up to 8) receives the others into
     its own two buffers, copied into the pool when unpacked, so the pool does not grow
-    with the transport's window."""
+    with the transport's window.
+
+    A bucket in memory the transport lends until the sync's acknowledgement (``ipc``: the
+    trainer's own tensors; the engine is done loading before the receiver answers) is not
+    copied: its whole tensors go out as views of it, and so does a split tensor whose
+    pieces lie one after another in the same lent memory (as the trainer holds it); a split
+    tensor whose pieces do not is merged in the pool, the pieces before too."""
 
     def __init__(
         self,
@@ -407,6 +416,8 @@ class PooledAssembler(Assembler):
         # tensor after the last layer (the lm_head) then finds room clear of its tensors
         self._following = following or {}
         self._then = 0
+        # a split tensor read in place so far: tensor index -> lent bytes of its whole length
+        self._spans: dict[int, torch.Tensor] = {}
 
     def _pooled(self, spec: TensorSpec) -> torch.Tensor | None:
         if not spec.nbytes:
@@ -436,7 +447,15 @@ class PooledAssembler(Assembler):
             self._targets[bucket.index] = target
         return target
 
-    def unpack(self, bucket: Bucket, buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    def unpack(
+        self, bucket: Bucket, buffer: torch.Tensor, lent: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        if lent and bucket.index not in self._targets:
+            yield from self._lent(bucket, buffer)
+            return
+        for p in bucket.pieces:  # a tensor read in place so far that continues in this bucket
+            if p.tensor in self._spans:
+                self._merge(p.tensor, p.tensor_offset)
         target = self._targets.pop(bucket.index, None)
         if target is None:  # in the transport's own memory: one copy into the pool
             target = self._land(bucket)
@@ -444,3 +463,60 @@ class PooledAssembler(Assembler):
             target.copy_(buffer[: bucket.nbytes])
             self.pool.copied_bytes += bucket.nbytes
         yield from super().unpack(bucket, target)
+
+    def _lent(self, bucket: Bucket, buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        for p in bucket.pieces:
+            spec = self.tensors[p.tensor]
+            src = buffer[p.bucket_offset : p.bucket_offset + p.length]
+            last = p.tensor_offset + p.length == spec.nbytes
+            if not spec.nbytes:
+                yield spec.name, torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.device)
+                continue
+            span = _span(src, spec.nbytes) if p.tensor_offset == 0 else self._spans.pop(p.tensor, None)
+            if span is not None and span[p.tensor_offset :].data_ptr() != src.data_ptr():
+                self._spans[p.tensor] = span  # not where the earlier pieces continue
+                self._merge(p.tensor, p.tensor_offset)
+                span = None
+            if span is not None:
+                self.pool.lent_bytes += p.length
+                if last:
+                    yield spec.name, span.view(spec.torch_dtype).view(spec.shape)
+                else:
+                    self._spans[p.tensor] = span
+                continue
+            full = self._partial.get(p.tensor)
+            if full is None:
+                full = self._partial[p.tensor] = self._pooled(spec)
+                assert full is not None  # acquire waits for room
+            as_bytes(full)[p.tensor_offset : p.tensor_offset + p.length].copy_(src)
+            self.pool.copied_bytes += p.length
+            if last:
+                yield spec.name, self._partial.pop(p.tensor)
+
+    def _merge(self, index: int, upto: int) -> None:
+        """A split tensor read in place so far continues elsewhere: its first ``upto`` bytes
+        (still lent) into a pool buffer of its full size, where its other pieces go."""
+        span = self._spans.pop(index)
+        full = self._partial.get(index)
+        if full is None:
+            full = self._pooled(self.tensors[index])
+            assert full is not None  # acquire waits for room
+        as_bytes(full)[:upto].copy_(span[:upto])
+        self.pool.copied_bytes += upto
+        self.pool.lent_bytes -= upto
+        self._partial[index] = full
+
+    @property
+    def incomplete(self) -> list[str]:
+        return super().incomplete + [self.tensors[i].name for i in self._spans]
+
+
+def _span(piece: torch.Tensor, nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` of ``piece``'s storage from where ``piece`` starts (None where the storage
+    ends before): where a tensor's later pieces lie if it is laid out as its sender holds it."""
+    storage = piece.untyped_storage()
+    if piece.storage_offset() + nbytes > storage.nbytes():
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=piece.device).set_(
+        storage, piece.storage_offset(), (nbytes,)
+    )

@@ -119,6 +119,8 @@ class PipelineResult:
     landing_wait_s: float = 0.0
     #: bytes the transport received into its own buffers, then copied into landing memory
     landing_copied_bytes: int = 0
+    #: bytes the engine loaded in place from memory the transport lends (``Transport.lends``)
+    landing_lent_bytes: int = 0
 
 
 def receive_into(
@@ -237,6 +239,7 @@ def receive_into(
         result.landing_peak_bytes = pool.peak_bytes
         result.landing_wait_s = pool.waited_s
         result.landing_copied_bytes = pool.copied_bytes
+        result.landing_lent_bytes = pool.lent_bytes
         pool.trim()
     return result
 

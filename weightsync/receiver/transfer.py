@@ -68,6 +68,7 @@ class Transfer:
         # Buckets may land straight in the model's tensors: then whatever came off the wire
         # (a bucket not unpacked, drained ones, a receive cut short) is in the model.
         self.direct = self._assembler.destination is not None
+        self._transport = transport
         self._buckets = transport.recv_buckets(next_bucket, self._assembler.landing if self.direct else None)
         self._checks = Checks(config.verify, f"receiver rank {rank}", version)
         #: what the transfer saw
@@ -105,7 +106,8 @@ class Transfer:
                 stats.wire_bytes += bucket.nbytes
                 if self.plan is None:  # streamed: the reader announced new specs
                     incoming.grow()
-                for name, tensor in self._assembler.unpack(bucket, buffer):
+                lent = self._transport.lends(bucket)
+                for name, tensor in self._assembler.unpack(bucket, buffer, lent):
                     entries += 1
                     item = incoming.take(name, tensor, self._keep)
                     if item is None or item[0] in handed:
