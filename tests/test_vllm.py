@@ -308,8 +308,9 @@ def test_delta_sync_reaches_both_replicas_bit_exact(setup, tmp_path, update_mode
 def test_updates_over_ipc_read_the_trainers_own_tensors_with_greedy_parity(setup):
     """``backend=ipc`` (docs/ipc.md) into real vLLM workers: the trainer's tensors moved into
     shared memory once (``share_tensors``; the optimizer keeps training them in place), each
-    worker maps them and copies from there; three trained versions keep greedy parity, the
-    large tensors read from the trainer's memory, the rest staged in the same sync."""
+    worker maps them and vLLM's loader reads them in place (no landing copy); three trained
+    versions keep greedy parity, the large tensors read from the trainer's memory, the rest
+    staged in the same sync and copied."""
     from weightsync.engines.ipc import share_tensors
 
     share_tensors(setup.model)
@@ -324,6 +325,10 @@ def test_updates_over_ipc_read_the_trainers_own_tensors_with_greedy_parity(setup
             stats = report.stats
             assert stats.shared_bytes + stats.staged_bytes == stats.wire_bytes, stats
             assert stats.shared_bytes > stats.bytes / 2, stats  # the embedding and head at least
+            for r in setup.replicas:  # vLLM's loader read those in place: no landing copy of them
+                for w in r.call("weightsync_status"):
+                    assert w["landing_lent_bytes"] == stats.shared_bytes, w
+                    assert w["landing_copied_bytes"] == stats.staged_bytes, w
             for llm in setup.llms:
                 assert replica_greedy(llm, PROMPTS, NEW) == expected
     finally:
