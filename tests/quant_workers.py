@@ -82,11 +82,12 @@ def run_receiver(address, rank, overrides, versions, queue, form="bf16"):
         queue.put((rank, "error", f"{type(e).__name__}: {e}"))
 
 
-def run_fsdp_trainer(rank, store_port, address_queue, overrides, versions, queue):
+def run_fsdp_trainer(rank, store_port, address_queue, overrides, versions, queue, receivers=1, address=None):
     """Trainer rank of a 2-rank job whose matrices are DTensors sharded by rows (``Shard(0)``,
     as FSDP2 holds them): ``layers.0.proj.weight``'s first 128-row block is cut at row 100,
-    ``layers.0.mlp.weight``'s second at row 192. Rank 0 sends over a dense backend, rank 1
-    gathers with it (``full_tensor`` is a collective)."""
+    ``layers.0.mlp.weight``'s second at row 192. Over a dense backend rank 0 sends, rank 1
+    gathers with it (``full_tensor`` is a collective); over ``sharded`` both send their rows
+    (rank 1 joins rank 0's session at ``address``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -95,7 +96,7 @@ def run_fsdp_trainer(rank, store_port, address_queue, overrides, versions, queue
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=rank, world_size=2)
         mesh = init_device_mesh("cpu", (2,))
-        with Sender(EngineConfig.from_overrides(overrides), "127.0.0.1:0", 1) as sender:
+        with Sender(EngineConfig.from_overrides(overrides), address or "127.0.0.1:0", receivers) as sender:
             if rank == 0:
                 address_queue.put(sender.address)
             for v in versions:

@@ -154,24 +154,38 @@ def test_a_delta_sync_carries_the_quantized_bytes_deltas():
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_fsdp2_rows_cut_inside_a_block_get_one_scale_from_the_gathered_block():
-    """Over a dense backend the trainer ranks gather each tensor (``full_tensor``) before it
-    is quantized: a 128-row block split between two ranks' shards gets the scale of all its
-    rows, as vLLM quantizing the whole tensor gives (docs/quantized.md)."""
-    overrides = ["backend=nccl", "update_weights_bucket_megabytes=1", "timeout_s=60"]
+@pytest.mark.parametrize("backend", ["nccl", "sharded"])
+def test_fsdp2_rows_cut_inside_a_block_get_one_scale_from_the_gathered_block(backend):
+    """A 2-rank FSDP2 trainer whose ``Shard(0)`` cuts a 128-row block at row 100 (another at
+    row 192); an FP8 receiver, a UE8M0 one and a bf16 one in each sync, 3 versions: every
+    block gets the scale of all its rows, as vLLM quantizing the whole tensor gives. Over a
+    dense backend rank 0 quantizes the gathered tensor (``full_tensor``); over ``sharded``
+    each rank quantizes its own rows, the cut blocks' maxima agreed between the ranks
+    (docs/quantized.md), and the bf16 receiver takes the trainer's bytes in the same sync."""
+    overrides = [f"backend={backend}", "update_weights_bucket_megabytes=1", "timeout_s=60"]
     q, addresses, rq = CTX.Queue(), CTX.Queue(), CTX.Queue()
-    port = free_port()
-    trainers = [start(qw.run_fsdp_trainer, r, port, addresses, overrides, [1, 2], q) for r in range(2)]
+    port, session = free_port(), f"127.0.0.1:{free_port()}"
+    versions = [1, 2, 3]
+    forms = ["fp8", "ue8m0", "bf16"]
+    trainers = [
+        start(qw.run_fsdp_trainer, r, port, addresses, overrides, versions, q, len(forms), session)
+        for r in range(2)
+    ]
     receivers = []
     try:
         address = addresses.get(timeout=90)
-        receivers = [start(qw.run_receiver, address, 0, overrides, [1, 2], rq, "fp8")]
-        for v in (1, 2):
+        receivers = [
+            start(qw.run_receiver, address, i, overrides, versions, rq, f) for i, f in enumerate(forms)
+        ]
+        for v in versions:
             reports = sorted(collect(q, 2), key=lambda r: r[0])
             assert [(r[1], r[2]) for r in reports] == [(v, 100), (v, 100)], reports  # rows 0-99 | 100-199
-            assert reports[0][3] == len(qw.QUANTIZED) and reports[1][3] == 0  # rank 0 quantizes
-            ((_, got_v, digests, missing, _),) = collect(rq, 1)
-            assert got_v == v and missing == [] and digests == expected(v, "fp8"), v
+            # the forms quantized: dense, rank 0 alone; sharded, each rank its own rows
+            made = 2 * len(qw.QUANTIZED)  # float32 and UE8M0 scales
+            assert [r[3] for r in reports] == ([made, 0] if backend == "nccl" else [made, made]), reports
+            for rank, got_v, digests, missing, _ in sorted(collect(rq, 3)):
+                assert got_v == v and missing == [], (rank, got_v, missing)
+                assert digests == expected(v, forms[rank]), (forms[rank], v)
     finally:
         stop(trainers + receivers)
 

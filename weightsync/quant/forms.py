@@ -116,6 +116,21 @@ def wire_name(name: str, form: Form) -> str:
     return f"{name}{TAG}{form.tag}"
 
 
+def split_tag(name: str) -> tuple[str, tuple[int, int], str] | None:
+    """A wire entry's tensor name, block and scale kind (``P@fp8-128x128-ue8m0`` ->
+    ``("P", (128, 128), "ue8m0")``); None for an entry no form tags."""
+    if not is_tagged(name):
+        return None
+    base, tag = name.rsplit(TAG, 1)
+    parts = tag.split("-")
+    try:
+        rows, cols = (int(n) for n in parts[1].split("x"))
+    except (IndexError, ValueError):
+        return None
+    scale = parts[2] if len(parts) > 2 else "float32"
+    return (base, (rows, cols), scale) if len(parts) <= 3 and scale in SCALES else None
+
+
 def is_tagged(name: str) -> bool:
     """Whether a wire entry is some form's (receivers that hold no form skip it)."""
     return TAG in name and name.rsplit(TAG, 1)[1].startswith("fp8-")

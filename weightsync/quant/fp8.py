@@ -47,9 +47,7 @@ def quantize_blocks(
     e, n, k = stack.shape
     bn, bk = block
     rows, cols = math.ceil(n / bn), math.ceil(k / bk)
-    scales = _scales(stack, block, rows, cols)
-    if ue8m0:
-        scales = torch.pow(2.0, torch.ceil(torch.log2(scales.abs())))
+    scales = scales_of(_amax(stack, block, rows, cols), ue8m0)
     # each column's reciprocal, per row block: the block times the float32 reciprocal (x
     # promotes to float32), as the reference does
     inverse = (1.0 / scales).repeat_interleave(bk, dim=-1)[..., :k]  # [e, rows, k]
@@ -74,9 +72,15 @@ def quantize_blocks(
 _STRIP = 1 << 20
 
 
-def _scales(stack: torch.Tensor, block: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
-    """Each block's scale: its absolute maximum (float32, clamped at ``AMAX_FLOOR``) over
-    ``FP8_MAX``; [e, rows, cols]."""
+def scales_of(amax: torch.Tensor, ue8m0: bool = False) -> torch.Tensor:
+    """Blocks' scales from their absolute maxima: clamped below at ``AMAX_FLOOR``, over
+    ``FP8_MAX``, for UE8M0 rounded up to a power of two (float32)."""
+    scales = amax.float().clamp(min=AMAX_FLOOR) / FP8_MAX
+    return torch.pow(2.0, torch.ceil(torch.log2(scales))) if ue8m0 else scales
+
+
+def _amax(stack: torch.Tensor, block: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
+    """Each block's absolute maximum, float32; [e, rows, cols]."""
     e, n, k = stack.shape
     bn, bk = block
     whole = k // bk * bk
@@ -88,8 +92,53 @@ def _scales(stack: torch.Tensor, block: tuple[int, int], rows: int, cols: int) -
     per_row = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]  # [e, n, cols]
     # zero rows pad the last row block: they never raise a maximum (clamped above 0)
     per_row = F.pad(per_row, (0, 0, 0, rows * bn - n))
-    amax = per_row.view(e, rows, bn, cols).amax(dim=2).float().clamp(min=AMAX_FLOOR)
-    return amax / FP8_MAX
+    return per_row.view(e, rows, bn, cols).amax(dim=2).float()
+
+
+def box_amax(x: torch.Tensor, starts: tuple[int, int], block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """The absolute maxima, over the part of each block that ``x`` holds, of the blocks of a
+    larger tensor that ``x`` meets: ``x`` is a box of it ([..., h, w]; a stack's leading
+    dimension as it is) whose first element is at ``starts`` (row, column) of the whole.
+    float32 [..., blocks down, blocks across], from the block holding ``x``'s first element
+    (none where ``x`` is empty). A block cut between boxes gets its maximum as the largest of
+    theirs (``weightsync.quant.sharded``)."""
+    *lead, h, w = x.shape
+    bn, bk = block
+    top, left = starts[0] % bn, starts[1] % bk
+    if not h or not w:
+        return torch.zeros((*lead, 0, 0), dtype=torch.float32, device=x.device)
+    rows, cols = math.ceil((top + h) / bn), math.ceil((left + w) / bk)
+    stack = x.reshape(-1, h, w)
+    if not top and not left:
+        return _amax(stack, block, rows, cols).view(*lead, rows, cols)
+    out = torch.empty((stack.shape[0], rows, cols), dtype=torch.float32, device=x.device)
+    for i in range(stack.shape[0]):
+        for b in range(rows):  # a band of one block's rows, zero columns before and after
+            band = stack[i, max(0, b * bn - top) : min(h, (b + 1) * bn - top)]
+            band = F.pad(band, (left, cols * bk - left - w))
+            out[i, b] = band.abs().unflatten(-1, (cols, bk)).amax(dim=-1).amax(dim=0).float()
+    return out.view(*lead, rows, cols)
+
+
+def quantize_box(
+    x: torch.Tensor, starts: tuple[int, int], scales: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> torch.Tensor:
+    """``x``, a box of a larger tensor whose first element is at ``starts`` (row, column) of
+    the whole, in FP8 e4m3 with the whole tensor's block ``scales`` ([..., blocks down,
+    blocks across] of the whole; a stack's leading dimension as ``x``'s): the bytes
+    ``quantize_blocks`` gives those elements of the whole, given the same scales."""
+    *_, h, w = x.shape
+    bn, bk = block
+    stack, grid = x.reshape(-1, h, w), scales.reshape(-1, *scales.shape[-2:])
+    q = torch.empty(stack.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    inverse = 1.0 / grid  # as the reference: the block times its scale's float32 reciprocal
+    r0, c0 = starts
+    for i in range(stack.shape[0]):
+        for b in range(r0 // bn, math.ceil((r0 + h) / bn)):
+            lo, hi = max(0, b * bn - r0), min(h, (b + 1) * bn - r0)
+            across = inverse[i, b].repeat_interleave(bk)[c0 : c0 + w]
+            q[i, lo:hi].copy_(stack[i, lo:hi] * across)
+    return q.view(x.shape)
 
 
 def dequantize_blocks(

@@ -33,8 +33,13 @@ class ShardedReceive(ReceiveRoute):
         self._part: Part | None = None  # this receiver's part of the sync in progress
 
     def sink(self, module: torch.nn.Module | ModuleSink) -> ModuleSink:
-        # the slices this rank keeps: a DTensor's local shard, a plain tensor whole
-        return module if isinstance(module, FragmentSink) else FragmentSink(getattr(module, "module", module))
+        # the slices this rank keeps: a DTensor's local shard, a plain tensor whole (in the
+        # quantized forms a ModuleSink declared)
+        if isinstance(module, FragmentSink):
+            return module
+        if isinstance(module, ModuleSink):
+            return FragmentSink(module.module, module.forms)
+        return FragmentSink(module)
 
     def owned(self, owned: bool, landing: Any) -> bool:
         if landing is not None:

@@ -24,10 +24,11 @@ from weightsync.config.engine import EngineConfig
 from weightsync.engines.base import Join, Transport
 from weightsync.errors import HandshakeError, PeerLost, ProtocolError, SyncError
 from weightsync.plan import Plan, capacity
+from weightsync.quant.sharded import FormedSource, wanted
 from weightsync.sender.packer import producer
 from weightsync.session.channel import Channel, Deadline
 from weightsync.session.control import connect
-from weightsync.sharding.agreement import TRAINER, Agreement, Part, ShardSource
+from weightsync.sharding.agreement import TRAINER, Agreement, Part, ShardSource, offered_layouts
 from weightsync.sources import IteratorSource, WeightSource
 from weightsync.stats import SyncStats
 
@@ -111,6 +112,9 @@ class TrainerFollower:
         self.rank = rank
         self.channel: Channel | None = None
         self._agreement: Agreement | None = None  # sharded: the route last agreed
+        # sharded: the quantized forms the last full offer's receiver layouts named, and its trainer ranks
+        self._tags: dict[str, frozenset[str]] = {}
+        self._trainers = 1
 
     def connect(self) -> Channel:
         """Join rank 0's session (once; again after a failure)."""
@@ -165,18 +169,23 @@ class TrainerFollower:
         self, transport: Transport, src: ShardSource, version: int, num_receivers: int
     ) -> SyncStats:
         """``sharded``: follow rank 0's sync of ``version``: agree the route (telling rank 0
-        this rank's layout where its offer lacks it), then send this rank's fragments."""
+        this rank's layout where its offer lacks it), then send this rank's fragments, with
+        the quantized forms the receivers' layouts name (``weightsync.quant.sharded``)."""
         ch, msg, deadline = self._start(version)
         agreement = self._agreement
         if agreement is None or agreement.bucket_bytes != self.config.bucket_bytes:
             agreement = self._agreement = Agreement(TRAINER, self.config.bucket_bytes)
-        own = src.layout(ch.sock.getsockname()[0])
+        host = ch.sock.getsockname()[0]
+        formed: ShardSource = src
         while True:
             problem = self._problem(msg, version, None)
             part = None
             if problem is None:
                 try:
-                    part, fields = agreement.answer(msg.get("route"), self.rank, own, src.specs())
+                    formed = self._formed(src, msg.get("route"), formed)
+                    part, fields = agreement.answer(
+                        msg.get("route"), self.rank, formed.layout(host), formed.specs()
+                    )
                 except ValueError as e:
                     problem = str(e)
             if problem is not None:
@@ -190,9 +199,27 @@ class TrainerFollower:
             raise ProtocolError(
                 f"trainer rank 0 gave the go of version {version} before the route was agreed"
             )
-        fragments = IteratorSource(part.tensors(src.shards))
+        if isinstance(formed, FormedSource):  # after the go: every trainer rank quantizes now
+            formed.quantize()
+        fragments = IteratorSource(part.tensors(formed.shards))
         plan = part.rank_plan.plan
-        return self._send(transport, ch, msg, fragments, version, plan, num_receivers, deadline, part)
+        stats = self._send(transport, ch, msg, fragments, version, plan, num_receivers, deadline, part)
+        if isinstance(formed, FormedSource):
+            stats.quantized, stats.quantize_s = formed.quantized, formed.seconds
+        return stats
+
+    def _formed(self, src: ShardSource, offer: Any, last: ShardSource) -> ShardSource:
+        """``src`` with the quantized entries the offer's receiver layouts name (an offer of
+        the route's hash only: those of the last full offer)."""
+        layouts = offered_layouts(offer)
+        if layouts is not None:
+            holders, needs = layouts
+            self._tags, self._trainers = wanted(needs), len(holders)
+        if not self._tags:
+            return src
+        if isinstance(last, FormedSource) and last.base is src and last.tags == self._tags:
+            return last
+        return FormedSource(src, self._tags, self._trainers)
 
     def _send(
         self,

@@ -6,7 +6,10 @@ route gives it; each receiver keeps only its part. The route forms in the handsh
 whose layout the offer lacks answer with it and the sync is offered again, at most
 ``MAX_ROUTE_ROUNDS`` times. After the go, rank 0 packs its own fragments by its own plan;
 its links and per-bucket peers go into the ``Join`` record, and ``verify`` hands each
-receiver the checksums of its own buckets.
+receiver the checksums of its own buckets. Quantized forms that receivers' layouts name are
+entries of every trainer rank's source (``weightsync.quant.sharded``): when they change, the
+other trainer ranks' layouts are asked again, and after the go every rank quantizes its
+shard, the scales of cut blocks agreed between them.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from weightsync.config.engine import EngineConfig
 from weightsync.delta.send_stage import Outgoing
 from weightsync.engines.base import Join, Transport
 from weightsync.plan import Plan, capacity
+from weightsync.quant.sharded import FormedSource, wanted
 from weightsync.sender.ranks import TrainerFollower
 from weightsync.sender.route_stage import Answer, Members, SendRoute
-from weightsync.sharding.agreement import Part, RouteOffer, ShardSource, own_part, receiver_checksums
+from weightsync.sharding.agreement import TRAINER, Part, RouteOffer, ShardSource, own_part, receiver_checksums
 from weightsync.sources import IteratorSource, WeightSource
 from weightsync.stats import SyncStats
 
@@ -41,6 +45,8 @@ class ShardedSend(SendRoute):
         self._offer = RouteOffer()  # the layouts heard and the route they make
         self._part: Part | None = None  # this rank's part of the sync in progress
         self._rounds = 0  # rounds of the current handshake that changed the route
+        self._formed: FormedSource | None = None  # this sync's source with the forms receivers keep
+        self._tags: dict[str, frozenset[str]] = {}  # the forms the receivers' layouts named last
 
     def source(self, obj: Any, wire_dtype: torch.dtype | None, form: str) -> WeightSource:
         # the layouts are the module's own: a route of checkpoint pieces is not built yet
@@ -62,20 +68,20 @@ class ShardedSend(SendRoute):
         return follower.send_part(transport, src, version, receivers)
 
     def start(self) -> None:
-        self._part, self._rounds = None, 0
+        self._part, self._rounds, self._formed = None, 0, None
 
     def offer(self, out: Outgoing, members: Members) -> dict[str, Any]:
-        src = self._shards(out)
+        src = self._source(out, members)
         fields = self._offer.fields(
             src.specs(), src.layout(members.host), members.receivers, members.trainers
         )
         return {"route": fields}
 
     def answered(self, out: Outgoing, answers: Sequence[Answer], members: Members) -> bool:
-        src = self._shards(out)
         try:
             if not self._offer.take(answers):
                 return False
+            src = self._source(out, members)
             self._offer.route(src.specs(), src.layout(members.host), members.receivers, members.trainers)
         except ValueError as e:  # a RouteError, or a layout that does not parse
             for side, rank, _ in answers:
@@ -87,11 +93,13 @@ class ShardedSend(SendRoute):
         return True
 
     def own(self, out: Outgoing, members: Members, bucket_bytes: int) -> Outgoing:
-        src = self._shards(out)
+        src = self._source(out, members)
         route = self._offer.route(src.specs(), src.layout(members.host), members.receivers, members.trainers)
         if route is None:
             raise RuntimeError("the sharded handshake ended without a route")  # answered prevents it
         self._part = part = own_part(route, len(members.receivers), bucket_bytes)
+        if isinstance(src, FormedSource):  # after the go: every trainer rank quantizes now
+            src.quantize()
         return Outgoing(IteratorSource(part.tensors(src.shards)), part.rank_plan.plan, out.version)
 
     def join(self, join: Join, bucket_bytes: int) -> Join:
@@ -105,6 +113,8 @@ class ShardedSend(SendRoute):
         route = self._own().route  # every trainer rank's fragments
         stats.bytes = sum(route.received_bytes().values())
         stats.tensors = len(route.fragments)
+        if self._formed is not None:
+            stats.quantized, stats.quantize_s = self._formed.quantized, self._formed.seconds
 
     def checksums(
         self, out: Outgoing, sums: dict[int, dict[int, int]], members: Members, bucket_bytes: int
@@ -113,6 +123,23 @@ class ShardedSend(SendRoute):
 
     def forget(self, side: str, rank: int) -> None:
         self._offer.forget(side, rank)
+
+    def _source(self, out: Outgoing, members: Members) -> ShardSource:
+        """This sync's source: the trainer's shards, with the quantized entries the
+        receivers' layouts name. When those change, the other trainer ranks' layouts (which
+        lack them) are asked again."""
+        src = self._shards(out)
+        tags = wanted(self._offer.needs[r] for r in members.receivers if r in self._offer.needs)
+        if tags != self._tags:
+            for t in range(1, members.trainers):
+                self._offer.forget(TRAINER, t)
+            self._tags = tags
+        if not tags:
+            self._formed = None
+            return src
+        if self._formed is None or self._formed.base is not src or self._formed.tags != tags:
+            self._formed = FormedSource(src, tags, members.trainers)
+        return self._formed
 
     def _own(self) -> Part:
         if self._part is None:

@@ -24,6 +24,7 @@ its fragments by ``Reassembly``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from weightsync.plan import TensorSpec
+from weightsync.quant.forms import Form, declared_forms, is_tagged, wire_name
 from weightsync.sharding.fragments import (
     LocalShard,
     RankPlan,
@@ -82,10 +84,26 @@ def offered_specs(offer: Any) -> list[TensorSpec]:
     return _specs(offer.get("specs"))
 
 
+def offered_layouts(offer: Any) -> tuple[list[Declared | None], list[Declared | None]] | None:
+    """The trainer ranks' and receiver ranks' layouts a full route offer names (None where
+    rank 0 does not know one yet); None for an offer of the hash only."""
+    if not isinstance(offer, dict) or offer.get("compact"):
+        return None
+    holders, needs = offer.get("holders"), offer.get("needs")
+    if not isinstance(holders, list) or not isinstance(needs, list):
+        raise ValueError("the route offer carries no layouts")
+    return (
+        [None if h is None else _parse(h, TRAINER) for h in holders],
+        [None if n is None else _parse(n, RECEIVER) for n in needs],
+    )
+
+
 def compute(specs: Sequence[TensorSpec], holders: Sequence[Declared], needs: Sequence[Declared]) -> Route:
-    """The route from these layouts (a receiver's ``WHOLE``: every tensor whole)."""
+    """The route from these layouts (a receiver's ``WHOLE``: every tensor whole as the
+    trainer holds it, no quantized form's entry)."""
+    plain = [s for s in specs if not is_tagged(s.name)]
     trainers = [h if isinstance(h, Layout) else Layout.whole(specs) for h in holders]
-    receivers = [n if isinstance(n, Layout) else Layout.whole(specs) for n in needs]
+    receivers = [n if isinstance(n, Layout) else Layout.whole(plain) for n in needs]
     return plan_route(specs, trainers, receivers)
 
 
@@ -390,15 +408,30 @@ class FragmentSink(ModuleSink):
     """A sharded receiver's sink: the slices of a module (its DTensors' local shards, its
     plain tensors whole) that this rank keeps. ``layout`` is what it declares; once the
     route is agreed (``bind``), its targets are the views each routed fragment lands in,
-    by fragment name, so the session checks and lands fragments as it does whole tensors."""
+    by fragment name, so the session checks and lands fragments as it does whole tensors.
 
-    def __init__(self, module: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
+    A tensor held in a quantized form (``P`` in FP8 beside ``P_scale_inv``: ``forms``, as a
+    ``ModuleSink`` declares them, or read off the slices) is declared as that form's entries
+    (``P@<tag>``, ``P_scale_inv@<tag>``): the trainer ranks quantize their shards for it
+    (``weightsync.quant.sharded``)."""
+
+    def __init__(
+        self, module: torch.nn.Module | Mapping[str, torch.Tensor], forms: Mapping[str, Form] | None = None
+    ) -> None:
         self.module = module
         declared = (
             isinstance(module, Mapping) and module and all(isinstance(v, LocalShard) for v in module.values())
         )
         # declared shards (``declared_shards``) as they are; else a module's or state dict's
-        self.shards = dict(module) if declared else local_shards(module)
+        shards = dict(module) if declared else local_shards(module)
+        if forms is None:
+            forms = declared_forms({n: s.tensor for n, s in shards.items()})
+        for name, form in forms.items():
+            for held in (name, form.scale_name):
+                shard = shards.pop(held)
+                wire = wire_name(held, form)
+                shards[wire] = LocalShard(dataclasses.replace(shard.spec, name=wire), shard.box, shard.tensor)
+        self.shards = shards
         self.targets = {}
         self._own, self._pieces = [], {}  # fragments land as they are: no checkpoint pieces
         self._loaded = set()
@@ -442,7 +475,9 @@ class Reassembly:
         self._wholes: dict[str, torch.Tensor] = {}
         #: tensors without elements: no fragment carries them, yet they are the model's
         self.empty = [
-            (s.name, torch.empty(s.shape, dtype=s.torch_dtype)) for s in route.specs if not math.prod(s.shape)
+            (s.name, torch.empty(s.shape, dtype=s.torch_dtype))
+            for s in route.specs
+            if not math.prod(s.shape) and not is_tagged(s.name)
         ]
 
     def put(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
