@@ -11,8 +11,9 @@ keeps its tensors; the quantizer's seconds in ``SyncStats.quantize_s``). Where e
 receiver holds a tensor in one form, only that form travels: half of bf16's bytes.
 
 Forms need a source that announces its tensors (a module or a state dict) and one trainer
-rank that sends (dense backends); other syncs with declared forms are refused in the
-handshake naming the receiver and the tensor, as is a form the trainer cannot produce.
+rank that sends (dense backends; ``sharded`` receivers declare forms in their layouts:
+``weightsync.quant.sharded``); other syncs with declared forms are refused in the handshake
+naming the receiver and the tensor, as is a form the trainer cannot produce.
 """
 
 from __future__ import annotations

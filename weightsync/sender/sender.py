@@ -96,9 +96,12 @@ class Sender:
         self._route: SendRoute = ShardedSend() if sharded else DenseSend()
         #: the quantized-forms stage: what receivers declared, quantized before the wire
         self._quant = QuantSend(
-            f"backend {config.backend!r} sends from every trainer rank; quantized forms go over a dense "
-            "backend from one (docs/quantized.md)"
-            if sharded or self._all_send
+            "over backend 'sharded' a receiver declares its forms in its layout: load_into the module "
+            "holding them (docs/quantized.md)"
+            if sharded
+            else f"backend {config.backend!r} sends a share of a dense plan from every trainer rank; quantized "
+            "forms go over a dense backend from one, or over sharded (docs/quantized.md)"
+            if self._all_send
             else None
         )
         if self._all_send and not 0 <= self.rank < self.num_trainers:
