@@ -107,3 +107,54 @@ def run_fsdp_trainer(rank, store_port, address_queue, overrides, versions, queue
         dist.destroy_process_group()
     except Exception as e:
         queue.put((rank, "error", f"{type(e).__name__}: {e}", None))
+
+
+def sliced_boxes(part, parts=2):
+    """Part ``part`` of ``parts`` tensor-parallel slices of each quantized tensor and of its
+    scales, as (box, scale box): a matrix's rows cut at multiples of 128 (as vLLM needs block
+    FP8 slices cut), an expert stack's experts split."""
+    from weightsync.sharding.layout import Box, chunk
+
+    boxes = {}
+    for name in QUANTIZED:
+        shape, grid = SHAPES[name], scale_shape(SHAPES[name], BLOCK)
+        if len(shape) == 3:
+            start, length = chunk(shape[0], parts, part)
+            boxes[name] = (
+                Box((start, 0, 0), (length, *shape[1:])),
+                Box((start, 0, 0), (length, *grid[1:])),
+            )
+        else:
+            first, count = chunk(grid[0], parts, part)
+            rows = min(shape[0], (first + count) * BLOCK[0]) - first * BLOCK[0]
+            boxes[name] = (Box((first * BLOCK[0], 0), (rows, shape[1])), Box((first, 0), (count, grid[1])))
+    return boxes
+
+
+def run_sliced_receiver(address, rank, overrides, versions, queue, part, parts=2):
+    """A tensor-parallel FP8 receiver rank over ``sharded`` (declared shards, as a
+    Megatron-style or engine worker declares them): its slice of each quantized tensor's FP8
+    bytes and scales (``sliced_boxes``), every other tensor whole in bf16. Reports ``(rank,
+    version, digests, missing, None)`` per version, or ``(rank, "error", message)``."""
+    from weightsync.sharding import declared_shards
+    from weightsync.sharding.layout import Box
+
+    slices = sliced_boxes(part, parts)
+    shards = {}
+    for name, shape in SHAPES.items():
+        if name in slices:
+            box, scales = slices[name]
+            shards[name] = (shape, box, torch.zeros(box.lengths, dtype=torch.float8_e4m3fn))
+            grid = scale_shape(shape, BLOCK)
+            shards[name + "_scale_inv"] = (grid, scales, torch.zeros(scales.lengths, dtype=torch.float32))
+        else:
+            shards[name] = (shape, Box.whole(shape), torch.zeros(shape, dtype=torch.bfloat16))
+    held = declared_shards(shards)
+    try:
+        with Receiver(EngineConfig.from_overrides(overrides), address, rank) as receiver:
+            for v in versions:
+                stats = receiver.load_into(held, version=v)
+                digests = {n: workers.digest(s.tensor) for n, s in held.items()}
+                queue.put((rank, v, digests, stats.missing, None))
+    except Exception as e:
+        queue.put((rank, "error", f"{type(e).__name__}: {e}"))

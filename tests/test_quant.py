@@ -9,6 +9,7 @@ from procs import CTX, collect, free_port, start, stop
 
 from weightsync import EngineConfig, HandshakeError, Sender
 from weightsync.quant import quantize_blocks
+from weightsync.sharding.fragments import region
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -152,6 +153,22 @@ def test_a_delta_sync_carries_the_quantized_bytes_deltas():
             stop(procs)
 
 
+def sliced(version, part, parts):
+    """A tensor-parallel FP8 rank's tensors after ``version``: its slices of vLLM's
+    quantizer's bytes and scales, every other tensor the trainer's bf16."""
+    out = {}
+    boxes = qw.sliced_boxes(part, parts)
+    for name, t in qw.weights(version).items():
+        if name in boxes:
+            q, s = reference(t, ue8m0=False)
+            box, scales = boxes[name]
+            out[name] = workers.digest(region(q, box).contiguous())
+            out[name + "_scale_inv"] = workers.digest(region(s, scales).contiguous())
+        else:
+            out[name] = workers.digest(t)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.parametrize("backend", ["nccl", "sharded"])
@@ -161,14 +178,17 @@ def test_fsdp2_rows_cut_inside_a_block_get_one_scale_from_the_gathered_block(bac
     block gets the scale of all its rows, as vLLM quantizing the whole tensor gives. Over a
     dense backend rank 0 quantizes the gathered tensor (``full_tensor``); over ``sharded``
     each rank quantizes its own rows, the cut blocks' maxima agreed between the ranks
-    (docs/quantized.md), and the bf16 receiver takes the trainer's bytes in the same sync."""
+    (docs/quantized.md), the bf16 receiver takes the trainer's bytes in the same sync, and
+    two tensor-parallel FP8 receiver ranks (rows cut at 128, the stack by experts) each
+    take their slice of the bytes and of the scales."""
     overrides = [f"backend={backend}", "update_weights_bucket_megabytes=1", "timeout_s=60"]
     q, addresses, rq = CTX.Queue(), CTX.Queue(), CTX.Queue()
     port, session = free_port(), f"127.0.0.1:{free_port()}"
     versions = [1, 2, 3]
     forms = ["fp8", "ue8m0", "bf16"]
+    tp = 2 if backend == "sharded" else 0  # tensor-parallel FP8 ranks after those
     trainers = [
-        start(qw.run_fsdp_trainer, r, port, addresses, overrides, versions, q, len(forms), session)
+        start(qw.run_fsdp_trainer, r, port, addresses, overrides, versions, q, len(forms) + tp, session)
         for r in range(2)
     ]
     receivers = []
@@ -177,15 +197,22 @@ def test_fsdp2_rows_cut_inside_a_block_get_one_scale_from_the_gathered_block(bac
         receivers = [
             start(qw.run_receiver, address, i, overrides, versions, rq, f) for i, f in enumerate(forms)
         ]
+        receivers += [
+            start(qw.run_sliced_receiver, address, len(forms) + p, overrides, versions, rq, p, tp)
+            for p in range(tp)
+        ]
         for v in versions:
             reports = sorted(collect(q, 2), key=lambda r: r[0])
             assert [(r[1], r[2]) for r in reports] == [(v, 100), (v, 100)], reports  # rows 0-99 | 100-199
             # the forms quantized: dense, rank 0 alone; sharded, each rank its own rows
             made = 2 * len(qw.QUANTIZED)  # float32 and UE8M0 scales
             assert [r[3] for r in reports] == ([made, 0] if backend == "nccl" else [made, made]), reports
-            for rank, got_v, digests, missing, _ in sorted(collect(rq, 3)):
+            for rank, got_v, digests, missing, _ in sorted(collect(rq, len(forms) + tp)):
                 assert got_v == v and missing == [], (rank, got_v, missing)
-                assert digests == expected(v, forms[rank]), (forms[rank], v)
+                if rank < len(forms):
+                    assert digests == expected(v, forms[rank]), (forms[rank], v)
+                else:
+                    assert digests == sliced(v, rank - len(forms), tp), (rank, v)
     finally:
         stop(trainers + receivers)
 
