@@ -307,6 +307,12 @@ COMMANDS: dict[str, Run | NotHere] = {
         "16 MiB buckets, 2 steps: rank 0's FP8 blocks and rank 1's fp32 checked per version",
         timeout=150,
     ),
+    "weightsync demo --backend sharded --trainers 2 --tp 1 --quantize fp8": Run(
+        ("demo --backend sharded --trainers 2 --tp 1 --quantize fp8 --bucket-mb 16 --steps 2",),
+        "16 MiB buckets, 2 steps: the default model, whose MLP rows FSDP2 cuts inside a block; replica 0's FP8 "
+        "bytes and scales checked per version",
+        timeout=150,
+    ),
     "weightsync bench --quantize fp8 --backend nccl,shm --json": Run(
         (f"bench --quantize fp8 --backend nccl,shm --json --receivers 2 --no-alternatives {SMALL}",),
         f"{SMALL}, 2 receivers, no alternatives: each backend's plain and FP8 rows, bit-exact per version",

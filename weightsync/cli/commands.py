@@ -160,7 +160,8 @@ def _sharded_demo_command(args: argparse.Namespace) -> int:
     from weightsync.demo.sharded import ShardedDemoOptions, run_sharded_demo
 
     return _demo_run(
-        run_sharded_demo, ShardedDemoOptions(**_demo_kwargs(args), trainers=args.trainers, tp=args.tp)
+        run_sharded_demo,
+        ShardedDemoOptions(**_demo_kwargs(args), trainers=args.trainers, tp=args.tp, quantize=args.quantize),
     )
 
 
@@ -217,10 +218,15 @@ def _demo_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.quantize and (args.backend in ("sharded", "paired", "disk", "naive") or args.trainers > 1):
+    if args.quantize and (
+        args.backend in ("paired", "disk", "naive")
+        or (args.backend == "sharded" and args.tp > 1)
+        or (args.backend != "sharded" and args.trainers > 1)
+    ):
         print(
             f"demo: --quantize {args.quantize} quantizes on one trainer rank for a dense transport "
-            "(nccl, shm, mooncake, ipc), not with --trainers or --backend sharded, paired, disk or naive",
+            "(nccl, shm, mooncake, ipc) or on every FSDP2 rank with --backend sharded (replicas without "
+            "--tp), not with --backend paired, disk or naive",
             file=sys.stderr,
         )
         return 2

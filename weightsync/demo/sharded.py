@@ -9,6 +9,11 @@ projections and the LM head, row-parallel o and down projections, a vocab-parall
 embedding; norms whole), take only the slices they keep. After every version, trainer rank
 0 writes the full tensors (gathered for the check, not for the sync) and this process
 compares every rank's every kept slice with them, bit for bit.
+
+With ``--quantize fp8`` (``--tp 1``) replica 0 holds the decoder layers' matrices in FP8
+blocks (``fp8_holding``): each trainer rank quantizes its own rows, the blocks its shard
+boundary cuts agreed between the ranks (docs/quantized.md), and replica 0's bytes and
+scales are checked against vLLM's convention applied to the full tensors.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from weightsync.demo.plain import (
     send_json,
 )
 from weightsync.platform import free_port, process_context, start_process
+from weightsync.quant.replica import fp8_expected, fp8_holding
 from weightsync.verify import tensor_digest
 
 # Module suffixes of a Llama/Qwen2-shaped decoder and how a tensor-parallel replica splits them.
@@ -133,16 +139,22 @@ def rollout_main(
 
         from weightsync.receiver.receiver import Receiver
         from weightsync.sharding.fragments import local_shards
+        from weightsync.sinks import ModuleSink
 
         _world(tp_rank, opts.tp, port)
         model = build_model(opts.model, pretrained=False, seed=opts.seed + 1000 + rank, arch=opts.arch)
-        parallelize_module(model, init_device_mesh("cpu", (opts.tp,)), _tp_plan(model))
-        model.tie_weights()  # the LM head of a tied model shares the embedding's new parameter
+        held: Any = None  # an FP8 replica's tensors (whole: --quantize runs with --tp 1)
+        if opts.quantize and replica == 0:
+            held = fp8_holding(s.spec for s in local_shards(model).values())
+        else:
+            parallelize_module(model, init_device_mesh("cpu", (opts.tp,)), _tp_plan(model))
+            model.tie_weights()  # the LM head of a tied model shares the embedding's new parameter
         with Receiver(engine_config(opts), address, rank) as receiver:
             for step in range(1, opts.steps + 1):
-                stats = receiver.load_into(model, version=step)
+                stats = receiver.load_into(ModuleSink(held) if held is not None else model, version=step)
                 slices = {
-                    n: [s.box.to_wire(), tensor_digest(s.tensor)] for n, s in local_shards(model).items()
+                    n: [s.box.to_wire(), tensor_digest(s.tensor)]
+                    for n, s in local_shards(held if held is not None else model).items()
                 }
                 send_json(
                     conn,
@@ -151,26 +163,26 @@ def rollout_main(
         dist.destroy_process_group()
 
 
-def _check(folder: str, step: int, report: dict[str, Any]) -> int:
-    """Every slice of a rollout rank's report against the trainer's full tensors; returns
-    the bytes it keeps."""
-    from safetensors import safe_open
+def _check(folder: str, step: int, report: dict[str, Any], fp8: bool = False) -> int:
+    """Every slice of a rollout rank's report against the trainer's full tensors (``fp8``:
+    against their FP8 blocks and scales where an FP8 replica holds them so); returns the
+    bytes it keeps."""
+    from safetensors.torch import load_file
 
+    full = load_file(f"{folder}/v{step}.safetensors")
+    if fp8:
+        full = fp8_expected(full)
     kept = 0
-    with safe_open(f"{folder}/v{step}.safetensors", "pt") as f:
-        names = set(f.keys())
-        for name, (box, digest) in report["slices"].items():
-            if name not in names:
-                raise DemoFailed(
-                    f"rollout rank {report['rank']} keeps {name!r}, which the trainer does not have"
-                )
-            starts, lengths = box
-            expected = f.get_tensor(name)[tuple(slice(s, s + n) for s, n in zip(starts, lengths))]
-            if tensor_digest(expected) != digest:
-                raise DemoFailed(
-                    f"rollout rank {report['rank']}, version {step}: its slice {box} of {name!r} differs from the trainer's"
-                )
-            kept += expected.numel() * expected.element_size()
+    for name, (box, digest) in report["slices"].items():
+        if name not in full:
+            raise DemoFailed(f"rollout rank {report['rank']} keeps {name!r}, which the trainer does not have")
+        starts, lengths = box
+        expected = full[name][tuple(slice(s, s + n) for s, n in zip(starts, lengths))]
+        if tensor_digest(expected) != digest:
+            raise DemoFailed(
+                f"rollout rank {report['rank']}, version {step}: its slice {box} of {name!r} differs from the trainer's"
+            )
+        kept += expected.numel() * expected.element_size()
     return kept
 
 
@@ -245,7 +257,8 @@ def run_sharded_demo(opts: ShardedDemoOptions, console=None) -> list[dict[str, A
                         raise DemoFailed(
                             f"rollout rank {report['rank']} holds version {report['version']}, expected {step}"
                         )
-                    kept.append(_check(folder, step, report))
+                    fp8 = bool(opts.quantize) and report["rank"] < opts.tp  # replica 0
+                    kept.append(_check(folder, step, report, fp8))
                 stats = trainer["stats"]
                 console.print(f"step {step}: loss {trainer['loss']:.4f}; version {step} in every kept slice")
                 rows.append({"version": step, "trainer": stats, "kept": kept})
@@ -267,9 +280,16 @@ def run_sharded_demo(opts: ShardedDemoOptions, console=None) -> list[dict[str, A
                     proc.terminate()
                     proc.join(timeout=5)
     console.print(table)
+    fp8 = (
+        " (replica 0 in FP8 blocks, quantized by each trainer rank on its own rows: vLLM's "
+        "per_block_cast_to_fp8 bytes and scales)"
+        if opts.quantize
+        else ""
+    )
     console.print(
         f"demo OK: {len(rows)} syncs to {opts.receivers} receivers, bit-exact: {opts.receivers} replicas x "
-        f"{opts.tp} tensor-parallel ranks, each rank taking only its slices from {opts.trainers} FSDP2 trainer ranks"
+        f"{opts.tp} tensor-parallel ranks, each rank taking only its slices from {opts.trainers} FSDP2 trainer "
+        f"ranks{fp8}"
     )
     return rows
 
