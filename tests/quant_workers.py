@@ -1,6 +1,8 @@
 """Process bodies of tests/test_quant.py (importable under spawn): receivers holding some
 tensors in FP8 with block scales (float32 or UE8M0) and the rest as the trainer holds them."""
 
+import time
+
 import torch
 import workers
 
@@ -82,12 +84,15 @@ def run_receiver(address, rank, overrides, versions, queue, form="bf16"):
         queue.put((rank, "error", f"{type(e).__name__}: {e}"))
 
 
-def run_fsdp_trainer(rank, store_port, address_queue, overrides, versions, queue, receivers=1, address=None):
+def run_fsdp_trainer(
+    rank, store_port, address_queue, overrides, versions, queue, receivers=1, address=None, stall_in=None
+):
     """Trainer rank of a 2-rank job whose matrices are DTensors sharded by rows (``Shard(0)``,
     as FSDP2 holds them): ``layers.0.proj.weight``'s first 128-row block is cut at row 100,
     ``layers.0.mlp.weight``'s second at row 192. Over a dense backend rank 0 sends, rank 1
     gathers with it (``full_tensor`` is a collective); over ``sharded`` both send their rows
-    (rank 1 joins rank 0's session at ``address``)."""
+    (rank 1 joins rank 0's session at ``address``). ``stall_in``: rank 1 stops answering in
+    that version, after the go, as it would start quantizing (alive, its sockets open)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -100,6 +105,10 @@ def run_fsdp_trainer(rank, store_port, address_queue, overrides, versions, queue
             if rank == 0:
                 address_queue.put(sender.address)
             for v in versions:
+                if rank == 1 and v == stall_in:
+                    from weightsync.quant.sharded import FormedSource
+
+                    FormedSource.quantize = lambda self: time.sleep(3600)
                 state = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in weights(v).items()}
                 local = state["layers.0.proj.weight"].to_local().shape[0]
                 stats = sender.send(state, version=v)

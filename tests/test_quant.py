@@ -1,6 +1,8 @@
 """Quantized forms: FP8 blocks exact against vLLM's quantizer, and receivers holding FP8
 and bf16 in one sync over real transports (docs/quantized.md)."""
 
+import time
+
 import pytest
 import quant_workers as qw
 import torch
@@ -250,3 +252,33 @@ def test_a_streaming_receiver_skips_the_forms_and_its_errors_still_reach_the_ses
     next(items)
     items.close()
     assert seen[-1] == "closed"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_trainer_rank_silent_while_the_ranks_agree_the_scales_fails_the_sync_within_its_deadline():
+    """Over ``sharded``, trainer rank 1 stops answering after the go of version 2 (alive, as
+    the ranks agree the scales of their cut blocks): rank 0 does not wait in the collective
+    for ever, its sync fails within ``timeout_s`` naming the agreement, and the receiver's
+    sync of version 2 fails too."""
+    overrides = ["backend=sharded", "update_weights_bucket_megabytes=1", "timeout_s=15"]
+    q, addresses, rq = CTX.Queue(), CTX.Queue(), CTX.Queue()
+    port, session = free_port(), f"127.0.0.1:{free_port()}"
+    trainers = [
+        start(qw.run_fsdp_trainer, r, port, addresses, overrides, [1, 2], q, 1, session, 2) for r in range(2)
+    ]
+    receivers = []
+    try:
+        address = addresses.get(timeout=90)
+        receivers = [start(qw.run_receiver, address, 0, overrides, [1, 2], rq, "fp8")]
+        assert sorted(r[:2] for r in collect(q, 2)) == [(0, 1), (1, 1)]
+        ((_, v, digests, _, _),) = collect(rq, 1)
+        assert v == 1 and digests == expected(1, "fp8")
+        t0 = time.monotonic()
+        ((rank, error, message, _),) = collect(q, 1, timeout=60)
+        assert (rank, error) == (0, "error") and "agreeing the FP8 scales" in message, message
+        assert time.monotonic() - t0 < 15 + 10, message  # timeout_s, and the handshake before it
+        ((_, failed, why),) = collect(rq, 1, timeout=60)
+        assert failed == "error", why
+    finally:
+        stop(trainers + receivers)

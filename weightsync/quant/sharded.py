@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from weightsync.errors import SyncTimeout
 from weightsync.plan import TensorSpec
 from weightsync.quant.forms import FLOATS, FP8, SCALE_SUFFIX, TAG, split_tag
 from weightsync.quant.fp8 import box_amax, quantize_box, scale_shape, scales_of
@@ -64,17 +66,20 @@ def scale_box(box: Box, block: tuple[int, int]) -> Box:
 class FormedSource(ShardSource):
     """A trainer rank's shards with the quantized entries ``tags`` names (tensor name ->
     tags), each beside its tensor in the source's order, filled by ``quantize`` after the go.
-    ``trainers``: the trainer ranks that agree the scales of cut blocks. Raises
-    ``ValueError`` naming a tensor the trainer cannot quantize."""
+    ``trainers``: the trainer ranks that agree the scales of cut blocks, each waiting at most
+    ``timeout_s`` for the others. Raises ``ValueError`` naming a tensor the trainer cannot
+    quantize."""
 
-    def __init__(self, src: ShardSource, tags: Mapping[str, frozenset[str]], trainers: int) -> None:
+    def __init__(
+        self, src: ShardSource, tags: Mapping[str, frozenset[str]], trainers: int, timeout_s: float
+    ) -> None:
         if trainers > 1 and not (dist.is_initialized() and dist.get_world_size() == trainers):
             raise ValueError(
                 f"quantized forms over backend=sharded agree the scales of blocks cut between the {trainers} "
                 "trainer ranks over the default process group, which must hold exactly those ranks "
                 f"({'a world of ' + str(dist.get_world_size()) if dist.is_initialized() else 'not initialized'})"
             )
-        self.base, self.tags, self.trainers = src, dict(tags), trainers
+        self.base, self.tags, self.trainers, self.timeout_s = src, dict(tags), trainers, timeout_s
         self.seconds, self.quantized = 0.0, 0
         shards: dict[str, LocalShard] = {}
         self._work: list[tuple[LocalShard, LocalShard, LocalShard, tuple[int, int], bool]] = []
@@ -124,7 +129,14 @@ class FormedSource(ShardSource):
         if self.trainers > 1 and grids:
             flat = torch.cat([g.flatten() for g in grids])
             on = flat if dist.get_backend() != "gloo" else flat.cpu()
-            dist.all_reduce(on, op=dist.ReduceOp.MAX)
+            work = dist.all_reduce(on, op=dist.ReduceOp.MAX, async_op=True)
+            try:  # a trainer rank that failed after the go must not hang the others
+                work.wait(timeout=timedelta(seconds=self.timeout_s))
+            except RuntimeError as e:
+                raise SyncTimeout(
+                    f"agreeing the FP8 scales of blocks cut between the {self.trainers} trainer ranks failed "
+                    f"(a trainer rank gone? each waits timeout_s={self.timeout_s:g} s): {e}"
+                ) from e
             flat = on.to(flat.device)
             for g, agreed in zip(grids, flat.split([g.numel() for g in grids])):
                 g.copy_(agreed.view(g.shape))

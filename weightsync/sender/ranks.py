@@ -219,7 +219,7 @@ class TrainerFollower:
             return src
         if isinstance(last, FormedSource) and last.base is src and last.tags == self._tags:
             return last
-        return FormedSource(src, self._tags, self._trainers)
+        return FormedSource(src, self._tags, self._trainers, self.config.timeout_s)
 
     def _send(
         self,

@@ -93,7 +93,7 @@ class Sender:
         self._all_send = issubclass(self.engine_cls, Transport) and self.engine_cls.all_ranks_send
         sharded = issubclass(self.engine_cls, Transport) and self.engine_cls.sharded
         #: the route stage: what each sync's wire entries are and where they go
-        self._route: SendRoute = ShardedSend() if sharded else DenseSend()
+        self._route: SendRoute = ShardedSend(config.timeout_s) if sharded else DenseSend()
         #: the quantized-forms stage: what receivers declared, quantized before the wire
         self._quant = QuantSend(
             "over backend 'sharded' a receiver declares its forms in its layout: load_into the module "

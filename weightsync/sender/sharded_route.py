@@ -41,7 +41,8 @@ class ShardedSend(SendRoute):
     forms_in_sync = True  # the route needs every rank's layout: it forms in the first sync
     own_buckets = True
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s  # trainer ranks agreeing quantized scales wait this long
         self._offer = RouteOffer()  # the layouts heard and the route they make
         self._part: Part | None = None  # this rank's part of the sync in progress
         self._rounds = 0  # rounds of the current handshake that changed the route
@@ -138,7 +139,7 @@ class ShardedSend(SendRoute):
             self._formed = None
             return src
         if self._formed is None or self._formed.base is not src or self._formed.tags != tags:
-            self._formed = FormedSource(src, tags, members.trainers)
+            self._formed = FormedSource(src, tags, members.trainers, self._timeout_s)
         return self._formed
 
     def _own(self) -> Part:
