@@ -427,6 +427,8 @@ class FragmentSink(ModuleSink):
         if forms is None:
             forms = declared_forms({n: s.tensor for n, s in shards.items()})
         for name, form in forms.items():
+            if name not in shards or form.scale_name not in shards:
+                continue  # a form of a checkpoint piece, not of this module's own tensors
             for held in (name, form.scale_name):
                 shard = shards.pop(held)
                 wire = wire_name(held, form)
