@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from weightsync.errors import SyncTimeout
 from weightsync.plan import TensorSpec
-from weightsync.quant.forms import FLOATS, FP8, SCALE_SUFFIX, TAG, split_tag
+from weightsync.quant.forms import FP8, SCALE_SUFFIX, TAG, Form, split_tag
 from weightsync.quant.fp8 import box_amax, quantize_box, scale_shape, scales_of
 from weightsync.sharding.agreement import ShardSource
 from weightsync.sharding.fragments import LocalShard, region
@@ -89,7 +89,8 @@ class FormedSource(ShardSource):
                 parts = split_tag(f"{name}{TAG}{tag}")
                 assert parts is not None  # ``wanted`` read it so
                 _, block, scale = parts
-                problem = _problem(shard.spec)
+                scales = scale_shape(shard.spec.shape, block) if len(shard.spec.shape) in (2, 3) else ()
+                problem = Form(block, scale, f"{name}{SCALE_SUFFIX}", scales).problem(shard.spec)
                 if problem is not None:
                     raise ValueError(
                         f"a receiver keeps tensor {name!r} as {tag}, which this trainer cannot make: {problem}"
@@ -102,7 +103,7 @@ class FormedSource(ShardSource):
                 )
                 box = scale_box(shard.box, block)
                 s = LocalShard(
-                    TensorSpec(f"{name}{SCALE_SUFFIX}{TAG}{tag}", scale_shape(spec.shape, block), "float32"),
+                    TensorSpec(f"{name}{SCALE_SUFFIX}{TAG}{tag}", scales, "float32"),
                     box,
                     torch.empty(box.lengths, dtype=torch.float32, device=device),
                 )
@@ -148,11 +149,3 @@ class FormedSource(ShardSource):
             ]
             q.tensor.copy_(quantize_box(shard.tensor, shard.box.starts[-2:], lead, block))
         self.seconds, self.quantized = time.perf_counter() - t0, len(self._work)
-
-
-def _problem(spec: TensorSpec) -> str | None:
-    if spec.dtype not in FLOATS:
-        return f"the trainer holds it as {spec.dtype}, not a floating dtype it quantizes"
-    if len(spec.shape) not in (2, 3):
-        return f"block FP8 needs a 2-D tensor or a 3-D expert stack, the trainer's is {list(spec.shape)}"
-    return None
