@@ -14,6 +14,7 @@ import workers
 from procs import CTX, collect, start, stop
 
 from weightsync import EngineConfig, Sender, SyncError
+from weightsync.delta import DeltaSend
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -109,7 +110,7 @@ def test_a_receiver_without_the_base_refuses_a_delta_sync_that_comes_without_its
             expect(collect(q, 1), 1, payloads[0], [0])
             sender.add_receiver(1)
             procs.append(start(delta_workers.receiver, sender.address, 1, ov, [2], q))
-            base = sender._delta_stage.base  # the planted sender bug: receiver 1 counted as a holder
+            base = sender._stages.of(DeltaSend).base  # the planted sender bug: receiver 1 counted as a holder
             base.holders.add(1)
             monkeypatch.setattr(send_stage.Outgoing, "again", lambda self, replies: None)
             with pytest.raises(SyncError):

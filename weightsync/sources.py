@@ -176,7 +176,11 @@ class _WireCast(WeightSource):
             yield name, _wire_cast(t, self.wire_dtype)
 
 
-def as_source(obj: Any, wire_dtype: torch.dtype | None = None, form: str = "checkpoint") -> WeightSource:
+#: the names a transformers model is sent under by default: its checkpoint's, which engines load
+DEFAULT_FORM = "checkpoint"
+
+
+def as_source(obj: Any, wire_dtype: torch.dtype | None = None, form: str = DEFAULT_FORM) -> WeightSource:
     """Wrap an ``nn.Module``, a state dict, an iterable of ``(name, tensor)`` or a
     ``WeightSource`` as a source; ``wire_dtype`` casts floating tensors for the wire.
 

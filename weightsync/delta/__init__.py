@@ -33,13 +33,13 @@ from weightsync.delta.receive_stage import (
     route,
     verify_tensors,
 )
-from weightsync.delta.send_stage import COPY_ABOVE, PROBE_SLICE, Encoding, Outgoing, SenderBase, SendStage
+from weightsync.delta.send_stage import COPY_ABOVE, PROBE_SLICE, DeltaSend, Encoding, SenderBase
 
 __all__ = [
     "COPY_ABOVE",
     "DENSE_SUFFIX",
     "ReceiveStage",
-    "SendStage",
+    "DeltaSend",
     "DeltaHeader",
     "DeltaPolicy",
     "Encoded",
@@ -53,7 +53,6 @@ __all__ = [
     "Kind",
     "MAGIC",
     "NOTICE_S",
-    "Outgoing",
     "PROBE",
     "PROBE_SLICE",
     "Probe",

@@ -27,10 +27,10 @@ sync's wire bytes) and apply them once every byte arrived and, with ``verify``, 
 reconstructed tensors checked, so a delta sync that fails midway leaves their base intact
 (not torn) and the next sync can be a delta again.
 
-The stage has one entry point on each side: the sender's ``SendStage.encode`` (here),
-whose ``Outgoing`` the sender's later phases consult, and the receiver's
-``weightsync.delta.receive_stage.ReceiveStage.accept``, whose ``Incoming`` routes, stages and
-applies. ``Sender`` and ``Receiver`` hold no delta rules of their own.
+The stage is one object on each side, under the stage contracts of ``weightsync.stages``:
+the sender's ``DeltaSend`` (here) and the receiver's
+``weightsync.delta.receive_stage.DeltaReceive``, whose ``Incoming`` routes, stages and applies.
+``Sender`` and ``Receiver`` hold no delta rules of their own.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ from weightsync.delta.encoder import Encoded, encode
 from weightsync.delta.format import Kind
 from weightsync.delta.header import DENSE_SUFFIX, DeltaHeader, base_digest
 from weightsync.delta.policy import DeltaPolicy, Probe
-from weightsync.plan import Plan, TensorSpec, as_bytes, make_plan
+from weightsync.plan import TensorSpec, as_bytes, make_plan
 from weightsync.sources import WeightSource
+from weightsync.stages import Answer, Members, Outgoing, SendStage
 from weightsync.stats import SyncStats
 from weightsync.verify import checksum_fn
 
@@ -320,109 +321,96 @@ class SenderBase:
 
 
 # ------------------------------------------------------------------ the sender's delta stage
-@dataclass
-class Outgoing:
-    """One sync as the delta stage hands it to the plan layer: the wire entries to pack
-    (``source``) and their ``plan``; for a sync under ``delta`` auto or on, its ``encoding``
-    too. The later phases of ``Sender.send`` ask it what the delta stage adds to them."""
-
-    source: WeightSource
-    plan: Plan | None
-    version: int
-    encoding: Encoding | None = None
-    encoder: SendStage | None = None
-    encode_s: float = 0.0  # seconds spent encoding (reading the version, computing deltas)
-
-    @property
-    def header(self) -> DeltaHeader | None:
-        return self.encoding.header if self.encoding is not None else None
-
-    def handshake_fields(self) -> dict[str, Any]:
-        """What the sync message carries beside the plan: a delta sync's header."""
-        return {"delta": self.header.to_wire()} if self.header is not None else {}
-
-    def again(self, replies: Sequence[tuple[int | None, dict[str, Any]]]) -> Outgoing | None:
-        """After a round of the handshake (``(receiver rank, ready reply)``): the same sync
-        with a dense section when a receiver said it does not hold the base a delta sync
-        without one needs, offered again; None when every receiver can take this one."""
-        header = self.header
-        if header is None or header.dense:
-            return None
-        lacking = [rank for rank, reply in replies if reply.get("dense") is True and rank is not None]
-        if not lacking:
-            return None
-        assert self.encoder is not None and self.encoding is not None
-        log.info(
-            "receiver(s) %s do not hold base version %d: version %d goes with a dense section",
-            lacking,
-            header.base_version,
-            self.version,
-        )
-        return self.encoder.with_dense(self, lacking)
-
-    def verify_fields(self, mode: str) -> dict[str, Any]:
-        """What the ``verify`` message carries beside the buckets' checksums: a delta sync's
-        checksums of the tensors receivers reconstruct."""
-        if self.header is None or self.encoder is None:
-            return {}
-        return {"tensors": self.encoder.base.checksums(mode)}
-
-    def account(self, stats: SyncStats) -> None:
-        """A delta sync's figures in the stats: the encoding's seconds, the model's bytes
-        and tensors (the wire's are the transport's), the density and the base."""
-        stats.encode_s = self.encode_s  # a version auto sent whole counts its probe here
-        if self.encoding is None or self.header is None:
-            return
-        stats.bytes, stats.tensors = self.encoding.model_bytes, len(self.header.model)
-        stats.density, stats.delta_base = self.encoding.density, self.header.base_version
-
-    def finished(self, seconds: float | None, ok_ranks: set[int]) -> None:
-        """The sync ended; ``seconds``: what it cost past the handshake (transfer, applying,
-        acknowledgements), None if it failed; ``ok_ranks``: the receivers that took it."""
-        if self.encoder is not None and self.encoding is not None:
-            # What the choice of delta or dense costs: encoding, transfer and applying
-            # (the handshake and a group's set-up cost the same either way).
-            spent = self.encode_s + seconds if seconds is not None else None
-            self.encoder.base.finished(self.encoding, spent, ok_ranks)
-
-
-class SendStage:
-    """The sender's delta stage: ``encode`` is its one entry point. Under ``delta`` auto or
-    on it reads the version once and decides whether it goes whole or as deltas against the
-    base each receiver holds (``SenderBase``, ``delta_policy``); the result says what the
-    plan layer packs. Under ``delta=off``, or where it cannot apply (a streamed source, more
-    than one sending trainer rank), the source goes as it is."""
+class DeltaSend(SendStage):
+    """The sender's delta stage. Under ``delta`` auto or on, ``encode`` reads the version
+    once and decides whether it goes whole or as deltas against the base each receiver
+    holds (``SenderBase``, ``delta_policy``); the wire entries it returns are what the plan
+    layer packs. Under ``delta=off``, or where it cannot apply (a streamed source, more
+    than one sending trainer rank), the sync goes as it is."""
 
     def __init__(self, mode: str, bucket_bytes: int) -> None:
         self.mode = mode
         self.bucket_bytes = bucket_bytes
         #: the last version sent, and the receivers that hold it
         self.base = SenderBase(policy=DeltaPolicy(always=mode == "on"))
+        self._input: Outgoing | None = None  # what the sync in progress encoded, and into what
+        self._output: Outgoing | None = None
+        self._encoding: Encoding | None = None
+        self._encode_s = 0.0  # seconds spent encoding (reading the version, computing deltas)
 
-    def encode(
-        self,
-        source: WeightSource,
-        plan: Plan | None,
-        version: int,
-        receivers: Sequence[int],
-        senders: int = 1,
-    ) -> Outgoing:
-        """What sync ``version`` of ``source`` (planned as ``plan``) packs for ``receivers``.
-        Called before the handshake: the plan of a delta sync depends on what changed."""
-        if self.mode == "off" or plan is None or senders > 1:
-            return Outgoing(source, plan, version)
+    @property
+    def header(self) -> DeltaHeader | None:
+        return self._encoding.header if self._encoding is not None else None
+
+    def start(self, members: Members | None) -> None:
+        self._input = self._output = self._encoding = None
+        self._encode_s = 0.0
+
+    def encode(self, out: Outgoing, members: Members) -> Outgoing:
+        """What sync ``out.version`` packs for the receivers. Called before the handshake:
+        the plan of a delta sync depends on what changed."""
+        if out is self._input and self._output is not None:
+            return self._output  # the same sync (with a dense section, if one was asked for)
+        self._input, self._encoding, self._encode_s = out, None, 0.0
+        if self.mode == "off" or out.plan is None or members.senders > 1:
+            self._output = out
+            return out
         t0 = time.perf_counter()
-        encoding = self.base.encode(source, list(plan.tensors), version, receivers)
-        encode_s = time.perf_counter() - t0
-        if encoding.header is not None:  # the wire entries are the deltas: a plan of their own
-            plan = make_plan(encoding.source.specs() or [], self.bucket_bytes)
-        return Outgoing(encoding.source, plan, version, encoding, self, encode_s)
+        encoding = self.base.encode(out.source, list(out.plan.tensors), out.version, members.receivers)
+        self._encode_s = time.perf_counter() - t0
+        self._encoding = encoding
+        if encoding.header is None:  # whole: the entries the base read, by the source's plan
+            self._output = Outgoing(encoding.source, out.plan, out.version)
+        else:
+            self._output = self._outgoing(encoding, out.version)
+        return self._output
 
-    def with_dense(self, sent: Outgoing, lacking: Sequence[int]) -> Outgoing:
-        """``sent`` again with a dense section, for ``lacking`` (who turned out not to hold
-        the base: they are no longer counted as holders)."""
-        assert sent.encoding is not None
-        self.base.holders -= set(lacking)
-        encoding = self.base.with_dense(sent.encoding)
-        plan = make_plan(encoding.source.specs() or [], self.bucket_bytes)
-        return Outgoing(encoding.source, plan, sent.version, encoding, self, sent.encode_s)
+    def _outgoing(self, encoding: Encoding, version: int) -> Outgoing:
+        """The wire entries of a delta sync: a plan of their own."""
+        return Outgoing(encoding.source, make_plan(encoding.source.specs() or [], self.bucket_bytes), version)
+
+    def offer(self, out: Outgoing, members: Members) -> dict[str, Any]:
+        """What the sync message carries beside the plan: a delta sync's header."""
+        return {"delta": self.header.to_wire()} if self.header is not None else {}
+
+    def answered(self, out: Outgoing, answers: Sequence[Answer], members: Members) -> bool:
+        """True when a receiver said it does not hold the base a delta sync without a dense
+        section needs: the same sync goes again with one (``encode`` returns it)."""
+        header = self.header
+        if header is None or header.dense:
+            return False
+        lacking = [rank for side, rank, reply in answers if side == "receiver" and reply.get("dense") is True]
+        if not lacking:
+            return False
+        assert self._encoding is not None
+        log.info(
+            "receiver(s) %s do not hold base version %d: version %d goes with a dense section",
+            lacking,
+            header.base_version,
+            out.version,
+        )
+        self.base.holders -= set(lacking)  # who turned out not to hold the base
+        self._encoding = self.base.with_dense(self._encoding)
+        self._output = self._outgoing(self._encoding, out.version)
+        return True
+
+    def verify_fields(self, mode: str) -> dict[str, Any]:
+        """A delta sync's checksums of the tensors receivers reconstruct."""
+        return {"tensors": self.base.checksums(mode)} if self.header is not None else {}
+
+    def account(self, stats: SyncStats) -> None:
+        """A delta sync's figures in the stats: the encoding's seconds, the model's bytes
+        and tensors (the wire's are the transport's), the density and the base."""
+        stats.encode_s = self._encode_s  # a version auto sent whole counts its probe here
+        if self._encoding is None or self.header is None:
+            return
+        stats.bytes, stats.tensors = self._encoding.model_bytes, len(self.header.model)
+        stats.density, stats.delta_base = self._encoding.density, self.header.base_version
+
+    def finished(self, seconds: float | None, ok_ranks: set[int]) -> None:
+        """The base advances where some receiver took the version; the policy learns what
+        the sync's kind cost (encoding, transfer and applying: the handshake and a group's
+        set-up cost the same either way)."""
+        if self._encoding is not None:
+            spent = self._encode_s + seconds if seconds is not None else None
+            self.base.finished(self._encoding, spent, ok_ranks)

@@ -26,14 +26,12 @@ from typing import Any
 
 import torch
 
-from weightsync.plan import Plan, TensorSpec, make_plan
+from weightsync.plan import TensorSpec, make_plan
 from weightsync.quant.forms import Form, wire_name
 from weightsync.quant.fp8 import quantize_blocks
 from weightsync.sources import WeightSource
+from weightsync.stages import Answer, Members, Outgoing, SendStage
 from weightsync.stats import SyncStats
-
-#: a round's answers as the sender reads them: (side, rank, ready reply)
-Answer = tuple[str, int, dict[str, Any]]
 
 
 class QuantizedSource(WeightSource):
@@ -102,8 +100,23 @@ class QuantizedSource(WeightSource):
             yield wire_name(form.scale_name, form), scales
 
 
-class QuantSend:
-    """The sender's stage across syncs: what each receiver declared, and each sync's
+def refusal(backend: str, sharded: bool, all_send: bool) -> str | None:
+    """Why a sender over ``backend`` serves no forms in a dense sync (None: it does)."""
+    if sharded:
+        return (
+            "over backend 'sharded' a receiver declares its forms in its layout: load_into the module "
+            "holding them (docs/quantized.md)"
+        )
+    if all_send:
+        return (
+            f"backend {backend!r} sends a share of a dense plan from every trainer rank; quantized "
+            "forms go over a dense backend from one, or over sharded (docs/quantized.md)"
+        )
+    return None
+
+
+class QuantSend(SendStage):
+    """The sender's forms stage across syncs: what each receiver declared, and each sync's
     entries. ``refusal``: why this sender cannot serve forms (None: it can)."""
 
     def __init__(self, refusal: str | None = None) -> None:
@@ -112,25 +125,35 @@ class QuantSend:
         self.known: dict[int, dict[str, Form]] = {}
         self._specs: dict[str, TensorSpec] = {}
         self._source: QuantizedSource | None = None
+        self._encoded: tuple[Outgoing, tuple[int, ...], Outgoing] | None = None  # (input, receivers, output)
 
-    def encode(
-        self, src: WeightSource, plan: Plan | None, receivers: Sequence[int], bucket_bytes: int
-    ) -> tuple[WeightSource, Plan | None]:
+    def start(self, members: Members | None) -> None:
+        self._encoded = None
+
+    def encode(self, out: Outgoing, members: Members) -> Outgoing:
         """This sync's wire entries and their plan, for the forms the receivers declared."""
+        last = self._encoded
+        if last is not None and last[0] is out and last[1] == members.receivers:
+            return last[2]  # nothing declared since: the same entries
+        plan = out.plan
         self._specs = {s.name: s for s in plan.tensors} if plan is not None else {}
-        wanted = {r: self.known.get(r, {}) for r in receivers}
+        wanted = {r: self.known.get(r, {}) for r in members.receivers}
         self._source = None
-        if plan is None or not any(wanted.values()):
-            return src, plan
-        self._source = QuantizedSource(src, plan.tensors, wanted)
-        return self._source, make_plan(self._source.specs(), bucket_bytes)
+        encoded = out
+        if plan is not None and any(wanted.values()):
+            self._source = QuantizedSource(out.source, plan.tensors, wanted)
+            encoded = Outgoing(self._source, make_plan(self._source.specs(), plan.bucket_bytes), out.version)
+        self._encoded = (out, members.receivers, encoded)
+        return encoded
 
-    def offer(self, receivers: Sequence[int]) -> dict[str, Any]:
+    def offer(self, out: Outgoing, members: Members) -> dict[str, Any]:
         """The sync message's field: the forms served to each receiver (when any are)."""
-        served = {str(r): {n: f.tag for n, f in self.known.get(r, {}).items()} for r in receivers}
+        served = {
+            str(r): {n: f.tag for n, f in self.known.get(r, {}).items()} for r in members.receivers
+        }
         return {"forms": served} if any(served.values()) else {}
 
-    def answered(self, answers: Sequence[Answer]) -> bool:
+    def answered(self, out: Outgoing, answers: Sequence[Answer], members: Members) -> bool:
         """Take a round's answers; True when a receiver declared forms other than those
         offered (the sync is encoded and offered again). Raises ``ValueError`` naming the
         receiver, the tensor and the form the trainer cannot produce."""
@@ -154,6 +177,8 @@ class QuantSend:
                     )
             self.known[rank] = forms
             again = True
+        if again:
+            self._encoded = None
         return again
 
     def _problem(self, name: str, form: Form) -> str | None:

@@ -3,32 +3,31 @@
 A sync's handshake (``agree``)::
 
     rank 0 -> peer   sync {version, plan_hash[, plan], bucket_bytes, force, verify, engine,
-                           reroute, delta?, route?, forms?}
-    peer -> rank 0   ready {dense?, route? | layout?, forms?} | error {message}
+                           reroute, <the stages' fields>}
+    peer -> rank 0   ready {<the stages' fields>} | error {message}
     rank 0 -> peer   again (then a new sync message) | go | abort {message}
 
-Another round is offered where the delta stage (a receiver lacks the base of a delta sync),
-the quantized-forms stage (a receiver declared forms it was not served) or the route stage
-(a peer declared a new layout) calls for it. The warm-up (``warm_up``)
-forms the data plane ahead of the first sync: warmup, ready, go, joined.
+Each round's sync message carries every stage's fields (``SendStages.offer``); when any
+stage's reading of the answers calls for it (``SendStages.answered``), the sync is encoded
+again and offered in another round. The warm-up (``warm_up``) forms the data plane ahead of
+the first sync: warmup, ready, go, joined.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from weightsync.config.engine import EngineConfig
-from weightsync.delta.send_stage import Outgoing
-from weightsync.engines.base import Transport
+from weightsync.engines.base import Join, Transport
 from weightsync.errors import HandshakeError
 from weightsync.plan import Plan, capacity
 from weightsync.sender.peers import Peer, SessionPeers
 from weightsync.sender.replies import answers
-from weightsync.sender.route_stage import Answer, Members, SendRoute
 from weightsync.session.channel import PROTOCOL_VERSION, Deadline
+from weightsync.stages import Outgoing, SendStages
 
 log = logging.getLogger("weightsync")
 
@@ -39,76 +38,78 @@ class Offer:
 
     version: int
     force: bool  # a receiver takes a version older than its own (a deliberate rollback)
-    engine: dict[str, Any]  # the data plane's description (``Transport.prepare``)
-    reroute: bool  # after a loss, receivers wait for the sender's word (``drop_lost_receivers``)
+    reroute: Callable[[Plan | None], bool]  # whether receivers lost in it may be routed around
 
 
-@dataclass(frozen=True)
-class Forms:
-    """The quantized-forms stage's part in the rounds (``weightsync.quant.send_stage``): its
-    fields of every sync message, and the sync encoded again, with the offer that carries
-    it, for forms a receiver declared (None: nothing new; ``ValueError``: a form the
-    trainer cannot send)."""
+@dataclass
+class Plane:
+    """The data plane a sync offers: its ``Join`` record and the transport's description
+    of it, grown when a later round's plan needs larger buffers than the first."""
 
-    fields: Callable[[], dict[str, Any]]
-    again: Callable[[Sequence[Answer]], tuple[Outgoing, Offer] | None]
+    transport: Transport
+    join: Join
+    senders: int
+    info: dict[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.info = self._prepare()
+
+    def fit(self, plan: Plan | None, bucket_bytes: int) -> None:
+        need = capacity(plan, bucket_bytes)
+        if need > self.join.capacity:
+            self.join = replace(self.join, capacity=need)
+            self.info = self._prepare()
+
+    def _prepare(self) -> dict[str, Any]:
+        return {**self.transport.prepare(self.join), "world_size": self.join.world_size, "senders": self.senders}
 
 
 def agree(
     peers: SessionPeers,
-    route: SendRoute,
+    stages: SendStages,
     config: EngineConfig,
     offer: Offer,
+    plane: Plane,
+    base: Outgoing,
     out: Outgoing,
-    trainers: int,
-    forms: Forms | None = None,
 ) -> tuple[int, Outgoing]:
     """Agree on version, bucket size and plan with every receiver (and trainer rank);
-    return how many receivers got the full plan, and what this rank packs (the route
-    stage's ``own``). Raises ``HandshakeError`` (every peer told) when a peer refuses or
-    the route stage finds no way."""
-    members = peers.members(trainers)
+    ``out``: ``base`` as the stages encoded it. Returns how many receivers got the full
+    plan, and what this rank packs (the stages' ``own``). Raises ``HandshakeError`` (every
+    peer told) when a peer refuses or a stage finds no way."""
+    members = stages.members
+    assert members is not None
     while True:
-        fields = forms.fields() if forms is not None else {}
-        plans_sent, round_peers, replies, deadline = _round(peers, route, config, offer, out, members, fields)
-        again = out.again(replies)
-        if again is None and forms is not None:
-            try:
-                reformed = forms.again(peers.answers_of(replies))
-            except ValueError as e:
-                peers.abort(round_peers, deadline, str(e), e)
-            if reformed is not None:
-                again, offer = reformed
-        if again is None:
-            try:
-                if route.answered(out, peers.answers_of(replies), members):
-                    again = out  # the same sync, offered with the route the new layouts make
-            except ValueError as e:
-                peers.abort(round_peers, deadline, str(e), e)
+        plans_sent, round_peers, replies, deadline = _round(peers, stages, config, offer, plane, out)
+        try:
+            again = stages.answered(out, peers.answers_of(replies))
+            if again:
+                out = stages.encode(base)
+                plane.fit(out.plan, config.bucket_bytes)
+        except ValueError as e:
+            peers.abort(round_peers, deadline, str(e), e)
         for _, _, ch in round_peers:
-            ch.send({"type": "again" if again is not None else "go"}, deadline)
-        if again is None:
-            return plans_sent, route.own(out, members, config.bucket_bytes)
-        out = again
+            ch.send({"type": "again" if again else "go"}, deadline)
+        if not again:
+            return plans_sent, stages.own(out, members, config.bucket_bytes)
 
 
 def _round(
     peers: SessionPeers,
-    route: SendRoute,
+    stages: SendStages,
     config: EngineConfig,
     offer: Offer,
+    plane: Plane,
     out: Outgoing,
-    members: Members,
-    stage_fields: dict[str, Any],
 ) -> tuple[int, list[Peer], list[tuple[int | None, dict[str, Any]]], Deadline]:
-    """One round: the sync message to every peer (``stage_fields``: the forms stage's), and
-    their answers. Returns how many receivers got the full plan, the peers, their replies
-    (rank and reply) and the round's deadline."""
+    """One round: the sync message to every peer, and their answers. Returns how many
+    receivers got the full plan, the peers, their replies (rank and reply) and the round's
+    deadline."""
     deadline = Deadline(config.timeout_s, f"in the handshake of version {offer.version}")
     plan = out.plan
     plans_sent = 0
     msg: dict[str, Any] = {}
-    fields = {**route.offer(out, members), **stage_fields}
+    fields = stages.offer(out)
     for rank, ch in peers.channels.items():
         msg = {
             "type": "sync",
@@ -118,17 +119,16 @@ def _round(
             "plan_hash": plan.hash if plan is not None else None,
             "force": offer.force,
             "verify": config.verify,
-            "engine": {**offer.engine, "rank": peers.group_rank(rank)},
-            "reroute": offer.reroute,
-            **out.handshake_fields(),
+            "engine": {**plane.info, "rank": peers.group_rank(rank)},
+            "reroute": offer.reroute(plan),
             **fields,
         }
         if plan is not None and peers.acked_plan.get(rank) != plan.hash:
             msg["plan"] = plan.to_wire()  # unchanged plans travel as their hash only
             plans_sent += 1
         ch.send(msg, deadline)
-    first_trainer = len(members.receivers) + 1  # trainer ranks > 0 come after the receivers
-    for ch, trainer_msg in peers.trainers.sync_messages(msg, offer.engine, first_rank=first_trainer):
+    first_trainer = len(peers.receivers) + 1  # trainer ranks > 0 come after the receivers
+    for ch, trainer_msg in peers.trainers.sync_messages(msg, plane.info, first_rank=first_trainer):
         ch.send(trainer_msg, deadline)
     every = peers.peers()
     return plans_sent, every, answers(every, deadline, f"refused version {offer.version}"), deadline

@@ -19,10 +19,10 @@ from weightsync.engines.base import Join
 from weightsync.errors import HandshakeError, PeerLost, RemoteFailure, SyncError
 from weightsync.sender.ranks import TrainerPeers
 from weightsync.sender.replies import dead_ranks, explain, gather_done, lost_receivers
-from weightsync.sender.route_stage import Answer, Members
 from weightsync.session.channel import Channel, Deadline
 from weightsync.session.control import ControlServer, PartlyConnected
 from weightsync.sharding.agreement import RECEIVER, TRAINER
+from weightsync.stages import Answer, Members
 
 #: a peer of one handshake round: how messages name it, its receiver rank (None: a trainer
 #: rank), its connection
@@ -103,11 +103,12 @@ class SessionPeers:
         """A receiver's rank in the data-plane group: its place among the members, after 0."""
         return self.receivers.index(rank) + 1
 
-    def members(self, trainers: int) -> Members:
-        """The sync's members as the route stage sees them."""
+    def members(self, trainers: int, senders: int = 1) -> Members:
+        """The sync's members as the stages see them."""
         assert self.server is not None
         host = self.server.host  # in a layout: where rank 0's bytes leave from
-        return Members(tuple(self.receivers), trainers, socket.gethostname() if host in WILDCARDS else host)
+        where = socket.gethostname() if host in WILDCARDS else host
+        return Members(tuple(self.receivers), trainers, where, senders)
 
     @contextlib.contextmanager
     def only(self, ranks: list[int] | None) -> Iterator[None]:
@@ -208,7 +209,7 @@ class SessionPeers:
         ] + self.trainers.peers()
 
     def answers_of(self, replies: list[tuple[int | None, dict[str, Any]]]) -> list[Answer]:
-        """A round's replies (in ``peers`` order) as the route stage reads them."""
+        """A round's replies (in ``peers`` order) as the stages read them."""
         sides = [(RECEIVER, r) for r in sorted(self.channels)]
         sides += [(TRAINER, i) for i in sorted(self.trainers.channels)]
         return [(side, rank, reply) for (side, rank), (_, reply) in zip(sides, replies)]

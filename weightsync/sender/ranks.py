@@ -1,4 +1,4 @@
-"""The trainer ranks of a session whose every trainer rank sends (``paired``).
+"""The trainer ranks of a session whose every trainer rank sends (``paired``, ``sharded``).
 
 Trainer rank 0 runs the session; ranks > 0 connect to it like receivers (role
 ``trainer``), follow its handshake, send their share of the buckets, report what they sent
@@ -24,12 +24,11 @@ from weightsync.config.engine import EngineConfig
 from weightsync.engines.base import Join, Transport
 from weightsync.errors import HandshakeError, PeerLost, ProtocolError, SyncError
 from weightsync.plan import Plan, capacity
-from weightsync.quant.sharded import FormedSource, wanted
 from weightsync.sender.packer import producer
 from weightsync.session.channel import Channel, Deadline
 from weightsync.session.control import connect
-from weightsync.sharding.agreement import TRAINER, Agreement, Part, ShardSource, offered_layouts
-from weightsync.sources import IteratorSource, WeightSource
+from weightsync.sources import WeightSource
+from weightsync.stages import Members, Outgoing, SendStages
 from weightsync.stats import SyncStats
 
 
@@ -111,10 +110,6 @@ class TrainerFollower:
         self.address = address
         self.rank = rank
         self.channel: Channel | None = None
-        self._agreement: Agreement | None = None  # sharded: the route last agreed
-        # sharded: the quantized forms the last full offer's receiver layouts named, and its trainer ranks
-        self._tags: dict[str, frozenset[str]] = {}
-        self._trainers = 1
 
     def connect(self) -> Channel:
         """Join rank 0's session (once; again after a failure)."""
@@ -154,38 +149,27 @@ class TrainerFollower:
         )
         return ch, msg, Deadline(self.config.timeout_s, f"in the transfer of version {version}")
 
-    def send_share(
-        self, transport: Transport, src: WeightSource, version: int, plan: Plan, num_receivers: int
+    def send(
+        self,
+        transport: Transport,
+        stages: SendStages,
+        src: WeightSource,
+        version: int,
+        plan: Plan | None,
+        num_receivers: int,
     ) -> SyncStats:
-        """Follow rank 0's sync of ``version`` and send this rank's share."""
+        """Follow rank 0's sync of ``version`` through the same stages as rank 0's (each
+        round: this rank's answer, ``SendStages.follow``), then send what they give this
+        rank to pack (``own``)."""
         ch, msg, deadline = self._start(version)
-        if (problem := self._problem(msg, version, plan)) is not None:
-            self._refuse(ch, problem, deadline)
-        ch.send({"type": "ready"}, deadline)
-        ch.recv(deadline, expect="go")  # an abort raises HandshakeError here
-        return self._send(transport, ch, msg, src, version, plan, num_receivers, deadline)
-
-    def send_part(
-        self, transport: Transport, src: ShardSource, version: int, num_receivers: int
-    ) -> SyncStats:
-        """``sharded``: follow rank 0's sync of ``version``: agree the route (telling rank 0
-        this rank's layout where its offer lacks it), then send this rank's fragments, with
-        the quantized forms the receivers' layouts name (``weightsync.quant.sharded``)."""
-        ch, msg, deadline = self._start(version)
-        agreement = self._agreement
-        if agreement is None or agreement.bucket_bytes != self.config.bucket_bytes:
-            agreement = self._agreement = Agreement(TRAINER, self.config.bucket_bytes)
         host = ch.sock.getsockname()[0]
-        formed: ShardSource = src
+        stages.start(None)
         while True:
-            problem = self._problem(msg, version, None)
-            part = None
+            problem = self._problem(msg, version, plan)
+            fields: dict[str, Any] = {}
             if problem is None:
                 try:
-                    formed = self._formed(src, msg.get("route"), formed)
-                    part, fields = agreement.answer(
-                        msg.get("route"), self.rank, formed.layout(host), formed.specs()
-                    )
+                    fields = stages.follow(src, msg, self.rank, host)
                 except ValueError as e:
                     problem = str(e)
             if problem is not None:
@@ -195,45 +179,26 @@ class TrainerFollower:
             if go["type"] == "go":
                 break
             msg = ch.recv(deadline, expect="sync")
-        if part is None:
-            raise ProtocolError(
-                f"trainer rank 0 gave the go of version {version} before the route was agreed"
-            )
-        if isinstance(formed, FormedSource):  # after the go: every trainer rank quantizes now
-            formed.quantize()
-        fragments = IteratorSource(part.tensors(formed.shards))
-        plan = part.rank_plan.plan
-        stats = self._send(transport, ch, msg, fragments, version, plan, num_receivers, deadline, part)
-        if isinstance(formed, FormedSource):
-            stats.quantized, stats.quantize_s = formed.quantized, formed.seconds
-        return stats
-
-    def _formed(self, src: ShardSource, offer: Any, last: ShardSource) -> ShardSource:
-        """``src`` with the quantized entries the offer's receiver layouts name (an offer of
-        the route's hash only: those of the last full offer)."""
-        layouts = offered_layouts(offer)
-        if layouts is not None:
-            holders, needs = layouts
-            self._tags, self._trainers = wanted(needs), len(holders)
-        if not self._tags:
-            return src
-        if isinstance(last, FormedSource) and last.base is src and last.tags == self._tags:
-            return last
-        return FormedSource(src, self._tags, self._trainers, self.config.timeout_s)
+        members = Members(tuple(range(num_receivers)), 0, host)  # rank 0's stages hold the real ones
+        try:
+            out = stages.own(Outgoing(src, plan, version), members, self.config.bucket_bytes)
+        except RuntimeError as e:
+            raise ProtocolError(f"trainer rank 0 gave the go of version {version}: {e}") from e
+        return self._send(transport, stages, ch, msg, out, num_receivers, deadline)
 
     def _send(
         self,
         transport: Transport,
+        stages: SendStages,
         ch: Channel,
         msg: dict[str, Any],
-        src: WeightSource,
-        version: int,
-        plan: Plan,
+        out: Outgoing,
         num_receivers: int,
         deadline: Deadline,
-        part: Part | None = None,
     ) -> SyncStats:
         """After the go: join the data plane, send this rank's buckets, report, learn the outcome."""
+        version, plan = out.version, out.plan
+        assert plan is not None  # every following rank packs by a plan (carriable, or its part)
         config = self.config
         stats = SyncStats(version, receivers=num_receivers)
         ok = False
@@ -249,19 +214,16 @@ class TrainerFollower:
                 local_host=ch.sock.getsockname()[0],
                 sender_host=ch.sock.getpeername()[0],
                 watch=self._watch,
-                links=part.links if part is not None else (),
-                peer_of=part.peer_of if part is not None else None,
             )
-            transport.connect(join, info)
+            transport.connect(stages.join(join, config.bucket_bytes), info)
             packer, produce, sums = producer(
-                src, config.bucket_bytes, plan, config.verify, announce=lambda m: None, sends=transport.sends
+                out.source, config.bucket_bytes, plan, config.verify, announce=lambda m: None, sends=transport.sends
             )
             t0 = time.perf_counter()
             stats.bytes = stats.wire_bytes = transport.send_buckets(produce)
-            if part is not None:  # the fragments' bytes, without the buckets' alignment
-                stats.bytes = part.nbytes()
             stats.transfer_s = time.perf_counter() - t0
             stats.buckets, stats.tensors = packer.buckets, packer.pulled
+            stages.account(stats)
             ch.send(
                 {
                     "type": "sent",

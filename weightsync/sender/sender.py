@@ -3,7 +3,7 @@
 One path per family. With a publisher backend (``naive``, ``disk``) the publisher hands the
 version over. With a transport backend, trainer rank 0 runs the session; every sync goes
 plan -> handshake -> transport -> acknowledgements. Other trainer ranks drain their source
-(materializing sharded tensors is collective), or, where every trainer rank sends
+(materializing distributed tensors is collective), or, where every trainer rank sends
 (``paired``), follow rank 0's sync and send their share (``weightsync.sender.ranks``).
 """
 
@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,23 +20,21 @@ import torch.distributed as dist
 from weightsync import platform
 from weightsync.config.engine import EngineConfig
 from weightsync.config.keys import SECRET_ENV
-from weightsync.delta.send_stage import Outgoing, SendStage
 from weightsync.engines.base import Publisher, Transport
 from weightsync.engines.registry import get_engine
 from weightsync.errors import HandshakeError, PeerLost, RemoteFailure
 from weightsync.plan import Plan, capacity, make_plan
-from weightsync.quant.send_stage import QuantSend
 from weightsync.sender import handshake
 from weightsync.sender.packer import producer
 from weightsync.sender.peers import SessionPeers
 from weightsync.sender.ranks import TrainerFollower
-from weightsync.sender.route_stage import DenseSend, SendRoute
-from weightsync.sender.sharded_route import ShardedSend
+from weightsync.sender.stages import send_stages
 from weightsync.session import reroute
 from weightsync.session.auth import reachable_from_other_hosts
 from weightsync.session.channel import Deadline
 from weightsync.session.control import ControlServer
-from weightsync.sources import WeightSource, as_source
+from weightsync.sources import DEFAULT_FORM, WeightSource
+from weightsync.stages import Outgoing
 from weightsync.stats import SyncStats
 
 log = logging.getLogger("weightsync")
@@ -65,10 +61,10 @@ class Sender:
             waits for the new set of trainer ranks and builds a new data plane.
         device: device of the transfer buffers (default: this process's accelerator, or CPU).
         wire_dtype: cast multi-byte floating tensors to this dtype for the wire.
-        form: a transformers model whose checkpoint form differs from its in-memory one (an
-            MoE's fused experts) goes in ``"checkpoint"`` form (default: the names and layouts
-            engines load, as views) or ``"module"`` form (its own names). Dense backends only;
-            ``sharded`` sends the module form (docs/moe.md).
+        form: the names a transformers model goes under where engines load other names than
+            it holds (an MoE's fused experts): ``"checkpoint"`` (default: the names and layouts
+            of its checkpoint, as views) or ``"module"`` (its own). Dense backends only; the
+            route of ``backend=sharded`` sends a module's own (docs/moe.md).
     """
 
     def __init__(
@@ -81,7 +77,7 @@ class Sender:
         num_trainers: int | None = None,
         device: str | torch.device | None = None,
         wire_dtype: torch.dtype | None = None,
-        form: str = "checkpoint",
+        form: str = DEFAULT_FORM,
     ) -> None:
         config.validate()
         if num_receivers < 1:
@@ -91,19 +87,8 @@ class Sender:
         self._num_trainers = num_trainers or (dist.get_world_size() if dist.is_initialized() else 1)
         self.engine_cls = get_engine(config.backend)
         self._all_send = issubclass(self.engine_cls, Transport) and self.engine_cls.all_ranks_send
-        sharded = issubclass(self.engine_cls, Transport) and self.engine_cls.sharded
-        #: the route stage: what each sync's wire entries are and where they go
-        self._route: SendRoute = ShardedSend(config.timeout_s) if sharded else DenseSend()
-        #: the quantized-forms stage: what receivers declared, quantized before the wire
-        self._quant = QuantSend(
-            "over backend 'sharded' a receiver declares its forms in its layout: load_into the module "
-            "holding them (docs/quantized.md)"
-            if sharded
-            else f"backend {config.backend!r} sends a share of a dense plan from every trainer rank; quantized "
-            "forms go over a dense backend from one, or over sharded (docs/quantized.md)"
-            if self._all_send
-            else None
-        )
+        #: what each sync's wire entries are and where they go (``weightsync.stages``)
+        self._stages = send_stages(config, self.engine_cls, self._all_send)
         if self._all_send and not 0 <= self.rank < self.num_trainers:
             raise ValueError(
                 f"rank {self.rank} is not one of the {self.num_trainers} trainer rank(s) (num_trainers)"
@@ -117,9 +102,6 @@ class Sender:
         self._transport: Transport | None = None
         server: ControlServer | None = None
         self._follower: TrainerFollower | None = None
-        self._delta_stage = SendStage(
-            config.delta, config.bucket_bytes
-        )  # the delta stage (weightsync.delta.send_stage)
         self._confirmed: set[int] = set()  # receivers that confirmed the last sync
         self._rerouting = False  # the failed sync's others wait to take its version again
         if issubclass(self.engine_cls, Publisher):
@@ -218,10 +200,10 @@ class Sender:
         if self._peers.server is None or self._transport is None:
             return
         self._peers.doing = "the warm-up"
-        if self._peers.trainers.count or self._route.forms_in_sync:
+        if self._peers.trainers.count or self._stages.plane_in_sync:
             handshake.warm_connections(self._peers, self.config)  # the data plane forms in the first sync
             return
-        specs = as_source(source, self.wire_dtype, self.form).specs() if source is not None else None
+        specs = self._stages.source(source, self.wire_dtype, self.form).specs() if source is not None else None
         plan = make_plan(specs, self.config.bucket_bytes) if specs is not None else None
         handshake.warm_up(self._peers, self._transport, self.config, plan)
 
@@ -253,7 +235,7 @@ class Sender:
         ``force`` (a deliberate rollback). Raises ``SyncError`` (naming the peer, with its
         rank in ``.ranks``) on any failure.
         """
-        src = self._route.source(source, wire_dtype or self.wire_dtype, self.form)
+        src = self._stages.source(source, wire_dtype or self.wire_dtype, self.form)
         start = time.perf_counter()
         self._peers.doing = f"the transfer of version {version}"
         if self._publisher is not None and (self.rank == 0 or self._publisher.colocated):
@@ -262,13 +244,11 @@ class Sender:
             count = sum(1 for _ in src.tensors())  # materializing shards is collective
             return self._finish_stats(SyncStats(version, tensors=count), start)
         # before waiting for anyone: what the backend cannot carry is refused now
-        plan = self._route.plan(src, self.config, self.engine_cls, self._all_send)
+        plan = self._stages.plan(src)
         self.connect()  # waiting for peers to start is not part of the sync's time
         start = time.perf_counter()
         if self._follower is not None:
-            stats = self._route.follow(
-                self._follower, self._transport, src, version, plan, self.num_receivers
-            )
+            stats = self._follower.send(self._transport, self._stages, src, version, plan, self.num_receivers)
             return self._finish_stats(stats, start)
         return self._finish_stats(self._send_session(src, version, plan, force, start), start)
 
@@ -315,23 +295,19 @@ class Sender:
     def _sync_once(
         self, src: WeightSource, version: int, plan: Plan | None, force: bool, start: float
     ) -> SyncStats:
-        """Trainer rank 0 over a transport, in phases: the delta stage, the handshake, the
-        transfer, verification, acknowledgements."""
+        """Trainer rank 0 over a transport, in phases: the stages' encoding, the handshake,
+        the transfer, verification, acknowledgements."""
         transport = self._transport
         assert transport is not None and self._peers.server is not None
         stats = SyncStats(version, receivers=self.num_receivers)
         self._confirmed = set()
-        self._route.start()
         senders = self._peers.trainers.count + 1
+        self._stages.start(self._peers.members(self.num_trainers, senders))
         bucket = self.config.bucket_bytes
-
-        def encode() -> Outgoing:  # the forms receivers declared, then what changed (a delta sync)
-            wire, wire_plan = self._quant.encode(src, plan, self.receivers, bucket)
-            return self._delta_stage.encode(wire, wire_plan, version, self.receivers, senders)
-
-        # Before the handshake: the plan of a delta sync depends on what changed.
+        base = Outgoing(src, plan, version)
+        # Before the handshake: what goes on the wire may depend on what changed.
         try:
-            out = encode()
+            out = self._stages.encode(base)
         except Exception as e:  # the source failed before the handshake: end the receivers' wait
             self.cancel(version, f"{type(e).__name__}: {e}")
             raise
@@ -342,25 +318,11 @@ class Sender:
         outcome, lost = "broken", []
         went = False  # the go was given: other trainer ranks then wait for the outcome
         try:
-            info = {**transport.prepare(join), "world_size": join.world_size, "senders": senders}
-            offer = handshake.Offer(version, force, info, self._may_reroute(out.plan))
-
-            def reformed(answers: Sequence[handshake.Answer]) -> tuple[Outgoing, handshake.Offer] | None:
-                nonlocal join, info  # a larger bucket than the first round's: the data plane grows
-                if not self._quant.answered(answers):
-                    return None
-                again = encode()
-                if capacity(again.plan, bucket) > join.capacity:
-                    join = replace(join, capacity=capacity(again.plan, bucket))
-                    info = {**transport.prepare(join), "world_size": join.world_size, "senders": senders}
-                return again, handshake.Offer(version, force, info, self._may_reroute(again.plan))
-
-            forms = handshake.Forms(lambda: self._quant.offer(self.receivers), reformed)
-            stats.plan_sent_to, out = handshake.agree(
-                self._peers, self._route, self.config, offer, out, self.num_trainers, forms
-            )
+            plane = handshake.Plane(transport, join, senders)
+            offer = handshake.Offer(version, force, self._may_reroute)
+            stats.plan_sent_to, out = handshake.agree(self._peers, self._stages, self.config, offer, plane, base, out)
             went = True
-            transport.connect(self._route.join(join, bucket), info)
+            transport.connect(self._stages.join(plane.join, bucket), plane.info)
             stats.handshake_s = time.perf_counter() - start  # handshake and group join
             deadline = Deadline(self.config.timeout_s, f"in the transfer of version {version}")
             sums = self._transfer(out, stats, deadline)
@@ -401,7 +363,7 @@ class Sender:
         finally:
             if outcome == "ok":
                 self._peers.trainers.tell(version, None, self.config.timeout_s)
-            out.finished(
+            self._stages.finished(
                 time.perf_counter() - start - stats.handshake_s if outcome == "ok" else None,
                 self._confirmed if outcome != "ok" else set(self._peers.channels),
             )
@@ -452,23 +414,20 @@ class Sender:
         rank_sums = {0: sums}
         if self._peers.trainers.channels:
             assert out.plan is not None
-            kept = rank_sums if self._route.own_buckets else None
+            kept = rank_sums if self._stages.own_buckets else None
             stats.wire_bytes += self._peers.trainers.gather_shares(out.version, sums, deadline, kept)
             stats.buckets = len(out.plan.buckets)
             stats.bytes = sum(s.nbytes for s in out.plan.tensors)
-        self._route.account(stats)
-        self._quant.account(stats)
-        out.account(stats)  # a delta sync counts the model's bytes, not the wire's
+        self._stages.account(stats)  # where a stage knows the sync's figures better than the packer
         return rank_sums
 
     def _verification(self, out: Outgoing, rank_sums: dict[int, dict[int, int]], deadline: Deadline) -> None:
-        """``verify``: the sent buckets' checksums follow the transfer, in plan order (and a
-        delta sync's checksums of the tensors receivers reconstruct)."""
+        """``verify``: the sent buckets' checksums follow the transfer, in plan order, with
+        the fields stages add (each receiver's own list, where a stage routes buckets)."""
         mode = self.config.verify
         if mode == "off":
             return
-        members = self._peers.members(self.num_trainers)
-        lists = self._route.checksums(out, rank_sums, members, self.config.bucket_bytes)
+        lists = self._stages.checksums(out, rank_sums, self.config.bucket_bytes)
         if lists is not None:  # each receiver rank's own buckets
             for q, rank in enumerate(self.receivers):
                 self._peers.channels[rank].send(
@@ -478,7 +437,7 @@ class Sender:
         sums = rank_sums[0]
         order = [sums[b.index] for b in out.plan.buckets] if out.plan is not None else list(sums.values())
         self._peers.broadcast(
-            {"type": "verify", "mode": mode, "checksums": order, **out.verify_fields(mode)}, deadline
+            {"type": "verify", "mode": mode, "checksums": order, **self._stages.verify_fields(mode)}, deadline
         )
 
     async def send_async(self, source: Any, version: int, **kwargs: Any) -> SyncStats:

@@ -15,62 +15,63 @@ shard, the scales of cut blocks agreed between them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from weightsync.config.engine import EngineConfig
-from weightsync.delta.send_stage import Outgoing
-from weightsync.engines.base import Join, Transport
+from weightsync.engines.base import Join
 from weightsync.plan import Plan, capacity
 from weightsync.quant.sharded import FormedSource, wanted
-from weightsync.sender.ranks import TrainerFollower
-from weightsync.sender.route_stage import Answer, Members, SendRoute
-from weightsync.sharding.agreement import TRAINER, Part, RouteOffer, ShardSource, own_part, receiver_checksums
+from weightsync.sharding.agreement import (
+    TRAINER,
+    Agreement,
+    Part,
+    RouteOffer,
+    ShardSource,
+    offered_layouts,
+    own_part,
+    receiver_checksums,
+)
 from weightsync.sources import IteratorSource, WeightSource
+from weightsync.stages import Answer, Members, Outgoing, SendStage
 from weightsync.stats import SyncStats
 
 #: rounds of the handshake in which ranks may still declare a new layout
 MAX_ROUTE_ROUNDS = 3
 
 
-class ShardedSend(SendRoute):
-    """Trainer rank 0's (and a following rank's) route stage under ``backend=sharded``."""
+class ShardedSend(SendStage):
+    """The route stage under ``backend=sharded``, on trainer rank 0 (``offer``,
+    ``answered``, ``own``) and on a following trainer rank (``follow``, ``own``): the same
+    object, so a rank's part and its quantized forms are made one way."""
 
-    forms_in_sync = True  # the route needs every rank's layout: it forms in the first sync
+    plane_in_sync = True  # the route needs every rank's layout: it forms in the first sync
     own_buckets = True
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, bucket_bytes: int) -> None:
         self._timeout_s = timeout_s  # trainer ranks agreeing quantized scales wait this long
-        self._offer = RouteOffer()  # the layouts heard and the route they make
+        self._offer = RouteOffer()  # rank 0: the layouts heard and the route they make
+        self._agreement = Agreement(TRAINER, bucket_bytes)  # a following rank: the route agreed last
         self._part: Part | None = None  # this rank's part of the sync in progress
         self._rounds = 0  # rounds of the current handshake that changed the route
-        self._formed: FormedSource | None = None  # this sync's source with the forms receivers keep
+        self._formed: ShardSource | None = None  # this sync's source with the forms receivers keep
         self._tags: dict[str, frozenset[str]] = {}  # the forms the receivers' layouts named last
+        self._trainers = 1  # the trainer ranks of the offer that named them
+        self._following = False
 
     def source(self, obj: Any, wire_dtype: torch.dtype | None, form: str) -> WeightSource:
         # the layouts are the module's own: a route of checkpoint pieces is not built yet
         return ShardSource.of(obj, wire_dtype)
 
-    def plan(self, src: WeightSource, config: EngineConfig, engine_cls: type, all_send: bool) -> Plan | None:
+    def plan(self, src: WeightSource, plan: Plan | None) -> Plan | None:
         return None  # each rank's plan comes from the route, agreed in the handshake
 
-    def follow(
-        self,
-        follower: TrainerFollower,
-        transport: Transport,
-        src: WeightSource,
-        version: int,
-        plan: Plan | None,
-        receivers: int,
-    ) -> SyncStats:
-        assert isinstance(src, ShardSource)
-        return follower.send_part(transport, src, version, receivers)
-
-    def start(self) -> None:
+    def start(self, members: Members | None) -> None:
         self._part, self._rounds, self._formed = None, 0, None
+        self._following = members is None
 
+    # -- trainer rank 0
     def offer(self, out: Outgoing, members: Members) -> dict[str, Any]:
         src = self._source(out, members)
         fields = self._offer.fields(
@@ -93,14 +94,35 @@ class ShardedSend(SendRoute):
             raise ValueError(f"the ranks' layouts changed in each of {self._rounds} rounds")
         return True
 
+    # -- a following trainer rank
+    def follow(self, src: WeightSource, msg: Mapping[str, Any], rank: int, host: str) -> dict[str, Any]:
+        offer = msg.get("route")
+        layouts = offered_layouts(offer)  # an offer of the route's hash only: the last full offer's
+        if layouts is not None:
+            holders, needs = layouts
+            self._trainers = len(holders)
+            self._wants(wanted(needs))
+        formed = self._formed_of(self._shards(src), self._trainers)
+        self._part, fields = self._agreement.answer(offer, rank, formed.layout(host), formed.specs())
+        return fields
+
+    # -- after the go, either rank
     def own(self, out: Outgoing, members: Members, bucket_bytes: int) -> Outgoing:
-        src = self._source(out, members)
-        route = self._offer.route(src.specs(), src.layout(members.host), members.receivers, members.trainers)
-        if route is None:
-            raise RuntimeError("the sharded handshake ended without a route")  # answered prevents it
-        self._part = part = own_part(route, len(members.receivers), bucket_bytes)
+        if self._following:
+            src = self._formed_of(self._shards(out.source), self._trainers)
+            if self._part is None:
+                raise RuntimeError("trainer rank 0 gave the go before the route was agreed")
+        else:
+            src = self._source(out, members)
+            route = self._offer.route(
+                src.specs(), src.layout(members.host), members.receivers, members.trainers
+            )
+            if route is None:
+                raise RuntimeError("the sharded handshake ended without a route")  # answered prevents it
+            self._part = own_part(route, len(members.receivers), bucket_bytes)
         if isinstance(src, FormedSource):  # after the go: every trainer rank quantizes now
             src.quantize()
+        part = self._own()
         return Outgoing(IteratorSource(part.tensors(src.shards)), part.rank_plan.plan, out.version)
 
     def join(self, join: Join, bucket_bytes: int) -> Join:
@@ -111,10 +133,13 @@ class ShardedSend(SendRoute):
         )
 
     def account(self, stats: SyncStats) -> None:
-        route = self._own().route  # every trainer rank's fragments
-        stats.bytes = sum(route.received_bytes().values())
-        stats.tensors = len(route.fragments)
-        if self._formed is not None:
+        part = self._own()
+        if self._following:  # this rank's fragments, without the buckets' alignment
+            stats.bytes = part.nbytes()
+        else:  # every trainer rank's fragments
+            stats.bytes = sum(part.route.received_bytes().values())
+            stats.tensors = len(part.route.fragments)
+        if isinstance(self._formed, FormedSource):
             stats.quantized, stats.quantize_s = self._formed.quantized, self._formed.seconds
 
     def checksums(
@@ -126,20 +151,30 @@ class ShardedSend(SendRoute):
         self._offer.forget(side, rank)
 
     def _source(self, out: Outgoing, members: Members) -> ShardSource:
-        """This sync's source: the trainer's shards, with the quantized entries the
-        receivers' layouts name. When those change, the other trainer ranks' layouts (which
-        lack them) are asked again."""
-        src = self._shards(out)
-        tags = wanted(self._offer.needs[r] for r in members.receivers if r in self._offer.needs)
-        if tags != self._tags:
+        """Rank 0's source for this sync: the trainer's shards, with the quantized entries
+        the receivers' layouts name. When those change, the other trainer ranks' layouts
+        (which lack them) are asked again."""
+        if self._wants(wanted(self._offer.needs[r] for r in members.receivers if r in self._offer.needs)):
             for t in range(1, members.trainers):
                 self._offer.forget(TRAINER, t)
-            self._tags = tags
-        if not tags:
-            self._formed = None
-            return src
-        if self._formed is None or self._formed.base is not src or self._formed.tags != tags:
-            self._formed = FormedSource(src, tags, members.trainers, self._timeout_s)
+        return self._formed_of(self._shards(out.source), members.trainers)
+
+    def _wants(self, tags: dict[str, frozenset[str]]) -> bool:
+        """The forms the receivers' layouts name; True when they changed."""
+        changed, self._tags = tags != self._tags, tags
+        return changed
+
+    def _formed_of(self, src: ShardSource, trainers: int) -> ShardSource:
+        """``src`` with the quantized entries of ``_tags`` (one source per sync, kept while
+        they stay the same)."""
+        if not self._tags:
+            self._formed = src
+        elif not (
+            isinstance(self._formed, FormedSource)
+            and self._formed.base is src
+            and self._formed.tags == self._tags
+        ):
+            self._formed = FormedSource(src, self._tags, trainers, self._timeout_s)
         return self._formed
 
     def _own(self) -> Part:
@@ -148,8 +183,9 @@ class ShardedSend(SendRoute):
         return self._part
 
     @staticmethod
-    def _shards(out: Outgoing) -> ShardSource:
-        src = out.source
+    def _shards(src: WeightSource) -> ShardSource:
+        if isinstance(src, FormedSource):
+            return src.base
         if not isinstance(src, ShardSource):  # source() made it one
             raise TypeError(f"backend=sharded sends a ShardSource, not a {type(src).__name__}")
         return src
