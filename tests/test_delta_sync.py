@@ -112,7 +112,7 @@ def test_a_receiver_without_the_base_refuses_a_delta_sync_that_comes_without_its
             procs.append(start(delta_workers.receiver, sender.address, 1, ov, [2], q))
             base = sender._stages.of(DeltaSend).base  # the planted sender bug: receiver 1 counted as a holder
             base.holders.add(1)
-            monkeypatch.setattr(send_stage.Outgoing, "again", lambda self, replies: None)
+            monkeypatch.setattr(send_stage.DeltaSend, "answered", lambda self, out, answers, members: False)
             with pytest.raises(SyncError):
                 sender.send(payloads[1], version=2)
             results = {r[0]: r for r in collect(q, 2, timeout=90)}
