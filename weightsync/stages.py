@@ -37,16 +37,19 @@ Stages run in the factory's order; a later stage sees what the earlier ones made
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
 from weightsync.engines.base import Join
-from weightsync.plan import Plan, TensorSpec
+from weightsync.plan import Assembler, Plan, TensorSpec
 from weightsync.sources import WeightSource
 from weightsync.stats import SyncStats
+
+#: a sync's entries as the session hands them out (a generator: a failing consumer is thrown in)
+Entries = Generator[tuple[str, torch.Tensor], None, None]
 
 #: an answer of one round of the handshake: the peer's side ("receiver" or "trainer"), its
 #: rank, its ready reply
@@ -244,7 +247,134 @@ class SendStages:
         return self.members
 
 
-#: a sync's entries as the session hands them out (a generator: a failing consumer is thrown in)
-Entries = Iterator[tuple[str, torch.Tensor]]
-#: what a stage answers of the plan it was offered: the specs, in the checks' form
-Specs = Sequence[TensorSpec]
+# ------------------------------------------------------------------ the rollout side
+@dataclass
+class Offered:
+    """A sync message as a receiver's stages read it, and what they make of it."""
+
+    msg: dict[str, Any]
+    sink: Any  # ``load_into``'s ModuleSink (None: ``receive``)
+    held: Plan | None  # the plan last agreed with this sender
+    config: Any  # the receiver's EngineConfig
+    state: Any  # the receiver's VersionState
+    rank: int
+    host: str  # this receiver's address toward the sender (ranks of a host share a NIC)
+    max_tensor_bytes: int | None
+    needs: Any = None  # the receiver's hook: the box kept of each offered tensor
+    vet: Any = None  # the receiver's hook: the offered tensors checked before anything moves
+    #: made by the stages: the plan this receiver takes (None: streamed, or another round)
+    plan: Plan | None = None
+    #: the ready answer's fields
+    fields: dict[str, Any] = field(default_factory=dict)
+    #: this answer declares something the offer lacked: it comes again, and the stages after
+    #: the declaring one take the sync as offered then
+    declared: bool = False
+    #: how the sync's entries reach the consumer (``Intake``; the default: as they come)
+    intake: Intake | None = None
+
+
+class Intake:
+    """How one sync's wire entries reach the consumer: here, each as it comes, into the
+    landing's or the sink's memory where they offer it; the buckets checked at the end. A
+    stage that stages or skips entries (the delta stage's ``Incoming``) refines it."""
+
+    def __init__(self, specs: list[TensorSpec]) -> None:
+        self.specs = specs  # a streamed plan's list grows while it arrives
+
+    @property
+    def consumer_has_all(self) -> bool:
+        """Whether every tensor of the version was handed to the consumer (here: once the
+        last entry was)."""
+        return True
+
+    def assembler(
+        self, device: torch.device, sink: Any, owned: bool, landing: Any, buckets: Sequence[Any]
+    ) -> Any:
+        """The plan layer's assembler: into ``landing``'s pooled memory
+        (``weightsync.receiver.prefetch``), else into the sink's tensors."""
+        if landing is not None:
+            return landing.assembler(self.specs, device, buckets)
+        return Assembler(self.specs, device, sink.destination if sink is not None else None, owned=owned)
+
+    def grow(self) -> None:
+        """A streamed sync announced more entries (``specs`` grew)."""
+
+    def take(self, name: str, tensor: torch.Tensor, owned: bool) -> tuple[str, torch.Tensor] | None:
+        """What the consumer gets of one wire entry now (None: nothing, yet)."""
+        return name, tensor
+
+    def delivered(self, arrived: bool, handed_out: bool) -> bool:
+        """Whether the model (or consumer) may hold some of the version now."""
+        return arrived or handed_out
+
+    def finish(self, sent: dict[str, Any], checks: Any, stats: SyncStats) -> tuple[str | None, list]:
+        """Once every byte and the sender's ``verify`` message (``sent``) arrived: what
+        failed (None: all well), and what the consumer gets now."""
+        return checks.buckets(self.specs, sent.get("checksums")), []
+
+
+class ReceiveStage:
+    """One concern of a sync on the rollout side; the defaults leave the sync as it is."""
+
+    def sink(self, module: Any) -> Any:
+        """What ``load_into`` lands tensors in (the first stage makes it a ``ModuleSink``)."""
+        return module
+
+    def owned(self, owned: bool, landing: Any) -> bool:
+        """``receive``'s arguments as this stage takes them: whether entries are received
+        into tensors the consumer may keep. Raises ValueError for what it cannot do."""
+        return owned
+
+    def accept(self, offered: Offered) -> None:
+        """Read the sender's sync message: set what the stage makes in ``offered``; raise
+        ``ValueError`` (or KeyError, TypeError: an offer that does not parse) to refuse it."""
+
+    def go(self, peer: str, version: int) -> None:
+        """The sender gave the go: what this stage needed of the offer must hold (else
+        ``ProtocolError``)."""
+
+    def join(self, join: Join) -> Join:
+        """This receiver's ``Join`` record with its links (where the stage has any)."""
+        return join
+
+    def entries(self, entries: Entries) -> Entries:
+        """``receive``'s entries on their way to the consumer."""
+        return entries
+
+
+@dataclass(frozen=True)
+class ReceiveStages:
+    """The rollout side's stages in their order, asked as one."""
+
+    stages: tuple[ReceiveStage, ...]
+
+    def sink(self, module: Any) -> Any:
+        for s in self.stages:
+            module = s.sink(module)
+        return module
+
+    def owned(self, owned: bool, landing: Any) -> bool:
+        for s in self.stages:
+            owned = s.owned(owned, landing)
+        return owned
+
+    def accept(self, offered: Offered) -> Intake:
+        for s in self.stages:
+            s.accept(offered)
+        if offered.intake is None:
+            offered.intake = Intake(list(offered.plan.tensors) if offered.plan is not None else [])
+        return offered.intake
+
+    def go(self, peer: str, version: int) -> None:
+        for s in self.stages:
+            s.go(peer, version)
+
+    def join(self, join: Join) -> Join:
+        for s in self.stages:
+            join = s.join(join)
+        return join
+
+    def entries(self, entries: Entries) -> Entries:
+        for s in self.stages:
+            entries = s.entries(entries)
+        return entries

@@ -25,8 +25,8 @@ from weightsync.delta.format import (
 from weightsync.delta.header import DENSE_SUFFIX, DeltaHeader, base_digest, digest
 from weightsync.delta.policy import NOTICE_S, PROBE, RETRY_AFTER, SLOWER, DeltaPolicy, Probe
 from weightsync.delta.receive_stage import (
+    DeltaReceive,
     Incoming,
-    ReceiveStage,
     Route,
     apply_staged,
     keep,
@@ -38,7 +38,7 @@ from weightsync.delta.send_stage import COPY_ABOVE, PROBE_SLICE, DeltaSend, Enco
 __all__ = [
     "COPY_ABOVE",
     "DENSE_SUFFIX",
-    "ReceiveStage",
+    "DeltaReceive",
     "DeltaSend",
     "DeltaHeader",
     "DeltaPolicy",

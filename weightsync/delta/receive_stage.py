@@ -1,11 +1,12 @@
 """The receiver's delta stage: how one sync's wire entries reach the consumer and the base.
 
-``ReceiveStage.accept`` is the stage's one entry point on the receiver (the sender's is
-``weightsync.delta.send_stage.SendStage.encode``): from the sync message's delta header it
-checks the plan and the model, decides whether this receiver holds the base (then it
-applies deltas) or asks for a dense section, and returns an ``Incoming`` that routes each
-wire entry (take, stage, skip) and applies the staged deltas once every byte arrived. A
-dense sync's ``Incoming`` takes every entry as it comes. See ``weightsync.delta.send_stage`` for
+``DeltaReceive`` is the stage on the receiver (the sender's is
+``weightsync.delta.send_stage.DeltaSend``): from the sync message's delta header it checks
+the plan and the model, decides whether this receiver holds the base (then it applies
+deltas) or asks for a dense section, and makes the sync's intake an ``Incoming`` that routes
+each wire entry (take, stage, skip) and applies the staged deltas once every byte arrived.
+A dense sync keeps the plain intake of ``weightsync.stages``, unless a streaming receiver
+keeps its base up to date. See ``weightsync.delta.send_stage`` for
 the wire layout.
 """
 
@@ -23,6 +24,7 @@ from weightsync.delta.format import Kind
 from weightsync.delta.header import DeltaHeader, base_digest
 from weightsync.errors import ProtocolError
 from weightsync.plan import Assembler, Bucket, Plan, TensorSpec, as_bytes
+from weightsync.stages import Intake, Offered, ReceiveStage
 from weightsync.state import VersionState
 from weightsync.stats import SyncStats
 from weightsync.verify import Checks
@@ -30,7 +32,7 @@ from weightsync.verify import Checks
 log = logging.getLogger("weightsync")
 
 
-class ReceiveStage:
+class DeltaReceive(ReceiveStage):
     """A receiver's delta stage across syncs: its mode and (a streaming receiver's) base."""
 
     def __init__(self, mode: str, rank: int) -> None:
@@ -38,14 +40,31 @@ class ReceiveStage:
         self.rank = rank
         #: delta auto or on, with ``receive()``: a copy of the last version, the base deltas apply to
         self.base: dict[str, torch.Tensor] = {}
+        self._incoming: Incoming | None = None  # the sync in progress, where deltas are in play
 
-    def accept(
+    def accept(self, offered: Offered) -> None:
+        """The sync's intake, and whether it asks for a dense section. An answer declaring
+        something (another stage's) is not this sync's: it comes again."""
+        if offered.declared:
+            return
+        intake = self.intake(
+            offered.msg.get("delta"), offered.plan, offered.sink, offered.state, offered.max_tensor_bytes
+        )
+        offered.intake = intake
+        offered.fields["dense"] = isinstance(intake, Incoming) and intake.wants_dense
+
+    def go(self, peer: str, version: int) -> None:
+        if self._incoming is not None:
+            self._incoming.go(peer, version)
+
+    def intake(
         self, wire: Any, plan: Plan | None, sink: Any, state: VersionState, max_tensor_bytes: int | None
-    ) -> Incoming:
+    ) -> Intake:
         """How this receiver takes the sync of ``plan`` (None: a streamed one, never
         relative) whose message carried ``wire`` as its delta header (None: a dense sync);
         with a sink, its model tensors are checked against it. Raises ValueError (a
         ``SinkError`` among them) saying what does not fit."""
+        self._incoming = None
         header = (
             DeltaHeader.from_wire(wire, plan.tensors, max_tensor_bytes)
             if wire is not None and plan is not None
@@ -53,15 +72,19 @@ class ReceiveStage:
         )
         if sink is not None and plan is not None:
             sink.check(header.model if header is not None else plan.tensors)
+        specs = list(plan.tensors) if plan is not None else []
+        if header is None and (self.mode == "off" or sink is not None):
+            return Intake(specs)  # no delta in play, no base to keep: entries as they come
         base = self.base if sink is None else {n: t.data for n, t in sink.targets.items()}
         holds = header is not None and self._holds_base(header, base, state)
-        return Incoming(
+        self._incoming = Incoming(
             header,
-            list(plan.tensors) if plan is not None else [],
+            specs,
             holds,
             self.base if self.mode != "off" and sink is None else None,
             base if holds else None,
         )
+        return self._incoming
 
     def _holds_base(self, header: DeltaHeader, base: dict[str, torch.Tensor], state: VersionState) -> bool:
         """Whether the base of a delta sync is what this receiver holds: the same version,
@@ -101,7 +124,7 @@ def route(header: DeltaHeader | None, wire_count: int, holds_base: bool) -> Rout
     return Route(actions, relative=False)
 
 
-class Incoming:
+class Incoming(Intake):
     """A receiver's handling of one sync's wire entries (``route``): what its consumer gets
     as it arrives, what is staged until the end, what is skipped, and (a relative sync) the
     deltas applied once everything arrived. ``base``: a streaming receiver's copy of the
@@ -116,8 +139,8 @@ class Incoming:
         base: dict[str, torch.Tensor] | None,
         target: dict[str, torch.Tensor] | None = None,
     ) -> None:
+        super().__init__(specs)
         self.header = header
-        self.specs = specs  # a streamed plan's list grows while it arrives: see ``grow``
         self.route = route(header, len(specs), holds_base)
         self.index = {spec.name: i for i, spec in enumerate(specs)}
         self.base = base

@@ -52,6 +52,7 @@ import torch
 
 from weightsync.config.engine import EngineConfig
 from weightsync.config.keys import ConfigError, canonical_key, flatten, parse_overrides
+from weightsync.engines.base import Transport
 from weightsync.errors import HandshakeError
 from weightsync.integrations.vllm_lora import AdapterSlots
 from weightsync.integrations.vllm_reload import (
@@ -295,7 +296,7 @@ class ReplicaReceiver:
                 version,
                 reload,
                 # sharded: tensors are put together from fragments (their boxes only)
-                pool=None if self.receiver.sharded else self.pool,
+                pool=None if _routes_fragments(self.receiver) else self.pool,
                 in_flight_bytes=config.receive_buckets_in_flight * config.bucket_bytes,
                 timeout_s=config.timeout_s,
             )
@@ -330,7 +331,7 @@ class ReplicaReceiver:
             "landing_copied_bytes": result.landing_copied_bytes,
             "landing_lent_bytes": result.landing_lent_bytes,
         }
-        if self.receiver.sharded:
+        if _routes_fragments(self.receiver):
             slices = self.slices.summary() if self.slices is not None else {"kept_bytes": None}
             self.last |= {
                 "kept_bytes": slices["kept_bytes"],
@@ -694,3 +695,9 @@ def register() -> None:
 
 
 register()
+
+
+def _routes_fragments(receiver: Receiver) -> bool:
+    """Whether ``receiver``'s backend routes fragments (``sharded``): a worker then keeps
+    only its slices, put together by the receiver, not in the landing pool."""
+    return issubclass(receiver.engine_cls, Transport) and receiver.engine_cls.sharded

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from weightsync.plan import TensorSpec, dtype_name
+from weightsync.plan import Plan, TensorSpec, dtype_name
 from weightsync.quant.fp8 import scale_shape
 
 #: what separates a tensor's name from its form's tag in a wire entry's name
@@ -165,3 +165,8 @@ def offered(msg: Mapping[str, Any], rank: int) -> dict[str, str]:
     forms = msg.get("forms") or {}
     mine = forms.get(str(rank), {}) if isinstance(forms, Mapping) else {}
     return dict(mine) if isinstance(mine, Mapping) else {}
+
+
+def untagged_specs(plan: Plan) -> list[TensorSpec]:
+    """The plan's tensors as the trainer holds them (no form's entries)."""
+    return [s for s in plan.tensors if not is_tagged(s.name)]

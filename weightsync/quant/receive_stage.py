@@ -10,17 +10,34 @@ skips ``P`` as the trainer holds it; a receiver without forms skips every tagged
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from weightsync.errors import ProtocolError
-from weightsync.plan import Plan, TensorSpec
+from weightsync.plan import Plan
 from weightsync.quant.forms import Form, is_tagged, offered, wire_name
+from weightsync.stages import Entries, Offered, ReceiveStage
 
-#: a sync's entries as the session hands them out (a generator: a failing consumer is thrown in)
-Entries = Generator[tuple[str, torch.Tensor], None, None]
+
+class QuantReceive(ReceiveStage):
+    """A receiver's forms stage: its declaration where the offer does not serve the forms
+    its sink holds, the go checked against it, ``receive``'s entries untagged."""
+
+    def __init__(self) -> None:
+        self._declared = False  # the answer in progress declared forms
+
+    def accept(self, offered: Offered) -> None:
+        fields = accept(offered.msg, offered.rank, offered.plan, offered.sink)
+        self._declared = bool(fields)
+        if fields:  # the sync comes again, encoded for them: later stages need not check this one
+            offered.fields |= fields
+            offered.declared = True
+
+    def go(self, peer: str, version: int) -> None:
+        served(self._declared, peer, version)
+
+    def entries(self, entries: Entries) -> Entries:
+        return untagged(entries)
 
 
 def accept(msg: Mapping[str, Any], rank: int, plan: Plan | None, sink: Any) -> dict[str, Any]:
@@ -39,11 +56,6 @@ def served(declared: bool, peer: str, version: int) -> None:
     sender offers such a sync again, encoded for them, or refuses it)."""
     if declared:
         raise ProtocolError(f"{peer} gave the go of version {version} without the quantized forms declared")
-
-
-def untagged_specs(plan: Plan) -> list[TensorSpec]:
-    """The plan's tensors as the trainer holds them (no form's entries)."""
-    return [s for s in plan.tensors if not is_tagged(s.name)]
 
 
 def declaration(

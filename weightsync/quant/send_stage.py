@@ -148,9 +148,7 @@ class QuantSend(SendStage):
 
     def offer(self, out: Outgoing, members: Members) -> dict[str, Any]:
         """The sync message's field: the forms served to each receiver (when any are)."""
-        served = {
-            str(r): {n: f.tag for n, f in self.known.get(r, {}).items()} for r in members.receivers
-        }
+        served = {str(r): {n: f.tag for n, f in self.known.get(r, {}).items()} for r in members.receivers}
         return {"forms": served} if any(served.values()) else {}
 
     def answered(self, out: Outgoing, answers: Sequence[Answer], members: Members) -> bool:

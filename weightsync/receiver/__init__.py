@@ -27,13 +27,13 @@ from weightsync.receiver.link import SenderLink
 from weightsync.receiver.prefetch import PipelineResult, receive_into
 from weightsync.receiver.publication import take
 from weightsync.receiver.receiver import Receiver
-from weightsync.receiver.route_stage import DenseReceive, ReceiveRoute
+from weightsync.receiver.route_stage import DenseReceive
 from weightsync.receiver.sharded_route import ShardedReceive
+from weightsync.receiver.stages import receive_stages
 from weightsync.receiver.transfer import Transfer
 
 __all__ = [
     "DenseReceive",
-    "ReceiveRoute",
     "SenderLink",
     "ShardedReceive",
     "Transfer",
@@ -50,6 +50,7 @@ __all__ = [
     "landing_sizes",
     "plan_reader",
     "receive_into",
+    "receive_stages",
     "session_problem",
     "stream_reader",
     "sync_problem",

@@ -2,8 +2,8 @@
 
 One path per family, one version state for both (``weightsync.state``). With a transport
 backend the receiver joins the sender's session, in phases (``_sync_session``): the sender's
-offer (``SenderLink.await_sync``), the handshake (``_accept``: admission's checks, the route
-stage's plan, the delta stage's ``Incoming``), the data plane joined, then the transfer
+offer (``SenderLink.await_sync``), the handshake (``_accept``: admission's checks, then the
+stages of ``weightsync.stages``: the plan, the ready answer, the sync's ``Intake``), the data plane joined, then the transfer
 (``weightsync.receiver.transfer``), acknowledgement and version state (``_finish``). With a
 publisher backend it takes the version the publisher offers and acknowledges it through it.
 """
@@ -20,29 +20,27 @@ import torch
 
 from weightsync import platform
 from weightsync.config.engine import EngineConfig
-from weightsync.delta.receive_stage import Incoming, ReceiveStage
 from weightsync.engines.base import Join, Publisher, Transport
 from weightsync.engines.registry import get_engine
 from weightsync.errors import (
     HandshakeError,
     PeerLost,
-    ProtocolError,
     Rerouted,
     SyncError,
     VerificationError,
     in_context,
 )
 from weightsync.plan import Plan, capacity
-from weightsync.quant import receive_stage as quant
 from weightsync.receiver import admission
 from weightsync.receiver.link import SenderLink
 from weightsync.receiver.publication import take
-from weightsync.receiver.route_stage import DenseReceive, Needs, ReceiveRoute, Vet
-from weightsync.receiver.sharded_route import ShardedReceive
+from weightsync.receiver.route_stage import Needs, Vet
+from weightsync.receiver.stages import receive_stages
 from weightsync.receiver.transfer import Transfer
 from weightsync.session import reroute
 from weightsync.session.channel import Channel, Deadline
 from weightsync.sinks import ModuleSink
+from weightsync.stages import Intake, Offered
 from weightsync.state import VersionState
 from weightsync.stats import SyncStats
 
@@ -102,21 +100,13 @@ class Receiver:
         self._link = SenderLink(config, address, rank, self._new_session)
         self._receiving: int | None = None  # the version in transfer, for messages
         self._reroutable = False  # the sync in transfer: the sender may route around a lost receiver
-        #: the delta stage (``weightsync.delta.receive_stage``): a streaming receiver's base, and each sync's routing
-        self._decoder = ReceiveStage(config.delta, rank)
-        sharded = self._transport is not None and self._transport.sharded
-        #: the route stage: which wire entries this receiver takes and how they land
-        self._route: ReceiveRoute = ShardedReceive(config.bucket_bytes) if sharded else DenseReceive()
-        #: ``sharded``, ``receive``: the box kept of each offered tensor (a name left out: not
-        #: needed; None, or a hook answering None: all whole), set by a worker (``vllm_slices``)
+        #: which wire entries this receiver takes and how they reach it (``weightsync.stages``)
+        self._stages = receive_stages(config, rank, self.engine_cls)
+        #: a routing backend, ``receive``: the box kept of each offered tensor (a name left out:
+        #: not needed; None, or a hook answering None: all whole), set by a worker (``vllm_slices``)
         self.needs: Needs | None = None
         #: dense syncs: the offered tensors checked before anything moves (a worker's, ``Vet``)
         self.vet: Vet | None = None
-
-    @property
-    def sharded(self) -> bool:
-        """Whether this receiver's backend routes fragments (``backend=sharded``)."""
-        return isinstance(self._route, ShardedReceive)
 
     @property
     def version(self) -> int | None:
@@ -172,7 +162,7 @@ class Receiver:
             sender_host=ch.sock.getpeername()[0],
             watch=self._watch_sender,
         )
-        return self._route.join(join)
+        return self._stages.join(join)
 
     def _watch_sender(self) -> None:
         ch = self._link.channel
@@ -222,9 +212,8 @@ class Receiver:
         """
         if self._publisher is not None:
             return self._take(self._publisher, version, None, owned)
-        owned = self._route.owned(owned, landing)
-        entries = self._route.wholes(self._sync_session(version, None, owned, landing=landing, settle=settle))
-        return quant.untagged(entries)
+        owned = self._stages.owned(owned, landing)
+        return self._stages.entries(self._sync_session(version, None, owned, landing=landing, settle=settle))
 
     def load_into(self, module: torch.nn.Module | ModuleSink, version: int | None = None) -> SyncStats:
         """Receive one version and copy it in place into ``module`` by name (or into a sink's
@@ -235,7 +224,7 @@ class Receiver:
         announced, before anything of it is allocated. Names the module has but the sync did
         not carry are logged and listed in ``stats.missing``.
         """
-        sink = self._route.sink(module)
+        sink = self._stages.sink(module)
         if self._publisher is not None:
             items = self._take(self._publisher, version, sink, False)
         else:
@@ -301,10 +290,10 @@ class Receiver:
 
     def _open(
         self, version: int | None, sink: ModuleSink | None, retake: bool = False
-    ) -> tuple[Channel, int, Plan | None, Incoming, float]:
+    ) -> tuple[Channel, int, Plan | None, Intake, float]:
         """Wait for the sender's sync, agree on it and join its data plane; returns the
-        channel, the version, its plan (None: streamed), the delta stage's ``Incoming`` and
-        when the sync started."""
+        channel, the version, its plan (None: streamed), the stages' ``Intake`` and when the
+        sync started."""
         transport = self._transport
         assert transport is not None
         ch = self._link.connect()
@@ -314,8 +303,6 @@ class Receiver:
             if isinstance(msg.get("version"), int):  # a failed sync's leftovers end before we are ready
                 transport.settle(msg["version"], retake)
             v, plan, incoming, msg = self._handshake(ch, msg, version, sink)
-            if not self._route.agreed():
-                raise ProtocolError(f"{ch.peer} gave the go of version {v} before the route was agreed")
             info, self._reroutable = msg["engine"], msg.get("reroute") is True
             transport.connect(self._join(ch, v, info, capacity(plan, self.config.bucket_bytes)), info)
         except HandshakeError:
@@ -340,19 +327,17 @@ class Receiver:
 
     def _handshake(
         self, ch: Channel, msg: dict[str, Any], version: int | None, sink: ModuleSink | None
-    ) -> tuple[int, Plan | None, Incoming, dict[str, Any]]:
-        """Answer the sync (and, when the sender offers it again with a dense section, the
-        offer again) until the go; returns the version, plan, ``Incoming`` and the message
-        agreed on."""
+    ) -> tuple[int, Plan | None, Intake, dict[str, Any]]:
+        """Answer the sync (and, when the sender offers it again, the offer again) until
+        the go; returns the version, plan, ``Intake`` and the message agreed on."""
         while True:
-            v, plan, incoming, declared = self._accept(msg, version, sink)
+            v, plan, intake = self._accept(msg, version, sink)
             go = ch.recv(
                 Deadline(self.config.timeout_s, f"for the go of version {v}"), expect=("go", "again")
             )
             if go["type"] == "go":
-                quant.served(declared, ch.peer, v)  # the forms this receiver declared must come
-                incoming.go(ch.peer, v)  # a delta sync without the dense section asked for fails
-                return v, plan, incoming, msg
+                self._stages.go(ch.peer, v)  # what the stages asked of the offer must hold
+                return v, plan, intake, msg
             msg = ch.recv(Deadline(self.config.timeout_s, f"for version {v} again"), expect="sync")
 
     def _transfer(
@@ -360,7 +345,7 @@ class Receiver:
         ch: Channel,
         v: int,
         plan: Plan | None,
-        incoming: Incoming,
+        incoming: Intake,
         sink: ModuleSink | None,
         owned: bool,
         landing: Any,
@@ -455,42 +440,38 @@ class Receiver:
 
     def _accept(
         self, msg: dict[str, Any], expected: int | None, sink: ModuleSink | None
-    ) -> tuple[int, Plan | None, Incoming, bool]:
-        """Check the sender's sync message (``weightsync.receiver.admission``, the route, forms
-        and delta stages); reply ready, or error (and raise) naming both values. Returns the
-        version, the plan, the delta stage's ``Incoming`` and whether it declared forms."""
+    ) -> tuple[int, Plan | None, Intake]:
+        """Check the sender's sync message (``weightsync.receiver.admission``, then the
+        stages); reply ready with the stages' fields, or error (and raise) naming both
+        values. Returns the version, the plan and the sync's ``Intake``."""
         ch = self._link.channel
         assert ch is not None
         v = msg.get("version")
-        plan: Plan | None = None
-        incoming: Incoming | None = None
-        agreed: dict[str, Any] = {}  # the route and forms stages' fields of the ready answer
+        offered = Offered(
+            msg,
+            sink,
+            self._link.plan,
+            self.config,
+            self.state,
+            self.rank,
+            ch.sock.getsockname()[0],
+            self.max_tensor_bytes,
+            self.needs,
+            self.vet,
+        )
+        intake: Intake | None = None
         try:
             problem = admission.sync_problem(msg, expected, self.state, self.config)
             if problem is None:
-                host = ch.sock.getsockname()[0]
-                plan, problem, agreed = self._route.accept(
-                    msg, sink, self._link.plan, self.config, self.max_tensor_bytes, host, self.needs
-                )
-            if problem is None:  # a receiver served other forms than it holds declares them
-                agreed |= quant.accept(msg, self.rank, plan, sink)
-            if problem is None and plan is not None and self.vet is not None and not self.sharded:
-                self.vet(quant.untagged_specs(plan))
-            if problem is None:  # a declaring receiver checks the sync offered again, not this one
-                incoming = self._decoder.accept(
-                    *((msg.get("delta"), plan, sink) if "forms" not in agreed else (None, None, None)),
-                    self.state,
-                    self.max_tensor_bytes,
-                )
+                intake = self._stages.accept(offered)
         except (ValueError, TypeError, KeyError) as e:
             problem = str(e)
         deadline = Deadline(self.config.timeout_s, f"answering the sync of version {v}")
         if problem is not None:
             self._link.refuse(problem, deadline)
             raise HandshakeError(f"receiver rank {self.rank} refused version {v}: {problem}")
-        assert isinstance(v, int) and incoming is not None
-        if plan is not None:  # a streamed sync leaves the agreed plan as it was
-            self._link.plan = plan
-        # A delta sync without a dense section is offered again with one if we lack its base.
-        ch.send({"type": "ready", "dense": incoming.wants_dense, **agreed}, deadline)
-        return v, plan, incoming, "forms" in agreed
+        assert isinstance(v, int) and intake is not None
+        if offered.plan is not None:  # a streamed sync leaves the agreed plan as it was
+            self._link.plan = offered.plan
+        ch.send({"type": "ready", **offered.fields}, deadline)
+        return v, offered.plan, intake

@@ -11,21 +11,19 @@ checks its hash and takes its part: its plan, its links, the rank it forwards to
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from weightsync.config.engine import EngineConfig
 from weightsync.engines.base import Join
-from weightsync.plan import Plan
-from weightsync.receiver.route_stage import Entries, Needs, ReceiveRoute
+from weightsync.errors import ProtocolError
 from weightsync.sharding.agreement import RECEIVER, WHOLE, Agreement, Declared, FragmentSink, Part, Reassembly
 from weightsync.sharding.layout import Layout
 from weightsync.sinks import ModuleSink
+from weightsync.stages import Entries, Offered, ReceiveStage
 
 
-class ShardedReceive(ReceiveRoute):
+class ShardedReceive(ReceiveStage):
     """A receiver's route stage under ``backend=sharded``."""
 
     def __init__(self, bucket_bytes: int) -> None:
@@ -46,38 +44,33 @@ class ShardedReceive(ReceiveRoute):
             raise ValueError("backend=sharded receives no prefetched landing: use load_into or receive")
         return False  # fragments are copied into whole tensors the consumer owns (``wholes``)
 
-    def accept(
-        self,
-        msg: dict[str, Any],
-        sink: ModuleSink | None,
-        held: Plan | None,
-        config: EngineConfig,
-        max_tensor_bytes: int | None,
-        host: str,
-        needs: Needs | None,
-    ) -> tuple[Plan | None, str | None, dict[str, Any]]:
+    def accept(self, offered: Offered) -> None:
+        msg, sink, needs = offered.msg, offered.sink, offered.needs
         if sink is not None and not isinstance(sink, FragmentSink):
             raise ValueError("backend=sharded lands fragments: pass the module itself to load_into")
         own: Declared = WHOLE
         if sink is not None:
-            own = sink.layout(host)
+            own = sink.layout(offered.host)
         elif needs is not None:
             specs = self._agreement.specs(msg.get("route"))
             if specs is None:  # offered the hash of a route this receiver does not hold
                 self._part = None
-                return None, None, {"resend": True}
+                offered.fields["resend"] = True
+                return
             if (boxes := needs(specs)) is not None:
-                own = Layout(dict(boxes), host)
+                own = Layout(dict(boxes), offered.host)
         part, fields = self._agreement.answer(msg.get("route"), int(msg["engine"]["rank"]) - 1, own)
         self._part = part
+        offered.fields |= fields
         if part is None:  # the offer lacks this layout: answered with it, offered again
-            return None, None, fields
+            return
         if sink is not None:
             sink.bind(part)
-        return part.rank_plan.plan, None, fields
+        offered.plan = part.rank_plan.plan
 
-    def agreed(self) -> bool:
-        return self._part is not None
+    def go(self, peer: str, version: int) -> None:
+        if self._part is None:
+            raise ProtocolError(f"{peer} gave the go of version {version} before the route was agreed")
 
     def join(self, join: Join) -> Join:
         part = self._part
@@ -85,7 +78,7 @@ class ShardedReceive(ReceiveRoute):
             return join
         return dataclasses.replace(join, links=part.links, peer_of=part.peer_of, forward=part.forward)
 
-    def wholes(self, entries: Entries) -> Iterator[tuple[str, torch.Tensor]]:
+    def entries(self, entries: Entries) -> Entries:
         """Each tensor handed out once its last fragment arrived (the caller owns it)."""
         whole: Reassembly | None = None
         for name, tensor in entries:

@@ -1,8 +1,9 @@
 """``Transfer``: one sync's data plane as a receiver walks it.
 
-engine (buckets off the wire) -> plan (pieces merged: the assembler) -> delta stage
-(``Incoming``) -> the consumer; then the sender's checksums (``verify``), a relative sync's
-reconstructed tensors, and the consumer's last step (``settle``). It records what it saw
+engine (buckets off the wire) -> plan (pieces merged: the assembler) -> the stages' intake
+(``weightsync.stages.Intake``: what is taken, staged or skipped) -> the consumer; then the
+sender's checksums (``verify``), what the intake hands out at the end, and the consumer's
+last step (``settle``). It records what it saw
 (the buckets received, whether any landed in the consumer's memory, the consumer's error,
 the version's problem) so that the session (``Receiver``) can report the outcome and the
 version state; failures of the data plane propagate to it.
@@ -16,13 +17,13 @@ from typing import Any, NoReturn
 import torch
 
 from weightsync.config.engine import EngineConfig
-from weightsync.delta.receive_stage import Incoming
 from weightsync.engines.base import Transport
 from weightsync.errors import SyncError
 from weightsync.plan import Bucket, Plan, shortfall
 from weightsync.receiver import admission
 from weightsync.session.channel import Channel, Deadline
 from weightsync.sinks import ModuleSink
+from weightsync.stages import Intake
 from weightsync.stats import SyncStats
 from weightsync.verify import Checks
 
@@ -38,7 +39,7 @@ class Transfer:
         ch: Channel,
         version: int,
         plan: Plan | None,
-        incoming: Incoming,
+        incoming: Intake,
         sink: ModuleSink | None,
         *,
         owned: bool,

@@ -61,7 +61,11 @@ class Plane:
             self.info = self._prepare()
 
     def _prepare(self) -> dict[str, Any]:
-        return {**self.transport.prepare(self.join), "world_size": self.join.world_size, "senders": self.senders}
+        return {
+            **self.transport.prepare(self.join),
+            "world_size": self.join.world_size,
+            "senders": self.senders,
+        }
 
 
 def agree(

@@ -217,7 +217,12 @@ class TrainerFollower:
             )
             transport.connect(stages.join(join, config.bucket_bytes), info)
             packer, produce, sums = producer(
-                out.source, config.bucket_bytes, plan, config.verify, announce=lambda m: None, sends=transport.sends
+                out.source,
+                config.bucket_bytes,
+                plan,
+                config.verify,
+                announce=lambda m: None,
+                sends=transport.sends,
             )
             t0 = time.perf_counter()
             stats.bytes = stats.wire_bytes = transport.send_buckets(produce)

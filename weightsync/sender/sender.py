@@ -203,7 +203,9 @@ class Sender:
         if self._peers.trainers.count or self._stages.plane_in_sync:
             handshake.warm_connections(self._peers, self.config)  # the data plane forms in the first sync
             return
-        specs = self._stages.source(source, self.wire_dtype, self.form).specs() if source is not None else None
+        specs = (
+            self._stages.source(source, self.wire_dtype, self.form).specs() if source is not None else None
+        )
         plan = make_plan(specs, self.config.bucket_bytes) if specs is not None else None
         handshake.warm_up(self._peers, self._transport, self.config, plan)
 
@@ -320,7 +322,9 @@ class Sender:
         try:
             plane = handshake.Plane(transport, join, senders)
             offer = handshake.Offer(version, force, self._may_reroute)
-            stats.plan_sent_to, out = handshake.agree(self._peers, self._stages, self.config, offer, plane, base, out)
+            stats.plan_sent_to, out = handshake.agree(
+                self._peers, self._stages, self.config, offer, plane, base, out
+            )
             went = True
             transport.connect(self._stages.join(plane.join, bucket), plane.info)
             stats.handshake_s = time.perf_counter() - start  # handshake and group join
