@@ -7,7 +7,7 @@ import torch
 import workers
 
 from weightsync import EngineConfig, ModuleSink, Receiver, Sender
-from weightsync.quant.fp8 import scale_shape
+from weightsync.wire.fp8 import scale_shape
 
 # Shapes that are not multiples of 128, a 1-D tensor, an expert stack, and an embedding and
 # norm that a quantized replica keeps in bf16. Values differ per tensor and per version, so a

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from weightsync import EngineConfig, ModuleSink, Receiver, Sender
-from weightsync.checkpoint_form import is_converted
 from weightsync.sources import CheckpointSource, ModuleSource, as_source
+from weightsync.wire.checkpoint import is_converted
 
 SHAPE = dict(
     vocab_size=300,

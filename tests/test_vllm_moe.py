@@ -1,7 +1,7 @@
 """A real vLLM (CPU build) replica of a mixture of experts (the demo's ``--arch moe``: a
 Qwen3-MoE, 6 experts, top 2, 2 k/v heads, an expert width vLLM's CPU kernel pads 48 ->
 64), fed by a trainer whose transformers model holds its experts fused: the trainer sends
-each expert's matrices (the checkpoint form, ``weightsync.checkpoint_form``), the replica
+each expert's matrices (the checkpoint form, ``weightsync.wire.checkpoint``), the replica
 serves the trainer's tokens after every version, and an update the engine does not wholly
 take fails naming the tensor. One replica for the module (about a minute to start). The
 FSDP2 trainers and the tensor-parallel replica over ``sharded`` are the demo's doc

@@ -588,7 +588,8 @@ def run_slice_receiver(address, rank, overrides, versions, queue, extra=None, tp
     receiver.torn)``, with ``"error"`` and the message in place of the version and the
     missing list after a failed sync, and goes on. ``extra``: ``{name: shape}`` of float32
     tensors it also keeps, which no trainer sends."""
-    from weightsync.sharding import FragmentSink, declared_shards
+    from weightsync import FragmentSink
+    from weightsync.sharding import declared_shards
     from weightsync.sharding.layout import Box
 
     torch.set_num_threads(1)

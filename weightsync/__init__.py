@@ -22,6 +22,7 @@ from weightsync.errors import (
 )
 from weightsync.plan import Plan, TensorSpec, make_plan
 from weightsync.receiver.receiver import Receiver
+from weightsync.receiver.sharded_sink import FragmentSink
 from weightsync.sender.sender import Sender
 from weightsync.sinks import ModuleSink, SinkError
 from weightsync.sources import WeightSource, as_source
@@ -31,6 +32,7 @@ from weightsync.stats import SyncStats
 __version__ = "0.1.0"
 
 __all__ = [
+    "FragmentSink",
     "ConfigError",
     "Engine",
     "EngineConfig",

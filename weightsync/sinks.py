@@ -16,9 +16,9 @@ from types import MappingProxyType
 
 import torch
 
-from weightsync.checkpoint_form import checkpoint_pieces, is_converted
 from weightsync.plan import TensorSpec, dtype_name
-from weightsync.quant.forms import Form, declared_forms, wire_name
+from weightsync.wire.checkpoint import checkpoint_pieces, is_converted
+from weightsync.wire.forms import Form, declared_forms, wire_name
 
 
 class SinkError(ValueError):
@@ -31,7 +31,7 @@ class ModuleSink:
 
     A transformers model whose checkpoint form differs from its in-memory one (an MoE's
     fused experts) takes either: its own names, or the checkpoint form's, landed in views
-    of its own tensors (``weightsync.checkpoint_form``).
+    of its own tensors (``weightsync.wire.checkpoint``).
 
     A module holding FP8 tensors with their scales (``X.weight`` in ``float8_e4m3fn`` beside
     ``X.weight_scale_inv``) declares those forms (``forms``; ``ue8m0``: its scales are powers

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from weightsync.checkpoint_form import (
+from weightsync.plan import TensorSpec, dtype_name
+from weightsync.wire.checkpoint import (
     FORMS,
     checkpoint_views,
     converted_items,
@@ -22,7 +23,6 @@ from weightsync.checkpoint_form import (
     layer_groups,
     meta_like,
 )
-from weightsync.plan import TensorSpec, dtype_name
 
 
 def is_dtensor(tensor: Any) -> bool:
@@ -106,7 +106,7 @@ class ModuleSource(StateDictSource):
 
 
 class CheckpointSource(ModuleSource):
-    """A transformers model in its checkpoint form (``weightsync.checkpoint_form``): the
+    """A transformers model in its checkpoint form (``weightsync.wire.checkpoint``): the
     names and layouts ``save_pretrained`` writes and inference engines load, each piece a
     view of the model's own tensor (an MoE's experts one matrix each, not fused stacks)."""
 

@@ -243,7 +243,7 @@ def _sharded_receiver(job: Job, address: str, rank: int) -> dict[str, Any]:
     its replica, holding only its slices. Each version's slices are compared (untimed) with
     the same version made here whole; the digest is that version's when all match."""
     from weightsync.receiver.receiver import Receiver
-    from weightsync.sharding.agreement import FragmentSink
+    from weightsync.receiver.sharded_sink import FragmentSink
 
     boxes = shards.replica_boxes(job.specs, job.tp, rank % job.tp)
     mine = shards.kept(job.specs, boxes, job.device)

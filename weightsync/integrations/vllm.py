@@ -52,7 +52,6 @@ import torch
 
 from weightsync.config.engine import EngineConfig
 from weightsync.config.keys import ConfigError, canonical_key, flatten, parse_overrides
-from weightsync.engines.base import Transport
 from weightsync.errors import HandshakeError
 from weightsync.integrations.vllm_lora import AdapterSlots
 from weightsync.integrations.vllm_reload import (
@@ -208,6 +207,10 @@ class ReplicaReceiver:
             self.receiver = None
         self.pool.close()
 
+    def _routed(self) -> bool:
+        """The backend routes fragments (``sharded``): the receiver puts them together."""
+        return self.receiver is not None and getattr(self.receiver.engine_cls, "sharded", False)
+
     def status(self) -> dict[str, Any]:
         return {
             "rank": self.receiver.rank if self.receiver is not None else None,
@@ -295,8 +298,7 @@ class ReplicaReceiver:
                 self.receiver,
                 version,
                 reload,
-                # sharded: tensors are put together from fragments (their boxes only)
-                pool=None if _routes_fragments(self.receiver) else self.pool,
+                pool=None if self._routed() else self.pool,
                 in_flight_bytes=config.receive_buckets_in_flight * config.bucket_bytes,
                 timeout_s=config.timeout_s,
             )
@@ -331,7 +333,7 @@ class ReplicaReceiver:
             "landing_copied_bytes": result.landing_copied_bytes,
             "landing_lent_bytes": result.landing_lent_bytes,
         }
-        if _routes_fragments(self.receiver):
+        if self._routed():
             slices = self.slices.summary() if self.slices is not None else {"kept_bytes": None}
             self.last |= {
                 "kept_bytes": slices["kept_bytes"],
@@ -695,9 +697,3 @@ def register() -> None:
 
 
 register()
-
-
-def _routes_fragments(receiver: Receiver) -> bool:
-    """Whether ``receiver``'s backend routes fragments (``sharded``): a worker then keeps
-    only its slices, put together by the receiver, not in the landing pool."""
-    return issubclass(receiver.engine_cls, Transport) and receiver.engine_cls.sharded

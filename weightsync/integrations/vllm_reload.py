@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from weightsync.checkpoint_form import checkpoint_pieces
+from weightsync.wire.checkpoint import checkpoint_pieces
 
 log = logging.getLogger("weightsync.vllm")
 
@@ -65,7 +65,7 @@ def checkpoint_cover(model: torch.nn.Module, vllm_config: Any) -> dict[str, froz
     of its transformers form (ties once) -> the checkpoint names that carry it together
     (an MoE's fused stack: each expert's matrices; another tensor: its own name). Learned
     once per model from a meta-device instance of its transformers class and transformers'
-    own conversion (``weightsync.checkpoint_form``); empty where that cannot be built (a
+    own conversion (``weightsync.wire.checkpoint``); empty where that cannot be built (a
     model transformers does not know): the parameter-level check then stands alone.
 
     Why: vLLM reports the parameters it wrote, and an MoE's experts are one parameter

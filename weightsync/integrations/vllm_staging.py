@@ -29,7 +29,7 @@ import torch
 from weightsync.integrations.vllm_slices import Slices
 from weightsync.plan import TensorSpec, dtype_from_name, dtype_name
 from weightsync.platform import host_empty
-from weightsync.sharding.agreement import FragmentSink
+from weightsync.receiver.sharded_sink import FragmentSink
 from weightsync.sharding.reads import in_full_shape
 from weightsync.sharding.typical import kept
 from weightsync.sinks import ModuleSink

@@ -15,8 +15,8 @@ from typing import Any
 
 from weightsync.errors import ProtocolError
 from weightsync.plan import Plan
-from weightsync.quant.forms import Form, is_tagged, offered, wire_name
 from weightsync.stages import Entries, Offered, ReceiveStage
+from weightsync.wire.forms import Form, is_tagged, offered, wire_name
 
 
 class QuantReceive(ReceiveStage):

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from weightsync.plan import TensorSpec
-from weightsync.quant.forms import FLOATS, FP8, SCALE_SUFFIX
-from weightsync.quant.fp8 import quantize_blocks, scale_shape
+from weightsync.wire.forms import FLOATS, FP8, SCALE_SUFFIX
+from weightsync.wire.fp8 import quantize_blocks, scale_shape
 
 _LAYER = re.compile(r"(^|\.)layers\.\d+\.")
 

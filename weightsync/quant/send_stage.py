@@ -1,6 +1,6 @@
 """The sender's quantized-forms stage: each declared tensor quantized once, before the wire.
 
-Receivers declare the forms they hold (``weightsync.quant.forms``) in their answer to the
+Receivers declare the forms they hold (``weightsync.wire.forms``) in their answer to the
 handshake; the sender keeps each receiver's declaration across syncs and offers every
 sync with the forms it serves each receiver (``offer``), so a declaration costs one more
 round once, when it is new. The sync's wire entries (``encode``) are then, per tensor, in
@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from weightsync.plan import TensorSpec, make_plan
-from weightsync.quant.forms import Form, wire_name
-from weightsync.quant.fp8 import quantize_blocks
 from weightsync.sources import WeightSource
 from weightsync.stages import Answer, Members, Outgoing, SendStage
 from weightsync.stats import SyncStats
+from weightsync.wire.forms import Form, wire_name
+from weightsync.wire.fp8 import quantize_blocks
 
 
 class QuantizedSource(WeightSource):

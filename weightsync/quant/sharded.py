@@ -32,11 +32,11 @@ import torch.distributed as dist
 
 from weightsync.errors import SyncTimeout
 from weightsync.plan import TensorSpec
-from weightsync.quant.forms import FP8, SCALE_SUFFIX, TAG, Form, split_tag
-from weightsync.quant.fp8 import box_amax, quantize_box, scale_shape, scales_of
 from weightsync.sharding.agreement import ShardSource
 from weightsync.sharding.fragments import LocalShard, region
 from weightsync.sharding.layout import Box, Layout
+from weightsync.wire.forms import FP8, SCALE_SUFFIX, TAG, Form, split_tag
+from weightsync.wire.fp8 import box_amax, quantize_box, scale_shape, scales_of
 
 
 def wanted(needs: Iterable[Any]) -> dict[str, frozenset[str]]:

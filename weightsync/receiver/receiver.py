@@ -276,7 +276,7 @@ class Receiver:
         settle: Callable[[], None] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """One sync over a session, in phases: the sender's offer, the handshake (plan and
-        delta stage agreed), the data plane joined, then the transfer and acknowledgement."""
+        the stages agreed), the data plane joined, then the transfer and acknowledgement."""
         handed: set[str] = set()  # names handed out in attempts the sender re-routed
         retake = False
         while True:

@@ -13,11 +13,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from weightsync.plan import TensorSpec
-from weightsync.quant.forms import untagged_specs
 from weightsync.receiver.admission import agreed_plan
 from weightsync.sharding.layout import Box
 from weightsync.sinks import ModuleSink
 from weightsync.stages import Offered, ReceiveStage
+from weightsync.wire.forms import untagged_specs
 
 #: a receive hook's answer: what this receiver keeps of the offered tensors, as a box per
 #: tensor name (None: every tensor whole)

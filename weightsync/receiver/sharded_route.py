@@ -17,7 +17,8 @@ import torch
 
 from weightsync.engines.base import Join
 from weightsync.errors import ProtocolError
-from weightsync.sharding.agreement import RECEIVER, WHOLE, Agreement, Declared, FragmentSink, Part, Reassembly
+from weightsync.receiver.sharded_sink import FragmentSink, Reassembly
+from weightsync.sharding.agreement import RECEIVER, WHOLE, Agreement, Declared, Part
 from weightsync.sharding.layout import Layout
 from weightsync.sinks import ModuleSink
 from weightsync.stages import Entries, Offered, ReceiveStage

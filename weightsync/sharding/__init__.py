@@ -5,7 +5,7 @@ fragments, each sent once by one trainer rank to one receiver rank, the fragment
 handshake (``agreement``), which backend ``sharded`` (``weightsync.engines.sharded``) runs.
 """
 
-from weightsync.sharding.agreement import FragmentSink, ShardSource
+from weightsync.sharding.agreement import ShardSource
 from weightsync.sharding.fragments import (
     LocalShard,
     RankPlan,
@@ -41,7 +41,6 @@ from weightsync.sharding.route import (
 )
 
 __all__ = [
-    "FragmentSink",
     "ShardSource",
     "ROUTE_FORMAT",
     "Box",

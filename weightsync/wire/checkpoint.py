@@ -17,7 +17,7 @@ Two uses, one function (``checkpoint_views``):
   (``ModuleSink``), so a plain PyTorch receiver and a vLLM worker take the same wire.
 
 The pieces are exactly ``save_pretrained``'s tensors (names, shapes, bytes; gate/up order);
-``tests/test_checkpoint_form.py`` checks it on two MoE families.
+``tests/test_wire/checkpoint.py`` checks it on two MoE families.
 """
 
 from __future__ import annotations

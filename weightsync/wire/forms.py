@@ -1,7 +1,7 @@
 """The quantized forms a receiver may hold a tensor in, as data both sides read.
 
 A receiver declares, per tensor, the form it holds (``Form``): today FP8 e4m3 in blocks
-with float32 scales (``weightsync.quant.fp8``; vLLM's and DeepSeek's ``X.weight`` with
+with float32 scales (``weightsync.wire.fp8``; vLLM's and DeepSeek's ``X.weight`` with
 ``X.weight_scale_inv``), the scales either plain or UE8M0 (powers of two). A receiver with
 ``load_into(module)`` declares it by holding such parameters (``declared_forms``): an
 ``float8_e4m3fn`` tensor ``P`` beside a tensor ``P_scale_inv``. The trainer quantizes each
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from weightsync.plan import Plan, TensorSpec, dtype_name
-from weightsync.quant.fp8 import scale_shape
+from weightsync.wire.fp8 import scale_shape
 
 #: what separates a tensor's name from its form's tag in a wire entry's name
 TAG = "@"
