@@ -19,7 +19,8 @@ from weightsync.config.keys import SECRET_ENV
 from weightsync.engines import ring
 from weightsync.engines.base import Join
 from weightsync.engines.ring import PeerError
-from weightsync.engines.shm import ShmEngine, host_id
+from weightsync.engines.same_host import host_id
+from weightsync.engines.shm import ShmEngine
 from weightsync.integrations.vllm import REMOTE_CONFIG_ENV, ReplicaReceiver, check_remote_overrides
 from weightsync.session.auth import reachable_from_other_hosts
 
@@ -227,7 +228,7 @@ def test_shm_receiver_refuses_a_ring_offered_by_a_process_of_another_user():
         join = Join(
             version=1, rank=1, world_size=2, senders=1, capacity=slot, name="receiver rank 0", receiver_rank=0
         )
-        with pytest.raises(PeerError, match="shm: the ring's socket belongs to another user"):
+        with pytest.raises(PeerError, match="shm: the sender's socket belongs to another user"):
             receiver.connect(join, info)
         assert receiver._ring is None and not receiver._peers  # nothing of it mapped or kept
         out, err = impostor.communicate(timeout=60)

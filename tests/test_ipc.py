@@ -20,7 +20,8 @@ from test_hardening import NOBODY, as_another_user
 from weightsync import EngineConfig, Sender, SyncError, SyncStats, TensorSpec, make_plan, share_tensors
 from weightsync.engines import ring
 from weightsync.engines.base import Join
-from weightsync.engines.ipc import IpcEngine, shared_region
+from weightsync.engines.ipc import IpcEngine
+from weightsync.engines.shared_tensors import shared_region
 from weightsync.plan import direct_bytes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

@@ -311,7 +311,7 @@ def test_updates_over_ipc_read_the_trainers_own_tensors_with_greedy_parity(setup
     worker maps them and vLLM's loader reads them in place (no landing copy); three trained
     versions keep greedy parity, the large tensors read from the trainer's memory, the rest
     staged in the same sync and copied."""
-    from weightsync.engines.ipc import share_tensors
+    from weightsync.engines.shared_tensors import share_tensors
 
     share_tensors(setup.model)
     setup.rollout.close()

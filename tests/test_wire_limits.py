@@ -705,7 +705,8 @@ def test_shm_refuses_a_ring_whose_slots_differ_from_the_handshake():
     the receiver refuses before mapping anything."""
     from weightsync.engines.base import Join
     from weightsync.engines.ring import PeerError, pack_message
-    from weightsync.engines.shm import ShmEngine, host_id
+    from weightsync.engines.same_host import host_id
+    from weightsync.engines.shm import ShmEngine
 
     name = f"weightsync-test-{secrets.token_hex(8)}"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -9,7 +9,7 @@ from weightsync.config.backends import register_engine
 from weightsync.config.engine import EngineConfig
 from weightsync.config.keys import ConfigError
 from weightsync.engines.base import Engine, EngineUnavailable, Join, Offer, Publisher, Transport
-from weightsync.engines.ipc import share_tensors
+from weightsync.engines.shared_tensors import share_tensors
 from weightsync.errors import (
     HandshakeError,
     PeerLost,

@@ -346,7 +346,7 @@ def _run(opts: VLLMBenchOptions, progress: Any, cluster: Any) -> dict[str, Any]:
             ranks = opts.trainers if _all_send(backend) else 1
             if ranks == 1:
                 if backend == "ipc":  # the workers read the trainer's own tensors: in shared memory
-                    from weightsync.engines.ipc import share_tensors
+                    from weightsync.engines.shared_tensors import share_tensors
 
                     share_tensors(model)
                 return 1, address, model

@@ -155,7 +155,7 @@ def sync_sender(job: Job, queue, rank: int = 0, address: str | None = None) -> N
         else:
             state = job.sender_state()
         if job.kind == "ipc":  # receivers read the trainer's own tensors: they live in shared memory
-            from weightsync.engines.ipc import share_tensors
+            from weightsync.engines.shared_tensors import share_tensors
 
             share_tensors(state)
         source: Any = state

@@ -5,14 +5,11 @@ every sync's bytes straight out of it (the one copy a same-host sync cannot avoi
 adds a second, into its ring).
 
 - **Host memory.** The trainer's tensors must live in memory another process can map:
-  ``share_tensors(module_or_state_dict)`` moves each storage into an anonymous ``memfd``
-  (no name in ``/dev/shm``, so a container's small ``/dev/shm`` does not bound it; freed
-  when the last process holding it goes). It is weightsync's own registry, not torch's
-  ``share_memory_()``: torch hands a storage's descriptor out only through a private call,
-  and the registry lets the sender tell, per sync, which storage a tensor lives in now.
-  Receivers get a read-only descriptor (``/proc/self/fd`` reopened ``O_RDONLY``) over the
-  Unix socket (``SCM_RIGHTS``) and map it ``PROT_READ``: a receiver cannot write into the
-  trainer's tensors, even by mistake.
+  ``share_tensors(module_or_state_dict)`` (``engines.shared_tensors``) moves each storage
+  into an anonymous ``memfd``, and its registry tells the sender, per sync, which shared
+  region a tensor lives in now. Receivers get a read-only descriptor (``/proc/self/fd``
+  reopened ``O_RDONLY``) over the Unix socket (``SCM_RIGHTS``) and map it ``PROT_READ``: a
+  receiver cannot write into the trainer's tensors, even by mistake.
 - **Device memory (CUDA).** Each storage's CUDA IPC handle (torch's ``_share_cuda_``
   fields, msgpacked: ``platform.share_device_buffer``), opened once per receiver. The sender
   synchronizes its device once per sync, before it announces the buckets (not once per
@@ -29,26 +26,23 @@ adds a second, into its ring).
   (the trainer must not write its tensors before ``send`` returns); every wait has the
   deadline; a receiver that dies closes its socket and is named at once.
 
-The control socket is ``shm``'s: a Unix socket in the abstract namespace (``SOCK_SEQPACKET``:
-one message a record, descriptors attached to it), admitting only this user's processes
-(``SO_PEERCRED``) that carry the sync's 128-bit token; messages are msgpack, never pickle.
+The control socket is admitted as ``shm``'s (``engines.same_host``: this host, this user,
+the sync's 128-bit token), a Unix socket in the abstract namespace (``SOCK_SEQPACKET``: one
+message a record, descriptors attached to it); messages are msgpack, never pickle.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import mmap
 import os
 import secrets
 import socket
-import threading
 import time
 import warnings
-import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import msgpack
 import torch
@@ -57,7 +51,8 @@ from weightsync import platform
 from weightsync.engines import ring
 from weightsync.engines.base import Join, Landing, NextBucket, Producer, Transport
 from weightsync.engines.ring import DONE, SLOTS, PeerError, Signals
-from weightsync.engines.shm import host_id, peer_uid
+from weightsync.engines.same_host import admit_receivers, host_id, join_sender, listen
+from weightsync.engines.shared_tensors import new_region_id, shared_region
 from weightsync.plan import Bucket
 from weightsync.stats import SyncStats
 
@@ -67,103 +62,6 @@ log = logging.getLogger("weightsync.engines.ipc")
 MAX_RECORD = 1 << 16
 _UNMAP_CHUNK = 4096  # region ids per unmap message
 _STAGE_ALIGN = 4096  # staged buckets start on a page in the ring (any dtype's alignment)
-_ids = itertools.count(1)  # region ids: never reused in a process
-
-# ---------------------------------------------------------------------------- shared host memory
-
-
-@dataclass
-class _Arena:
-    """One memfd holding the storages one ``share_tensors`` call moved (page-aligned)."""
-
-    fd: int
-    memory: weakref.ref  # its mapping; dead once every storage in it was freed
-
-
-@dataclass
-class _Region:
-    """One storage in an arena: what a receiver maps (``offset`` is page-aligned)."""
-
-    id: int
-    arena: _Arena
-    offset: int
-    nbytes: int
-
-
-_regions: dict[int, _Region] = {}  # by the address of the storage's first byte
-_lock = threading.Lock()
-
-T = TypeVar("T")
-
-
-def _forget(arena: _Arena) -> None:
-    with _lock:
-        for address in [a for a, r in _regions.items() if r.arena is arena]:
-            del _regions[address]
-    os.close(arena.fd)
-
-
-def shared_region(tensor: torch.Tensor) -> tuple[_Region, int] | None:
-    """The region ``tensor``'s storage is and the tensor's byte offset in it, or None (not
-    shared by ``share_tensors``, or its storage was re-allocated since)."""
-    if tensor.device.type != "cpu":
-        return None
-    storage = tensor.untyped_storage()
-    with _lock:
-        region = _regions.get(storage.data_ptr())
-    if region is None or region.arena.memory() is None or storage.nbytes() != region.nbytes:
-        return None
-    return region, tensor.data_ptr() - storage.data_ptr()
-
-
-def share_tensors(obj: T) -> T:
-    """Move the host tensors of ``obj`` (an ``nn.Module``'s parameters and buffers, or a
-    mapping of tensors) into shared memory that ``backend=ipc`` receivers map, in place:
-    each tensor keeps its identity (``tensor.data`` is swapped, as ``Module.share_memory()``
-    does), tensors viewing one storage (tied weights) still view one. Already shared
-    storages and device tensors (shared by CUDA IPC as they are) are left alone. Returns
-    ``obj``. Call it again after replacing a parameter: the new storage is moved then.
-
-    The storages of one call share one memfd (one descriptor in the trainer, however many
-    tensors); its memory is returned when the last of them is freed."""
-    if isinstance(obj, torch.nn.Module):
-        tensors = [*obj.parameters(), *obj.buffers()]
-    elif isinstance(obj, Mapping):
-        tensors = [t for t in obj.values() if isinstance(t, torch.Tensor)]
-    else:
-        raise TypeError(f"share_tensors takes an nn.Module or a mapping of tensors, not {type(obj).__name__}")
-    todo = [
-        t for t in tensors if t.device.type == "cpu" and t.untyped_storage().nbytes() and not shared_region(t)
-    ]
-    old = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in todo}
-    if not old:
-        return obj
-    offsets, size = {}, 0
-    for address, storage in old.items():
-        offsets[address] = size
-        size += -(-storage.nbytes() // mmap.PAGESIZE) * mmap.PAGESIZE
-    fd = os.memfd_create("weightsync-ipc", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, size)
-        memory = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-    except BaseException:
-        os.close(fd)
-        raise
-    arena = _Arena(fd, weakref.ref(memory))
-    weakref.finalize(memory, _forget, arena)
-    moved: dict[int, torch.UntypedStorage] = {}
-    for address, storage in old.items():
-        # each storage its own view of the arena, keeping the mapping alive while it lives
-        flat = torch.frombuffer(memory, dtype=torch.uint8, count=storage.nbytes(), offset=offsets[address])
-        flat.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
-        moved[address] = flat.untyped_storage()
-        with _lock:
-            _regions[flat.data_ptr()] = _Region(next(_ids), arena, offsets[address], storage.nbytes())
-    with torch.no_grad():
-        for t in todo:
-            new = moved[t.untyped_storage().data_ptr()]
-            t.data = torch.empty(0, dtype=t.dtype).set_(new, t.storage_offset(), t.size(), t.stride())
-    return obj
 
 
 def _read_only_fd(fd: int) -> int:
@@ -243,11 +141,7 @@ class IpcEngine(Transport):
     def _listen(self, world_size: int) -> None:
         self._generation += 1
         self._token = secrets.token_hex(16)  # 128 bits: proves a connection is ours
-        self._socket_name = f"weightsync-ipc-{os.getpid()}-{secrets.token_hex(8)}"
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        listener.bind("\0" + self._socket_name)  # abstract: no file, this host only
-        listener.listen(max(8, world_size))
-        self._listener = listener
+        self._listener, self._socket_name = listen(self.name, socket.SOCK_SEQPACKET, world_size)
 
     def connect(self, join: Join, info: dict[str, Any]) -> None:
         self._version = join.version
@@ -271,69 +165,30 @@ class IpcEngine(Transport):
 
     def _accept_receivers(self, join: Join) -> None:
         assert self._listener is not None
-        count = join.world_size - 1
 
-        def check(msg: dict, sock: socket.socket, taken: dict) -> int:
-            uid = peer_uid(sock)
-            if uid != os.getuid():
-                raise ValueError(f"process of uid {uid} is not this user ({os.getuid()})")
-            if ring.int_field(msg, "generation") != self._generation:
-                raise ValueError(f"generation {msg.get('generation')} is not the current one")
-            rank = ring.int_field(msg, "rank")
-            if not 1 <= rank <= count or rank in taken:
-                raise ValueError(f"rank {rank} is not a free receiver rank of this session")
-            return rank
+        def welcome(sock: socket.socket) -> None:
+            sock.sendall(msgpack.packb(["welcome", self._generation]))
 
-        peers = ring.accept_peers(
-            self._listener, count, self._token, check, self.config.timeout_s, join.watch, "ipc receiver(s)"
+        signals = admit_receivers(
+            self.name, self._listener, join, self._token, self._generation, self.config.timeout_s, welcome
         )
-        self._listener.close()  # everyone joined: nobody else may attach
-        self._listener = None
-        try:
-            for rank, (sock, msg, _) in sorted(peers.items()):
-                sock.sendall(msgpack.packb(["welcome", self._generation]))
-                label = msg.get("label") if isinstance(msg.get("label"), int) else rank - 1
-                signals = Signals(
-                    sock, f"receiver rank {label} (ipc)", label, self.config.timeout_s, join.watch
-                )
-                self._peers.append(_Peer(signals))
-        except OSError as e:
-            for sock, _, _ in peers.values():
-                sock.close()
-            raise PeerError(f"ipc: a receiver left while it joined ({e})") from e
+        self._listener = None  # closed: everyone joined, nobody else may attach
+        self._peers = [_Peer(s) for s in signals]
 
     def _join(self, join: Join, info: dict[str, Any]) -> None:
-        if info.get("host_id") != host_id():
-            raise RuntimeError(
-                f"backend 'ipc' needs every receiver on the sender's host: the sender runs on "
-                f"{info.get('host_id')}, {join.name} on {host_id()}; use backend 'nccl' across hosts"
-            )
         self._drop()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sock.settimeout(self.config.timeout_s)
+        sock, reply, fds = join_sender(
+            self.name, join, info, socket.SOCK_SEQPACKET, self.config.timeout_s, MAX_RECORD
+        )
         try:
-            sock.connect("\0" + str(info["socket"]))
-            first = {
-                "token": str(info["token"]),
-                "generation": int(info["generation"]),
-                "rank": join.rank,
-                "label": join.receiver_rank,
-            }
-            sock.sendall(ring.pack_message(first))
-            reply = sock.recv(MAX_RECORD)
-        except OSError as e:
-            sock.close()
-            raise PeerError(f"ipc: could not join the sender's socket {info['socket']!r}: {e}") from e
-        try:
-            if not reply:
-                raise PeerError("ipc: the sender closed its socket during set-up")
-            if peer_uid(sock) != os.getuid():
-                raise PeerError("ipc: the sender's socket belongs to another user")
             if _unpack(reply) != ["welcome", int(info["generation"])]:
                 raise PeerError("ipc: the sender's welcome is not the one its handshake announced")
         except BaseException:
             sock.close()
             raise
+        finally:
+            for fd in fds:  # a welcome carries none
+                os.close(fd)
         self._sender = Signals(sock, "the sender (ipc)", None, self.config.timeout_s, join.watch)
 
     # ------------------------------------------------------------------ sender
@@ -352,7 +207,7 @@ class IpcEngine(Transport):
             self._ring = torch.frombuffer(self._ring_memory, dtype=torch.uint8)
         else:
             self._ring = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self._ring_id, self._ring_slot = next(_ids), capacity
+        self._ring_id, self._ring_slot = new_region_id(), capacity
         return self._ring
 
     def _region(self, payload: torch.Tensor) -> tuple[int, int, int, Any] | None:
@@ -384,7 +239,7 @@ class IpcEngine(Transport):
                 return None
         fields = handle["fields"]
         key = (fields[1], fields[3], fields[2])  # the allocation's handle, offset in it, size
-        region_id = self._device_ids.setdefault(key, next(_ids))
+        region_id = self._device_ids.setdefault(key, new_region_id())
         return region_id, payload.data_ptr() - storage.data_ptr(), flat.numel(), handle
 
     def _announce(self, peer: _Peer, region_id: int, nbytes: int, how: Any) -> None:

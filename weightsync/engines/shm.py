@@ -8,8 +8,9 @@ last process holding it exits, however it exits. On CUDA the slots are device me
 shared through CUDA IPC handles (``platform.share_device_buffer``).
 
 The same Unix socket (abstract namespace: no file either, reachable from this host only)
-carries the ring's signals. A joining process must be this user (``SO_PEERCRED``) and
-carry the ring's token; strangers are dropped without delaying the others. A peer that
+carries the ring's signals. A joining process must be on this host, be this user
+(``SO_PEERCRED``) and carry the ring's token (``engines.same_host``, shared with ``ipc``);
+strangers are dropped without delaying the others. A peer that
 dies closes its socket, so the other side fails at once rather than at its deadline.
 """
 
@@ -20,7 +21,6 @@ import mmap
 import os
 import secrets
 import socket
-import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,28 +30,13 @@ from weightsync import platform
 from weightsync.engines import ring
 from weightsync.engines.base import Join, Landing, NextBucket, Producer, Transport
 from weightsync.engines.ring import DONE, READY, SLOTS, PeerError, Signals
+from weightsync.engines.same_host import admit_receivers, host_id, join_sender, listen
 from weightsync.plan import Bucket
 
 log = logging.getLogger("weightsync.engines.shm")
 
 # Kept for callers that caught the old name.
 ShmPeerError = PeerError
-
-
-def host_id() -> str:
-    """Identifies this host's kernel instance: processes with equal ids can share memory."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}/{boot}"
-
-
-def peer_uid(sock: socket.socket) -> int:
-    """The uid of the process at the other end of a Unix socket (``SO_PEERCRED``)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
 
 
 class ShmEngine(Transport):
@@ -103,12 +88,7 @@ class ShmEngine(Transport):
             self._device_handle = platform.share_device_buffer(self._ring)
         self._generation += 1
         self._token = secrets.token_hex(16)  # 128 bits: proves a connection is ours
-        # Abstract Unix socket: no file to leave behind, reachable only from this host.
-        self._socket_name = f"weightsync-shm-{os.getpid()}-{secrets.token_hex(8)}"
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind("\0" + self._socket_name)
-        listener.listen(max(8, world_size))
-        self._listener = listener
+        self._listener, self._socket_name = listen(self.name, socket.SOCK_STREAM, world_size)
         log.debug(
             "shm ring %s: %d slots of %d bytes on %s", self._socket_name, SLOTS, self._capacity, self.device
         )
@@ -132,69 +112,23 @@ class ShmEngine(Transport):
 
     def _accept_receivers(self, join: Join) -> None:
         assert self._listener is not None
-        count = join.world_size - 1
-
-        def check(msg: dict, sock: socket.socket, taken: dict) -> int:
-            uid = peer_uid(sock)
-            if uid != os.getuid():
-                raise ValueError(f"process of uid {uid} is not this user ({os.getuid()})")
-            if ring.int_field(msg, "generation") != self._generation:
-                raise ValueError(f"generation {msg.get('generation')} is not the current one")
-            rank = ring.int_field(msg, "rank")
-            if not 1 <= rank <= count or rank in taken:
-                raise ValueError(f"rank {rank} is not a free receiver rank of this session")
-            return rank
-
-        peers = ring.accept_peers(
-            self._listener, count, self._token, check, self.config.timeout_s, join.watch, "shm receiver(s)"
-        )
-        # Everyone joined: nobody else may attach to this ring.
-        self._listener.close()
-        self._listener = None
         fds = [self._fd] if self._fd is not None else []
-        try:
-            for rank, (sock, msg, _) in sorted(peers.items()):
-                socket.send_fds(sock, [ring.pack_message({"slot_bytes": self._capacity})], fds)
-                label = msg.get("label") if isinstance(msg.get("label"), int) else rank - 1
-                self._peers.append(
-                    Signals(sock, f"receiver rank {label} (shm)", label, self.config.timeout_s, join.watch)
-                )
-        except OSError as e:
-            for sock, _, _ in peers.values():
-                sock.close()
-            raise PeerError(f"shm: a receiver left while the ring was set up ({e})") from e
+
+        def welcome(sock: socket.socket) -> None:  # the slot size, and the ring's memory on the host
+            socket.send_fds(sock, [ring.pack_message({"slot_bytes": self._capacity})], fds)
+
+        self._peers = admit_receivers(
+            self.name, self._listener, join, self._token, self._generation, self.config.timeout_s, welcome
+        )
+        self._listener = None  # closed: everyone joined, nobody else may attach to this ring
 
     def _join(self, join: Join, info: dict[str, Any]) -> None:
-        if info.get("host_id") != host_id():
-            raise RuntimeError(
-                f"backend 'shm' needs every receiver on the sender's host: the sender runs on "
-                f"{info.get('host_id')}, {join.name} on {host_id()}; use backend 'nccl' across hosts"
-            )
         self._drop()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.config.timeout_s)
+        sock, msg, fds = join_sender(
+            self.name, join, info, socket.SOCK_STREAM, self.config.timeout_s, 4 + ring.MAX_MESSAGE
+        )
         try:
-            sock.connect("\0" + str(info["socket"]))
-            sock.sendall(
-                ring.pack_message(
-                    {
-                        "token": str(info["token"]),
-                        "generation": int(info["generation"]),
-                        "rank": join.rank,
-                        "label": join.receiver_rank,
-                    }
-                )
-            )
-            msg, fds, _flags, _addr = socket.recv_fds(sock, 4 + ring.MAX_MESSAGE, 1)
-        except OSError as e:
-            sock.close()
-            raise PeerError(f"shm: could not join the sender's ring {info['socket']!r}: {e}") from e
-        try:
-            if not msg:
-                raise PeerError("shm: the sender closed the ring's socket during set-up")
             capacity = ring.int_field(ring.unpack_message(msg[4:]), "slot_bytes")
-            if peer_uid(sock) != os.getuid():
-                raise PeerError("shm: the ring's socket belongs to another user")
             if capacity != int(info["slot_bytes"]):
                 raise PeerError(
                     f"shm: the sender offers slots of {capacity} bytes, its handshake said {info['slot_bytes']}"
