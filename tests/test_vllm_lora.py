@@ -4,7 +4,9 @@ One replica, started once with LoRA enabled for adapters of rank 4 (``max_loras=
 new adapter and the one version kept for requests in flight; ``max_lora_rank`` 8, the next
 value vLLM accepts). The trainer fine-tunes a PEFT LoRA on the tiny Qwen2 model the replica
 loaded; each update moves only the adapter, from memory, and vLLM's greedy
-output under the update's ``LoRARequest`` must equal the trainer's merged model's.
+output under the update's ``LoRARequest`` must equal the trainer's merged model's. The
+checkpoint is float32 holding values bf16 holds exactly, so a trainer that keeps its base in
+bf16 holds the same base.
 """
 
 from __future__ import annotations
@@ -74,10 +76,26 @@ def _generate(llm, request, max_tokens: int = NEW) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def _round_to_bf16(model_dir: str) -> None:
+    """Store the checkpoint's float32 tensors as values bf16 holds exactly (still float32)."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    save_file({n: t.to(torch.bfloat16).float() for n, t in tensors.items()}, path, metadata={"format": "pt"})
+
+
+def _one_ulp_up(weight: torch.Tensor) -> None:
+    """Move ``weight[0, 0]`` up by one ulp of its dtype, in place."""
+    with torch.no_grad():
+        weight[0, 0] = torch.nextafter(weight[0, 0], torch.tensor(float("inf"), dtype=weight.dtype))
+
+
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory):
     vllm_environment()
     model_dir = save_tiny_model(str(tmp_path_factory.mktemp("lora") / "model"), seed=3, vocab_size=VOCAB)
+    _round_to_bf16(model_dir)
     llm = start_replica(model_dir, max_model_len=256, max_loras=2, lora_rank=RANK)
     yield model_dir, llm
     llm.llm_engine.engine_core.shutdown()
@@ -125,18 +143,43 @@ def test_each_version_moves_only_the_adapter_and_serves_the_trainers_merged_outp
     assert replica_greedy(llm, PROMPTS, NEW) == base_out  # the base weights never changed
 
 
-def test_a_base_model_that_is_not_the_replicas_checkpoint_is_refused_naming_the_tensor(replica):
+def test_a_base_model_one_ulp_off_the_replicas_checkpoint_is_refused_naming_the_tensor(replica):
+    """One ulp in one tensor, in a trainer holding the base in float32 (the checkpoint's
+    dtype) and in one holding it in bf16 (the checkpoint's values exactly, but one)."""
+    from transformers import AutoModelForCausalLM
+
     model_dir, llm = replica
-    model = _peft(model_dir, 8, TARGETS)
-    with torch.no_grad():
-        model.get_base_model().model.layers[0].mlp.up_proj.base_layer.weight[0, 0] += 1.0
     name = "model.layers.0.mlp.up_proj.weight"
-    assert name in dict(base_weights(model))
+    for dtype in (torch.float32, torch.bfloat16):
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model = _peft(model_dir, 8, TARGETS, base=base)
+        _one_ulp_up(model.get_base_model().model.layers[0].mlp.up_proj.base_layer.weight)
+        assert name in dict(base_weights(model))
+        with VLLMRollout([LLMReplica(llm, "A")], OVERRIDES) as rollout:
+            with pytest.raises(
+                Exception,
+                match=rf"not the checkpoint this replica loaded .*1 of \d+ tensors differ: {name} "
+                rf"\(values differ \(trainer {dtype}, checkpoint torch.float32\)\)",
+            ):
+                rollout.update(model, 1, lora=True)
+
+
+def test_a_trainer_holding_the_base_in_bf16_over_the_float32_checkpoint_of_its_values_passes(replica):
+    """The base check compares values: the trainer's bf16 base is the replica's float32
+    checkpoint (every value exact in bf16), so the adapter loads and serves, the base sent
+    never."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir, llm = replica
+    model = _peft(
+        model_dir, RANK, TARGETS, base=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    )
+    assert {t.dtype for _, t in base_weights(model)} == {torch.bfloat16}
     with VLLMRollout([LLMReplica(llm, "A")], OVERRIDES) as rollout:
-        with pytest.raises(
-            Exception, match=rf"not the checkpoint this replica loaded .*1 of \d+ tensors differ: {name}"
-        ):
-            rollout.update(model, 1, lora=True)
+        report = rollout.update(model, 5, lora=True)  # between the versions of the tests above and below
+        assert report.ok and report.stats.bytes == lora_adapter(model).nbytes, report.summary()
+        # a fresh adapter adds nothing (PEFT's lora_B starts at zero): the base's outputs
+        assert _generate(llm, report.lora_request) == replica_greedy(llm, PROMPTS, NEW)
 
 
 def test_lora_keep_beyond_max_loras_and_a_rank_beyond_max_lora_rank_are_refused_before_anything_moves(

@@ -4,8 +4,9 @@ A trainer that fine-tunes a LoRA adapter (PEFT) changes only the adapter's tenso
 weights stay as loaded. A LoRA sync sends ``LoRAAdapter.tensors`` (PEFT's own checkpoint
 names, ``base_model.model.<module>.lora_A.weight``, the names of ``adapter_model.safetensors``)
 and the adapter's config (rank, alpha, target modules) beside them; the base is either
-never sent (the replicas loaded the same checkpoint: ``base_weights`` digested on both sides,
-a mismatch refused) or sent once as an ordinary version.
+never sent (the replicas loaded the same checkpoint: the trainer's ``base_weights`` digested
+and held against each replica's checkpoint by value, ``base_difference``, a mismatch refused)
+or sent once as an ordinary version.
 
 Nothing here imports ``peft``: a model is read through the attributes PEFT models have
 (``peft_config``, ``get_base_model``), and PEFT's own ``get_peft_model_state_dict`` is
@@ -104,3 +105,44 @@ def base_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
         if LORA_MARK in name:
             continue
         yield name.replace(".base_layer.", "."), tensor.detach()
+
+
+def base_difference(trainer: str, tensor: torch.Tensor) -> str | None:
+    """Why a checkpoint's ``tensor`` does not hold the values of the trainer's tensor whose
+    ``weightsync.verify.named_digests`` entry is ``trainer``, or None when it does.
+
+    Values, exactly, not bytes: a checkpoint stored in another dtype than the trainer holds
+    (bf16 on disk, float32 in the trainer, or the reverse) is cast to the trainer's dtype, and
+    counts only if the cast is exact (cast back, it is the checkpoint's bytes again) and its
+    bytes then are the trainer's. So float32 weights loaded from a bf16 checkpoint are that
+    checkpoint, and a tensor one ulp off (in either dtype) is not. NaN payloads and the sign
+    of zero count as they are stored: a difference there is refused too."""
+    from weightsync.verify import tensor_digest
+
+    try:
+        dtype_name, shape, digest = trainer.split("|")
+    except ValueError:
+        return f"the trainer's digest {trainer!r} is not dtype|shape|digest"
+    if shape != str(tuple(tensor.shape)):
+        return f"shape {shape} on the trainer, {tuple(tensor.shape)} in the checkpoint"
+    dtype = getattr(torch, dtype_name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        return f"the trainer's dtype {dtype_name} is unknown here"
+    held = tensor
+    if tensor.dtype != dtype:
+        held = tensor.to(dtype)
+        if not _same_bytes(held.to(tensor.dtype), tensor):
+            return (
+                f"values differ: the checkpoint's {tensor.dtype} values are not all exact in the "
+                f"trainer's {dtype}"
+            )
+    if tensor_digest(held) != digest:
+        return f"values differ (trainer {dtype}, checkpoint {tensor.dtype})"
+    return None
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # bitwise, not ==: NaN != NaN and -0.0 == 0.0 would each hide or invent a difference
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )

@@ -27,8 +27,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from weightsync.verify import named_digests
-
 
 def engine_lora_rank(rank: int) -> int:
     """The ``max_lora_rank`` to start a vLLM engine with for adapters of rank up to
@@ -92,9 +90,12 @@ class AdapterSlots:
     def check_base(self, trainer: dict[str, str]) -> dict[str, Any]:
         """Hold the checkpoint this replica loaded against the trainer's base weights
         (``named_digests`` of ``weightsync.lora.base_weights``): every tensor of the
-        checkpoint's safetensors files must have the trainer's bytes. Raises ``ValueError``
-        naming the tensors that differ or that the trainer lacks."""
+        checkpoint's safetensors files must hold the trainer's values, exactly, in whatever
+        dtype each side keeps them (``weightsync.lora.base_difference``). Raises
+        ``ValueError`` naming the tensors that differ (and how) or that the trainer lacks."""
         from safetensors import safe_open
+
+        from weightsync.lora import base_difference
 
         t0 = time.perf_counter()
         root = Path(self.worker.vllm_config.model_config.model)
@@ -105,23 +106,25 @@ class AdapterSlots:
                 "has no safetensors files to check the trainer's base against; send the base once "
                 "(VLLMRollout(..., model=..., initial_version=...)) instead"
             )
-        mine: dict[str, str] = {}
+        checked = 0
+        differ: dict[str, str] = {}
         for path in files:
             with safe_open(str(path), framework="pt") as f:
                 names = f.keys()  # a safetensors handle is not iterable
-                mine.update(named_digests((name, f.get_tensor(name)) for name in names))
-        differ = sorted(n for n in mine if trainer.get(n) != mine[n])
+                for name in names:
+                    checked += 1
+                    if name not in trainer:
+                        differ[name] = "missing on the trainer"
+                    elif (why := base_difference(trainer[name], f.get_tensor(name))) is not None:
+                        differ[name] = why
         if differ:
-            shown = ", ".join(
-                f"{n} ({'missing on the trainer' if n not in trainer else f'trainer {trainer[n]}, replica {mine[n]}'})"
-                for n in differ[:3]
-            )
+            shown = ", ".join(f"{n} ({differ[n]})" for n in sorted(differ)[:3])
             raise ValueError(
                 f"weightsync: the trainer's base model is not the checkpoint this replica loaded "
-                f"({root}): {len(differ)} of {len(mine)} tensors differ: {shown}"
+                f"({root}): {len(differ)} of {checked} tensors differ: {shown}"
                 + (" ..." if len(differ) > 3 else "")
             )
-        return {"base_tensors_checked": len(mine), "base_check_s": time.perf_counter() - t0}
+        return {"base_tensors_checked": checked, "base_check_s": time.perf_counter() - t0}
 
     def load(
         self, name: str, lora_id: int, config: dict[str, Any], tensors: list[tuple[str, Any]]

@@ -280,7 +280,8 @@ class VLLMRollout:
         ``lora_keep + 1`` slots (the adapter of version N - lora_keep - 1 leaves). It checks
         the replicas' LoRA limits and, for each replica no full update (``initial_version``
         too) reached and none checked before, that its checkpoint holds the trainer's base
-        weights (by digest; a mismatch is refused before any adapter moves). A failure
+        weights (by value, in whatever dtype each side holds them, ``base_difference`` of
+        ``weightsync.lora``; a mismatch is refused before any adapter moves). A failure
         raises ``ReplicaUpdateError``; a replica whose load failed serves its previous adapters.
         """
         from vllm.lora.request import LoRARequest
