@@ -113,7 +113,7 @@ class Stager:
             raise RuntimeError(
                 f"weightsync: version {self._version} is still being staged; wait for it first"
             )
-        self._sliced = bool(getattr(receiver, "sharded", False))
+        self._sliced = bool(getattr(receiver.engine_cls, "sharded", False))
         if self._sliced:
             if slices is None:
                 raise RuntimeError(
