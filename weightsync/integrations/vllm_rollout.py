@@ -533,9 +533,20 @@ class VLLMRollout:
             rep = ReplicaReport.of_workers(r.name, status, failures.get(r.name))
             if rep.ok and sync_error is not None and rep.version != version:
                 rep.ok = False
+            # New weights, old caches: the engine core resets them as the load returns
+            # (``vllm.reset_served_caches``); one that did not would serve KV blocks of the
+            # old version, so it stays paused.
+            stale = started and rep.ok and rep.version == version and not rep.caches_reset
+            if stale:
+                rep.ok = False
+                rep.error = rep.error or (
+                    f"its engine did not reset its prefix cache after loading version {version} (is the "
+                    "weightsync plugin, entry point vllm.general_plugins, loaded in its engine core?): "
+                    "kept paused"
+                )
             # Resume only a replica whose workers answered and hold one whole version; one
             # that did not answer (its worker died) would not answer the resume either.
-            if status is not None and not rep.mixed and r.name in self._paused:
+            if status is not None and not rep.mixed and not stale and r.name in self._paused:
                 try:
                     if release_kv_cache and r.name not in failures:
                         within(
