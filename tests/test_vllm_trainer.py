@@ -327,8 +327,8 @@ def test_staged_rounds_over_http_keep_the_server_generating_until_the_commit_bet
     ``stage_weights`` while the server generates (a completion sent while the stage's
     transfer is held under way returns the old weights' tokens), then ``/pause``,
     ``commit_weights``, ``/resume``: the new weights and weight_version, and LONG cached on
-    the old version reuses none of its blocks (a ``keep`` pause clears nothing: the engine
-    core resets as the commit returns). A stage whose source fails raises, and the server goes on serving the committed weights, unpaused; the next round works."""
+    the old version reuses none of its blocks (the pause told not to clear the caches: the
+    engine core resets them as the commit returns). A stage whose source fails raises, and the server goes on serving the committed weights, unpaused; the next round works."""
     import threading
 
     from weightsync.integrations.vllm_trainer import TrainerRoundError
@@ -358,13 +358,14 @@ def test_staged_rounds_over_http_keep_the_server_generating_until_the_commit_bet
         assert server.weight_version() == served and server.greedy() == before  # staged only
         assert server.long() == (long_before, CACHEABLE)  # a stage leaves the cache be
         t0 = time.perf_counter()
-        post("/pause?mode=keep")
+        # vLLM's /pause clears the caches itself when idle unless told not to: not here, so
+        # what empties the cache is weightsync's reset as the commit returns
+        post("/pause?mode=keep&clear_cache=false")
         engine.commit_weights()
         post("/resume")
         paused_s = time.perf_counter() - t0
         server.version += 1
         assert server.greedy() == expected and server.weight_version() == str(server.version)
-        # a keep pause clears nothing: the engine core reset the cache as the commit returned
         assert server.long() == (expected_long, 0) and expected_long != long_before
         print(f"\nstaged round over HTTP: paused {paused_s:.3f} s (pause, commit, resume)")
 

@@ -122,20 +122,20 @@ def test_an_update_whose_cache_flush_sglang_refuses_fails_and_the_next_one_flush
     from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
     replica = setup.replica
+    served = replica.weight_version()
+    setup.train([13] * 8)
     started, out = threading.Event(), {}
 
     async def generate() -> None:
-        params = {"temperature": 0.0, "max_new_tokens": 200, "ignore_eos": True}
+        params = {"temperature": 0.0, "max_new_tokens": 240, "ignore_eos": True}
         stream = await setup.engine.async_generate(input_ids=PROMPTS[0], sampling_params=params, stream=True)
         async for chunk in stream:
-            started.set()  # in the running batch: it has tokens out, and ~200 to go
+            started.set()  # in the running batch: it has tokens out, and ~240 to go
             out["last"] = chunk
 
     runner = threading.Thread(target=replica._run, args=(lambda tm: generate(),), daemon=True)
     runner.start()
     assert started.wait(60)
-    served = replica.weight_version()
-    setup.train([13] * 8)
     monkeypatch.setattr(
         replica,
         "pause",
@@ -152,7 +152,7 @@ def test_an_update_whose_cache_flush_sglang_refuses_fails_and_the_next_one_flush
     report = setup.rollout.update(setup.model, setup.version)
     assert report.ok and report.replicas[0].resumed, report.summary()
     runner.join(timeout=60)
-    assert not runner.is_alive() and len(out["last"]["output_ids"]) == 200, out.get("last")
+    assert not runner.is_alive() and len(out["last"]["output_ids"]) == 240, out.get("last")
     assert greedy(setup.engine) == trainer_greedy(setup.model, PROMPTS, NEW)
     assert replica.weight_version() == str(setup.version)
 

@@ -133,7 +133,7 @@ class AdapterSlots:
         """Build the adapter from ``tensors`` (PEFT names; copied, the staging store is reused)
         and put it in slot ``lora_id`` in place of what that slot held, pinned.
         ``lora_name_reused``: ``name`` was loaded before (the engine core then resets its
-        prefix cache, ``weightsync.integrations.vllm.reset_served_caches``)."""
+        prefix cache, ``weightsync.integrations.vllm_caches.reset_served_caches``)."""
         t0 = time.perf_counter()
         kept = {n: t.clone() for n, t in tensors}
         lora = self._build(name, lora_id, config, kept)
