@@ -97,6 +97,7 @@ def replica(tmp_path_factory):
     llm.llm_engine.engine_core.shutdown()
 
 
+@pytest.mark.timeout(360)  # four trained versions: 71 s on 2 idle cores, over 240 s on busy ones
 def test_each_version_moves_only_the_adapter_and_serves_the_trainers_merged_outputs(replica):
     """Three versions of a rank-4 LoRA on a replica started for rank 4 (the third: rank 8,
     its max_lora_rank, on fewer modules, which vLLM serves as a new adapter): after each,
