@@ -48,6 +48,12 @@ VOCAB = 5000
 TIMEOUT_S = 60
 DETECT_S = 10
 OVERRIDES = ["backend=nccl", "update_weights_bucket_megabytes=1", f"timeout_s={TIMEOUT_S}"]
+#: the replicas' KV block size (vLLM's CPU attention wants a multiple of 32; its default, 128,
+#: would hold no full block of LONG)
+BLOCK = 32
+#: a prompt of several KV blocks: its 6 full blocks (192 tokens) can come from the prefix cache
+LONG = [(37 * i + 11) % VOCAB for i in range(200)]
+CACHEABLE = len(LONG) // BLOCK * BLOCK
 
 
 # B also has weightsync as its vLLM weight-transfer engine (the registry path).
@@ -75,7 +81,8 @@ class Setup:
 
     def _start(self, name: str) -> None:
         i = list(REPLICAS).index(name)
-        llm = start_replica(self.dir, max_model_len=256, **REPLICAS[name])
+        # prefix caching is on (vLLM's default)
+        llm = start_replica(self.dir, max_model_len=256, block_size=BLOCK, **REPLICAS[name])
         pid = llm.collective_rpc("weightsync_status")[0]["pid"]
         if i < len(self.llms):
             self.llms[i], self.pids[i] = llm, pid
@@ -143,6 +150,54 @@ def prompt_logprobs(llm) -> list[list[float]]:
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return [[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in outs]
+
+
+def long_greedy(llm) -> tuple[list[int], int]:
+    """LONG's greedy tokens on ``llm``, and how many of its prompt tokens came from the
+    prefix cache (``RequestOutput.num_cached_tokens``)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": LONG}], params, use_tqdm=False)
+    return list(out.outputs[0].token_ids), out.num_cached_tokens
+
+
+def cache_long(llm) -> list[int]:
+    """Put LONG's blocks in ``llm``'s prefix cache; shown there (a second request reuses
+    them); its greedy tokens."""
+    tokens, _ = long_greedy(llm)
+    assert long_greedy(llm) == (tokens, CACHEABLE)
+    return tokens
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["streamed", "staged"])
+def test_a_long_prompt_after_an_update_reuses_no_kv_of_the_old_version(setup, staged):
+    """Prefix caching on, block size 32: LONG (200 tokens) generated on the old version is in
+    both replicas' prefix cache. After an update (streamed; staged, then committed) a request
+    for it reuses none of those blocks and generates the trainer's own greedy tokens for the
+    new weights; its blocks are cached again for the new version. Streamed, an update
+    refused before anything moved leaves the version and its cached blocks as they were."""
+    old = [cache_long(llm) for llm in setup.llms]
+    setup.train()
+    expected = trainer_greedy(setup.model, [LONG], NEW)[0]
+    assert old == [old[0]] * 2 and expected != old[0]
+    setup.version += 1
+    report = setup.rollout.update(setup.model, setup.version, staged=staged)
+    assert (
+        report.ok
+        and [(r.version, r.caches_reset, r.resumed) for r in report.replicas]
+        == [(setup.version, True, True)] * 2
+    ), report.summary()
+    for llm in setup.llms:
+        assert long_greedy(llm) == (expected, 0)
+        assert long_greedy(llm) == (expected, CACHEABLE)
+    if not staged:
+        left_out = "model.layers.1.mlp.down_proj.weight"
+        without = {n: t for n, t in setup.model.state_dict().items() if n != left_out}
+        with pytest.raises(ReplicaUpdateError, match="does not carry"):
+            setup.rollout.update(without, setup.version + 1)
+        for llm in setup.llms:
+            assert long_greedy(llm) == (expected, CACHEABLE)
 
 
 def test_two_versions_reach_both_replicas_with_greedy_parity(setup):
@@ -446,6 +501,7 @@ def test_vllm_weight_transfer_registry_backend(setup):
             except BaseException as e:
                 errors.append(e)
 
+        old_long = cache_long(b)  # the old version's blocks of LONG, cached
         core = int(_stat(setup.pids[1])[1])  # B's engine core
         before = _cpu_s(core)
         t = threading.Thread(target=update)
@@ -456,6 +512,12 @@ def test_vllm_weight_transfer_registry_backend(setup):
         assert not errors and stats.version == 100
         assert _cpu_s(core) - before < 0.3  # it waited idle for update_weights (weightsync is the backend)
         assert sender._transport._generation == 1  # the update joined no new group
+        # the engine core reset the prefix cache as update_weights returned: LONG reuses no
+        # block of the old version and gets the trainer's tokens (its blocks cached again)
+        expected_long = trainer_greedy(setup.model, [LONG], NEW)[0]
+        assert expected_long != old_long
+        assert long_greedy(b) == (expected_long, 0)
+        assert long_greedy(b) == (expected_long, CACHEABLE)
         # never silent on this path too: a full version that leaves a parameter out is
         # refused before anything moves, failing update_weights naming it (and the sender's
         # send); the next complete one serves
@@ -480,8 +542,11 @@ def test_vllm_weight_transfer_registry_backend(setup):
                 assert f"does not carry 1 tensor(s) of the served model's checkpoint: {left_out}" in str(
                     errors[0]
                 )
+                # refused before anything moved: the version's cached blocks stay
+                assert long_greedy(b) == (expected_long, CACHEABLE)
             else:
                 assert not errors and not sent, (errors, sent)
+                assert long_greedy(b) == (expected_long, 0)
         b.collective_rpc("finish_weight_update")
         b.collective_rpc("shutdown_weight_transfer_engine")
     assert replica_greedy(b, PROMPTS, NEW) == expected

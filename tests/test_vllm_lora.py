@@ -66,6 +66,20 @@ def _train(model, seed: int) -> list[list[int]]:
     return trainer_greedy(merged, PROMPTS, NEW)
 
 
+#: a prompt spanning a full KV block (the replica's block size: vLLM's CPU default, 128)
+LONG = [(37 * i + 11) % VOCAB for i in range(200)]
+
+
+def _generate_long(llm, request) -> tuple[list[int], int]:
+    """LONG's greedy tokens under ``request``'s adapter, and its prompt tokens reused from
+    the prefix cache."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": LONG}], params, use_tqdm=False, lora_request=request)
+    return list(out.outputs[0].token_ids), out.num_cached_tokens
+
+
 def _generate(llm, request, max_tokens: int = NEW) -> list[list[int]]:
     from vllm import SamplingParams
 
@@ -101,12 +115,14 @@ def replica(tmp_path_factory):
     llm.llm_engine.engine_core.shutdown()
 
 
+@pytest.mark.timeout(360)  # four trained versions: 71 s on 2 idle cores, over 240 s on busy ones
 def test_each_version_moves_only_the_adapter_and_serves_the_trainers_merged_outputs(replica):
     """Three versions of a rank-4 LoRA on a replica started for rank 4 (the third: rank 8,
     its max_lora_rank, on fewer modules, which vLLM serves as a new adapter): after each,
     greedy outputs under the report's LoRARequest equal the trainer's merged model's; only
     the adapter's bytes crossed; the base model serves as it did. A request of version N-1
-    in flight while N loads finishes with N-1's adapter."""
+    in flight while N loads finishes with N-1's adapter. Version 3 sent again with other
+    weights under its name reuses no prefix-cached block of the earlier version 3."""
     from vllm import SamplingParams
 
     model_dir, llm = replica
@@ -140,6 +156,17 @@ def test_each_version_moves_only_the_adapter_and_serves_the_trainers_merged_outp
             requests.append(report.lora_request)
         # slots rotate over lora_keep + 1 = 2 ids
         assert [r.lora_int_id for r in requests] == [1, 2, 1]
+        # version 3 sent anew with other adapter weights (a restarted trainer's): vLLM's prefix
+        # cache keys blocks by the adapter's name, the earlier version 3's, so the engine core
+        # resets it: LONG reuses none of the earlier adapter's blocks
+        tokens, _ = _generate_long(llm, requests[-1])
+        assert _generate_long(llm, requests[-1]) == (tokens, 128)
+        _train(model, seed=4)
+        expected_long = trainer_greedy(copy.deepcopy(model).merge_and_unload(), [LONG], NEW)[0]
+        assert expected_long != tokens
+        report = rollout.update(model, 3, lora=True)
+        assert report.ok and report.lora_request.lora_name == "weightsync-lora-v3", report.summary()
+        assert _generate_long(llm, report.lora_request) == (expected_long, 0)
     assert replica_greedy(llm, PROMPTS, NEW) == base_out  # the base weights never changed
 
 

@@ -42,6 +42,10 @@ NEW = 8
 VOCAB = 5000  # 1.28 MB embedding and lm_head: each spans two 1 MiB buckets
 TIMEOUT_S = 20
 OVERRIDES = ["backend=nccl", "update_weights_bucket_megabytes=1", f"timeout_s={TIMEOUT_S}"]
+BLOCK = 32  # the server's KV block size: LONG spans several (vLLM's CPU default, 128, none)
+#: a prompt of several KV blocks: its 6 full blocks (192 tokens) can come from the prefix cache
+LONG = [(37 * i + 11) % VOCAB for i in range(200)]
+CACHEABLE = len(LONG) // BLOCK * BLOCK
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,6 +125,10 @@ class Server:
             "256",
             "--max-num-seqs",
             "16",
+            # prefix caching is on (vLLM's default); the usage tells the prompt tokens it reused
+            "--block-size",
+            str(BLOCK),
+            "--enable-prompt-tokens-details",
         ]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -179,6 +187,30 @@ class Server:
         )
         r.raise_for_status()
         return [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+    def long(self) -> tuple[list[int], int]:
+        """LONG's greedy tokens, and how many of its prompt tokens came from the prefix cache."""
+        r = requests.post(
+            f"{self.url}/v1/completions",
+            timeout=60,
+            json={
+                "model": self.dir,
+                "prompt": LONG,
+                "max_tokens": NEW,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
+        r.raise_for_status()
+        body = r.json()
+        return body["choices"][0]["token_ids"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def cache_long(self) -> list[int]:
+        """Put LONG's blocks in the prefix cache, shown there; its greedy tokens."""
+        tokens, _ = self.long()
+        assert self.long() == (tokens, CACHEABLE)
+        return tokens
 
     def weight_version(self) -> str:
         return requests.get(f"{self.url}/weight_info", timeout=10).json()["weight_version"]
@@ -262,15 +294,18 @@ def test_server_driven_through_vllms_factory_and_http_client_serves_each_version
     """Three versions through vLLM's factory and HTTP client only; the worker side is
     vLLM's server with weightsync as its weight-transfer backend, no other call. The
     first version is given (the server may hold one from an earlier test), the next two
-    are counted; each is the server's weight_version after finish_weight_update."""
+    are counted; each is the server's weight_version after finish_weight_update. Prefix
+    caching is on: LONG, cached on the old version, reuses none of its blocks after each
+    round and gets the trainer's tokens for the new weights."""
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     engine = _trainer_init(HTTPVLLMWeightSyncClient(server.url), ModuleSource(server.model))
     try:
         for i in range(3):
-            before = server.greedy()
+            before, long_before = server.greedy(), server.cache_long()
             expected = server.train()
+            expected_long = trainer_greedy(server.model, [LONG], NEW)[0]
             t0 = time.perf_counter()
             stats = engine.send_weights(version=server.version + 1 if i == 0 else None)
             print(
@@ -282,6 +317,7 @@ def test_server_driven_through_vllms_factory_and_http_client_serves_each_version
             got = server.greedy()
             assert got == expected and got != before
             assert server.weight_version() == str(server.version)
+            assert server.long() == (expected_long, 0) and expected_long != long_before
     finally:
         engine.shutdown()
 
@@ -290,8 +326,9 @@ def test_staged_rounds_over_http_keep_the_server_generating_until_the_commit_bet
     """The OpenAI-server path of staged updates, vLLM's HTTP client and routes only:
     ``stage_weights`` while the server generates (a completion sent while the stage's
     transfer is held under way returns the old weights' tokens), then ``/pause``,
-    ``commit_weights``, ``/resume``: the new weights and weight_version. A stage whose source fails raises,
-    and the server goes on serving the committed weights, unpaused; the next round works."""
+    ``commit_weights``, ``/resume``: the new weights and weight_version, and LONG cached on
+    the old version reuses none of its blocks (the pause told not to clear the caches: the
+    engine core resets them as the commit returns). A stage whose source fails raises, and the server goes on serving the committed weights, unpaused; the next round works."""
     import threading
 
     from weightsync.integrations.vllm_trainer import TrainerRoundError
@@ -304,7 +341,9 @@ def test_staged_rounds_over_http_keep_the_server_generating_until_the_commit_bet
     engine = _trainer_init(HTTPVLLMWeightSyncClient(server.url), dict(server.model.state_dict()))
     try:
         before, served = server.greedy(), server.weight_version()
+        long_before = server.cache_long()
         expected = server.train()
+        expected_long = trainer_greedy(server.model, [LONG], NEW)[0]
         source = engine.source = workers.HeldSource(dict(server.model.state_dict()))
         stage = threading.Thread(target=engine.stage_weights, args=(server.version + 1,))
         stage.start()
@@ -317,13 +356,17 @@ def test_staged_rounds_over_http_keep_the_server_generating_until_the_commit_bet
         assert generated == before  # served while the stage ran, from the old weights
         stage.join(timeout=60)
         assert server.weight_version() == served and server.greedy() == before  # staged only
+        assert server.long() == (long_before, CACHEABLE)  # a stage leaves the cache be
         t0 = time.perf_counter()
-        post("/pause?mode=keep")
+        # vLLM's /pause clears the caches itself when idle unless told not to: not here, so
+        # what empties the cache is weightsync's reset as the commit returns
+        post("/pause?mode=keep&clear_cache=false")
         engine.commit_weights()
         post("/resume")
         paused_s = time.perf_counter() - t0
         server.version += 1
         assert server.greedy() == expected and server.weight_version() == str(server.version)
+        assert server.long() == (expected_long, 0) and expected_long != long_before
         print(f"\nstaged round over HTTP: paused {paused_s:.3f} s (pause, commit, resume)")
 
         state = dict(server.model.state_dict())

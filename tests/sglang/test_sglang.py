@@ -108,6 +108,55 @@ def test_parameter_left_unwritten_fails_naming_it(setup: Setup) -> None:
     assert greedy(setup.engine) == trainer_greedy(setup.model, PROMPTS, NEW)
 
 
+def test_an_update_whose_cache_flush_sglang_refuses_fails_and_the_next_one_flushes(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang flushes its cache (radix tree and KV pool) after loading a version only where no
+    request holds it, and says so in the flag weightsync checks. Its own ``in_place`` pause
+    leaves running requests in the batch (Miles #2782/#2783): the replica is paused that
+    way here (weightsync pauses with ``retract``) while a request generates, and the update
+    then fails, saying SGLang did not flush; the replica is reported a mix, kept paused with
+    its request, and SGLang's weight_version stays. The next update, paused as weightsync
+    pauses, flushes and resumes: the request finishes, and the replica serves the trainer's
+    tokens."""
+    from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+    replica = setup.replica
+    served = replica.weight_version()
+    setup.train([13] * 8)
+    started, out = threading.Event(), {}
+
+    async def generate() -> None:
+        params = {"temperature": 0.0, "max_new_tokens": 240, "ignore_eos": True}
+        stream = await setup.engine.async_generate(input_ids=PROMPTS[0], sampling_params=params, stream=True)
+        async for chunk in stream:
+            started.set()  # in the running batch: it has tokens out, and ~240 to go
+            out["last"] = chunk
+
+    runner = threading.Thread(target=replica._run, args=(lambda tm: generate(),), daemon=True)
+    runner.start()
+    assert started.wait(60)
+    monkeypatch.setattr(
+        replica,
+        "pause",
+        lambda mode: replica._run(lambda tm: tm.pause_generation(PauseGenerationReqInput(mode="in_place"))),
+    )
+    with pytest.raises(ReplicaUpdateError, match="the cache was not flushed") as info:
+        setup.rollout.update(setup.model, setup.version + 1)
+    (rep,) = info.value.report.replicas
+    assert (rep.ok, rep.version, rep.mixed, rep.resumed) == (False, None, True, False), rep
+    assert replica.weight_version() == served
+    assert runner.is_alive()  # paused, its request held
+    monkeypatch.undo()
+    setup.version += 2
+    report = setup.rollout.update(setup.model, setup.version)
+    assert report.ok and report.replicas[0].resumed, report.summary()
+    runner.join(timeout=60)
+    assert not runner.is_alive() and len(out["last"]["output_ids"]) == 240, out.get("last")
+    assert greedy(setup.engine) == trainer_greedy(setup.model, PROMPTS, NEW)
+    assert replica.weight_version() == str(setup.version)
+
+
 def test_worker_killed_mid_update_is_named_fast_and_the_other_replica_serves_it(setup: Setup) -> None:
     """Replica B (a second engine, added to the rollout) has its TP worker killed after the
     handshake of an update: the update fails naming B well within the deadline, and A ends

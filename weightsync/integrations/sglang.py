@@ -343,6 +343,9 @@ class SGLangReplica:
             # flush would serve KV computed with the old weights): never reported whole.
             for s in statuses:
                 s.update(ok=False, mixed=True, error=f"SGLang: {message}")
+        elif flush:  # SGLang's flag: it flushed the cache the old weights produced
+            for s in statuses:
+                s["caches_reset"] = True
         return statuses
 
     @staticmethod

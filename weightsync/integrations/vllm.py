@@ -53,6 +53,7 @@ import torch
 from weightsync.config.engine import EngineConfig
 from weightsync.config.keys import ConfigError, canonical_key, flatten, parse_overrides
 from weightsync.errors import HandshakeError
+from weightsync.integrations.vllm_caches import reset_caches_after_updates
 from weightsync.integrations.vllm_lora import AdapterSlots
 from weightsync.integrations.vllm_reload import (
     checked_load,
@@ -668,13 +669,14 @@ def _idle_waits_for_weightsync_calls() -> None:
 
 def register() -> None:
     """Register ``weightsync`` in vLLM's weight-transfer engine registries (the workers'
-    ``WeightTransferEngineFactory`` and the trainer's ``WeightTransferTrainerFactory``), and
-    let vLLM's engine core wait idle for our calls (``_idle_waits_for_weightsync_calls``);
-    idempotent.
+    ``WeightTransferEngineFactory`` and the trainer's ``WeightTransferTrainerFactory``), let
+    vLLM's engine core wait idle for our calls (``_idle_waits_for_weightsync_calls``) and
+    reset its caches after every call that changed the served weights
+    (``vllm_caches.reset_caches_after_updates``); idempotent.
 
     Run by this module's import and by vLLM's plugin loader (entry point
     ``vllm.general_plugins``) in each of vLLM's processes, so worker processes know the
-    backend before they build their engine, and the engine core waits idle. The trainer
+    backend before they build their engine, and the engine core waits idle and resets. The trainer
     engine is registered by module name: its module (which imports vLLM) loads when the
     factory first builds one.
     """
@@ -694,6 +696,7 @@ def register() -> None:
             BACKEND_NAME, "weightsync.integrations.vllm_trainer", "WeightsyncTrainerEngine"
         )
     _idle_waits_for_weightsync_calls()
+    reset_caches_after_updates(BACKEND_NAME)
 
 
 register()

@@ -67,6 +67,10 @@ class AdapterSlots:
         # lora id -> (adapter name, config, tensors): what the slot holds now, kept unmodified
         # for ``restore`` (vLLM may scale the tensors it was handed in place)
         self.loaded: dict[int, tuple[str, dict[str, Any], dict[str, Any]]] = {}
+        # every adapter name loaded here: vLLM's prefix cache keys a request's KV blocks by
+        # its adapter's name and path, so a name loaded again with other weights (the same
+        # version sent anew) would find the old adapter's blocks
+        self.names: set[str] = set()
 
     def _manager(self) -> Any:
         runner = self.worker.model_runner
@@ -130,7 +134,9 @@ class AdapterSlots:
         self, name: str, lora_id: int, config: dict[str, Any], tensors: list[tuple[str, Any]]
     ) -> dict[str, Any]:
         """Build the adapter from ``tensors`` (PEFT names; copied, the staging store is reused)
-        and put it in slot ``lora_id`` in place of what that slot held, pinned."""
+        and put it in slot ``lora_id`` in place of what that slot held, pinned.
+        ``lora_name_reused``: ``name`` was loaded before (the engine core then resets its
+        prefix cache, ``weightsync.integrations.vllm_caches.reset_served_caches``)."""
         t0 = time.perf_counter()
         kept = {n: t.clone() for n, t in tensors}
         lora = self._build(name, lora_id, config, kept)
@@ -139,7 +145,14 @@ class AdapterSlots:
         adapters.add_adapter(lora)
         adapters.pin_adapter(lora_id)
         self.loaded[lora_id] = (name, config, kept)
-        return {"lora_id": lora_id, "lora_name": name, "lora_load_s": time.perf_counter() - t0}
+        reused = name in self.names
+        self.names.add(name)
+        return {
+            "lora_id": lora_id,
+            "lora_name": name,
+            "lora_load_s": time.perf_counter() - t0,
+            "lora_name_reused": reused,
+        }
 
     def restore(self) -> int:
         """After a full update's reload (which made vLLM drop every adapter): add the

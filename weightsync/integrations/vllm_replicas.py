@@ -30,8 +30,10 @@ class Replica(Protocol):
 class LLMReplica:
     """A ``vllm.LLM`` (started with ``worker_extension_cls=EXTENSION``) as a replica.
 
-    Pausing is vLLM's level-0 sleep (scheduling only: weights and KV cache stay);
-    ``release_kv_cache`` frees the KV cache memory until ``restore_kv_cache``.
+    Pausing is vLLM's level-0 sleep (scheduling only: weights and KV cache stay, and it
+    clears no cache: the engine core resets the prefix cache as the load returns,
+    ``weightsync.integrations.vllm_caches.reset_served_caches``); ``release_kv_cache`` frees the
+    KV cache memory until ``restore_kv_cache``.
     """
 
     def __init__(self, llm: Any, name: str | None = None) -> None:

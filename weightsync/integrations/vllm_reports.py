@@ -44,6 +44,9 @@ class ReplicaReport:
     worker_stage_wire_bytes: list[int] = field(default_factory=list)
     #: ``backend=sharded``: the bytes of the slices each worker keeps (its loaders' boxes)
     worker_kept_bytes: list[int] = field(default_factory=list)
+    #: its engine reset the caches computed with the old weights (prefix cache, encoder cache)
+    #: after loading this update, before serving again (every worker's status says so)
+    caches_reset: bool = False
     #: it left the rollout after this update: the sender dropped it as lost
     #: (``drop_lost_receivers``); ``VLLMRollout.add_replica`` takes it back
     left: bool = False
@@ -76,6 +79,7 @@ class ReplicaReport:
             worker_wire_bytes=[s.get("wire_bytes", 0) for s in status],
             worker_stage_wire_bytes=[s.get("stage_wire_bytes", 0) for s in status],
             worker_kept_bytes=[s["kept_bytes"] for s in status if s.get("kept_bytes") is not None],
+            caches_reset=all(s.get("caches_reset") for s in status),
         )
 
     @classmethod

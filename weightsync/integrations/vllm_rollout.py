@@ -12,7 +12,11 @@ Each replica is a vLLM engine started with
 workers is one weightsync receiver. ``update`` pauses generation on every replica (``abort``
 drops in-flight requests, ``keep`` freezes them and they continue after the resume),
 optionally releases the KV cache, syncs the version through one weightsync ``Sender`` while
-every replica receives it, and resumes. Every replica reports the version it serves. A
+every replica receives it, and resumes. Each replica's engine core resets its prefix cache
+as the load returns (``weightsync.integrations.vllm_caches.reset_served_caches``: requests kept
+across the update recompute their KV with the new weights), and a replica whose engine did
+not is kept paused and failed: a prompt repeated after an update reuses no KV of the old
+version. Every replica reports the version it serves. A
 failed update raises ``ReplicaUpdateError`` naming each failed replica and carrying the
 full report; replicas whose weights are intact (their old version) are resumed, replicas
 left with a mix of two versions stay paused until a later update succeeds.
@@ -534,9 +538,20 @@ class VLLMRollout:
             rep = ReplicaReport.of_workers(r.name, status, failures.get(r.name))
             if rep.ok and sync_error is not None and rep.version != version:
                 rep.ok = False
+            # New weights, old caches: the engine core resets them as the load returns
+            # (``vllm_caches.reset_served_caches``); one that did not would serve KV blocks of the
+            # old version, so it stays paused.
+            stale = started and rep.ok and rep.version == version and not rep.caches_reset
+            if stale:
+                rep.ok = False
+                rep.error = rep.error or (
+                    f"its engine did not reset its prefix cache after loading version {version} (is the "
+                    "weightsync plugin, entry point vllm.general_plugins, loaded in its engine core?): "
+                    "kept paused"
+                )
             # Resume only a replica whose workers answered and hold one whole version; one
             # that did not answer (its worker died) would not answer the resume either.
-            if status is not None and not rep.mixed and r.name in self._paused:
+            if status is not None and not rep.mixed and not stale and r.name in self._paused:
                 try:
                     if release_kv_cache and r.name not in failures:
                         within(
