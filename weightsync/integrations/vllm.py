@@ -674,11 +674,9 @@ def register() -> None:
     reset its caches after every call that changed the served weights
     (``vllm_caches.reset_caches_after_updates``); idempotent.
 
-    Run by this module's import and by vLLM's plugin loader (entry point
-    ``vllm.general_plugins``) in each of vLLM's processes, so worker processes know the
-    backend before they build their engine, and the engine core waits idle and resets. The trainer
-    engine is registered by module name: its module (which imports vLLM) loads when the
-    factory first builds one.
+    Run by this module's import and by vLLM's plugin loader (``vllm.general_plugins``) in
+    each of vLLM's processes, so workers know the backend before they build their engine.
+    The trainer engine is registered by module name (loaded when the factory builds one).
     """
     try:
         from vllm.distributed.weight_transfer.factory import (
