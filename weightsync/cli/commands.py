@@ -143,6 +143,7 @@ def _vllm_demo_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         mode=args.pause_mode,
         lora_rank=args.lora_rank,
+        in_flight=args.in_flight,
         backend=args.backend,
         tp=args.tp,
         trainers=args.trainers,
@@ -211,7 +212,21 @@ def _demo_command(args: argparse.Namespace) -> int:
         if args.lora_rank and (args.trainers > 1 or args.tp > 1):
             print("demo: --lora-rank runs with one trainer and replicas without --tp", file=sys.stderr)
             return 2
+        if args.in_flight and (
+            args.trainers > 1 or args.tp > 1 or args.lora_rank or args.pause_mode != "keep"
+        ):
+            print(
+                "demo: --in-flight runs with one trainer, replicas without --tp, full updates, pause mode keep",
+                file=sys.stderr,
+            )
+            return 2
         return _vllm_demo_command(args)
+    if args.in_flight:
+        print(
+            "demo: --in-flight generates on vLLM replicas during updates: use it with --rollout vllm",
+            file=sys.stderr,
+        )
+        return 2
     if args.lora_rank:
         print(
             "demo: --lora-rank syncs a LoRA adapter into vLLM replicas: use it with --rollout vllm",

@@ -79,6 +79,9 @@ class VLLMDemoOptions:
     max_model_len: int = 128
     #: > 0: LoRA-only updates of a PEFT adapter of this rank (``run_vllm_lora_demo``)
     lora_rank: int = 0
+    #: generation runs through every update; each request's version spans checked
+    #: (``weightsync.demo.vllm_inflight``)
+    in_flight: bool = False
     backend: str = "nccl"
     #: tensor-parallel workers per replica (``backend=sharded``: each takes only its slices)
     tp: int = 1
@@ -274,6 +277,10 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
 
     if opts.lora_rank:
         return run_vllm_lora_demo(opts, console, config, model_dir, model, max_len)
+    if opts.in_flight:
+        from weightsync.demo.vllm_inflight import run_in_flight
+
+        return run_in_flight(opts, console, config, model_dir, model, max_len)
     llms = _start_replicas(
         opts, console, model_dir, max_len, **({"tensor_parallel_size": opts.tp} if opts.tp > 1 else {})
     )
