@@ -150,7 +150,12 @@ def _vllm_demo_command(args: argparse.Namespace) -> int:
         arch=args.arch,
     )
     try:
-        run_vllm_demo(opts)
+        if opts.in_flight:
+            from weightsync.demo.vllm_inflight import run_in_flight_demo
+
+            run_in_flight_demo(opts)
+        else:
+            run_vllm_demo(opts)
     except Exception as e:
         print(f"demo FAILED: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -26,6 +26,14 @@ from typing import Any
 import torch
 
 from weightsync.demo.plain import DemoFailed
+from weightsync.demo.vllm import (
+    PROMPTS,
+    VLLMDemoOptions,
+    prepare_demo,
+    start_replicas,
+    train_until_changed,
+    trainer_greedy,
+)
 
 #: greedy tokens whose top two logits in the replay are closer than this are ties
 TIE = 1e-3
@@ -36,18 +44,16 @@ TIE = 1e-3
 NEW_TOKENS, PROMPT_LEN, BATCH = 48, 24, 4
 
 
-def run_in_flight(
-    opts: Any, console: Any, config: Any, model_dir: str, model: torch.nn.Module, max_len: int
-) -> list[Any]:
-    """Run the in-flight demo (``run_vllm_demo`` with ``opts.in_flight``); raise
-    ``DemoFailed`` on any mismatch."""
+def run_in_flight_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
+    """Run the in-flight demo; raise ``DemoFailed`` on any mismatch."""
     from vllm import SamplingParams
 
-    from weightsync.demo.vllm import PROMPTS, _start_replicas, train_until_changed, trainer_greedy
     from weightsync.integrations.vllm_replicas import LLMReplica
     from weightsync.integrations.vllm_rollout import VLLMRollout
 
-    llms = _start_replicas(opts, console, model_dir, max_len)
+    setup = prepare_demo(opts, console)
+    console, config, model = setup.console, setup.config, setup.model
+    llms = start_replicas(opts, console, setup.model_dir, setup.max_len)
     replicas = [LLMReplica(llm, f"replica{i}") for i, llm in enumerate(llms)]
     vocab = model.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
