@@ -27,7 +27,7 @@ which weights sampled it, not that its whole context was recomputed.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,15 @@ def spans_of(completion: Any) -> list[Span]:
     if covered != len(completion.token_ids):
         raise ValueError(f"vLLM's spans cover {covered} of {len(completion.token_ids)} tokens")
     return spans
+
+
+def spans_of_json(weight_versions: Sequence[Mapping[str, Any]]) -> list[Span]:
+    """The version spans of one choice of vLLM's token-in/token-out endpoint
+    (``POST /inference/v1/generate`` of ``vllm serve --enable-scale-out``: each choice's
+    ``weight_versions``, ``[{"version": "7", "start": 0, "end": 41}, ...]``). The server's
+    label is the ``weight_version`` of its last ``finish_weight_update``, which
+    ``WeightsyncTrainerEngine`` sets to the version."""
+    return [(int(s["start"]), _version(str(s["version"]))) for s in weight_versions if s["end"] > s["start"]]
 
 
 def expand(spans: Sequence[Span], num_tokens: int) -> list[int | None]:
