@@ -390,6 +390,14 @@ COMMANDS: dict[str, Run | NotHere] = {
     ),
     # docs/vllm.md
     "weightsync demo --rollout vllm": Run(timeout=240, vllm=True),  # about 80 s here: 2 vLLM replicas start
+    # README, docs/versions.md
+    "weightsync demo --rollout vllm --in-flight": Run(
+        ("demo --rollout vllm --in-flight --receivers 1 --steps 2",),
+        "--receivers 1 --steps 2 (a replica start and a training step saved; tests/test_vllm.py checks spans "
+        "on both replicas of its module)",
+        timeout=300,
+        vllm=True,
+    ),
     "weightsync demo --rollout vllm --model DIR --receivers 3 --pause-mode abort": NotHere(
         "about 115 s here (3 vLLM replicas start one after another), over this file's 90 s for a vLLM line; "
         "`weightsync demo --rollout vllm` above runs the same demo, tests/test_vllm.py runs replicas from a model "

@@ -34,6 +34,7 @@ from weightsync.errors import SyncError
 from weightsync.integrations.vllm_replicas import LLMReplica
 from weightsync.integrations.vllm_reports import ReplicaUpdateError
 from weightsync.integrations.vllm_rollout import VLLMRollout
+from weightsync.integrations.vllm_versions import VersionedOutput
 from weightsync.sources import StateDictSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(240)]
@@ -469,6 +470,114 @@ def test_keep_mode_carries_an_in_flight_request_across_the_update(setup):
     assert setup.rollout.update(setup.model, setup.version, mode="abort").ok
     (out,) = a.wait_for_completion(use_tqdm=False)
     assert out.outputs[0].finish_reason == "abort"
+
+
+def emitting(model, token: int) -> dict[str, torch.Tensor]:
+    """``model``'s weights changed so that greedy decoding emits ``token`` whatever the
+    prefix: no attention or MLP output reaches the residual stream (``o_proj``, ``down_proj``
+    zero), every embedding is the same vector, so the last hidden state is the same for every
+    prefix, and only ``token``'s row of the LM head sees it."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for name, t in state.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            t.zero_()
+    state["model.embed_tokens.weight"].fill_(1.0)
+    state["model.norm.weight"].fill_(1.0)
+    state["lm_head.weight"].zero_()
+    state["lm_head.weight"][token] = 1.0
+    return state
+
+
+def _runs(tokens: list[int]) -> list[tuple[int, int]]:
+    """``(first_index, token)`` where each run of equal tokens starts."""
+    return [(i, t) for i, t in enumerate(tokens) if i == 0 or tokens[i - 1] != t]
+
+
+def _generated(llm, request_id: str) -> int:
+    """Output tokens of an unfinished request the front end processed so far (vLLM's own
+    request state), stepping the front end to read what the engine produced meanwhile."""
+    llm.llm_engine.step()  # the request is far from done: this returns no finished output
+    return llm.llm_engine.output_processor.request_states[request_id].detokenizer.num_output_tokens()
+
+
+def _advance(llm, request_id: str, tokens: int) -> None:
+    """Wait until ``request_id`` generated ``tokens`` more tokens."""
+    start = _generated(llm, request_id)
+    deadline = time.monotonic() + 30
+    while _generated(llm, request_id) < start + tokens:
+        assert time.monotonic() < deadline, (
+            f"request {request_id} stalled at {_generated(llm, request_id)} tokens"
+        )
+
+
+LONG = 240  # generated tokens of a request kept across updates (max_model_len 256)
+
+
+def test_a_request_kept_across_updates_reports_each_versions_tokens_by_span(setup):
+    """Versions v1, v2, v3 each emit a token of their own (t1, t2, t3) whatever the prefix.
+    A request admitted under v1 and kept (``mode="keep"``) across the updates to v2 and v3,
+    each update made while the request is still generating: its tokens read t1... t2...
+    t3..., and the spans the replica reports put each version's first token exactly where
+    the tokens change. The other replica's label follows too; a fresh request reports v3
+    alone."""
+    from vllm import SamplingParams
+
+    from weightsync.integrations.vllm_versions import engine_label
+
+    a, replica = setup.llms[0], setup.replicas[0]
+    marks = [101, 202, 303]
+    versions = [setup.version + 1, setup.version + 2, setup.version + 3]
+    setup.version = versions[-1]
+    assert setup.rollout.update(emitting(setup.model, marks[0]), versions[0]).ok
+    params = SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
+    (rid,) = a.enqueue([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+    for version, mark in zip(versions[1:], marks[1:]):
+        _advance(a, rid, 3)  # some tokens under the version served; the request goes on
+        report = setup.rollout.update(emitting(setup.model, mark), version, mode="keep")
+        assert report.ok and [r.version for r in report.replicas] == [version] * 2, report.summary()
+    (out,) = a.wait_for_completion(use_tqdm=False)
+    got = VersionedOutput.of(out)
+    tokens = list(out.outputs[0].token_ids)
+    assert len(tokens) == LONG and [t for _, t in _runs(tokens)] == marks, _runs(tokens)
+    # the boundaries, read from the tokens alone, against what the engine reported
+    assert got.spans[0] == tuple((i, versions[marks.index(t)]) for i, t in _runs(tokens))
+    assert got.token_versions() == [versions[marks.index(t)] for t in tokens]
+    assert [engine_label(llm) for llm in setup.llms] == [versions[-1]] * 2
+    (fresh,) = replica.generate(
+        [{"prompt_token_ids": PROMPTS[1]}], SamplingParams(temperature=0.0, max_tokens=4)
+    )
+    assert (
+        fresh.spans == (((0, versions[-1]),),) and list(fresh.output.outputs[0].token_ids) == [marks[-1]] * 4
+    )
+
+
+def test_a_request_admitted_while_a_version_is_staged_reports_the_version_it_ran_under(setup):
+    """``stage`` (generation goes on) with a request admitted while the staged version's
+    transfer is held under way: its tokens until the commit come from the version served and
+    say so (not the staged one); committed with ``mode="keep"``, it goes on under the new
+    version from the exact token where the tokens change."""
+    from vllm import SamplingParams
+
+    a = setup.llms[0]
+    old, new = setup.version + 1, setup.version + 2
+    setup.version = new
+    assert setup.rollout.update(emitting(setup.model, 111), old).ok
+    source = workers.HeldSource(emitting(setup.model, 222))
+    stage, out = _in_thread(setup.rollout.stage, source, new)
+    assert source.holding.wait(30)
+    params = SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
+    (rid,) = a.enqueue([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)
+    _advance(a, rid, 3)
+    source.release.set()
+    stage.join(timeout=60)
+    assert out["value"].ok and [r.staged for r in out["value"].replicas] == [new] * 2
+    _advance(a, rid, 3)  # staged and complete, not committed: still the old version's tokens
+    assert setup.rollout.commit(new, mode="keep").ok
+    (done,) = a.wait_for_completion(use_tqdm=False)
+    tokens = list(done.outputs[0].token_ids)
+    runs = _runs(tokens)
+    assert [t for _, t in runs] == [111, 222] and runs[1][0] >= 6, runs
+    assert VersionedOutput.of(done).spans == (((0, old), (runs[1][0], new)),)
 
 
 def test_vllm_weight_transfer_registry_backend(setup):

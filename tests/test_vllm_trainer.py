@@ -121,6 +121,7 @@ class Server:
             "float32",
             "--skip-tokenizer-init",
             "--enforce-eager",
+            "--enable-scale-out",  # /inference/v1/generate: each choice's weight-version spans
             "--max-model-len",
             "256",
             "--max-num-seqs",
@@ -214,6 +215,25 @@ class Server:
 
     def weight_version(self) -> str:
         return requests.get(f"{self.url}/weight_info", timeout=10).json()["weight_version"]
+
+    def spans(self) -> list[list]:
+        """Each prompt's version spans, from vLLM's token-in/token-out endpoint."""
+        from weightsync.integrations.vllm_versions import spans_of_json
+
+        out = []
+        for p in PROMPTS:
+            r = requests.post(
+                f"{self.url}/inference/v1/generate",
+                timeout=60,
+                json={
+                    "token_ids": p,
+                    "sampling_params": {"max_tokens": NEW, "temperature": 0.0, "ignore_eos": True},
+                },
+            )
+            r.raise_for_status()
+            (choice,) = r.json()["choices"]
+            out.append(spans_of_json(choice["weight_versions"]))
+        return out
 
     def train(self) -> list[list[int]]:
         """One training step that changes the trainer's greedy outputs; returns them."""
@@ -316,6 +336,8 @@ def test_server_driven_through_vllms_factory_and_http_client_serves_each_version
             assert stats.buckets >= 3 and stats.version == server.version
             got = server.greedy()
             assert got == expected and got != before
+            # every token of a request served now says it came from that version
+            assert server.spans() == [[(0, server.version)]] * len(PROMPTS)
             assert server.weight_version() == str(server.version)
             assert server.long() == (expected_long, 0) and expected_long != long_before
     finally:

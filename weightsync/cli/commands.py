@@ -143,13 +143,19 @@ def _vllm_demo_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         mode=args.pause_mode,
         lora_rank=args.lora_rank,
+        in_flight=args.in_flight,
         backend=args.backend,
         tp=args.tp,
         trainers=args.trainers,
         arch=args.arch,
     )
     try:
-        run_vllm_demo(opts)
+        if opts.in_flight:
+            from weightsync.demo.vllm_inflight import run_in_flight_demo
+
+            run_in_flight_demo(opts)
+        else:
+            run_vllm_demo(opts)
     except Exception as e:
         print(f"demo FAILED: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -211,7 +217,21 @@ def _demo_command(args: argparse.Namespace) -> int:
         if args.lora_rank and (args.trainers > 1 or args.tp > 1):
             print("demo: --lora-rank runs with one trainer and replicas without --tp", file=sys.stderr)
             return 2
+        if args.in_flight and (
+            args.trainers > 1 or args.tp > 1 or args.lora_rank or args.pause_mode != "keep"
+        ):
+            print(
+                "demo: --in-flight runs with one trainer, replicas without --tp, full updates, pause mode keep",
+                file=sys.stderr,
+            )
+            return 2
         return _vllm_demo_command(args)
+    if args.in_flight:
+        print(
+            "demo: --in-flight generates on vLLM replicas during updates: use it with --rollout vllm",
+            file=sys.stderr,
+        )
+        return 2
     if args.lora_rank:
         print(
             "demo: --lora-rank syncs a LoRA adapter into vLLM replicas: use it with --rollout vllm",

@@ -93,6 +93,12 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         default=0,
         help="--rollout vllm: fine-tune a PEFT LoRA of this rank and sync only the adapter each step",
     )
+    p.add_argument(
+        "--in-flight",
+        action="store_true",
+        help="--rollout vllm: every replica generates in a thread of its own while the trainer updates every "
+        "step; every request printed with the versions that sampled its tokens, each token checked against them",
+    )
 
 
 def _csv(kind):

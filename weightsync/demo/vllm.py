@@ -79,6 +79,9 @@ class VLLMDemoOptions:
     max_model_len: int = 128
     #: > 0: LoRA-only updates of a PEFT adapter of this rank (``run_vllm_lora_demo``)
     lora_rank: int = 0
+    #: generation runs through every update; each request's version spans checked
+    #: (``weightsync.demo.vllm_inflight``)
+    in_flight: bool = False
     backend: str = "nccl"
     #: tensor-parallel workers per replica (``backend=sharded``: each takes only its slices)
     tp: int = 1
@@ -220,7 +223,7 @@ def train_until_changed(
     return loss, max_iters
 
 
-def _start_replicas(
+def start_replicas(
     opts: VLLMDemoOptions, console: Any, model_dir: str, max_len: int, **engine: Any
 ) -> list[Any]:
     t0 = time.perf_counter()
@@ -232,17 +235,27 @@ def _start_replicas(
     return llms
 
 
-def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
-    """Run the demo; raise ``DemoFailed`` (or a sync error) on any mismatch or failure."""
+@dataclass
+class DemoSetup:
+    """What every vLLM demo starts from (``prepare_demo``)."""
+
+    console: Any
+    config: Any  # EngineConfig
+    workdir: str
+    model_dir: str
+    model: torch.nn.Module  # the trainer's, float32
+    max_len: int  # the replicas' max_model_len
+
+
+def prepare_demo(opts: VLLMDemoOptions, console: Any = None) -> DemoSetup:
+    """The environment, configuration, the model (saved, and loaded as the trainer's) and the
+    header lines of a vLLM demo."""
     vllm_environment(opts.tp)
     from rich.console import Console
-    from rich.table import Table
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from weightsync.config.engine import EngineConfig
-    from weightsync.integrations.vllm_replicas import LLMReplica
-    from weightsync.integrations.vllm_rollout import VLLMRollout
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
@@ -270,11 +283,25 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
     if any(t >= vocab for p in PROMPTS for t in p):
         raise DemoFailed(f"the model's vocabulary ({vocab}) is too small for the demo prompts")
     max_len = min(opts.max_model_len, getattr(model.config, "max_position_embeddings", opts.max_model_len))
+    return DemoSetup(console, config, workdir, model_dir, model, max_len)
+
+
+def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
+    """Run the demo; raise ``DemoFailed`` (or a sync error) on any mismatch or failure."""
+    from rich.table import Table
+
+    from weightsync.integrations.vllm_replicas import LLMReplica
+    from weightsync.integrations.vllm_rollout import VLLMRollout
+
+    setup = prepare_demo(opts, console)
+    console, config, workdir, model_dir = setup.console, setup.config, setup.workdir, setup.model_dir
+    model, max_len, vocab = setup.model, setup.max_len, setup.model.config.vocab_size
+    tp = f" x {opts.tp} tensor-parallel workers" if opts.tp > 1 else ""
     model_bytes = sum(t.nbytes for t in model.state_dict().values())
 
     if opts.lora_rank:
         return run_vllm_lora_demo(opts, console, config, model_dir, model, max_len)
-    llms = _start_replicas(
+    llms = start_replicas(
         opts, console, model_dir, max_len, **({"tensor_parallel_size": opts.tp} if opts.tp > 1 else {})
     )
     replicas = [LLMReplica(llm, f"replica{i}") for i, llm in enumerate(llms)]
@@ -536,7 +563,7 @@ def run_vllm_lora_demo(
     from weightsync.integrations.vllm_replicas import LLMReplica
     from weightsync.integrations.vllm_rollout import VLLMRollout
 
-    llms = _start_replicas(opts, console, model_dir, max_len, max_loras=2, lora_rank=opts.lora_rank)
+    llms = start_replicas(opts, console, model_dir, max_len, max_loras=2, lora_rank=opts.lora_rank)
     replicas = [LLMReplica(llm, f"replica{i}") for i, llm in enumerate(llms)]
     peft_model = get_peft_model(
         model, LoraConfig(r=opts.lora_rank, lora_alpha=2 * opts.lora_rank, target_modules=LORA_TARGETS)

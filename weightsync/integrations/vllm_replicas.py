@@ -5,7 +5,10 @@ whose worker died may never answer). ``VLLMRollout`` and vLLM's trainer factory 
 from __future__ import annotations
 
 import threading
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from weightsync.integrations.vllm_versions import VersionedOutput
 
 EXTENSION = "weightsync.integrations.vllm.WeightsyncWorkerExtension"
 
@@ -15,7 +18,12 @@ PAUSE_MODES: tuple[str, ...] = ("abort", "keep", "wait")
 
 class Replica(Protocol):
     """One inference engine, as the update call needs it. ``LLMReplica`` wraps vLLM's
-    offline ``LLM``; a server-backed replica implements the same methods over HTTP."""
+    offline ``LLM``; a server-backed replica implements the same methods over HTTP.
+
+    A replica whose ``weightsync_receive`` or ``weightsync_commit`` (both called while it is
+    paused) brought every worker to the version labels what it samples from then on with
+    that version, before it answers (``LLMReplica``: vLLM's weight-version label,
+    ``weightsync.integrations.vllm_versions``)."""
 
     name: str
 
@@ -34,11 +42,20 @@ class LLMReplica:
     clears no cache: the engine core resets the prefix cache as the load returns,
     ``weightsync.integrations.vllm_caches.reset_served_caches``); ``release_kv_cache`` frees the
     KV cache memory until ``restore_kv_cache``.
+
+    Every token the engine samples carries the version that sampled it: a version loaded
+    by ``weightsync_receive`` or ``weightsync_commit`` becomes the engine's weight-version
+    label before the rollout resumes it, and ``generate`` returns each request's version
+    spans (``weightsync.integrations.vllm_versions``). One thread may generate while
+    another updates the replica (the engine's client is shared, ``share_client``).
     """
 
     def __init__(self, llm: Any, name: str | None = None) -> None:
+        from weightsync.integrations.vllm_versions import share_client
+
         self.llm = llm
         self.name = name or f"vllm-{id(llm):x}"
+        share_client(llm)
 
     def workers(self) -> int:
         return int(self.llm.llm_engine.vllm_config.parallel_config.world_size)
@@ -62,7 +79,34 @@ class LLMReplica:
         self.llm.wake_up(tags=["kv_cache"])
 
     def call(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        return self.llm.collective_rpc(method, timeout=timeout, args=args)
+        statuses = self.llm.collective_rpc(method, timeout=timeout, args=args)
+        if method in LOADS and loaded(statuses, args[0]):
+            # Paused, between the load and the resume: the first token the new weights
+            # sample is the first one labelled with their version.
+            from weightsync.integrations.vllm_versions import label_engine
+
+            label_engine(self.llm, args[0])
+        return statuses
+
+    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> list[VersionedOutput]:
+        """``LLM.generate`` with the versions that sampled every request's tokens
+        (``VersionedOutput``: vLLM's output and its spans ``[(first_token_index, version)]``);
+        ``kwargs`` go to ``LLM.generate``."""
+        from weightsync.integrations.vllm_versions import generate
+
+        return generate(self.llm, prompts, sampling_params, **kwargs)
+
+
+#: the worker calls that load a version into the weights the engine serves
+LOADS = ("weightsync_receive", "weightsync_commit")
+
+
+def loaded(statuses: list[Any], version: int) -> bool:
+    """Every worker answered that it serves ``version``, whole."""
+    return bool(statuses) and all(
+        isinstance(s, dict) and s.get("version") == version and not s.get("mixed") and s.get("ok", True)
+        for s in statuses
+    )
 
 
 def check_mode(mode: str) -> None:

@@ -20,6 +20,9 @@ version. Every replica reports the version it serves. A
 failed update raises ``ReplicaUpdateError`` naming each failed replica and carrying the
 full report; replicas whose weights are intact (their old version) are resumed, replicas
 left with a mix of two versions stay paused until a later update succeeds.
+Every token a replica samples carries the version that sampled it (``LLMReplica.generate``,
+``weightsync.integrations.vllm_versions``): the version loaded becomes the engine's label
+before the resume.
 
 Staged updates (``stage`` + ``commit``, or ``update(..., staged=True)``, or the
 ``update_mode=staged`` key) move the version into a host copy per worker while the replicas
