@@ -7,8 +7,9 @@ versions that sampled its tokens (``[(first_token_index, version), ...]``, from 
 engine's own labels: ``weightsync.integrations.vllm_versions``).
 
 The check does not trust those spans: it replays every request in the trainer's own model
-(transformers, float32), each token by the weights of the version its span names, reading
-the KV cache the earlier tokens' versions computed, as vLLM's ``keep`` mode serves it. Every
+(transformers, float32), each token by the weights of the version its span names over the
+whole prefix: an update resets the engine's prefix cache, which preempts the requests kept
+across it, so their KV is computed again by the new weights (``vllm_caches``). Every
 token must be the replay's greedy choice (a tie within ``TIE`` of the top logit is counted
 apart: the two implementations round differently). A boundary put one token off puts a
 token under the wrong version: where the two versions disagree there (a *decisive*
@@ -38,10 +39,10 @@ from weightsync.demo.vllm import (
 #: greedy tokens whose top two logits in the replay are closer than this are ties
 TIE = 1e-3
 #: generated tokens per request; prompts of PROMPT_LEN tokens, BATCH requests per call.
-#: Prompts stay shorter than a KV block (32 on vLLM's CPU backend) and are drawn anew per
-#: batch: a prompt repeated after an update would reuse the old version's prefix-cached KV
-#: unless the update resets the prefix cache.
-NEW_TOKENS, PROMPT_LEN, BATCH = 48, 24, 4
+#: Prompts span more than one KV block (BLOCK, prefix caching on) and the first of every
+#: batch is the same: after an update it would reuse the old version's cached KV unless
+#: the update reset the prefix cache, and its replay would fail.
+NEW_TOKENS, PROMPT_LEN, BATCH, BLOCK = 48, 72, 4, 32
 
 
 def run_in_flight_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
@@ -53,7 +54,9 @@ def run_in_flight_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
 
     setup = prepare_demo(opts, console)
     console, config, model = setup.console, setup.config, setup.model
-    llms = start_replicas(opts, console, setup.model_dir, setup.max_len)
+    llms = start_replicas(
+        opts, console, setup.model_dir, setup.max_len, enable_prefix_caching=True, block_size=BLOCK
+    )
     replicas = [LLMReplica(llm, f"replica{i}") for i, llm in enumerate(llms)]
     vocab = model.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -64,10 +67,11 @@ def run_in_flight_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
 
     def generate(replica: LLMReplica, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
+        repeated = torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).tolist()
         try:
             while not stop.is_set():
-                prompts = [
-                    torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).tolist() for _ in range(BATCH)
+                prompts = [repeated] + [
+                    torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).tolist() for _ in range(BATCH - 1)
                 ]
                 outs = replica.generate([{"prompt_token_ids": p} for p in prompts], params)
                 with lock:
@@ -133,8 +137,9 @@ def replay(
     versions: list[Any],
 ) -> tuple[int, list[str]]:
     """Replay one request under its per-token versions; the ties and each mismatch, named.
-    Token i is sampled by ``versions[i]`` from token i-1 (the prompt for token 0) over the
-    cache earlier steps made, each under its own version, as vLLM's ``keep`` serves it."""
+    Token i is sampled by ``versions[i]`` over the prompt and tokens 0..i-1, whose KV that
+    version computed (at a new version the cache is computed again, as the preempted request
+    is in the engine)."""
     from transformers import DynamicCache
 
     cache, loaded, ties, problems = DynamicCache(), None, 0, []
@@ -143,8 +148,10 @@ def replay(
             return ties, [f"token {i}: version {version} was never synced"]
         if version != loaded:
             model.load_state_dict(states[version])
-            loaded = version
-        ids = torch.tensor([prompt if i == 0 else [tokens[i - 1]]])
+            loaded, cache = version, DynamicCache()
+            ids = torch.tensor([prompt + tokens[:i]])
+        else:
+            ids = torch.tensor([[tokens[i - 1]]])
         logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
         best = int(logits.argmax())
         if best == token:
