@@ -89,7 +89,8 @@ def run_fsdp_trainer(
 ):
     """Trainer rank of a 2-rank job whose matrices are DTensors sharded by rows (``Shard(0)``,
     as FSDP2 holds them): ``layers.0.proj.weight``'s first 128-row block is cut at row 100,
-    ``layers.0.mlp.weight``'s second at row 192. Over a dense backend rank 0 sends, rank 1
+    ``layers.0.mlp.weight``'s second at row 192; the expert stack by columns (``Shard(2)``, as
+    a ``shard_placement_fn`` may place it), each expert's first block cut at column 65. Over a dense backend rank 0 sends, rank 1
     gathers with it (``full_tensor`` is a collective); over ``sharded`` both send their rows
     (rank 1 joins rank 0's session at ``address``). ``stall_in``: rank 1 stops answering in
     that version, after the go, as it would start quantizing (alive, its sockets open)."""
@@ -109,7 +110,10 @@ def run_fsdp_trainer(
                     from weightsync.quant.sharded import FormedSource
 
                     FormedSource.quantize = lambda self: time.sleep(3600)
-                state = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in weights(v).items()}
+                state = {
+                    n: distribute_tensor(t, mesh, [Shard(2 if t.dim() == 3 else 0)])
+                    for n, t in weights(v).items()
+                }
                 local = state["layers.0.proj.weight"].to_local().shape[0]
                 stats = sender.send(state, version=v)
                 queue.put((rank, v, local, stats.quantized))

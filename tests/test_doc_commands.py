@@ -280,12 +280,13 @@ COMMANDS: dict[str, Run | NotHere] = {
     ),
     "weightsync bench --rollout vllm --backend nccl,shm --update-mode stream,staged": Run(
         (
-            "bench --rollout vllm --backend nccl,shm --update-mode stream,staged --lora-rank 16 --size-mb 16 "
+            "bench --rollout vllm --backend nccl,shm,ipc --update-mode stream,staged --lora-rank 16 --size-mb 16 "
             "--repeats 1 --json",
         ),
         "a 16 MB fp32 Qwen2 model instead of 392 MB, one timed update per backend and mode, --json: a row "
         "each, the staged ones pausing only for the local load, their staging copy reused; --lora-rank 16: "
-        "the LoRA line's rows in the same run (the replicas start once)",
+        "the LoRA line's rows in the same run (the replicas start once); ipc added: the ipc line's rows "
+        "(the trainer's tensors shared first) in the same run",
         timeout=300,
         vllm=True,
         check="modes",
@@ -299,8 +300,8 @@ COMMANDS: dict[str, Run | NotHere] = {
         "tests/test_vllm_tp.py covers the dense model over TP 2 with 2 k/v heads, a padded vocabulary and ties"
     ),
     "weightsync bench --rollout vllm --backend ipc,shm --json": NotHere(
-        "two more vLLM engine starts: the --rollout vllm bench line above runs the same bench (shm among its "
-        "backends), and tests/test_vllm.py's ipc test updates its shared replicas over ipc with greedy parity"
+        "runs in the `--update-mode stream,staged` line above with ipc added to its backends (one start of the "
+        "replicas): its ipc and shm rows asserted there (_check_modes)"
     ),
     "weightsync demo --quantize fp8": Run(
         ("demo --quantize fp8 --bucket-mb 16 --steps 2",),
@@ -701,18 +702,19 @@ def _check_modes(outs, tmp_path):
     result = json.loads(outs[0].stdout)
     loras = [r for r in result["rows"] if r["update_mode"] == "lora"]
     rows = [r for r in result["rows"] if r["update_mode"] != "lora"]
+    backends = ("nccl", "shm", "ipc")
     assert [(r["backend"], r["update_mode"]) for r in rows] == [
-        (b, m) for b in ("nccl", "shm") for m in ("stream", "staged")
+        (b, m) for b in backends for m in ("stream", "staged")
     ]
     # LoRA-only updates: the adapter's bytes on the wire, nothing paused, well under the
     # full-model update of the same backend and replicas (measured here: 0.06-0.12x at 392 MB)
-    assert [r["backend"] for r in loras] == ["nccl", "shm"]
+    assert [r["backend"] for r in loras] == list(backends)
     for lora, full in zip(loras, rows[::2]):
         assert lora["greedy_matches_trainer"] and lora["paused_s"] == 0, lora
         assert lora["bytes"] <= lora["wire_bytes"] <= 1.05 * lora["bytes"], lora
         assert lora["full_update_s"] == full["seconds"], (lora, full)
         assert lora["ratio_to_full_update"] < 0.8, lora
-    for stream, staged in (rows[:2], rows[2:]):
+    for stream, staged in zip(rows[::2], rows[1::2]):
         for row in (stream, staged):
             assert row["seconds"] > 0 and row["disk_reload_s"] > 0, row
             assert abs(row["ratio_to_disk_reload"] - row["seconds"] / row["disk_reload_s"]) < 0.01, row

@@ -42,6 +42,77 @@ def test_block_fp8_equals_vllms_quantizer_bit_for_bit(ue8m0):
     assert torch.equal(quantize_blocks(zeros)[1], per_block_cast_to_fp8(zeros, [128, 128])[1])
 
 
+@pytest.mark.vllm
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_block_fp8_over_several_strips_equals_vllms_quantizer(ue8m0):
+    """``quantize_blocks`` multiplies a strip of row blocks at a time (``fp8._STRIP``
+    elements): shapes of 3 strips (the last one shorter), of 3 strips whose last row block
+    is short (3000 rows: 23 blocks and 56 rows; 1000 columns: a short last column block), and
+    a stack of 2 strips per expert, each expert's later strips with their own scales (values
+    grow with the row, so a strip given another strip's scales shows)."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    from weightsync.quant import fp8
+
+    g = torch.Generator().manual_seed(1)
+    for shape in [(2816, 1024), (3000, 1000), (4, 1024, 2048)]:
+        rows = shape[-2]
+        assert fp8._STRIP // (128 * shape[-1]) < -(-rows // 128)  # more than one strip
+        ramp = torch.arange(1, rows + 1, dtype=torch.float32)[:, None] / 64
+        x = (torch.randn(shape, generator=g) * ramp).to(torch.bfloat16)
+        q, s = quantize_blocks(x, (128, 128), ue8m0)
+        for i, m in enumerate(x.view(-1, *shape[-2:])):
+            want_q, want_s = per_block_cast_to_fp8(m, [128, 128], use_ue8m0=ue8m0)
+            got_q, got_s = (q[i], s[i]) if x.dim() == 3 else (q, s)
+            assert torch.equal(got_s, want_s), (shape, i)
+            assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), (shape, i)
+
+
+def _cut(length, at):
+    """``(start, length)`` pieces of ``range(length)`` cut at the points ``at``."""
+    edges = [0, *at, length]
+    return [(a, b - a) for a, b in zip(edges, edges[1:])]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_boxes_cut_across_columns_quantize_as_vllm_quantizes_the_whole(ue8m0):
+    """A tensor cut into boxes by columns (a ``Shard(1)`` trainer; a receiver's column slices
+    of ``o_proj``/``down_proj``) and by rows and columns at once, cuts inside blocks: each box's
+    block maxima (``box_amax``, from a column inside a block), the largest of them per block
+    (what the trainer ranks agree), and each box quantized with those scales
+    (``quantize_box``) give vLLM's quantizer's bytes and scales of the whole tensor, sliced."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    from weightsync.quant.fp8 import box_amax, quantize_box, scales_of
+
+    g = torch.Generator().manual_seed(2)
+    cases = [  # shape, row cuts, column cuts
+        ((200, 300), [], [150]),  # Shard(1) over 2 ranks: column 150 inside block 1
+        ((256, 1000), [], [250, 500, 750]),  # 4 ranks, every cut inside a block
+        ((300, 77), [100], [40]),  # rows and columns, both inside the first block
+        ((3, 96, 260), [], [130]),  # a stack cut by columns, expert by expert
+    ]
+    for shape, row_cuts, col_cuts in cases:
+        x = (torch.randn(shape, generator=g) * 3).to(torch.bfloat16)
+        x[..., :5, -3:] *= 50  # a block whose maximum lies in the last box only
+        pairs = [per_block_cast_to_fp8(m, [128, 128], use_ue8m0=ue8m0) for m in x.view(-1, *shape[-2:])]
+        want_q = torch.stack([p[0] for p in pairs]).view(shape)
+        want_s = torch.stack([p[1] for p in pairs]).view(*shape[:-2], *pairs[0][1].shape)
+        boxes = [(r, c) for r in _cut(shape[-2], row_cuts) for c in _cut(shape[-1], col_cuts)]
+        amax = torch.zeros(want_s.shape)
+        for (r0, h), (c0, w) in boxes:
+            part = box_amax(x[..., r0 : r0 + h, c0 : c0 + w], (r0, c0))
+            at = amax[..., r0 // 128 : r0 // 128 + part.shape[-2], c0 // 128 : c0 // 128 + part.shape[-1]]
+            at.copy_(torch.maximum(at, part))
+        scales = scales_of(amax, ue8m0)
+        assert torch.equal(scales, want_s), shape
+        for (r0, h), (c0, w) in boxes:
+            got = quantize_box(x[..., r0 : r0 + h, c0 : c0 + w], (r0, c0), scales)
+            want = want_q[..., r0 : r0 + h, c0 : c0 + w]
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (shape, r0, c0)
+
+
 def reference(t, ue8m0):
     """vLLM's block quantizer, expert by expert for a stack."""
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
@@ -174,12 +245,12 @@ def sliced(version, part, parts):
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.parametrize("backend", ["nccl", "sharded"])
-def test_fsdp2_rows_cut_inside_a_block_get_one_scale_from_the_gathered_block(backend):
+def test_fsdp2_rows_and_columns_cut_inside_a_block_get_one_scale_from_the_gathered_block(backend):
     """A 2-rank FSDP2 trainer whose ``Shard(0)`` cuts a 128-row block at row 100 (another at
-    row 192); an FP8 receiver, a UE8M0 one and a bf16 one in each sync, 3 versions: every
+    row 192) and whose ``Shard(2)`` cuts each expert's first block at column 65; an FP8 receiver, a UE8M0 one and a bf16 one in each sync, 3 versions: every
     block gets the scale of all its rows, as vLLM quantizing the whole tensor gives. Over a
     dense backend rank 0 quantizes the gathered tensor (``full_tensor``); over ``sharded``
-    each rank quantizes its own rows, the cut blocks' maxima agreed between the ranks
+    each rank quantizes its own rows (columns), the cut blocks' maxima agreed between the ranks
     (docs/quantized.md), the bf16 receiver takes the trainer's bytes in the same sync, and
     two tensor-parallel FP8 receiver ranks (rows cut at 128, the stack by experts) each
     take their slice of the bytes and of the scales."""

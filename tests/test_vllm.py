@@ -628,10 +628,13 @@ def test_vllm_weight_transfer_registry_backend(setup):
         assert long_greedy(b) == (expected_long, 0)
         assert long_greedy(b) == (expected_long, CACHEABLE)
         # never silent on this path too: a full version that leaves a parameter out is
-        # refused before anything moves, failing update_weights naming it (and the sender's
+        # refused before anything moves (B keeps its bytes and tokens though the version
+        # carries newly trained weights), failing update_weights naming it (and the sender's
         # send); the next complete one serves
+        expected = setup.train()
         left_out = "model.layers.1.mlp.down_proj.weight"
         without = {n: x for n, x in setup.model.state_dict().items() if n != left_out}
+        held, tokens = b.collective_rpc("weightsync_digests")[0], replica_greedy(b, PROMPTS, NEW)
         for version, source in ((101, without), (102, setup.model)):
             errors.clear()
             if version == 102:  # vLLM ends the update session where update_weights raised
@@ -651,11 +654,14 @@ def test_vllm_weight_transfer_registry_backend(setup):
                 assert f"does not carry 1 tensor(s) of the served model's checkpoint: {left_out}" in str(
                     errors[0]
                 )
-                # refused before anything moved: the version's cached blocks stay
+                # refused before anything moved: B's bytes, tokens and the cached blocks stay
+                assert b.collective_rpc("weightsync_digests")[0] == held
+                assert replica_greedy(b, PROMPTS, NEW) == tokens
                 assert long_greedy(b) == (expected_long, CACHEABLE)
             else:
                 assert not errors and not sent, (errors, sent)
-                assert long_greedy(b) == (expected_long, 0)
+                # the newly trained version: LONG reuses no block of the refused-over one
+                assert long_greedy(b) == (trainer_greedy(setup.model, [LONG], NEW)[0], 0)
         b.collective_rpc("finish_weight_update")
         b.collective_rpc("shutdown_weight_transfer_engine")
     assert replica_greedy(b, PROMPTS, NEW) == expected
@@ -791,34 +797,41 @@ def test_an_update_the_engine_does_not_wholly_take_fails_naming_it_and_the_next_
     """Never silent: each worker checks an update against what vLLM's loader reports it
     loaded. An extra tensor its loader skips without a word (a ``.bias`` where the layer has
     none: vLLM ignores such names), one it has no parameter for, and a full version that
-    leaves a parameter out (streamed: refused before anything moves; staged then committed:
-    after the load) each fail naming it; the replicas report a mix and stay paused. A complete update then serves the trainer's
-    outputs, and an update that says ``partial=True`` may leave a parameter as it is."""
+    leaves a parameter out (streamed: refused before anything moves, the replicas' bytes and
+    greedy tokens as they were though the version carries newly trained weights; staged then
+    committed: after the load) each fail naming it; the replicas report a mix and stay
+    paused. A complete update then serves the trainer's outputs, and an update that says
+    ``partial=True`` may leave a parameter as it is."""
     served = setup.version
+    held = [llm.collective_rpc("weightsync_digests")[0] for llm in setup.llms]
+    tokens = [replica_greedy(llm, PROMPTS, NEW) for llm in setup.llms]
     expected = setup.train()
     state = dict(setup.model.state_dict())
     first, *rest = state.items()
+
+    left_out = "model.layers.1.mlp.down_proj.weight"
+    without = {n: t for n, t in state.items() if n != left_out}
+    # streamed: refused before anything moves (each worker vets the offered tensors against
+    # its model's checkpoint), so the replicas keep serving what they held, byte for byte
+    with pytest.raises(ReplicaUpdateError) as info:
+        setup.rollout.update(without, served + 1)
+    for rep in info.value.report.replicas:
+        assert "refused version" in rep.error and "does not carry" in rep.error and left_out in rep.error
+        assert (rep.ok, rep.version, rep.mixed) == (False, served, False), rep
+    assert [llm.collective_rpc("weightsync_digests")[0] for llm in setup.llms] == held
+    assert [replica_greedy(llm, PROMPTS, NEW) for llm in setup.llms] == tokens
 
     def extra(name):  # early in the version, so loading goes on past it
         return dict([first, (name, torch.zeros(state[name.replace("bias", "weight")].shape[:1])), *rest])
 
     skipped = "model.layers.0.mlp.down_proj.bias"  # Qwen2's MLP has no bias: vLLM skips the name
     _refused(
-        setup, lambda: setup.rollout.update(extra(skipped), served + 1), served + 1, skipped, "took nothing"
+        setup, lambda: setup.rollout.update(extra(skipped), served + 2), served + 2, skipped, "took nothing"
     )
     unknown = "model.layers.0.mlp.extra_proj.weight"
     state_unknown = dict([first, (unknown, torch.zeros(4, 4)), *rest])
-    _refused(setup, lambda: setup.rollout.update(state_unknown, served + 2), served + 2, unknown)
+    _refused(setup, lambda: setup.rollout.update(state_unknown, served + 3), served + 3, unknown)
 
-    left_out = "model.layers.1.mlp.down_proj.weight"
-    without = {n: t for n, t in state.items() if n != left_out}
-    # streamed: refused before anything moves (each worker vets the offered tensors against
-    # its model's checkpoint), so the replicas keep what they hold: the earlier cases' mix
-    with pytest.raises(ReplicaUpdateError) as info:
-        setup.rollout.update(without, served + 3)
-    for rep in info.value.report.replicas:
-        assert "refused version" in rep.error and "does not carry" in rep.error and left_out in rep.error
-        assert (rep.ok, rep.version, rep.mixed) == (False, None, True), rep
     staged = setup.rollout.stage(without, served + 4)  # the stage takes what is sent; the commit checks
     assert staged.ok, staged.summary()
     _refused(setup, lambda: setup.rollout.commit(served + 4), served + 4, left_out, "unwritten")
@@ -932,3 +945,47 @@ def test_a_stage_whose_source_fails_leaves_every_replica_serving_and_unpaused(se
     assert report.ok and report.phase == "staged" and report.stage_s > 0, report.summary()
     for llm in setup.llms:
         assert replica_greedy(llm, PROMPTS, NEW) == expected
+
+
+def test_a_replica_quantized_online_still_refuses_a_full_version_missing_a_matrix(tmp_path):
+    """vLLM skips its own full-version check for any quantized model, and weightsync did too,
+    so a replica quantizing a complete BF16 checkpoint online took a version missing a
+    matrix as complete. Now its versions are checked against the checkpoint as an
+    unquantized replica's are: streamed, refused before anything moves (bytes as they
+    were); staged, failing at the commit naming the matrix. The replica: the tiny Qwen2 in
+    bfloat16 with vLLM's online ``int8_per_channel_weight_only`` (on this CPU build it
+    quantizes MoE layers only, so every dense layer stays as it is, but
+    ``model_config.quantization`` is set: the path of every online-quantized replica;
+    float32 is refused by the method, an MoE does not start without AMX)."""
+    from transformers import AutoModelForCausalLM
+
+    vllm_environment()
+    model_dir = save_tiny_model(str(tmp_path / "model"), seed=3, vocab_size=VOCAB)
+    llm = start_replica(
+        model_dir, max_model_len=128, dtype="bfloat16", quantization="int8_per_channel_weight_only"
+    )
+    try:
+        assert llm.llm_engine.vllm_config.model_config.quantization == "int8_per_channel_weight_only"
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        with VLLMRollout([LLMReplica(llm, "Q")], OVERRIDES) as rollout:
+            assert rollout.update(model, 1).ok
+            held = llm.collective_rpc("weightsync_digests")[0]
+            left_out = "model.layers.1.mlp.down_proj.weight"
+            without = {n: t + 0.5 for n, t in model.state_dict().items() if n != left_out}
+            with pytest.raises(ReplicaUpdateError) as info:
+                rollout.update(without, 2)
+            (rep,) = info.value.report.replicas
+            assert "refused version 2" in rep.error and "does not carry 1 tensor(s)" in rep.error, rep.error
+            assert left_out in rep.error and (rep.version, rep.mixed) == (1, False), rep
+            assert llm.collective_rpc("weightsync_digests")[0] == held
+            with pytest.raises(ReplicaUpdateError) as info:
+                rollout.update(without, 3, staged=True)
+            (rep,) = info.value.report.replicas
+            assert (
+                "did not carry 1 tensor(s) of the model's checkpoint" in rep.error and left_out in rep.error
+            )
+            assert (rep.version, rep.mixed) == (None, True), rep
+            assert rollout.update(model, 4).ok
+            assert llm.collective_rpc("weightsync_digests")[0] == held
+    finally:
+        _shutdown(llm)

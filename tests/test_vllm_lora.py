@@ -268,12 +268,11 @@ def test_a_full_update_keeps_the_adapters_serving_on_the_new_base(replica):
     """A full update makes vLLM drop every adapter. Before, a request naming one then ended
     the engine (vLLM looked for the placeholder path). Now the worker adds its adapters back
     from memory, applied to the new base, as vLLM's reload from a path would serve them:
-    version 21's adapter is served over the base merged with it (version 22: other outputs
-    than that base's alone, the adapter's delta applied a second time), a new adapter
-    over that base (23) gives its trainer's outputs, and with the original base back (24)
-    version 21's adapter gives its trainer's outputs again. (Its outputs over the merged
-    base, the delta applied twice, are not compared token for token with the trainer's: no
-    training gave them a margin.)"""
+    version 21's adapter is served over the base merged with it (version 22: the outputs the
+    trainer's adapter gives over that base, its delta applied a second time, not that
+    base's alone), a new adapter over that base (23) gives its trainer's outputs, and with
+    the original base back (24) version 21's adapter gives its trainer's outputs again."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     model_dir, llm = replica
@@ -286,10 +285,14 @@ def test_a_full_update_keeps_the_adapters_serving_on_the_new_base(replica):
         merged = copy.deepcopy(model).merge_and_unload()
         assert rollout.update(merged, 22).ok
         assert replica_greedy(llm, PROMPTS, NEW) == expected  # the new base: the merged model
-        # The engine lives, and serves it, over the new base: its delta applied again, so not
-        # what the merged base gives alone (an adapter added back empty, or not applied, would)
-        served = _generate(llm, old)
-        assert served != expected, served
+        # The engine lives, and serves it over the new base: its delta applied again, as the
+        # trainer's adapter over the merged base gives (an adapter added back empty, not
+        # applied or otherwise scaled would not)
+        twice = _peft(model_dir, 8, TARGETS, base=copy.deepcopy(merged))
+        set_peft_model_state_dict(twice, get_peft_model_state_dict(model))
+        again = trainer_greedy(twice.merge_and_unload(), PROMPTS, NEW)
+        assert again != expected
+        assert _generate(llm, old) == again
         fresh = _peft(model_dir, 8, TARGETS, base=copy.deepcopy(merged))
         fresh_out = _train(fresh, seed=23)
         assert _generate(llm, rollout.update(fresh, 23, lora=True).lora_request) == fresh_out

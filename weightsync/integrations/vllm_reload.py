@@ -109,17 +109,57 @@ def uncovered(cover: dict[str, frozenset[str]], fed: set[str], exempt: Callable[
     return missing
 
 
+#: checkpoint quantization methods whose checkpoints name each matrix as transformers does
+#: (``P.weight``, in FP8, its scales beside it under other names): a full version of such a
+#: model is checked by the transformers form's names, as an unquantized one is
+NAMED_AS_TRANSFORMERS = frozenset({"fp8"})
+
+
+def unchecked_quantization(vllm_config: Any) -> str | None:
+    """Why a full version of this replica's model cannot be checked against its checkpoint
+    (``checkpoint_cover``), or None where it can: unquantized; quantized online (vLLM
+    quantizes a complete unquantized checkpoint as it loads: the update carries what that
+    checkpoint does); or a checkpoint quantized with a method in ``NAMED_AS_TRANSFORMERS``
+    (its scales need not come: a version that leaves a scale out keeps the scale served,
+    which only a partial FP8 update may do, and a sender of FP8 sends both).
+
+    Other quantized checkpoints (``compressed-tensors``' ``weight_packed``, AWQ's and GPTQ's
+    ``qweight``) carry matrices under names transformers' form lacks, so no full-version
+    check can be made: such a full version is refused naming the method (an update that
+    says ``partial=True`` is taken unchecked), where it was taken unchecked before."""
+    model_config = vllm_config.model_config
+    method = model_config.quantization
+    if method is None:
+        return None
+    arch = getattr(model_config, "model_arch_config", None)
+    in_checkpoint = getattr(arch, "quantization_config", None)
+    if in_checkpoint is None:
+        in_checkpoint = getattr(model_config.hf_config, "quantization_config", None)
+    if in_checkpoint is None:  # online: the checkpoint is the unquantized one
+        return None
+    stored = in_checkpoint.get("quant_method") if isinstance(in_checkpoint, dict) else None
+    if method in NAMED_AS_TRANSFORMERS or stored in NAMED_AS_TRANSFORMERS:
+        return None
+    return (
+        f"weightsync cannot check that a full version carries every tensor of a checkpoint quantized as "
+        f"{method!r} (its names are not transformers'; checked: unquantized, online quantization, "
+        f"{', '.join(sorted(NAMED_AS_TRANSFORMERS))}): send it with partial=True to have it taken unchecked"
+    )
+
+
 def full_version_vet(model: torch.nn.Module, vllm_config: Any) -> Callable[[Any], None]:
     """A receiver's ``vet`` for a full version: before anything moves, the offered tensors
     must carry every tensor of the served model's checkpoint (``checkpoint_cover``), or the
-    sync is refused naming what it lacks, and the replica keeps serving what it holds. Not
-    for a quantized model (its checkpoint's scales need not come) nor, under expert
-    parallelism, for per-expert names (``checked_load`` says why)."""
+    sync is refused naming what it lacks, and the replica keeps serving what it holds. A
+    quantized model's full version is checked the same way where its checkpoint names its
+    matrices as transformers does, and refused where it cannot be checked
+    (``unchecked_quantization``); under expert parallelism per-expert names are exempt
+    (``checked_load`` says why)."""
     expert_parallel = bool(getattr(vllm_config.parallel_config, "enable_expert_parallel", False))
 
     def vet(specs: Any) -> None:
-        if vllm_config.model_config.quantization is not None:
-            return
+        if (why := unchecked_quantization(vllm_config)) is not None:
+            raise ValueError(why)
         cover = checkpoint_cover(model, vllm_config)
         offered = {s.name for s in specs}
         absent = uncovered(cover, offered, lambda name: expert_parallel and ".experts." in name)
@@ -192,7 +232,11 @@ def checked_load(
       the parameters it wrote; every parameter of the model must be among them, unless the
       caller says the update is ``partial``. As vLLM does, not checked for a quantized
       model (its kernel-format parameters, scales among them, need not come from a
-      checkpoint).
+      checkpoint); its version is still checked to carry every tensor of the transformers
+      form (``checkpoint_cover``; refused where no such check can be made:
+      ``unchecked_quantization``).
+    - A tensor of the checkpoint a full version did not carry (``uncovered``): vLLM
+      counts an MoE layer's experts as one parameter, written by any expert's matrix.
     - A loader that raises: the error names the tensor it was loading.
 
     Yields the set of parameters the loader reports it wrote (filled once it returned).
@@ -255,12 +299,15 @@ def checked_load(
         problems.append("its loader was not called")
     elif reported[-1] is None:
         problems.append("its loader did not say which parameters it wrote")
-    elif not partial and vllm_config.model_config.quantization is None:
-        if missing := expected - reported[-1]:
+    elif not partial:
+        quantized = vllm_config.model_config.quantization is not None
+        if not quantized and (missing := expected - reported[-1]):
             problems.append(
                 f"the full version left {len(missing)} of its {len(expected)} parameter(s) unwritten: "
                 f"{_listed(missing)} (an update that leaves parameters as they are must say partial=True)"
             )
+        elif quantized and (why := unchecked_quantization(vllm_config)) is not None:
+            problems.append(why)
         elif absent := uncovered(checkpoint_cover(model, vllm_config), fed, exempt):
             problems.append(
                 f"the full version did not carry {len(absent)} tensor(s) of the model's checkpoint: "
