@@ -52,7 +52,7 @@ def test_block_fp8_over_several_strips_equals_vllms_quantizer(ue8m0):
     grow with the row, so a strip given another strip's scales shows)."""
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
 
-    from weightsync.quant import fp8
+    from weightsync.wire import fp8
 
     g = torch.Generator().manual_seed(1)
     for shape in [(2816, 1024), (3000, 1000), (4, 1024, 2048)]:
@@ -84,7 +84,7 @@ def test_boxes_cut_across_columns_quantize_as_vllm_quantizes_the_whole(ue8m0):
     (``quantize_box``) give vLLM's quantizer's bytes and scales of the whole tensor, sliced."""
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
 
-    from weightsync.quant.fp8 import box_amax, quantize_box, scales_of
+    from weightsync.wire.fp8 import box_amax, quantize_box, scales_of
 
     g = torch.Generator().manual_seed(2)
     cases = [  # shape, row cuts, column cuts
