@@ -320,67 +320,6 @@ def test_a_request_before_a_large_one_waits_for_room_below_the_arenas_top_while_
     assert pool.acquire(3 * page).data_ptr() == arena.data_ptr() + page  # though got[0] is held
 
 
-class FakeReplica:
-    """A replica as ``VLLMRollout`` drives one (the ``Replica`` protocol), served by a
-    replica process without vLLM; pausing and resuming are recorded."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.process = Replica()
-        self.paused = False
-
-    def workers(self) -> int:
-        return 1
-
-    def pause(self, mode) -> None:
-        self.paused = True
-
-    def resume(self) -> None:
-        self.paused = False
-
-    def release_kv_cache(self) -> None:
-        raise NotImplementedError
-
-    def restore_kv_cache(self) -> None:
-        pass
-
-    def call(self, method, *args, timeout=None):
-        status, _, _ = self.process.call(
-            method, *args, timeout=max(timeout or 0, 150)
-        )  # a cold start imports vLLM
-        return [status]
-
-
-def test_update_whose_transfer_fails_midway_leaves_the_replicas_mixed_and_paused():
-    from weightsync.integrations.vllm_reports import ReplicaUpdateError
-    from weightsync.integrations.vllm_rollout import VLLMRollout
-
-    replicas = [FakeReplica("A"), FakeReplica("B")]
-    try:
-        with VLLMRollout(replicas, OVERRIDES) as rollout:
-            assert rollout.update(pw.weights(1), 1).ok
-            assert not any(r.paused for r in replicas)
-            t0 = time.monotonic()
-            with pytest.raises(ReplicaUpdateError, match="kept paused") as info:
-                rollout.update(workers.FailingSource(pw.weights(2), after=12), 2)
-            assert time.monotonic() - t0 < DETECT_S
-            for rep in info.value.report.replicas:
-                assert (rep.ok, rep.version, rep.mixed, rep.resumed, rep.failed_version) == (
-                    False,
-                    None,
-                    True,
-                    False,
-                    2,
-                )
-            assert all(r.paused for r in replicas)  # a replica serving a mix does not serve
-            assert [(r.version, r.mixed) for r in rollout.status()] == [(None, True)] * 2
-            report = rollout.update(pw.weights(3), 3)  # a complete update makes them whole and resumes them
-            assert report.ok and not any(r.paused for r in replicas)
-    finally:
-        for r in replicas:
-            r.process.close()
-
-
 def _sparse_versions(count):
     """Versions that differ from the last in a few elements of each tensor (an RL step)."""
     state = {n: t.clone() for n, t in pw.weights(1).items()}

@@ -510,7 +510,7 @@ def _advance(llm, request_id: str, tokens: int) -> None:
         )
 
 
-LONG = 240  # generated tokens of a request kept across updates (max_model_len 256)
+KEPT_TOKENS = 240  # generated tokens of a request kept across updates (max_model_len 256)
 
 
 def test_a_request_kept_across_updates_reports_each_versions_tokens_by_span(setup):
@@ -529,7 +529,7 @@ def test_a_request_kept_across_updates_reports_each_versions_tokens_by_span(setu
     versions = [setup.version + 1, setup.version + 2, setup.version + 3]
     setup.version = versions[-1]
     assert setup.rollout.update(emitting(setup.model, marks[0]), versions[0]).ok
-    params = SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=KEPT_TOKENS, ignore_eos=True)
     (rid,) = a.enqueue([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
     for version, mark in zip(versions[1:], marks[1:]):
         _advance(a, rid, 3)  # some tokens under the version served; the request goes on
@@ -538,7 +538,7 @@ def test_a_request_kept_across_updates_reports_each_versions_tokens_by_span(setu
     (out,) = a.wait_for_completion(use_tqdm=False)
     got = VersionedOutput.of(out)
     tokens = list(out.outputs[0].token_ids)
-    assert len(tokens) == LONG and [t for _, t in _runs(tokens)] == marks, _runs(tokens)
+    assert len(tokens) == KEPT_TOKENS and [t for _, t in _runs(tokens)] == marks, _runs(tokens)
     # the boundaries, read from the tokens alone, against what the engine reported
     assert got.spans[0] == tuple((i, versions[marks.index(t)]) for i, t in _runs(tokens))
     assert got.token_versions() == [versions[marks.index(t)] for t in tokens]
@@ -565,7 +565,7 @@ def test_a_request_admitted_while_a_version_is_staged_reports_the_version_it_ran
     source = workers.HeldSource(emitting(setup.model, 222))
     stage, out = _in_thread(setup.rollout.stage, source, new)
     assert source.holding.wait(30)
-    params = SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=KEPT_TOKENS, ignore_eos=True)
     (rid,) = a.enqueue([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)
     _advance(a, rid, 3)
     source.release.set()

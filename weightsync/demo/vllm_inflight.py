@@ -102,6 +102,7 @@ def run_in_flight_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
                     model, optimizer, target, trainer_greedy(model, PROMPTS, opts.new_tokens), opts.new_tokens
                 )
                 states[step] = _copy(model)
+                _mid_batch(llms, NEW_TOKENS // 4)
                 report = rollout.update(model, version=step, mode="keep")
                 console.print(
                     f"step {step}: {iters} training iterations, loss {loss:.4f}; version {step} on every "
@@ -122,6 +123,24 @@ def run_in_flight_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
         f"{checked['ties']} ties), {checked['decisive']} boundaries where the versions on either side disagree"
     )
     return reports
+
+
+def _mid_batch(llms: list[Any], tokens: int, timeout_s: float = 60.0) -> None:
+    """Wait until every replica has a request in flight with ``tokens`` generated and most
+    still to come, so that the update that follows crosses requests whatever the machine's
+    speed (left to chance, a fast engine can finish each batch between two updates). Reads
+    vLLM 0.32's front-end request states, which the generating thread advances."""
+    deadline = time.monotonic() + timeout_s
+
+    def under_way(llm: Any) -> bool:
+        try:
+            states = list(llm.llm_engine.output_processor.request_states.values())
+        except RuntimeError:  # the generating thread changed the dict meanwhile
+            return False
+        return any(tokens <= s.detokenizer.num_output_tokens() < NEW_TOKENS - tokens for s in states)
+
+    while not all(under_way(llm) for llm in llms) and time.monotonic() < deadline:
+        time.sleep(0.002)
 
 
 def _copy(model: torch.nn.Module) -> dict[str, torch.Tensor]:
