@@ -146,8 +146,8 @@ def run_rollout_across_hosts(hosts, model_dir, overrides, commands, queue):
         trainer_greedy,
         vllm_environment,
     )
+    from weightsync.integrations.replicas.reports import ReplicaUpdateError
     from weightsync.integrations.vllm_replicas import LLMReplica
-    from weightsync.integrations.vllm_reports import ReplicaUpdateError
     from weightsync.integrations.vllm_rollout import VLLMRollout
     from weightsync.sources import StateDictSource
 

@@ -9,7 +9,7 @@ import workers
 
 from weightsync import EngineConfig, Receiver
 from weightsync.bench.updates import AdamWUpdates
-from weightsync.integrations.vllm_staging import Stager
+from weightsync.integrations.replicas.staging import Stager
 from weightsync.plan import TensorSpec
 
 # A small Qwen2-shaped model in bf16 (the rollout copy of fp32 masters): one tensor larger

@@ -32,7 +32,7 @@ def replica(commands, results):
     on every one, ``fail_after``
     tensors then raise, ``keep`` every tensor beyond the call), ``weightsync_status``,
     ``kept_digests``. Replies ``(status, digests loaded, extra)``."""
-    from weightsync.integrations.vllm import ReplicaReceiver
+    from weightsync.integrations.replicas.receiver import ReplicaReceiver
 
     torch.set_num_threads(1)
     state = ReplicaReceiver()

@@ -11,7 +11,7 @@ def replica(address, rank, overrides, commands, results):
     """A rollout replica as the vLLM integration runs one (``ReplicaReceiver``, opened again
     with the same address before every update, as ``init_weight_transfer_engine`` would),
     loading into a dict. Receives each version it is told; reports its status and digests."""
-    from weightsync.integrations.vllm import ReplicaReceiver
+    from weightsync.integrations.replicas.receiver import ReplicaReceiver
 
     torch.set_num_threads(1)
     state = ReplicaReceiver()

@@ -231,7 +231,7 @@ def test_with_delta_auto_a_failed_sync_measures_nothing_and_the_next_goes_as_del
 
 
 def test_staging_copies_receive_deltas_in_place_and_a_failed_stage_leaves_them_as_they_were():
-    """A vLLM worker's staging copy (``weightsync.integrations.vllm_staging``) as a delta
+    """A vLLM worker's staging copy (``weightsync.integrations.replicas.staging``) as a delta
     base: versions after the first go relative and are applied into the copy itself
     (allocated once). A source failing while the sender encodes (before any receiver was
     asked) cancels the sync: the receivers' wait ends at once, their copies stay on the

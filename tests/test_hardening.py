@@ -21,7 +21,11 @@ from weightsync.engines.base import Join
 from weightsync.engines.ring import PeerError
 from weightsync.engines.same_host import host_id
 from weightsync.engines.shm import ShmEngine
-from weightsync.integrations.vllm import REMOTE_CONFIG_ENV, ReplicaReceiver, check_remote_overrides
+from weightsync.integrations.replicas.receiver import (
+    REMOTE_CONFIG_ENV,
+    ReplicaReceiver,
+    check_remote_overrides,
+)
 from weightsync.session.auth import reachable_from_other_hosts
 
 pytestmark = pytest.mark.timeout(120)
@@ -323,11 +327,13 @@ def test_what_the_trainer_side_sends_by_default_passes(monkeypatch):
 
 
 class _RecordingReplica:
-    """A replica (``vllm_rollout.Replica``) that records what the trainer side asks of it;
-    its ``weightsync_init`` joins as the vLLM worker extension would (``ReplicaReceiver``,
-    in this process), taking the secret from the environment."""
+    """A replica (``replicas.replica.Replica``) that records what the trainer side asks of
+    it; its ``weightsync_init`` joins as an engine's worker would (``ReplicaReceiver``, in
+    this process), taking the secret from the environment."""
 
     name = "recording"
+    capabilities: frozenset[str] = frozenset()
+    pause_modes = ("keep",)
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple]] = []

@@ -31,8 +31,8 @@ from weightsync.demo.vllm import (
     vllm_environment,
 )
 from weightsync.errors import SyncError
+from weightsync.integrations.replicas.reports import ReplicaUpdateError
 from weightsync.integrations.vllm_replicas import LLMReplica
-from weightsync.integrations.vllm_reports import ReplicaUpdateError
 from weightsync.integrations.vllm_rollout import VLLMRollout
 from weightsync.integrations.vllm_versions import VersionedOutput
 from weightsync.sources import StateDictSource
@@ -421,12 +421,14 @@ def test_a_removed_replica_keeps_what_it_holds_and_taken_back_gets_the_next_vers
 
 
 def test_kv_cache_release_refused_on_cpu_leaves_replicas_serving(setup):
-    """vLLM 0.32 frees KV cache memory only on GPUs: the update stops before the sync,
-    names the replicas, and both resume on their old version."""
+    """vLLM 0.32 frees KV cache memory only on GPUs: its CPU replicas do not declare it, and
+    the update is refused before anything is paused or moves, naming both replicas; both go
+    on serving their version."""
     served = [replica_greedy(llm, PROMPTS, NEW) for llm in setup.llms]
-    with pytest.raises(ReplicaUpdateError, match="releasing the KV cache failed") as info:
+    assert all("release_kv_cache" not in r.capabilities for r in setup.replicas)
+    with pytest.raises(ValueError, match=r"release_kv_cache=True: replica\(s\) 'A', 'B' do not take them"):
         setup.rollout.update(setup.model, setup.version + 1, release_kv_cache=True)
-    assert [(r.version, r.resumed) for r in info.value.report.replicas] == [(setup.version, True)] * 2
+    assert [(r.version, r.ok) for r in setup.rollout.status()] == [(setup.version, True)] * 2
     assert [replica_greedy(llm, PROMPTS, NEW) for llm in setup.llms] == served
 
 

@@ -29,9 +29,9 @@ from weightsync.demo.vllm import (
     trainer_greedy,
     vllm_environment,
 )
+from weightsync.integrations.replicas.reports import ReplicaUpdateError
 from weightsync.integrations.vllm_lora import engine_lora_rank, start_for_rank
 from weightsync.integrations.vllm_replicas import LLMReplica
-from weightsync.integrations.vllm_reports import ReplicaUpdateError
 from weightsync.integrations.vllm_rollout import VLLMRollout
 from weightsync.lora import LoRAAdapter, base_weights, lora_adapter
 from weightsync.sources import StateDictSource

@@ -22,8 +22,8 @@ from weightsync.demo.vllm import (
     trainer_greedy,
     vllm_environment,
 )
+from weightsync.integrations.replicas.reports import ReplicaUpdateError
 from weightsync.integrations.vllm_replicas import LLMReplica
-from weightsync.integrations.vllm_reports import ReplicaUpdateError
 from weightsync.integrations.vllm_rollout import VLLMRollout
 from weightsync.sources import as_source
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from weightsync.demo.vllm import PROMPTS, save_tiny_model, train_until_changed, trainer_greedy
+from weightsync.integrations.replicas.reports import ReplicaUpdateError
 from weightsync.integrations.sglang import SGLangReplica, SGLangRollout, start_engine
-from weightsync.integrations.vllm_reports import ReplicaUpdateError
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -198,6 +198,27 @@ def test_worker_killed_mid_update_is_named_fast_and_the_other_replica_serves_it(
             setup.rollout.remove_replica("B")
         threading.Thread(target=engine_b.shutdown, daemon=True).start()
         b.close()
+
+
+def test_updates_an_sglang_replica_does_not_declare_are_refused_before_anything_moves(setup: Setup) -> None:
+    """SGLang replicas take streamed updates only (no ``capabilities``, pause modes keep and
+    abort): staged and LoRA updates, a KV-cache release, ``mode="wait"`` and a rollout
+    configured ``update_mode=staged`` are refused naming the replica, before a pause or a
+    byte: the replica serves what it served, at its version."""
+    served, version = greedy(setup.engine), setup.replica.weight_version()
+    refused = {
+        r"staged updates: replica\(s\) 'A'": {"staged": True},
+        r"LoRA updates: replica\(s\) 'A'": {"lora": True},
+        r"release_kv_cache=True: replica\(s\) 'A'": {"release_kv_cache": True},
+        r"mode='wait': replica\(s\) 'A' have no such pause mode": {"mode": "wait"},
+    }
+    for message, kwargs in refused.items():
+        with pytest.raises(ValueError, match=message):
+            setup.rollout.update(setup.model, setup.version + 1, **kwargs)
+    with pytest.raises(ValueError, match="update_mode=staged"):
+        SGLangRollout([setup.replica], OVERRIDES + ["update_mode=staged"])
+    assert [s["version"] for s in setup.replica.call("weightsync_status")] == [setup.version]
+    assert setup.replica.weight_version() == version and greedy(setup.engine) == served
 
 
 def test_tp2_replica_over_gloo_each_rank_loads_through_sglang(setup: Setup) -> None:

@@ -8,7 +8,7 @@
 Each replica is an SGLang ``Engine`` started with ``custom_weight_loader=[LOADER]``; each of
 its TP workers (a scheduler process) is one weightsync receiver and loads every version
 through SGLang's own ``model.load_weights`` (``weightsync.integrations.sglang_worker`` says
-why the custom loader is the way in). ``SGLangRollout`` is ``VLLMRollout``'s update call
+why the custom loader is the way in). ``SGLangRollout`` is the engine-neutral ``Rollout``
 (one ``Sender``, reports, ``add_replica``/``remove_replica``, deadlines, errors naming the
 replica and its workers) over ``SGLangReplica``, which speaks SGLang's API:
 
@@ -25,7 +25,8 @@ replica and its workers) over ``SGLangReplica``, which speaks SGLang's API:
 - a worker process that dies mid-update is named at once (its replica's call stops
   waiting), not at the deadline.
 
-Streamed updates only: staged and LoRA updates are vLLM's (refused here, saying so).
+Streamed updates only: the replica declares no staged, LoRA or KV-release updates, and the
+rollout refuses them before anything moves, saying so.
 """
 
 from __future__ import annotations
@@ -40,11 +41,9 @@ import threading
 import time
 from typing import Any
 
-from weightsync.config.engine import EngineConfig
+from weightsync.integrations.replicas.replica import PauseMode
+from weightsync.integrations.replicas.rollout import Rollout
 from weightsync.integrations.sglang_worker import LOADER
-from weightsync.integrations.vllm_replicas import PauseMode
-from weightsync.integrations.vllm_reports import UpdateReport
-from weightsync.integrations.vllm_rollout import VLLMRollout
 
 __all__ = ["LOADER", "SGLangReplica", "SGLangRollout", "cpu_engine_args", "start_engine"]
 
@@ -163,7 +162,8 @@ def _alive(pid: int) -> bool:
 
 class SGLangReplica:
     """An SGLang ``Engine`` (started with ``custom_weight_loader=[LOADER]``) as a replica of
-    ``SGLangRollout`` (the ``Replica`` protocol of ``weightsync.integrations.vllm_replicas``).
+    ``SGLangRollout`` (the ``Replica`` protocol of ``weightsync.integrations.replicas.replica``):
+    streamed updates, paused with ``keep`` or ``abort``.
 
     Its workers' statuses come back through files in a directory of its own (SGLang's
     custom loader returns nothing); the engine runs on this host, as SGLang's offline
@@ -172,6 +172,8 @@ class SGLangReplica:
     def __init__(self, engine: Any, name: str | None = None) -> None:
         self.engine = engine
         self.name = name or f"sglang-{id(engine):x}"
+        self.capabilities: frozenset[str] = frozenset()
+        self.pause_modes = tuple(_PAUSE)
         self.status_dir = tempfile.mkdtemp(prefix="weightsync-sglang-")
         self._rank_offset = 0
         self._pids: list[int] = []
@@ -220,7 +222,7 @@ class SGLangReplica:
 
     # -------------------------------------------------------------- weightsync's calls
     def call(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        """A ``weightsync_*`` call of ``VLLMRollout`` in every TP worker; one status each."""
+        """A ``weightsync_*`` call of the rollout in every TP worker; one status each."""
         if method == "weightsync_init":
             address, rank_offset, overrides, warm_up = args
             self._rank_offset = rank_offset
@@ -376,25 +378,9 @@ class SGLangReplica:
         shutil.rmtree(self.status_dir, ignore_errors=True)
 
 
-class SGLangRollout(VLLMRollout):
-    """The trainer side for a set of SGLang replicas: ``VLLMRollout``'s surface (``update``,
-    reports, ``add_replica``/``remove_replica``, deadlines, ``ReplicaUpdateError`` naming
-    each failed replica) over ``SGLangReplica``. Streamed updates only."""
-
-    def __init__(
-        self, replicas: list[SGLangReplica], config: EngineConfig | list[str], **kwargs: Any
-    ) -> None:
-        cfg = config if isinstance(config, EngineConfig) else EngineConfig.from_overrides(config)
-        if cfg.update_mode == "staged":
-            raise ValueError(
-                "update_mode=staged: SGLang replicas take streamed updates only (update_mode=stream)"
-            )
-        super().__init__(list(replicas), cfg, **kwargs)
-
-    def update(self, source: Any, version: int, *, mode: PauseMode = "keep", **kwargs: Any) -> UpdateReport:
-        """``VLLMRollout.update`` for SGLang replicas (``mode``: ``keep`` or ``abort``)."""
-        if kwargs.get("staged") or kwargs.get("lora") or kwargs.get("release_kv_cache"):
-            raise NotImplementedError(
-                "SGLang replicas take streamed updates only: no staged=, lora= or release_kv_cache="
-            )
-        return super().update(source, version, mode=mode, partial=bool(kwargs.get("partial", False)))
+class SGLangRollout(Rollout):
+    """``Rollout`` over SGLang replicas (``SGLangReplica``): ``update`` (``mode``: ``keep``
+    or ``abort``), reports, ``add_replica``/``remove_replica``, deadlines,
+    ``ReplicaUpdateError`` naming each failed replica. Streamed updates only: SGLang
+    replicas declare no staged, LoRA or KV-release updates, and the rollout refuses them
+    before anything moves."""

@@ -43,8 +43,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from weightsync.integrations.vllm import ReplicaReceiver
-from weightsync.integrations.vllm_reload import NotTaken
+from weightsync.integrations.replicas.receiver import NotTaken, ReplicaReceiver
 
 log = logging.getLogger("weightsync.sglang")
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from weightsync.integrations.replicas.receiver import NotTaken
 from weightsync.wire.checkpoint import checkpoint_pieces
 
 log = logging.getLogger("weightsync.vllm")
@@ -175,12 +176,6 @@ def full_version_vet(model: torch.nn.Module, vllm_config: Any) -> Callable[[Any]
             )
 
     return vet
-
-
-class NotTaken(RuntimeError):
-    """An update the engine did not wholly take: a tensor its loader wrote nothing of, or
-    (a full version) a parameter no tensor wrote. The replica holds what the loader did
-    write: a mix of two versions, reported as such."""
 
 
 def _listed(names: Iterable[str], limit: int = 8) -> str:

@@ -44,7 +44,7 @@ from weightsync.config.engine import EngineConfig
 from weightsync.engines.base import Transport
 from weightsync.engines.registry import get_engine
 from weightsync.errors import SyncError
-from weightsync.integrations.vllm_replicas import within
+from weightsync.integrations.replicas.replica import within
 from weightsync.plan import TensorSpec, dtype_name
 from weightsync.sender.sender import Sender
 from weightsync.sources import WeightSource, as_source

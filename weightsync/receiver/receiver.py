@@ -103,7 +103,8 @@ class Receiver:
         #: which wire entries this receiver takes and how they reach it (``weightsync.stages``)
         self._stages = receive_stages(config, rank, self.engine_cls)
         #: a routing backend, ``receive``: the box kept of each offered tensor (a name left out:
-        #: not needed; None, or a hook answering None: all whole), set by a worker (``vllm_slices``)
+        #: not needed; None, or a hook answering None: all whole), set by a worker
+        #: (``weightsync.integrations.vllm_slices``)
         self.needs: Needs | None = None
         #: dense syncs: the offered tensors checked before anything moves (a worker's, ``Vet``)
         self.vet: Vet | None = None

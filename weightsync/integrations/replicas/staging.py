@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from weightsync.integrations.vllm_slices import Slices
+from weightsync.integrations.replicas.slices import Slices
 from weightsync.plan import TensorSpec, dtype_from_name, dtype_name
 from weightsync.platform import host_empty
 from weightsync.receiver.sharded_sink import FragmentSink
@@ -35,7 +35,7 @@ from weightsync.sharding.typical import kept
 from weightsync.sinks import ModuleSink
 from weightsync.state import VersionState
 
-log = logging.getLogger("weightsync.vllm")
+log = logging.getLogger("weightsync.replica")
 
 Reload = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 
