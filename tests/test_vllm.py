@@ -34,7 +34,7 @@ from weightsync.errors import SyncError
 from weightsync.integrations.replicas.reports import ReplicaUpdateError
 from weightsync.integrations.vllm_replicas import LLMReplica
 from weightsync.integrations.vllm_rollout import VLLMRollout
-from weightsync.integrations.vllm_versions import VersionedOutput
+from weightsync.integrations.vllm_versions import versioned
 from weightsync.sources import StateDictSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(240)]
@@ -474,22 +474,6 @@ def test_keep_mode_carries_an_in_flight_request_across_the_update(setup):
     assert out.outputs[0].finish_reason == "abort"
 
 
-def emitting(model, token: int) -> dict[str, torch.Tensor]:
-    """``model``'s weights changed so that greedy decoding emits ``token`` whatever the
-    prefix: no attention or MLP output reaches the residual stream (``o_proj``, ``down_proj``
-    zero), every embedding is the same vector, so the last hidden state is the same for every
-    prefix, and only ``token``'s row of the LM head sees it."""
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    for name, t in state.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            t.zero_()
-    state["model.embed_tokens.weight"].fill_(1.0)
-    state["model.norm.weight"].fill_(1.0)
-    state["lm_head.weight"].zero_()
-    state["lm_head.weight"][token] = 1.0
-    return state
-
-
 def _runs(tokens: list[int]) -> list[tuple[int, int]]:
     """``(first_index, token)`` where each run of equal tokens starts."""
     return [(i, t) for i, t in enumerate(tokens) if i == 0 or tokens[i - 1] != t]
@@ -530,15 +514,15 @@ def test_a_request_kept_across_updates_reports_each_versions_tokens_by_span(setu
     marks = [101, 202, 303]
     versions = [setup.version + 1, setup.version + 2, setup.version + 3]
     setup.version = versions[-1]
-    assert setup.rollout.update(emitting(setup.model, marks[0]), versions[0]).ok
+    assert setup.rollout.update(workers.emitting(setup.model, marks[0]), versions[0]).ok
     params = SamplingParams(temperature=0.0, max_tokens=KEPT_TOKENS, ignore_eos=True)
     (rid,) = a.enqueue([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
     for version, mark in zip(versions[1:], marks[1:]):
         _advance(a, rid, 3)  # some tokens under the version served; the request goes on
-        report = setup.rollout.update(emitting(setup.model, mark), version, mode="keep")
+        report = setup.rollout.update(workers.emitting(setup.model, mark), version, mode="keep")
         assert report.ok and [r.version for r in report.replicas] == [version] * 2, report.summary()
     (out,) = a.wait_for_completion(use_tqdm=False)
-    got = VersionedOutput.of(out)
+    got = versioned(out)
     tokens = list(out.outputs[0].token_ids)
     assert len(tokens) == KEPT_TOKENS and [t for _, t in _runs(tokens)] == marks, _runs(tokens)
     # the boundaries, read from the tokens alone, against what the engine reported
@@ -563,8 +547,8 @@ def test_a_request_admitted_while_a_version_is_staged_reports_the_version_it_ran
     a = setup.llms[0]
     old, new = setup.version + 1, setup.version + 2
     setup.version = new
-    assert setup.rollout.update(emitting(setup.model, 111), old).ok
-    source = workers.HeldSource(emitting(setup.model, 222))
+    assert setup.rollout.update(workers.emitting(setup.model, 111), old).ok
+    source = workers.HeldSource(workers.emitting(setup.model, 222))
     stage, out = _in_thread(setup.rollout.stage, source, new)
     assert source.holding.wait(30)
     params = SamplingParams(temperature=0.0, max_tokens=KEPT_TOKENS, ignore_eos=True)
@@ -579,7 +563,7 @@ def test_a_request_admitted_while_a_version_is_staged_reports_the_version_it_ran
     tokens = list(done.outputs[0].token_ids)
     runs = _runs(tokens)
     assert [t for _, t in runs] == [111, 222] and runs[1][0] >= 6, runs
-    assert VersionedOutput.of(done).spans == (((0, old), (runs[1][0], new)),)
+    assert versioned(done).spans == (((0, old), (runs[1][0], new)),)
 
 
 def test_vllm_weight_transfer_registry_backend(setup):

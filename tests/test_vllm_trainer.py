@@ -218,7 +218,7 @@ class Server:
 
     def spans(self) -> list[list]:
         """Each prompt's version spans, from vLLM's token-in/token-out endpoint."""
-        from weightsync.integrations.vllm_versions import spans_of_json
+        from weightsync.integrations.replicas.versions import spans_of_json
 
         out = []
         for p in PROMPTS:

@@ -663,3 +663,19 @@ def _trainer_regions() -> list[tuple[int, int]]:
     with open("/proc/self/maps") as f:
         lines = [line.split() for line in f if "/memfd:weightsync-ipc " in line]
     return [tuple(int(x, 16) for x in fields[0].split("-")) for fields in lines]
+
+
+def emitting(model: torch.nn.Module, token: int) -> dict[str, torch.Tensor]:
+    """``model``'s weights changed so that greedy decoding emits ``token`` whatever the
+    prefix: no attention or MLP output reaches the residual stream (``o_proj``, ``down_proj``
+    zero), every embedding is the same vector, so the last hidden state is the same for every
+    prefix, and only ``token``'s row of the LM head sees it."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for name, t in state.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            t.zero_()
+    state["model.embed_tokens.weight"].fill_(1.0)
+    state["model.norm.weight"].fill_(1.0)
+    state["lm_head.weight"].zero_()
+    state["lm_head.weight"][token] = 1.0
+    return state

@@ -18,7 +18,7 @@ import torch
 
 from weightsync.demo.vllm import PROMPTS, save_tiny_model, train_until_changed, trainer_greedy
 from weightsync.integrations.replicas.reports import ReplicaUpdateError
-from weightsync.integrations.sglang import SGLangReplica, SGLangRollout, start_engine
+from weightsync.integrations.sglang import SGLangReplica, SGLangRollout, start_engine, versioned
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -198,6 +198,44 @@ def test_worker_killed_mid_update_is_named_fast_and_the_other_replica_serves_it(
             setup.rollout.remove_replica("B")
         threading.Thread(target=engine_b.shutdown, daemon=True).start()
         b.close()
+
+
+def test_a_request_retracted_across_an_update_reports_sglangs_spans_at_the_exact_token(setup: Setup) -> None:
+    """Versions v1 and v2 each emit a token of their own (t1, t2) whatever the prefix. A
+    request admitted under v1 and kept across the update to v2 (weightsync's ``keep``:
+    SGLang retracts it, and it recomputes its KV under v2) reads t1... t2...; the spans
+    weightsync reads through from SGLang's own ``meta_info`` put v2's first token exactly
+    where the tokens change. A fresh request reports v2 alone."""
+    import workers
+
+    replica, marks = setup.replica, (101, 202)
+    v1, v2 = setup.version + 1, setup.version + 2
+    setup.version = v2
+    assert setup.rollout.update(workers.emitting(setup.model, marks[0]), v1).ok
+    started, out = threading.Event(), {}
+
+    async def generate() -> None:
+        params = {"temperature": 0.0, "max_new_tokens": 200, "ignore_eos": True}
+        stream = await setup.engine.async_generate(input_ids=PROMPTS[0], sampling_params=params, stream=True)
+        async for chunk in stream:
+            if len(chunk["output_ids"]) >= 3:
+                started.set()  # some tokens under v1, most still to come
+            out["last"] = chunk
+
+    runner = threading.Thread(target=replica._run, args=(lambda tm: generate(),), daemon=True)
+    runner.start()
+    assert started.wait(60)
+    assert setup.rollout.update(workers.emitting(setup.model, marks[1]), v2, mode="keep").ok
+    runner.join(timeout=60)
+    got = versioned(out["last"])
+    tokens = list(out["last"]["output_ids"])
+    assert len(tokens) == 200
+    ((first, a), (boundary, b)) = got.spans[0]
+    assert (first, a, b) == (0, v1, v2) and 0 < boundary < 200, got.spans
+    assert tokens == [marks[0]] * boundary + [marks[1]] * (200 - boundary), (boundary, tokens)
+    assert got.token_versions() == [v1] * boundary + [v2] * (200 - boundary)
+    (fresh,) = replica.generate([PROMPTS[1]], {"temperature": 0.0, "max_new_tokens": 4})
+    assert fresh.spans == (((0, v2),),) and list(fresh.output["output_ids"]) == [marks[1]] * 4
 
 
 def test_updates_an_sglang_replica_does_not_declare_are_refused_before_anything_moves(setup: Setup) -> None:

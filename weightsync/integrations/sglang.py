@@ -43,9 +43,10 @@ from typing import Any
 
 from weightsync.integrations.replicas.replica import PauseMode
 from weightsync.integrations.replicas.rollout import Rollout
+from weightsync.integrations.replicas.versions import VersionedOutput, spans_of_json, version_of
 from weightsync.integrations.sglang_worker import LOADER
 
-__all__ = ["LOADER", "SGLangReplica", "SGLangRollout", "cpu_engine_args", "start_engine"]
+__all__ = ["LOADER", "SGLangReplica", "SGLangRollout", "cpu_engine_args", "start_engine", "versioned"]
 
 log = logging.getLogger("weightsync.sglang")
 
@@ -206,6 +207,14 @@ class SGLangReplica:
 
     def restore_kv_cache(self) -> None:
         raise NotImplementedError("weightsync does not release SGLang's KV cache around an update (yet)")
+
+    def generate(
+        self, input_ids: list[list[int]], sampling_params: Any = None, **kwargs: Any
+    ) -> list[VersionedOutput]:
+        """``Engine.generate(input_ids=..., sampling_params=...)`` with the versions that
+        sampled each response's tokens (``versioned``); ``kwargs`` go to ``Engine.generate``."""
+        outs = self.engine.generate(input_ids=input_ids, sampling_params=sampling_params, **kwargs)
+        return [versioned(o) for o in outs]
 
     def weight_version(self) -> str | None:
         """SGLang's own ``weight_version`` (``get_model_info()``)."""
@@ -376,6 +385,20 @@ class SGLangReplica:
 
     def close(self) -> None:
         shutil.rmtree(self.status_dir, ignore_errors=True)
+
+
+def versioned(output: dict[str, Any]) -> VersionedOutput:
+    """One finished SGLang response (``{"output_ids": ..., "meta_info": ...}``) with the
+    versions that sampled its tokens, read from SGLang's own account: its per-token spans
+    (``meta_info["weight_versions"]``: SGLang records, at each ``weight_version`` change that
+    weightsync makes after an update, how many tokens every live request holds), else the
+    one ``weight_version`` it reports for the whole response."""
+    meta, count = output["meta_info"], len(output["output_ids"])
+    if meta.get("weight_versions"):
+        spans = spans_of_json(meta["weight_versions"])
+    else:
+        spans = [(0, version_of(str(meta["weight_version"])))] if count else []
+    return VersionedOutput(output, (tuple(spans),), (count,))
 
 
 class SGLangRollout(Rollout):

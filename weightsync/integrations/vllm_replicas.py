@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from weightsync.integrations.replicas.replica import PAUSE_MODES, PauseMode, loaded
 
 if TYPE_CHECKING:
-    from weightsync.integrations.vllm_versions import VersionedOutput
+    from weightsync.integrations.replicas.versions import VersionedOutput
 
 EXTENSION = "weightsync.integrations.vllm.WeightsyncWorkerExtension"
 

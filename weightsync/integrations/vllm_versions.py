@@ -19,36 +19,30 @@ the new one, and a request admitted while a version is being staged runs under t
 served, since the label changes only at the commit. A replica left paused with a mix of
 two versions keeps its old label and samples nothing until an update succeeds.
 
-A token sampled after an update under ``keep`` comes from the new weights reading a KV
-cache that the old weights computed for the tokens before it (vLLM keeps it): the span says
-which weights sampled it, not that its whole context was recomputed.
+A token sampled after an update under ``keep`` comes from the new weights over a context
+whose KV the new weights computed: the update resets the prefix cache, which preempts the
+requests kept across it, and each computes its KV again when it resumes
+(``weightsync.integrations.vllm_caches``). The spans, the output and ``VersionedOutput`` are
+engine-neutral (``weightsync.integrations.replicas.versions``).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-#: ``(first_token_index, version)``: the output tokens from ``first_token_index`` up to the
-#: next span's first index were sampled by ``version`` (None: weights no weightsync update
-#: gave the engine, e.g. its checkpoint at start)
-Span = tuple[int, "int | None"]
-
-#: vLLM's label of an engine no one labelled (``EngineCore._weight_version``)
-UNLABELLED = "default"
+from weightsync.integrations.replicas.versions import Span, VersionedOutput, version_of
 
 
 def label_engine(llm: Any, version: int) -> None:
     """Label ``llm``'s engine with ``version``: every token it samples from now on carries it.
     Call it only while the engine is paused (tokens of a step in flight would take it)."""
-    llm.llm_engine.set_weight_version(str(version))
+    llm.llm_engine.set_weightversion_of(str(version))
 
 
 def engine_label(llm: Any) -> int | None:
     """The version ``llm``'s engine labels its tokens with now (None: never labelled)."""
-    return _version(llm.llm_engine.get_weight_version())
+    return version_of(llm.llm_engine.get_weightversion_of())
 
 
 def spans_of(completion: Any) -> list[Span]:
@@ -64,51 +58,20 @@ def spans_of(completion: Any) -> list[Span]:
             "vLLM reported no weight versions for this output (versions come with finished "
             "outputs of vLLM 0.32 or later)"
         )
-    spans = [(s.start, _version(s.version)) for s in reported if s.end > s.start]
+    spans = [(s.start, version_of(s.version)) for s in reported if s.end > s.start]
     covered = sum(s.end - s.start for s in reported)
     if covered != len(completion.token_ids):
         raise ValueError(f"vLLM's spans cover {covered} of {len(completion.token_ids)} tokens")
     return spans
 
 
-def spans_of_json(weight_versions: Sequence[Mapping[str, Any]]) -> list[Span]:
-    """The version spans of one choice of vLLM's token-in/token-out endpoint
-    (``POST /inference/v1/generate`` of ``vllm serve --enable-scale-out``: each choice's
-    ``weight_versions``, ``[{"version": "7", "start": 0, "end": 41}, ...]``). The server's
-    label is the ``weight_version`` of its last ``finish_weight_update``, which
-    ``WeightsyncTrainerEngine`` sets to the version."""
-    return [(int(s["start"]), _version(str(s["version"]))) for s in weight_versions if s["end"] > s["start"]]
-
-
-def expand(spans: Sequence[Span], num_tokens: int) -> list[int | None]:
-    """One version per token from ``spans``: what an importance-sampling correction indexes."""
-    out: list[int | None] = []
-    bounds = [start for start, _ in spans[1:]] + [num_tokens]
-    for (start, version), end in zip(spans, bounds):
-        out.extend([version] * (end - start))
-    return out
-
-
-@dataclass(frozen=True)
-class VersionedOutput:
-    """vLLM's ``RequestOutput`` of one request and, for each of its completions (the
-    ``n`` of ``SamplingParams``, in ``output.outputs`` order), the versions that sampled it."""
-
-    output: Any
-    spans: tuple[tuple[Span, ...], ...]
-
-    @classmethod
-    def of(cls, output: Any) -> VersionedOutput:
-        return cls(output, tuple(tuple(spans_of(c)) for c in output.outputs))
-
-    @property
-    def versions(self) -> set[int | None]:
-        """Every version that sampled a token of this request."""
-        return {version for spans in self.spans for _, version in spans}
-
-    def token_versions(self, index: int = 0) -> list[int | None]:
-        """The version of each generated token of completion ``index``."""
-        return expand(self.spans[index], len(self.output.outputs[index].token_ids))
+def versioned(output: Any) -> VersionedOutput:
+    """vLLM's ``RequestOutput`` of a finished request with the versions of its completions."""
+    return VersionedOutput(
+        output,
+        tuple(tuple(spans_of(c)) for c in output.outputs),
+        tuple(len(c.token_ids) for c in output.outputs),
+    )
 
 
 def generate(llm: Any, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> list[VersionedOutput]:
@@ -116,7 +79,7 @@ def generate(llm: Any, prompts: Any, sampling_params: Any = None, **kwargs: Any)
     Safe beside a ``VLLMRollout`` updating ``llm`` from another thread once the engine's
     client is shared (``share_client``; ``LLMReplica`` does it)."""
     kwargs.setdefault("use_tqdm", False)
-    return [VersionedOutput.of(o) for o in llm.generate(prompts, sampling_params, **kwargs)]
+    return [versioned(o) for o in llm.generate(prompts, sampling_params, **kwargs)]
 
 
 def share_client(llm: Any) -> None:
@@ -139,15 +102,3 @@ def share_client(llm: Any) -> None:
 
     locked.weightsync_lock = lock  # type: ignore[attr-defined]
     client._send_input = locked  # noqa: SLF001 -- vLLM 0.32: no lock of its own around the socket
-
-
-def _version(label: str) -> int | None:
-    if label == UNLABELLED:
-        return None
-    try:
-        return int(label)
-    except ValueError:
-        raise ValueError(
-            f"the engine labels its tokens {label!r}: not a weightsync version (someone else set "
-            "vLLM's weight_version)"
-        ) from None
