@@ -385,6 +385,10 @@ COMMANDS: dict[str, Run | NotHere] = {
         "SGLang is installed in .venv-sglang only: tests/sglang/test_sglang_cli.py runs it there (make test), "
         "1 replica and 2 steps"
     ),
+    "weightsync demo --rollout sglang --in-flight": NotHere(
+        "SGLang is installed in .venv-sglang only: tests/sglang/test_sglang_cli.py runs it there (make test), "
+        "1 replica and 2 steps"
+    ),
     "weightsync bench --rollout sglang --backend nccl,shm": NotHere(
         "SGLang is installed in .venv-sglang only: tests/sglang/test_sglang_cli.py runs it there (make test), "
         "1 replica, the smallest Qwen2 shape, 1 timed update per row"

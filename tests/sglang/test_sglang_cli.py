@@ -19,6 +19,10 @@ LINES = {
         ["demo", "--rollout", "sglang", "--receivers", "1", "--steps", "2"],
         "1 replica, 2 steps: an SGLang engine start is 20-30 s on 2 cores",
     ),
+    "weightsync demo --rollout sglang --in-flight": (
+        ["demo", "--rollout", "sglang", "--in-flight", "--receivers", "1", "--steps", "2"],
+        "1 replica, 2 steps: an SGLang engine start is 20-30 s on 2 cores",
+    ),
     "weightsync bench --rollout sglang --backend nccl,shm": (
         [
             "bench",
@@ -65,6 +69,14 @@ def test_demo_greedy_parity_per_version() -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "demo OK: 2 updates to 1 SGLang replicas" in out.stdout
     assert out.stdout.count("parity OK") == 2
+
+
+@pytest.mark.timeout(400)
+def test_in_flight_demo_replays_every_token_under_the_version_sglang_names() -> None:
+    out = _run(LINES["weightsync demo --rollout sglang --in-flight"][0], 380)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "demo OK: 2 updates to 1 SGLang replicas while they generated" in out.stdout
+    assert "0 boundaries" not in out.stdout, out.stdout[-2000:]
 
 
 @pytest.mark.timeout(400)

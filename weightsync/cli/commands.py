@@ -228,7 +228,7 @@ def _demo_command(args: argparse.Namespace) -> int:
         return _vllm_demo_command(args)
     if args.in_flight:
         print(
-            "demo: --in-flight generates on vLLM replicas during updates: use it with --rollout vllm",
+            "demo: --in-flight generates on engine replicas during updates: use it with --rollout vllm or sglang",
             file=sys.stderr,
         )
         return 2

@@ -96,7 +96,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--in-flight",
         action="store_true",
-        help="--rollout vllm: every replica generates in a thread of its own while the trainer updates every "
+        help="--rollout vllm or sglang: every replica generates in a thread of its own while the trainer updates every "
         "step; every request printed with the versions that sampled its tokens, each token checked against them",
     )
 

@@ -24,6 +24,9 @@ def sglang_demo_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.in_flight and (args.tp > 1 or args.pause_mode != "keep"):
+        print("demo: --in-flight runs replicas without --tp, pause mode keep", file=sys.stderr)
+        return 2
     opts = SGLangDemoOptions(
         model=args.model,
         replicas=args.receivers,
@@ -37,7 +40,12 @@ def sglang_demo_command(args: argparse.Namespace) -> int:
         tp=args.tp,
     )
     try:
-        run_sglang_demo(opts)
+        if args.in_flight:
+            from weightsync.demo.sglang import run_sglang_in_flight_demo
+
+            run_sglang_in_flight_demo(opts)
+        else:
+            run_sglang_demo(opts)
     except Exception as e:
         print(f"demo FAILED: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -1,7 +1,8 @@
 """``weightsync demo --rollout sglang``: a trainer fine-tunes a small LM and syncs it after
 every step into real SGLang replicas (``SGLangRollout``), checking after each version that
 every replica's greedy output equals the trainer's and that SGLang's own
-``weight_version`` names it. Runs where SGLang is installed (``make install-sglang``:
+``weight_version`` names it. ``--in-flight``: the replicas generate while they are updated
+(``weightsync.demo.inflight``). Runs where SGLang is installed (``make install-sglang``:
 ``.venv-sglang/bin/weightsync demo --rollout sglang``)."""
 
 from __future__ import annotations
@@ -41,14 +42,14 @@ def sglang_greedy(engine: Any, prompts: list[list[int]], new_tokens: int) -> lis
     return [list(o["output_ids"]) for o in engine.generate(input_ids=prompts, sampling_params=params)]
 
 
-def run_sglang_demo(opts: SGLangDemoOptions, console: Any = None) -> list[Any]:
-    """Run the demo; raise ``DemoFailed`` (or a sync error) on any mismatch or failure."""
+def _prepare(opts: SGLangDemoOptions, console: Any) -> tuple[Any, Any, str, Any]:
+    """The console, configuration, model directory and the trainer's model (float32) of an
+    SGLang demo, and its header lines."""
     from rich.console import Console
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from weightsync.config.engine import EngineConfig
-    from weightsync.integrations.sglang import SGLangReplica, SGLangRollout, start_engine
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
@@ -72,15 +73,42 @@ def run_sglang_demo(opts: SGLangDemoOptions, console: Any = None) -> list[Any]:
         f"model: {opts.model or 'tiny Qwen2-shaped default'}, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, float32"
     )
+    return console, config, model_dir, model
+
+
+def _start(
+    opts: SGLangDemoOptions, console: Any, model_dir: str, engines: list[Any], replicas: list[Any]
+) -> None:
+    """Start ``opts.replicas`` SGLang engines into ``engines`` and ``replicas`` (the caller
+    shuts down what started, also after a failure)."""
+    from weightsync.integrations.sglang import SGLangReplica, start_engine
+
     t0 = time.perf_counter()
-    engines = []
-    replicas = []
+    with console.status(f"starting {opts.replicas} SGLang replicas"):
+        for i in range(opts.replicas):
+            engines.append(start_engine(model_dir, tp=opts.tp, seed=opts.seed))
+            replicas.append(SGLangReplica(engines[-1], f"replica{i}"))
+    console.print(f"started {opts.replicas} SGLang replicas in {time.perf_counter() - t0:.1f} s")
+
+
+def _shut(engines: list[Any], replicas: list[Any]) -> None:
+    for engine in engines:
+        engine.shutdown()
+    for replica in replicas:
+        replica.close()
+
+
+def run_sglang_demo(opts: SGLangDemoOptions, console: Any = None) -> list[Any]:
+    """Run the demo; raise ``DemoFailed`` (or a sync error) on any mismatch or failure."""
+    from weightsync.integrations.sglang import SGLangRollout
+
+    console, config, model_dir, model = _prepare(opts, console)
+    vocab = model.config.vocab_size
+    tp = f" x {opts.tp} TP workers" if opts.tp > 1 else ""
+    engines: list[Any] = []
+    replicas: list[Any] = []
     try:
-        with console.status(f"starting {opts.replicas} SGLang replicas"):
-            for i in range(opts.replicas):
-                engines.append(start_engine(model_dir, tp=opts.tp, seed=opts.seed))
-                replicas.append(SGLangReplica(engines[-1], f"replica{i}"))
-        console.print(f"started {opts.replicas} SGLang replicas in {time.perf_counter() - t0:.1f} s")
+        _start(opts, console, model_dir, engines, replicas)
         reports = []
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         gen = torch.Generator().manual_seed(opts.seed)
@@ -123,11 +151,49 @@ def run_sglang_demo(opts: SGLangDemoOptions, console: Any = None) -> list[Any]:
                 )
                 reports.append(report)
     finally:
-        for engine in engines:
-            engine.shutdown()
-        for replica in replicas:
-            replica.close()
+        _shut(engines, replicas)
     console.print(
         f"demo OK: {len(reports)} updates to {opts.replicas} SGLang replicas{tp}, greedy parity with the trainer"
     )
     return reports
+
+
+def run_sglang_in_flight_demo(opts: SGLangDemoOptions, console: Any = None) -> list[Any]:
+    """``--in-flight`` on SGLang replicas (``weightsync.demo.inflight``, where its check is
+    described): every replica generates in a thread of its own while the trainer updates it
+    every step (``keep``: SGLang retracts the requests in flight, which recompute their KV
+    under the new weights); raise ``DemoFailed`` on any mismatch."""
+    from weightsync.demo.inflight import NEW_TOKENS, Engine, run_in_flight
+    from weightsync.integrations.sglang import SGLangRollout
+
+    console, config, model_dir, model = _prepare(opts, console)
+    params = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    progress: dict[str, dict[int, int]] = {}  # replica -> prompt index -> tokens so far
+
+    def generate(replica: Any, prompts: list[list[int]]) -> list[Any]:
+        counts = progress[replica.name] = {}
+        try:
+            return replica.generate(prompts, params, progress=counts.__setitem__)
+        finally:
+            counts.clear()
+
+    def under_way(replica: Any, tokens: int) -> bool:
+        return any(tokens <= n < NEW_TOKENS - tokens for n in list(progress.get(replica.name, {}).values()))
+
+    engines: list[Any] = []
+    replicas: list[Any] = []
+    try:
+        _start(opts, console, model_dir, engines, replicas)
+        with SGLangRollout(replicas, config, address=opts.address, model=model, initial_version=0) as rollout:
+            return run_in_flight(
+                Engine(generate=generate, under_way=under_way, name="SGLang"),
+                replicas,
+                rollout,
+                model,
+                steps=opts.steps,
+                seed=opts.seed,
+                new_tokens=opts.new_tokens,
+                console=console,
+            )
+    finally:
+        _shut(engines, replicas)

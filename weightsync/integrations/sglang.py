@@ -39,6 +39,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from weightsync.integrations.replicas.replica import PauseMode
@@ -209,12 +210,42 @@ class SGLangReplica:
         raise NotImplementedError("weightsync does not release SGLang's KV cache around an update (yet)")
 
     def generate(
-        self, input_ids: list[list[int]], sampling_params: Any = None, **kwargs: Any
+        self,
+        input_ids: list[list[int]],
+        sampling_params: Any = None,
+        *,
+        progress: Callable[[int, int], None] | None = None,
+        **kwargs: Any,
     ) -> list[VersionedOutput]:
-        """``Engine.generate(input_ids=..., sampling_params=...)`` with the versions that
-        sampled each response's tokens (``versioned``); ``kwargs`` go to ``Engine.generate``."""
-        outs = self.engine.generate(input_ids=input_ids, sampling_params=sampling_params, **kwargs)
-        return [versioned(o) for o in outs]
+        """SGLang's ``generate(input_ids=..., sampling_params=...)`` with the versions that
+        sampled each response's tokens (``versioned``); ``kwargs`` go to
+        ``Engine.async_generate``. It runs on the engine's loop as the rollout's calls do, so
+        one thread may generate while another updates the replica. ``progress(i, tokens)``:
+        each request streamed, told the count of tokens prompt ``i`` has so far."""
+        if progress is None:
+            outs = self._run(
+                lambda tm: self.engine.async_generate(
+                    input_ids=input_ids, sampling_params=sampling_params, **kwargs
+                )
+            )
+            return [versioned(o) for o in (outs if isinstance(outs, list) else [outs])]
+
+        async def one(i: int, prompt: list[int]) -> dict[str, Any]:
+            last: dict[str, Any] = {}
+            stream = await self.engine.async_generate(
+                input_ids=prompt, sampling_params=sampling_params, stream=True, **kwargs
+            )
+            async for chunk in stream:  # each chunk holds every token so far
+                progress(i, len(chunk["output_ids"]))
+                last = chunk
+            return last
+
+        async def every(tm: Any) -> list[dict[str, Any]]:
+            import asyncio
+
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(input_ids))))
+
+        return [versioned(o) for o in self._run(every)]
 
     def weight_version(self) -> str | None:
         """SGLang's own ``weight_version`` (``get_model_info()``)."""
@@ -393,12 +424,12 @@ def versioned(output: dict[str, Any]) -> VersionedOutput:
     (``meta_info["weight_versions"]``: SGLang records, at each ``weight_version`` change that
     weightsync makes after an update, how many tokens every live request holds), else the
     one ``weight_version`` it reports for the whole response."""
-    meta, count = output["meta_info"], len(output["output_ids"])
+    meta, tokens = output["meta_info"], tuple(output["output_ids"])
     if meta.get("weight_versions"):
         spans = spans_of_json(meta["weight_versions"])
     else:
-        spans = [(0, version_of(str(meta["weight_version"])))] if count else []
-    return VersionedOutput(output, (tuple(spans),), (count,))
+        spans = [(0, version_of(str(meta["weight_version"])))] if tokens else []
+    return VersionedOutput(output, (tuple(spans),), (tokens,))
 
 
 class SGLangRollout(Rollout):

@@ -37,12 +37,12 @@ from weightsync.integrations.replicas.versions import Span, VersionedOutput, ver
 def label_engine(llm: Any, version: int) -> None:
     """Label ``llm``'s engine with ``version``: every token it samples from now on carries it.
     Call it only while the engine is paused (tokens of a step in flight would take it)."""
-    llm.llm_engine.set_weightversion_of(str(version))
+    llm.llm_engine.set_weight_version(str(version))
 
 
 def engine_label(llm: Any) -> int | None:
     """The version ``llm``'s engine labels its tokens with now (None: never labelled)."""
-    return version_of(llm.llm_engine.get_weightversion_of())
+    return version_of(llm.llm_engine.get_weight_version())
 
 
 def spans_of(completion: Any) -> list[Span]:
@@ -70,7 +70,7 @@ def versioned(output: Any) -> VersionedOutput:
     return VersionedOutput(
         output,
         tuple(tuple(spans_of(c)) for c in output.outputs),
-        tuple(len(c.token_ids) for c in output.outputs),
+        tuple(tuple(c.token_ids) for c in output.outputs),
     )
 
 

@@ -60,12 +60,12 @@ def expand(spans: Sequence[Span], num_tokens: int) -> list[int | None]:
 @dataclass(frozen=True)
 class VersionedOutput:
     """An engine's output of one request (vLLM's ``RequestOutput``, SGLang's output dict)
-    and, for each of its completions (vLLM's ``n``), the versions that sampled it and how
-    many tokens it generated."""
+    and, for each of its completions (vLLM's ``n``), the token ids it generated and the
+    versions that sampled them."""
 
     output: Any
     spans: tuple[tuple[Span, ...], ...]
-    lengths: tuple[int, ...]
+    tokens: tuple[tuple[int, ...], ...]
 
     @property
     def versions(self) -> set[int | None]:
@@ -74,4 +74,4 @@ class VersionedOutput:
 
     def token_versions(self, index: int = 0) -> list[int | None]:
         """The version of each generated token of completion ``index``."""
-        return expand(self.spans[index], self.lengths[index])
+        return expand(self.spans[index], len(self.tokens[index]))
