@@ -107,10 +107,13 @@ class WeightsyncGeneration:
     ``last_versions``; a token sampled by a version other than the one synced for the step
     fails the generation."""
 
-    def __init__(self, trainer: Any, rollout: VLLMRollout, *, pause_mode: str = "keep") -> None:
+    def __init__(
+        self, trainer: Any, rollout: VLLMRollout, *, pause_mode: str = "keep", version_offset: int = 0
+    ) -> None:
         self.trainer = trainer
         self.rollout = rollout
         self.pause_mode = pause_mode
+        self.version_offset = version_offset
         #: the version every replica serves (None before the first sync)
         self.version: int | None = None
         #: every sync of the run, in order
@@ -125,10 +128,10 @@ class WeightsyncGeneration:
 
     # -------------------------------------------------------------------- TRL's calls
     def sync_weights(self) -> None:
-        """Bring every replica to the trainer's weights as version ``global_step`` (nothing
-        when they already serve it). Raises ``ReplicaUpdateError`` naming each replica the
-        update did not reach, within the rollout's deadline."""
-        version = int(self.trainer.state.global_step)
+        """Bring every replica to the trainer's weights as version ``version_offset +
+        global_step`` (nothing when they already serve it). Raises ``ReplicaUpdateError``
+        naming each replica the update did not reach, within the rollout's deadline."""
+        version = self.version_offset + int(self.trainer.state.global_step)
         if self.version == version:
             return
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
@@ -203,7 +206,11 @@ class WeightsyncGRPOTrainer(_grpo_trainer_base()):  # type: ignore[misc]
     and no ``VLLMClient``; generation and the sync go through the rollout.
 
     ``pause_mode``: what an update does to requests in flight (``keep``, ``abort``,
-    ``wait``; GRPOTrainer generates and syncs in turn, so none are). ``sync_at_step_end``:
+    ``wait``; GRPOTrainer generates and syncs in turn, so none are). ``version_offset``:
+    the version of step 0 (each step's is ``version_offset + global_step``); replicas never
+    go back a version, so a run over replicas a former run left on version V starts past
+    it (``version_offset=V + 1``), as does a run resumed from a checkpoint whose replicas
+    went on. ``sync_at_step_end``:
     sync as every optimizer step ends (the replicas serve version ``global_step`` whenever a
     step is over, the last step's weights included); otherwise only before a generation
     whose step moved, as TRL does (fewer updates when ``num_iterations`` or
@@ -221,6 +228,7 @@ class WeightsyncGRPOTrainer(_grpo_trainer_base()):  # type: ignore[misc]
         *args: Any,
         rollout: VLLMRollout,
         pause_mode: str = "keep",
+        version_offset: int = 0,
         sync_at_step_end: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -240,7 +248,9 @@ class WeightsyncGRPOTrainer(_grpo_trainer_base()):  # type: ignore[misc]
         finally:
             config.use_vllm = wanted
         self.use_vllm = True
-        self.vllm_generation = WeightsyncGeneration(self, rollout, pause_mode=pause_mode)
+        self.vllm_generation = WeightsyncGeneration(
+            self, rollout, pause_mode=pause_mode, version_offset=version_offset
+        )
         self._last_loaded_step = -1
         if sync_at_step_end:
             generation = self.vllm_generation
