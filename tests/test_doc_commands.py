@@ -392,6 +392,8 @@ COMMANDS: dict[str, Run | NotHere] = {
     # docs/vllm.md
     "weightsync demo --rollout vllm": Run(timeout=240, vllm=True),  # about 80 s here: 2 vLLM replicas start
     # README, docs/versions.md
+    # docs/trl.md
+    "weightsync demo --trainer trl": Run(timeout=300, vllm=True),  # one vLLM replica starts; 6 GRPO steps
     "weightsync demo --rollout vllm --in-flight": Run(
         ("demo --rollout vllm --in-flight --receivers 1 --steps 2",),
         "--receivers 1 --steps 2 (a replica start and a training step saved; tests/test_vllm.py checks spans "
