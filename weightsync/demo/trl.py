@@ -14,7 +14,6 @@ check are printed.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -202,7 +201,7 @@ def build(tmp: str, opts: TRLDemoOptions, replica_names: tuple[str, ...] = ("r0"
 def run_trl_demo(opts: TRLDemoOptions) -> None:
     """Run the demo; print a line per step and ``demo OK``; raise ``DemoFailed`` on a
     replica that does not hold the trainer's weights after a step."""
-    from transformers import TrainerCallback
+    from transformers import PrinterCallback, TrainerCallback
 
     from weightsync.integrations.trl import WeightsyncGRPOTrainer, check_versions
     from weightsync.integrations.vllm_replicas import LLMReplica
@@ -256,6 +255,8 @@ def run_trl_demo(opts: TRLDemoOptions) -> None:
                 processing_class=parts["tokenizer"],
                 rollout=rollout,
             )
+            # the step lines below say what TRL's own printer would (its whole log dict)
+            trainer.remove_callback(PrinterCallback)
             trainer.add_callback(Check())
             trainer.train()
         finally:
@@ -269,4 +270,7 @@ def run_trl_demo(opts: TRLDemoOptions) -> None:
         if len(rewards) != opts.steps:
             raise DemoFailed(f"{len(rewards)} of {opts.steps} steps checked")
         print(f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f} over {opts.steps} steps")
-        print("demo OK", file=sys.stdout)
+        print(
+            f"demo OK: {len(trainer.syncs)} updates to 1 vLLM replicas (versions 0..{opts.steps}), "
+            "each checked against the trainer"
+        )
