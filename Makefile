@@ -21,6 +21,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 # torch, so they go again (pip uninstall of an absent package is a no-op). Ray, pinned, for
 # vLLM's RayVLLMWeightSyncClient in tests/test_vllm_trainer.py (vLLM does not require it).
 # PEFT (the lora extra) for the LoRA syncs into vLLM's LoRA manager (tests/test_vllm_lora.py).
+# TRL (the trl extra, pinned) for weightsync.integrations.trl, tests/test_trl.py and
+# `weightsync demo --trainer trl`: its pins sit beside vLLM's CPU build in .venv.
 install-vllm: $(VENV)/.installed-vllm
 RAY := ray==2.60.0
 # TCMalloc, which vLLM's CPU guide preloads into its processes (start_replica does).
@@ -29,7 +31,7 @@ VLLM_DEBS := libtcmalloc-minimal4
 $(VENV)/.installed-vllm: $(VENV)/.installed
 	dpkg -s $(VLLM_DEBS) >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
 		$(SUDO) apt-get install -y --no-install-recommends $(VLLM_DEBS); }
-	$(BIN)/pip install --quiet "$(TORCH)" -e ".[test,vllm,lora]" "$(RAY)"
+	$(BIN)/pip install --quiet "$(TORCH)" -e ".[test,vllm,lora,trl]" "$(RAY)"
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 

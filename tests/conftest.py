@@ -27,6 +27,7 @@ OPTIONAL = {
         "vllm",
         "make install-vllm  (pip install -e '.[vllm]'; see the Makefile for the packages it then removes)",
     ),
+    "trl": ("trl", "make install-vllm  (pip install -e '.[trl]')"),
     "mooncake": (
         "mooncake.engine",
         "make install-mooncake  (apt-get install libibverbs1 libnl-3-200 libnl-route-3-200; pip install -e '.[mooncake]')",
@@ -59,6 +60,7 @@ def missing(module: str) -> str | None:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "mooncake: needs Mooncake Transfer Engine (make install-mooncake)")
+    config.addinivalue_line("markers", "trl: needs TRL (the trl extra; make install-vllm)")
 
 
 def pytest_runtest_setup(item):

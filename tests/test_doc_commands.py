@@ -396,6 +396,8 @@ COMMANDS: dict[str, Run | NotHere] = {
     # docs/vllm.md
     "weightsync demo --rollout vllm": Run(timeout=240, vllm=True),  # about 80 s here: 2 vLLM replicas start
     # README, docs/versions.md
+    # docs/trl.md
+    "weightsync demo --trainer trl": Run(timeout=300, vllm=True),  # one vLLM replica starts; 6 GRPO steps
     "weightsync demo --rollout vllm --in-flight": Run(
         ("demo --rollout vllm --in-flight --receivers 1 --steps 2",),
         "--receivers 1 --steps 2 (a replica start and a training step saved; tests/test_vllm.py checks spans "
@@ -853,6 +855,7 @@ def test_doc_command(command, tmp_path, request):
         assert message in out.stdout + out.stderr, f"the docs promise {message!r}: {shown}"
         if argv[0] == "demo":  # as many rollouts as the command asks for, every sync checked
             n = argv[argv.index("--receivers") + 1] if "--receivers" in argv else "2"
+            n = "1" if "--trainer" in argv and argv[argv.index("--trainer") + 1] == "trl" else n
             assert re.search(
                 rf"demo OK: \d+ (syncs to {n} receivers, bit-exact|updates to {n} vLLM replicas)", out.stdout
             ), shown

@@ -186,9 +186,39 @@ def _demo_run(run, opts) -> int:
     return 0
 
 
+def _trl_demo_command(args: argparse.Namespace) -> int:
+    from weightsync.demo.trl import TRLDemoOptions, run_trl_demo
+
+    if (
+        args.rollout == "sglang"
+        or args.trainers != 1
+        or args.tp != 1
+        or args.quantize
+        or args.lora_rank
+        or args.in_flight
+        or args.model
+        or args.arch != "dense"
+    ):
+        print(
+            "demo: --trainer trl runs GRPO on the embedded tiny model with one vLLM replica: it takes "
+            "--steps, --backend, --bucket-mb, --set and --seed",
+            file=sys.stderr,
+        )
+        return 2
+    overrides = [f"backend={args.backend or 'nccl'}", f"update_weights_bucket_megabytes={args.bucket_mb}"]
+    return _demo_run(
+        run_trl_demo,
+        TRLDemoOptions(steps=args.steps or 6, overrides=(*overrides, *args.overrides), seed=args.seed),
+    )
+
+
 def _demo_command(args: argparse.Namespace) -> int:
     from weightsync.demo.plain import DemoOptions, run_demo
 
+    if args.trainer == "trl":
+        return _trl_demo_command(args)
+    if args.steps is None:
+        args.steps = 3
     if args.trainers < 1 or args.tp < 1 or args.receivers < 1:
         print("demo: --trainers, --tp and --receivers must be at least 1", file=sys.stderr)
         return 2

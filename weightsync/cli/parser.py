@@ -44,7 +44,16 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "trainer, checked against vLLM's convention; the other ranks take the same sync as the trainer holds "
         "it (docs/quantized.md)",
     )
-    p.add_argument("--steps", type=int, default=3, help="training steps, one sync each (default: 3)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="training steps, one sync each (default: 3; --trainer trl: 6)"
+    )
+    p.add_argument(
+        "--trainer",
+        choices=("torch", "trl"),
+        default="torch",
+        help="the trainer: a plain PyTorch loop (default) or TRL's GRPOTrainer with a vLLM replica synced "
+        "by weightsync (needs weightsync[trl,vllm]; docs/trl.md)",
+    )
     p.add_argument(
         "--backend",
         default=None,
