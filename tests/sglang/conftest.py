@@ -8,6 +8,7 @@ them there). The main pytest run leaves this folder out (pyproject addopts:
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -34,6 +35,7 @@ if str(HERE.parent) not in sys.path:  # the main tests' helpers (procs, workers)
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     calls = KERNEL_CALLS.read_text() if KERNEL_CALLS.exists() else ""
+    shutil.rmtree(KERNEL_CALLS.parent, ignore_errors=True)
     if calls:
         sys.stderr.write(f"\nthe placeholder sgl_kernel was called (tools/sglang_cpu):\n{calls}")
         session.exitstatus = 1
