@@ -46,10 +46,17 @@ class Setup:
         self.rollout = VLLMRollout([LLMReplica(self.llm, "moe")], OVERRIDES)
         self.version = 0
 
-    def train(self) -> list[list[int]]:
+    def train(self, perturb_experts: bool = False) -> list[list[int]]:
         before = trainer_greedy(self.model, PROMPTS, NEW)
         target = torch.randint(0, self.model.config.vocab_size, (NEW,), generator=self.gen).tolist()
         train_until_changed(self.model, self.optimizer, target, before, NEW)
+        if perturb_experts:
+            # Training moves an expert no token routes to by weight decay alone; noise on
+            # every expert of every layer makes each one's bytes this version's own.
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    if ".experts." in name:
+                        p.add_(torch.randn(p.shape, generator=self.gen) * 1e-3)
         after = trainer_greedy(self.model, PROMPTS, NEW)
         assert after != before
         return after
@@ -66,16 +73,35 @@ def setup(tmp_path_factory):
         pass
 
 
-def test_three_versions_of_fused_experts_reach_the_replica_one_by_one_with_greedy_parity(setup):
+def test_three_versions_of_fused_experts_reach_the_replica_one_by_one_with_greedy_parity(setup, tmp_path):
+    """Each version serves the trainer's tokens, and the replica's bytes (every expert
+    layer's ``w13_weight``/``w2_weight`` as vLLM holds them: padded, prepacked) equal vLLM's
+    own load of the trainer's ``save_pretrained`` into the same replica. The prompts route
+    to a few experts; every expert's bytes change each version, so an expert left stale or
+    two experts swapped, in a layer no prompt reaches, fails on the bytes."""
     names = [s.name for s in as_source(setup.model).specs()]
     assert "model.layers.1.mlp.experts.5.up_proj.weight" in names
     assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in names)
     for _ in range(3):
-        expected = setup.train()
+        held = setup.llm.collective_rpc("weightsync_digests")[0]
+        expected = setup.train(perturb_experts=True)
         setup.version += 1
         report = setup.rollout.update(setup.model, setup.version)
         assert report.ok, report.summary()
         assert replica_greedy(setup.llm, PROMPTS, NEW) == expected, f"version {setup.version}"
+        synced = setup.llm.collective_rpc("weightsync_digests")[0]
+        experts = [n for n in synced if n.endswith(("w13_weight", "w2_weight"))]
+        assert len(experts) == 2 * setup.model.config.num_hidden_layers, sorted(synced)
+        assert all(synced[n] != held[n] for n in experts), "an expert stack the version did not change"
+        if setup.version == 1:  # the reference is a load: from the first checkpoint it differs
+            setup.llm.collective_rpc("weightsync_reload_from_path", args=(setup.dir,))
+            assert setup.llm.collective_rpc("weightsync_digests")[0] != synced, "the reload wrote nothing"
+        disk = str(tmp_path / f"v{setup.version}")
+        setup.model.save_pretrained(disk)
+        setup.llm.collective_rpc("weightsync_reload_from_path", args=(disk,))
+        reloaded = setup.llm.collective_rpc("weightsync_digests")[0]
+        differ = sorted(n for n in synced if reloaded.get(n) != synced[n])
+        assert not differ and reloaded.keys() == synced.keys(), f"version {setup.version}: {differ}"
 
 
 def _refused(setup, state, *names, before=None):

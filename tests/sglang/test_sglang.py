@@ -40,14 +40,20 @@ class Setup:
         self.dir = save_tiny_model(os.path.join(tmp, "model"), seed=3)
         self.model = AutoModelForCausalLM.from_pretrained(self.dir, dtype=torch.float32)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.gen = torch.Generator().manual_seed(17)
         self.engine = start_engine(self.dir)
         self.replica = SGLangReplica(self.engine, name="A")
         self.rollout = SGLangRollout([self.replica], OVERRIDES)
         self.version = 0
 
-    def train(self, target: list[int]) -> None:
+    def train(self, target: list[int] | None = None) -> None:
+        """Towards ``target`` (default: random tokens, which a model gets to only by
+        weights throughout, so a TP rank holding a wrong slice would not produce them)."""
+        if target is None:
+            target = torch.randint(0, self.model.config.vocab_size, (NEW,), generator=self.gen).tolist()
         before = trainer_greedy(self.model, PROMPTS, NEW)
-        train_until_changed(self.model, self.optimizer, target, before, NEW)
+        # random targets take longer than constant ones to a loss with no near ties
+        train_until_changed(self.model, self.optimizer, target, before, NEW, max_iters=600)
 
     def close(self) -> None:
         self.rollout.close()
@@ -62,13 +68,28 @@ def setup(tmp_path_factory):
     s.close()
 
 
-def test_three_versions_greedy_parity(setup: Setup) -> None:
+def matches_reload_from_disk(setup: Setup, replica: SGLangReplica, disk: str) -> None:
+    """``replica``'s bytes (each TP worker's) equal SGLang's own load of the trainer's
+    ``save_pretrained`` into it; that load shown to write (from the first checkpoint every
+    worker differs)."""
+    synced = replica.call("weightsync_digests")
+    replica.call("weightsync_reload_from_path", setup.dir)
+    first = replica.call("weightsync_digests")
+    assert all(f != s for f, s in zip(first, synced)), "the reload from disk wrote nothing"
+    setup.model.save_pretrained(disk)
+    replica.call("weightsync_reload_from_path", disk)
+    for rank, (got, want) in enumerate(zip(synced, replica.call("weightsync_digests"))):
+        assert got == want, f"TP rank {rank}: {sorted(n for n in want if got.get(n) != want[n])}"
+
+
+def test_three_versions_greedy_parity(setup: Setup, tmp_path) -> None:
     """Each version the trainer sends is what SGLang serves: its greedy tokens equal the
-    trainer's (float32 on both sides), and SGLang's weight_version names it."""
+    trainer's (float32 on both sides), SGLang's weight_version names it, and after the
+    last its bytes equal SGLang's load of the trainer's checkpoint from disk."""
     assert greedy(setup.engine) == trainer_greedy(setup.model, PROMPTS, NEW)  # same checkpoint
-    for target in ([7, 7, 7, 7, 7, 7, 7, 7], [3, 9, 3, 9, 3, 9, 3, 9], [42] * 8):
+    for _ in range(3):
         before = greedy(setup.engine)
-        setup.train(target)
+        setup.train()
         expected = trainer_greedy(setup.model, PROMPTS, NEW)
         assert expected != before  # the version changes what is served
         setup.version += 1
@@ -78,6 +99,7 @@ def test_three_versions_greedy_parity(setup: Setup) -> None:
         assert greedy(setup.engine) == expected
         assert setup.replica.weight_version() == str(setup.version)
         assert [s["version"] for s in setup.replica.call("weightsync_status")] == [setup.version]
+    matches_reload_from_disk(setup, setup.replica, str(tmp_path / "trained"))
 
 
 def test_tensor_sglang_does_not_take_fails_naming_it(setup: Setup) -> None:
@@ -123,7 +145,7 @@ def test_an_update_whose_cache_flush_sglang_refuses_fails_and_the_next_one_flush
 
     replica = setup.replica
     served = replica.weight_version()
-    setup.train([13] * 8)
+    setup.train()
     started, out = threading.Event(), {}
 
     async def generate() -> None:
@@ -173,7 +195,7 @@ def test_worker_killed_mid_update_is_named_fast_and_the_other_replica_serves_it(
         report = setup.rollout.update(setup.model, setup.version)  # B joins on this version
         assert [r.version for r in report.replicas] == [setup.version] * 2, report.summary()
         assert greedy(engine_b) == trainer_greedy(setup.model, PROMPTS, NEW)
-        setup.train([5] * 8)
+        setup.train()
         victim = b.call("weightsync_status")[0]["pid"]
 
         class KillingSource(StateDictSource):
@@ -259,22 +281,24 @@ def test_updates_an_sglang_replica_does_not_declare_are_refused_before_anything_
     assert setup.replica.weight_version() == version and greedy(setup.engine) == served
 
 
-def test_tp2_replica_over_gloo_each_rank_loads_through_sglang(setup: Setup) -> None:
+def test_tp2_replica_over_gloo_each_rank_loads_through_sglang(setup: Setup, tmp_path) -> None:
     """A replica of 2 TP workers (SGLang's CPU engine, Gloo between them): both join as
     receivers, each loads the version through SGLang's own sliced loaders (checked: rank 1's
-    loaders write its halves of q/k/v and o_proj with other in-place ops than copy_), and
-    the replica's greedy output is the trainer's."""
+    loaders write its halves of q/k/v and o_proj with other in-place ops than copy_), the
+    replica's greedy output is the trainer's (trained on random tokens), and each rank's
+    bytes equal SGLang's TP 2 load of the trainer's checkpoint from disk."""
     engine = start_engine(setup.dir, tp=2)
     replica = SGLangReplica(engine, name="T")
     try:
         with SGLangRollout([replica], OVERRIDES) as rollout:
-            setup.train([11] * 8)
+            setup.train()
             report = rollout.update(setup.model, 1)
             assert report.ok, report.summary()
             statuses = replica.call("weightsync_status")
             assert [(s["tp_rank"], s["version"], s["ok"]) for s in statuses] == [(0, 1, True), (1, 1, True)]
             assert greedy(engine) == trainer_greedy(setup.model, PROMPTS, NEW)
             assert replica.weight_version() == "1"
+            matches_reload_from_disk(setup, replica, str(tmp_path / "trained"))
     finally:
         engine.shutdown()
         replica.close()

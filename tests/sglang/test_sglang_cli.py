@@ -87,4 +87,7 @@ def test_bench_update_against_sglang_reload_from_disk() -> None:
     assert [r["backend"] for r in rows] == ["nccl", "shm"]
     for r in rows:
         assert r["update_s"] > 0 and r["reload_from_disk_s"] > 0, r
+        # each update's bytes were compared with SGLang's reload of the same version, before
+        # that reload overwrote them (the bench raises on a difference or an unchanged replica)
+        assert r["updates_checked_against_reload"] == 2, r
         assert r["update_vs_reload"] == pytest.approx(r["update_s"] / r["reload_from_disk_s"])

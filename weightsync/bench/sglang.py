@@ -7,8 +7,10 @@ and first-load costs), then ``repeats`` timed ones, the trainer's weights change
 each. After each update the trainer saves the same weights (safetensors) and every replica
 reloads them through ``update_weights_from_disk`` (page cache: the file was just written),
 all replicas at once, as the update does: the row's ratio compares the medians of the two
-taken in the same stretch of the run. After the last update every replica's greedy output
-is checked against the trainer's.
+taken in the same stretch of the run. Every update is checked before the reload
+overwrites it: each replica's bytes (every TP worker's parameters, digested) have changed
+and then equal what SGLang's reload of the same version loads; after the last update of a
+row, before its reload, every replica's greedy output is the trainer's.
 """
 
 from __future__ import annotations
@@ -75,6 +77,14 @@ def run_sglang_bench(opts: SGLangBenchOptions, progress: Any = None) -> dict[str
                 os.symlink(src, dst)
     rows = []
     version = 0
+
+    def check_greedy() -> None:
+        expected = trainer_greedy(model, PROMPTS, 8)
+        for engine, replica in zip(engines, replicas):
+            got = sglang_greedy(engine, PROMPTS, 8)
+            if got != expected:
+                raise RuntimeError(f"{replica.name}: greedy output {got} != trainer's {expected}")
+
     pool = ThreadPoolExecutor(max_workers=len(replicas))
     try:
         for backend in opts.backends:
@@ -86,11 +96,16 @@ def run_sglang_bench(opts: SGLangBenchOptions, progress: Any = None) -> dict[str
             updates: list[float] = []
             reloads: list[float] = []
             saves: list[float] = []
+            checked = 0
+            held = list(pool.map(lambda r: r.call("weightsync_digests"), replicas))
             with SGLangRollout(replicas, config, model=model) as rollout:
                 for i in range(opts.repeats + 1):
                     version += 1
                     bump_weights(model, version)
                     report = rollout.update(model, version)
+                    synced = list(pool.map(lambda r: r.call("weightsync_digests"), replicas))
+                    if i == opts.repeats:  # the update's tokens, before the reload overwrites them
+                        check_greedy()
                     t0 = time.perf_counter()
                     save_file(
                         {k: v.contiguous() for k, v in model.state_dict().items()},
@@ -100,6 +115,25 @@ def run_sglang_bench(opts: SGLangBenchOptions, progress: Any = None) -> dict[str
                     t0 = time.perf_counter()
                     list(pool.map(lambda r: r.call("weightsync_reload_from_path", reload_dir), replicas))
                     reload_s = time.perf_counter() - t0
+                    reloaded = list(pool.map(lambda r: r.call("weightsync_digests"), replicas))
+                    for replica, before, got, want in zip(replicas, held, synced, reloaded):
+                        if got == before or got != want:
+                            differ = sorted(
+                                n
+                                for w_got, w_want in zip(got, want)
+                                for n in w_want
+                                if w_got.get(n) != w_want[n]
+                            )
+                            raise RuntimeError(
+                                f"{replica.name}, version {version}: the update's bytes "
+                                + (
+                                    "did not change"
+                                    if got == before
+                                    else f"differ from SGLang's reload: {differ[:8]}"
+                                )
+                            )
+                    held = reloaded
+                    checked += 1
                     if i == 0:
                         continue  # first-use costs on both sides
                     updates.append(report.sync_s + report.pause_s + report.resume_s)
@@ -109,11 +143,6 @@ def run_sglang_bench(opts: SGLangBenchOptions, progress: Any = None) -> dict[str
                         f"{backend} v{version}: update {updates[-1]:.3f} s (sync {report.sync_s:.3f} s), "
                         f"update_weights_from_disk {reload_s:.3f} s (+ save {save_s:.3f} s)"
                     )
-                expected = trainer_greedy(model, PROMPTS, 8)
-                for engine, replica in zip(engines, replicas):
-                    got = sglang_greedy(engine, PROMPTS, 8)
-                    if got != expected:
-                        raise RuntimeError(f"{replica.name}: greedy output {got} != trainer's {expected}")
             update_s, reload_s = statistics.median(updates), statistics.median(reloads)
             rows.append(
                 {
@@ -126,11 +155,13 @@ def run_sglang_bench(opts: SGLangBenchOptions, progress: Any = None) -> dict[str
                     "update_vs_reload": update_s / reload_s,
                     "updates": updates,
                     "reloads": reloads,
+                    "updates_checked_against_reload": checked,
                 }
             )
             say(
                 f"{backend}: update {update_s:.3f} s vs SGLang's update_weights_from_disk {reload_s:.3f} s "
-                f"(median of {opts.repeats}): {update_s / reload_s:.2f}x; greedy parity OK"
+                f"(median of {opts.repeats}): {update_s / reload_s:.2f}x; {checked} updates' bytes equal SGLang's "
+                f"reload, greedy parity OK"
             )
     finally:
         pool.shutdown(wait=False)

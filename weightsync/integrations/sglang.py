@@ -282,6 +282,8 @@ class SGLangReplica:
             return self._read_statuses(missing_ok=True)
         if method == "weightsync_close":
             return self._command("close", {}, timeout)
+        if method == "weightsync_digests":
+            return [s["digests"] for s in self._command("digests", {}, timeout)]
         if method == "weightsync_reload_from_path":
             (path,) = args
             t0 = time.perf_counter()

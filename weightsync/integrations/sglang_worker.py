@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from weightsync.integrations.replicas.receiver import NotTaken, ReplicaReceiver
+from weightsync.integrations.replicas.receiver import NotTaken, ReplicaReceiver, tensor_digests
 
 log = logging.getLogger("weightsync.sglang")
 
@@ -177,6 +177,8 @@ def weightsync_loader(model: torch.nn.Module, named_tensors: list[tuple[str, tor
             status = state.status()
         elif op == "status":
             status = state.status()
+        elif op == "digests":  # the bytes this worker serves, to compare with a reference load
+            status = {**state.status(), "digests": tensor_digests(model)}
         else:
             status = {**state.status(), "ok": False, "error": f"unknown weightsync command {op!r}"}
     except Exception as e:  # SGLang would not survive it: reported instead

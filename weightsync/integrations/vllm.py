@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from weightsync.integrations.replicas.receiver import ReplicaReceiver
+from weightsync.integrations.replicas.receiver import ReplicaReceiver, tensor_digests
 from weightsync.integrations.replicas.staging import Reload
 from weightsync.integrations.vllm_caches import reset_caches_after_updates
 from weightsync.integrations.vllm_lora import AdapterSlots, start_for_rank
@@ -64,7 +64,6 @@ from weightsync.integrations.vllm_reload import (
 )
 from weightsync.integrations.vllm_slices import derive_slices
 from weightsync.plan import TensorSpec
-from weightsync.verify import named_digests
 
 log = logging.getLogger("weightsync.vllm")
 
@@ -78,16 +77,6 @@ def _where(state: ReplicaReceiver, worker_rank: int) -> str:
     """This worker, as a failed update's error names it."""
     rank = state.receiver.rank if state.receiver is not None else None
     return f"worker {worker_rank} (receiver rank {rank})"
-
-
-def tensor_digests(model: torch.nn.Module) -> dict[str, str]:
-    """``dtype|shape|blake2b`` of every tensor in ``model``'s state dict (parameters and
-    persistent buffers), by name.
-
-    Non-persistent buffers are left out: they are caches the engine computes for itself
-    (rotary tables), which no checkpoint carries and no sync or reload writes. Two engines'
-    copies have been seen to differ after a reload from disk (CI, once in many runs)."""
-    return named_digests(model.state_dict(keep_vars=True).items())
 
 
 class WeightsyncWorkerExtension:

@@ -6,13 +6,16 @@ SGLang 0.5.23 imports names from it (KV-cache copies, request pools, speculative
 that it never calls on a CPU without AMX: norms, activations, RoPE, linear layers and
 attention run in plain torch there. Every name here, in any submodule, is a stand-in that
 raises when called, so a call that would need the real kernels fails loudly (and fails a
-test) instead of running anything.
+test) instead of running anything. A caller could catch that and fall back unseen, so
+every call is also appended to the file ``$WEIGHTSYNC_SGL_KERNEL_CALLS`` names (where set:
+tests/sglang's session fails when it is not empty).
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 import types
 from typing import Any
@@ -32,6 +35,10 @@ class _Missing:
         self._name = name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        log = os.environ.get("WEIGHTSYNC_SGL_KERNEL_CALLS")
+        if log:
+            with open(log, "a") as f:
+                f.write(f"{self._name} (pid {os.getpid()})\n")
         raise KernelMissing(
             f"{self._name} was called, but this environment has only a placeholder sgl_kernel "
             "(tools/sglang_cpu: SGLang on a CPU without AMX must not need it)"

@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
+
 from weightsync.config.engine import EngineConfig
 from weightsync.config.keys import ConfigError, canonical_key, flatten, parse_overrides
 from weightsync.errors import HandshakeError
@@ -39,6 +41,7 @@ from weightsync.receiver.receiver import Receiver
 from weightsync.receiver.route_stage import Vet
 from weightsync.sharding.layout import Box
 from weightsync.state import VersionState
+from weightsync.verify import named_digests
 
 log = logging.getLogger("weightsync.replica")
 
@@ -309,3 +312,13 @@ class ReplicaReceiver:
                 "whole_tensors": slices.get("whole_tensors", {}),
             }
         return self.status()
+
+
+def tensor_digests(model: torch.nn.Module) -> dict[str, str]:
+    """``dtype|shape|blake2b`` of every tensor in ``model``'s state dict (parameters and
+    persistent buffers), by name.
+
+    Non-persistent buffers are left out: they are caches the engine computes for itself
+    (rotary tables), which no checkpoint carries and no sync or reload writes. Two engines'
+    copies have been seen to differ after a reload from disk (CI, once in many runs)."""
+    return named_digests(model.state_dict(keep_vars=True).items())
