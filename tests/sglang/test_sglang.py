@@ -179,49 +179,6 @@ def test_an_update_whose_cache_flush_sglang_refuses_fails_and_the_next_one_flush
     assert replica.weight_version() == str(setup.version)
 
 
-def test_worker_killed_mid_update_is_named_fast_and_the_other_replica_serves_it(setup: Setup) -> None:
-    """Replica B (a second engine, added to the rollout) has its TP worker killed after the
-    handshake of an update: the update fails naming B well within the deadline, and A ends
-    on the new version whole and serves it. B leaves the rollout (its workers are gone)."""
-    from procs import alive
-
-    from weightsync.sources import StateDictSource
-
-    engine_b = start_engine(setup.dir)
-    b = SGLangReplica(engine_b, name="B")
-    try:
-        setup.rollout.add_replica(b)
-        setup.version += 1
-        report = setup.rollout.update(setup.model, setup.version)  # B joins on this version
-        assert [r.version for r in report.replicas] == [setup.version] * 2, report.summary()
-        assert greedy(engine_b) == trainer_greedy(setup.model, PROMPTS, NEW)
-        setup.train()
-        victim = b.call("weightsync_status")[0]["pid"]
-
-        class KillingSource(StateDictSource):
-            def tensors(self):
-                os.kill(victim, signal.SIGKILL)
-                while alive(victim):
-                    time.sleep(0.05)
-                yield from super().tensors()
-
-        t0 = time.monotonic()
-        with pytest.raises(ReplicaUpdateError, match=r"replica 'B'") as info:
-            setup.rollout.update(KillingSource(dict(setup.model.state_dict())), setup.version + 1)
-        assert time.monotonic() - t0 < TIMEOUT_S, info.value  # named by the lost worker, not by a deadline
-        ra, rb = info.value.report.replicas
-        assert (rb.name, rb.ok) == ("B", False)
-        assert (ra.name, ra.ok, ra.version, ra.resumed) == ("A", True, setup.version + 1, True), ra
-        setup.version += 1
-        assert greedy(setup.engine) == trainer_greedy(setup.model, PROMPTS, NEW)
-        assert setup.replica.weight_version() == str(setup.version)
-    finally:
-        if any(r.name == "B" for r in setup.rollout.replicas):
-            setup.rollout.remove_replica("B")
-        threading.Thread(target=engine_b.shutdown, daemon=True).start()
-        b.close()
-
-
 def test_a_request_retracted_across_an_update_reports_sglangs_spans_at_the_exact_token(setup: Setup) -> None:
     """Versions v1 and v2 each emit a token of their own (t1, t2) whatever the prefix. A
     request admitted under v1 and kept across the update to v2 (weightsync's ``keep``:
@@ -279,6 +236,51 @@ def test_updates_an_sglang_replica_does_not_declare_are_refused_before_anything_
         SGLangRollout([setup.replica], OVERRIDES + ["update_mode=staged"])
     assert [s["version"] for s in setup.replica.call("weightsync_status")] == [setup.version]
     assert setup.replica.weight_version() == version and greedy(setup.engine) == served
+
+
+def test_worker_killed_mid_update_is_named_fast_and_the_other_replica_serves_it(setup: Setup) -> None:
+    """Replica B (a second engine, added to the rollout) has its TP worker killed after the
+    handshake of an update: the update fails naming B well within the deadline, and A ends
+    on the new version whole and serves it. B leaves the rollout (its workers are gone).
+    B's ``shutdown()`` kills every subprocess of this process (SGLang 0.5.23), A's
+    scheduler too: the tests that use A run before this one."""
+    from procs import alive
+
+    from weightsync.sources import StateDictSource
+
+    engine_b = start_engine(setup.dir)
+    b = SGLangReplica(engine_b, name="B")
+    try:
+        setup.rollout.add_replica(b)
+        setup.version += 1
+        report = setup.rollout.update(setup.model, setup.version)  # B joins on this version
+        assert [r.version for r in report.replicas] == [setup.version] * 2, report.summary()
+        assert greedy(engine_b) == trainer_greedy(setup.model, PROMPTS, NEW)
+        setup.train()
+        victim = b.call("weightsync_status")[0]["pid"]
+
+        class KillingSource(StateDictSource):
+            def tensors(self):
+                os.kill(victim, signal.SIGKILL)
+                while alive(victim):
+                    time.sleep(0.05)
+                yield from super().tensors()
+
+        t0 = time.monotonic()
+        with pytest.raises(ReplicaUpdateError, match=r"replica 'B'") as info:
+            setup.rollout.update(KillingSource(dict(setup.model.state_dict())), setup.version + 1)
+        assert time.monotonic() - t0 < TIMEOUT_S, info.value  # named by the lost worker, not by a deadline
+        ra, rb = info.value.report.replicas
+        assert (rb.name, rb.ok) == ("B", False)
+        assert (ra.name, ra.ok, ra.version, ra.resumed) == ("A", True, setup.version + 1, True), ra
+        setup.version += 1
+        assert greedy(setup.engine) == trainer_greedy(setup.model, PROMPTS, NEW)
+        assert setup.replica.weight_version() == str(setup.version)
+    finally:
+        if any(r.name == "B" for r in setup.rollout.replicas):
+            setup.rollout.remove_replica("B")
+        threading.Thread(target=engine_b.shutdown, daemon=True).start()
+        b.close()
 
 
 def test_tp2_replica_over_gloo_each_rank_loads_through_sglang(setup: Setup, tmp_path) -> None:
