@@ -596,6 +596,8 @@ class Rollout:
         it."""
         if any(r.name == replica.name for r in self.replicas):
             raise ValueError(f"a replica named {replica.name!r} is in the rollout already")
+        if self.config.update_mode == "staged" and "staged" not in replica.capabilities:
+            raise ValueError(f"update_mode=staged: replica {replica.name!r} does not take staged updates")
         first = self._next_rank
         replica.call(
             "weightsync_init",
