@@ -340,8 +340,9 @@ COMMANDS: dict[str, Run | NotHere] = {
     "weightsync demo --rollout vllm --arch moe --tp 2 --trainers 2": Run(
         ("demo --rollout vllm --arch moe --tp 2 --trainers 2 --receivers 1",),
         "--receivers 1: one replica of 2 tensor-parallel workers fed by 2 FSDP2 ranks; the demo fails unless every "
-        "worker received exactly the bytes of its slices of every expert and the replica generates the trainer's "
-        "greedy output after every version",
+        "worker received exactly the bytes of its slices of every expert, the last version sent first without one "
+        "expert's matrix fails after the load naming it, and the replica generates the trainer's greedy output "
+        "after every version",
         timeout=300,
         vllm=True,
     ),

@@ -13,7 +13,9 @@ a replica synced by weightsync.
 default then) each worker takes only the slices its loaders keep, and every update must
 bring each worker exactly those bytes. ``--trainers M``: this process is rank 0 of an FSDP2
 trainer on M Gloo ranks; ranks 1.. train the same steps in processes of their own and send
-their own shards with every update.
+their own shards with every update. ``--arch moe`` with ``--trainers M``: the last version
+is first sent without one expert's matrix and must fail after the load naming it, then sent
+complete (``weightsync.demo.vllm_checks``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ from typing import Any
 import torch
 
 from weightsync.demo.plain import DemoFailed, embedded_config, read_report, send_json
+from weightsync.demo.vllm_checks import (
+    LEFT_OUT,
+    check_left_out,
+    leaves_expert_out,
+    shards_without,
+)
 from weightsync.platform import free_port, process_context, start_process
 
 # A tiny Qwen2-shaped model (about 0.6M parameters) when no --model is given; the CPU
@@ -353,6 +361,9 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
                     f"step {step}: {iters} training iterations, loss {loss:.4f} "
                     f"({time.perf_counter() - t0:.1f} s); updating to version {step}"
                 )
+                if leaves_expert_out(opts, step):
+                    _left_out_version(rollout, model, opts, step, console)
+                    peers.reported(step)
                 report = rollout.update(model, version=step, mode=opts.mode)
                 peers.reported(step)
                 expected = trainer_greedy(model, PROMPTS, opts.new_tokens)
@@ -408,6 +419,26 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
         f"demo OK: {len(reports)} updates to {opts.replicas} vLLM replicas{tp}, greedy parity with the trainer"
     )
     return reports
+
+
+def _left_out_version(
+    rollout: Any, model: torch.nn.Module, opts: VLLMDemoOptions, step: int, console: Any
+) -> None:
+    """Version ``step`` first without one expert's matrix (``vllm_checks.LEFT_OUT``): every
+    worker's post-load check fails it naming the matrix, the replicas report a mix."""
+    from weightsync.integrations.replicas.reports import ReplicaUpdateError
+
+    shards = shards_without(model, opts.trainers, 0)
+    error: ReplicaUpdateError | None = None
+    try:
+        report = rollout.update(shards, version=step, mode=opts.mode)
+    except ReplicaUpdateError as e:
+        error, report = e, e.report
+    check_left_out(error, report, opts.tp)
+    console.print(
+        f"  version {step} without {LEFT_OUT}: not taken, every worker names it after the load; "
+        "the replicas report a mix until the complete version"
+    )
 
 
 def _mb(values: list[int]) -> str:
@@ -508,6 +539,7 @@ def trainer_rank_main(
     from transformers import AutoModelForCausalLM
 
     from weightsync.config.engine import EngineConfig
+    from weightsync.errors import SyncError
     from weightsync.sender.sender import Sender
 
     torch.set_num_threads(1)
@@ -536,6 +568,12 @@ def trainer_rank_main(
                 train_until_changed(
                     model, optimizer, target, trainer_greedy(model, PROMPTS, opts.new_tokens), opts.new_tokens
                 )
+                if leaves_expert_out(opts, step):  # rank 0's incomplete version: this rank's share of it
+                    try:
+                        sender.send(shards_without(model, opts.trainers, rank), version=step)
+                        send_json(conn, {"version": step, "incomplete": "sent"})
+                    except SyncError as e:
+                        send_json(conn, {"version": step, "incomplete": str(e)})
                 stats = sender.send(model, version=step)
                 send_json(conn, {"version": step, "bytes": stats.bytes})
                 trainer_greedy(model, PROMPTS, opts.new_tokens)  # rank 0's check: its collectives
