@@ -36,8 +36,13 @@ from weightsync.demo.plain import DemoFailed, embedded_config, read_report, send
 from weightsync.demo.vllm_checks import (
     LEFT_OUT,
     check_left_out,
+    check_slices,
+    gathered,
     leaves_expert_out,
+    reload_matches,
     shards_without,
+    table_bytes,
+    tp_table,
 )
 from weightsync.platform import free_port, process_context, start_process
 
@@ -342,6 +347,7 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
                 f"rollout ready in {time.perf_counter() - t0:.2f} s: every worker joined, version 0 "
                 f"synced in {rollout.initial_report.sync_s:.3f} s"
             )
+            split = _checked_slices(opts, rollout, model)
             for name, workers in rollout.slices.items():
                 for rank, w in enumerate(workers):
                     whole = f"; taken whole: {', '.join(w['whole_tensors'])}" if w["whole_tensors"] else ""
@@ -385,12 +391,28 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
                             f"{rep.name}, version {step}: its workers received {rep.worker_bytes} bytes, "
                             f"their slices are {rep.worker_kept_bytes}"
                         )
+                    if split is not None and rep.worker_bytes != split:
+                        raise DemoFailed(
+                            f"{rep.name}, version {step}: its workers received {rep.worker_bytes} bytes, "
+                            f"vLLM's split rule gives them {split}"
+                        )
                     before[i] = got
                     verdicts.append("parity OK")
                     console.print(
                         f"  version {step} {rep.name}: parity OK ({len(PROMPTS)} prompts x {opts.new_tokens} "
                         f"tokens), each worker received {_mb(rep.worker_bytes)} MB"
+                        + (" as vLLM's split rule gives" if split is not None else "")
                     )
+                if opts.trainers > 1:  # no second replica to compare with: vLLM's own reload of this version
+                    state = gathered(model)  # every trainer rank gathers here
+                    for i, llm in enumerate(llms):
+                        experts = reload_matches(
+                            llm, state, model_dir, os.path.join(workdir, f"v{step}-{i}"), first=step == 1
+                        )
+                        console.print(
+                            f"  version {step} replica{i}: every tensor equals vLLM's reload of save_pretrained"
+                            + (f" ({len(experts)} expert stacks among them)" if experts else "")
+                        )
                 console.print(
                     f"  version {step}: pause {report.pause_s:.3f} s, sync {report.sync_s:.3f} s, "
                     f"resume {report.resume_s:.3f} s"
@@ -419,6 +441,21 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
         f"demo OK: {len(reports)} updates to {opts.replicas} vLLM replicas{tp}, greedy parity with the trainer"
     )
     return reports
+
+
+def _checked_slices(opts: VLLMDemoOptions, rollout: Any, model: torch.nn.Module) -> list[int] | None:
+    """``--tp T`` over ``sharded`` with the tiny model: each worker's dry-run boxes checked
+    against vLLM's split rule worked out from the config (``vllm_checks.tp_table``); the bytes
+    that table gives each worker (every version must bring exactly those), else None."""
+    if opts.model is not None or opts.tp < 2 or not rollout.slices:
+        return None
+    from weightsync.sharding.agreement import ShardSource
+
+    specs = ShardSource.of(model).specs()  # what the rollout learned the slices of
+    table = tp_table(specs, opts.tp, model.config)
+    for name, workers in rollout.slices.items():
+        check_slices(name, workers, specs, table)
+    return [table_bytes(specs, boxes) for boxes in table]
 
 
 def _left_out_version(
@@ -577,6 +614,7 @@ def trainer_rank_main(
                 stats = sender.send(model, version=step)
                 send_json(conn, {"version": step, "bytes": stats.bytes})
                 trainer_greedy(model, PROMPTS, opts.new_tokens)  # rank 0's check: its collectives
+                gathered(model)  # rank 0's reload check: its collectives
         dist.destroy_process_group()
     except BaseException as e:
         send_json(conn, {"error": f"{type(e).__name__}: {e}"})
