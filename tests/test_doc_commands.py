@@ -340,8 +340,10 @@ COMMANDS: dict[str, Run | NotHere] = {
     "weightsync demo --rollout vllm --arch moe --tp 2 --trainers 2": Run(
         ("demo --rollout vllm --arch moe --tp 2 --trainers 2 --receivers 1",),
         "--receivers 1: one replica of 2 tensor-parallel workers fed by 2 FSDP2 ranks; the demo fails unless every "
-        "worker received exactly the bytes of its slices of every expert and the replica generates the trainer's "
-        "greedy output after every version",
+        "worker's dry-run boxes and received bytes are those of vLLM's split rule worked out from the config, "
+        "every version's tensors equal the replica's own reload of the gathered save_pretrained, the last version "
+        "sent first without one expert's matrix fails after the load naming it, and the replica generates the "
+        "trainer's greedy output after every version",
         timeout=300,
         vllm=True,
     ),

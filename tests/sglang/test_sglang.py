@@ -3,7 +3,8 @@ parity with the trainer after every version, SGLang's weight_version, a tensor S
 loader does not take, a worker killed mid-update.
 
 One engine is started for the module (about 30 s on 2 cores) and shared; the test that
-kills its worker runs last and starts its own.
+kills its worker starts a second one, and the TP 2 test, last, its own (of a model whose
+heads split over the ranks: ``TP2_MODEL``).
 """
 
 from __future__ import annotations
@@ -33,18 +34,25 @@ def greedy(engine, prompts=PROMPTS, new=NEW) -> list[list[int]]:
     return [list(o["output_ids"]) for o in outs]
 
 
-class Setup:
-    def __init__(self, tmp: str) -> None:
+#: The TP 2 replica's model: the demo's, with 4 query and 2 k/v heads (head size 32), so each
+#: rank holds real heads. The demo's own (2 query heads, 1 k/v head) SGLang's CPU engine pads
+#: at TP 2 to 4 and 2 (``adjust_config_with_unaligned_cpu_tp``: k/v heads padded to a multiple
+#: of the ranks, 2 query heads per k/v head kept): rank 0 then holds every real head and rank
+#: 1 only padding, zeros its loaders never write (its ``qkv_proj``/``o_proj`` digests equal
+#: zeros' after every version), so rank 1's attention bytes could not show a wrong half.
+TP2_MODEL = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+
+
+class Trainer:
+    """A tiny model saved to ``<tmp>/model`` and its float32 trainer."""
+
+    def __init__(self, tmp: str, **overrides) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.dir = save_tiny_model(os.path.join(tmp, "model"), seed=3)
+        self.dir = save_tiny_model(os.path.join(tmp, "model"), seed=3, **overrides)
         self.model = AutoModelForCausalLM.from_pretrained(self.dir, dtype=torch.float32)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.gen = torch.Generator().manual_seed(17)
-        self.engine = start_engine(self.dir)
-        self.replica = SGLangReplica(self.engine, name="A")
-        self.rollout = SGLangRollout([self.replica], OVERRIDES)
-        self.version = 0
 
     def train(self, target: list[int] | None = None) -> None:
         """Towards ``target`` (default: random tokens, which a model gets to only by
@@ -54,6 +62,15 @@ class Setup:
         before = trainer_greedy(self.model, PROMPTS, NEW)
         # random targets take longer than constant ones to a loss with no near ties
         train_until_changed(self.model, self.optimizer, target, before, NEW, max_iters=600)
+
+
+class Setup(Trainer):
+    def __init__(self, tmp: str) -> None:
+        super().__init__(tmp)
+        self.engine = start_engine(self.dir)
+        self.replica = SGLangReplica(self.engine, name="A")
+        self.rollout = SGLangRollout([self.replica], OVERRIDES)
+        self.version = 0
 
     def close(self) -> None:
         self.rollout.close()
@@ -68,7 +85,7 @@ def setup(tmp_path_factory):
     s.close()
 
 
-def matches_reload_from_disk(setup: Setup, replica: SGLangReplica, disk: str) -> None:
+def matches_reload_from_disk(setup: Trainer, replica: SGLangReplica, disk: str) -> None:
     """``replica``'s bytes (each TP worker's) equal SGLang's own load of the trainer's
     ``save_pretrained`` into it; that load shown to write (from the first checkpoint every
     worker differs)."""
@@ -283,24 +300,37 @@ def test_worker_killed_mid_update_is_named_fast_and_the_other_replica_serves_it(
         b.close()
 
 
-def test_tp2_replica_over_gloo_each_rank_loads_through_sglang(setup: Setup, tmp_path) -> None:
-    """A replica of 2 TP workers (SGLang's CPU engine, Gloo between them): both join as
-    receivers, each loads the version through SGLang's own sliced loaders (checked: rank 1's
-    loaders write its halves of q/k/v and o_proj with other in-place ops than copy_), the
+def test_tp2_replica_over_gloo_each_rank_loads_through_sglang(tmp_path) -> None:
+    """A replica of 2 TP workers (SGLang's CPU engine, Gloo between them) of a model whose
+    heads split over the ranks (``TP2_MODEL``): both join as receivers, each loads the
+    version through SGLang's own sliced loaders, every tensor of each rank
+    changes with the version (rank 1's attention among them: none is padding), the
     replica's greedy output is the trainer's (trained on random tokens), and each rank's
     bytes equal SGLang's TP 2 load of the trainer's checkpoint from disk."""
-    engine = start_engine(setup.dir, tp=2)
+    trainer = Trainer(str(tmp_path), **TP2_MODEL)
+    engine = start_engine(trainer.dir, tp=2)
     replica = SGLangReplica(engine, name="T")
     try:
         with SGLangRollout([replica], OVERRIDES) as rollout:
-            setup.train()
-            report = rollout.update(setup.model, 1)
+            held = replica.call("weightsync_digests")
+            assert all(
+                n in held[1]
+                for n in (
+                    "model.layers.0.self_attn.qkv_proj.weight",
+                    "model.layers.0.self_attn.o_proj.weight",
+                )
+            )
+            trainer.train()
+            report = rollout.update(trainer.model, 1)
             assert report.ok, report.summary()
             statuses = replica.call("weightsync_status")
             assert [(s["tp_rank"], s["version"], s["ok"]) for s in statuses] == [(0, 1, True), (1, 1, True)]
-            assert greedy(engine) == trainer_greedy(setup.model, PROMPTS, NEW)
+            synced = replica.call("weightsync_digests")
+            for rank, (a, b) in enumerate(zip(held, synced)):
+                assert not [n for n in a if a[n] == b[n]], f"TP rank {rank}: unchanged by the version"
+            assert greedy(engine) == trainer_greedy(trainer.model, PROMPTS, NEW)
             assert replica.weight_version() == "1"
-            matches_reload_from_disk(setup, replica, str(tmp_path / "trained"))
+            matches_reload_from_disk(trainer, replica, str(tmp_path / "trained"))
     finally:
         engine.shutdown()
         replica.close()

@@ -13,7 +13,9 @@ a replica synced by weightsync.
 default then) each worker takes only the slices its loaders keep, and every update must
 bring each worker exactly those bytes. ``--trainers M``: this process is rank 0 of an FSDP2
 trainer on M Gloo ranks; ranks 1.. train the same steps in processes of their own and send
-their own shards with every update.
+their own shards with every update. ``--arch moe`` with ``--trainers M``: the last version
+is first sent without one expert's matrix and must fail after the load naming it, then sent
+complete (``weightsync.demo.vllm_checks``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,17 @@ from typing import Any
 import torch
 
 from weightsync.demo.plain import DemoFailed, embedded_config, read_report, send_json
+from weightsync.demo.vllm_checks import (
+    LEFT_OUT,
+    check_left_out,
+    check_slices,
+    gathered,
+    leaves_expert_out,
+    reload_matches,
+    shards_without,
+    table_bytes,
+    tp_table,
+)
 from weightsync.platform import free_port, process_context, start_process
 
 # A tiny Qwen2-shaped model (about 0.6M parameters) when no --model is given; the CPU
@@ -334,6 +347,7 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
                 f"rollout ready in {time.perf_counter() - t0:.2f} s: every worker joined, version 0 "
                 f"synced in {rollout.initial_report.sync_s:.3f} s"
             )
+            split = _checked_slices(opts, rollout, model)
             for name, workers in rollout.slices.items():
                 for rank, w in enumerate(workers):
                     whole = f"; taken whole: {', '.join(w['whole_tensors'])}" if w["whole_tensors"] else ""
@@ -353,6 +367,9 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
                     f"step {step}: {iters} training iterations, loss {loss:.4f} "
                     f"({time.perf_counter() - t0:.1f} s); updating to version {step}"
                 )
+                if leaves_expert_out(opts, step):
+                    _left_out_version(rollout, model, opts, step, console)
+                    peers.reported(step)
                 report = rollout.update(model, version=step, mode=opts.mode)
                 peers.reported(step)
                 expected = trainer_greedy(model, PROMPTS, opts.new_tokens)
@@ -374,12 +391,28 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
                             f"{rep.name}, version {step}: its workers received {rep.worker_bytes} bytes, "
                             f"their slices are {rep.worker_kept_bytes}"
                         )
+                    if split is not None and rep.worker_bytes != split:
+                        raise DemoFailed(
+                            f"{rep.name}, version {step}: its workers received {rep.worker_bytes} bytes, "
+                            f"vLLM's split rule gives them {split}"
+                        )
                     before[i] = got
                     verdicts.append("parity OK")
                     console.print(
                         f"  version {step} {rep.name}: parity OK ({len(PROMPTS)} prompts x {opts.new_tokens} "
                         f"tokens), each worker received {_mb(rep.worker_bytes)} MB"
+                        + (" as vLLM's split rule gives" if split is not None else "")
                     )
+                if opts.trainers > 1:  # no second replica to compare with: vLLM's own reload of this version
+                    state = gathered(model)  # every trainer rank gathers here
+                    for i, llm in enumerate(llms):
+                        experts = reload_matches(
+                            llm, state, model_dir, os.path.join(workdir, f"v{step}-{i}"), first=step == 1
+                        )
+                        console.print(
+                            f"  version {step} replica{i}: every tensor equals vLLM's reload of save_pretrained"
+                            + (f" ({len(experts)} expert stacks among them)" if experts else "")
+                        )
                 console.print(
                     f"  version {step}: pause {report.pause_s:.3f} s, sync {report.sync_s:.3f} s, "
                     f"resume {report.resume_s:.3f} s"
@@ -408,6 +441,41 @@ def run_vllm_demo(opts: VLLMDemoOptions, console: Any = None) -> list[Any]:
         f"demo OK: {len(reports)} updates to {opts.replicas} vLLM replicas{tp}, greedy parity with the trainer"
     )
     return reports
+
+
+def _checked_slices(opts: VLLMDemoOptions, rollout: Any, model: torch.nn.Module) -> list[int] | None:
+    """``--tp T`` over ``sharded`` with the tiny model: each worker's dry-run boxes checked
+    against vLLM's split rule worked out from the config (``vllm_checks.tp_table``); the bytes
+    that table gives each worker (every version must bring exactly those), else None."""
+    if opts.model is not None or opts.tp < 2 or not rollout.slices:
+        return None
+    from weightsync.sharding.agreement import ShardSource
+
+    specs = ShardSource.of(model).specs()  # what the rollout learned the slices of
+    table = tp_table(specs, opts.tp, model.config)
+    for name, workers in rollout.slices.items():
+        check_slices(name, workers, specs, table)
+    return [table_bytes(specs, boxes) for boxes in table]
+
+
+def _left_out_version(
+    rollout: Any, model: torch.nn.Module, opts: VLLMDemoOptions, step: int, console: Any
+) -> None:
+    """Version ``step`` first without one expert's matrix (``vllm_checks.LEFT_OUT``): every
+    worker's post-load check fails it naming the matrix, the replicas report a mix."""
+    from weightsync.integrations.replicas.reports import ReplicaUpdateError
+
+    shards = shards_without(model, opts.trainers, 0)
+    error: ReplicaUpdateError | None = None
+    try:
+        report = rollout.update(shards, version=step, mode=opts.mode)
+    except ReplicaUpdateError as e:
+        error, report = e, e.report
+    check_left_out(error, report, opts.tp)
+    console.print(
+        f"  version {step} without {LEFT_OUT}: not taken, every worker names it after the load; "
+        "the replicas report a mix until the complete version"
+    )
 
 
 def _mb(values: list[int]) -> str:
@@ -508,6 +576,7 @@ def trainer_rank_main(
     from transformers import AutoModelForCausalLM
 
     from weightsync.config.engine import EngineConfig
+    from weightsync.errors import SyncError
     from weightsync.sender.sender import Sender
 
     torch.set_num_threads(1)
@@ -536,9 +605,16 @@ def trainer_rank_main(
                 train_until_changed(
                     model, optimizer, target, trainer_greedy(model, PROMPTS, opts.new_tokens), opts.new_tokens
                 )
+                if leaves_expert_out(opts, step):  # rank 0's incomplete version: this rank's share of it
+                    try:
+                        sender.send(shards_without(model, opts.trainers, rank), version=step)
+                        send_json(conn, {"version": step, "incomplete": "sent"})
+                    except SyncError as e:
+                        send_json(conn, {"version": step, "incomplete": str(e)})
                 stats = sender.send(model, version=step)
                 send_json(conn, {"version": step, "bytes": stats.bytes})
                 trainer_greedy(model, PROMPTS, opts.new_tokens)  # rank 0's check: its collectives
+                gathered(model)  # rank 0's reload check: its collectives
         dist.destroy_process_group()
     except BaseException as e:
         send_json(conn, {"error": f"{type(e).__name__}: {e}"})
