@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -18,7 +18,9 @@ from weightsync.plan import TensorSpec
 from weightsync.sharding.agreement import Part
 from weightsync.sharding.fragments import LocalShard, fragment_name, layout_of, local_shards, region
 from weightsync.sharding.layout import Box, Layout
+from weightsync.sharding.pieces import checkpoint_shards
 from weightsync.sinks import ModuleSink
+from weightsync.wire.checkpoint import is_converted
 from weightsync.wire.forms import Form, declared_forms, is_tagged, wire_name
 
 
@@ -31,7 +33,11 @@ class FragmentSink(ModuleSink):
     A tensor held in a quantized form (``P`` in FP8 beside ``P_scale_inv``: ``forms``, as a
     ``ModuleSink`` declares them, or read off the slices) is declared as that form's entries
     (``P@<tag>``, ``P_scale_inv@<tag>``): the trainer ranks quantize their shards for it
-    (``weightsync.quant.sharded``)."""
+    (``weightsync.quant.sharded``).
+
+    A transformers model whose checkpoint form differs from its own (an MoE's fused experts)
+    declares the form the trainer offers: the checkpoint's pieces of its slices
+    (``weightsync.sharding.pieces``, the default form a trainer sends) or its own tensors."""
 
     def __init__(
         self, module: torch.nn.Module | Mapping[str, torch.Tensor], forms: Mapping[str, Form] | None = None
@@ -51,13 +57,24 @@ class FragmentSink(ModuleSink):
                 shard = shards.pop(held)
                 wire = wire_name(held, form)
                 shards[wire] = LocalShard(dataclasses.replace(shard.spec, name=wire), shard.box, shard.tensor)
-        self.shards = shards
+        self.shards = self._own_form = shards
+        #: the checkpoint form of its slices, where it differs from its own (None: the same)
+        self._checkpoint = (
+            checkpoint_shards(module, shards) if not declared and not forms and is_converted(module) else None
+        )
+        if self._checkpoint is not None:
+            self.shards = self._checkpoint
         self.targets = {}
         self._own, self._pieces = [], {}  # fragments land as they are: no checkpoint pieces
         self._loaded = set()
         self._unrouted: list[str] = []
 
-    def layout(self, host: str) -> Layout:
+    def layout(self, host: str, specs: Sequence[TensorSpec] | None = None) -> Layout:
+        """What this rank keeps, in the form of the offered ``specs`` (None: as last time)."""
+        if self._checkpoint is not None and specs is not None:
+            names = {s.name for s in specs}
+            own = any(n in names and n not in self._checkpoint for n in self._own_form)
+            self.shards = self._own_form if own else self._checkpoint
         return layout_of(self.shards, host)
 
     def bind(self, part: Part) -> None:
