@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from weightsync.plan import TensorSpec
+from weightsync.plan import TensorSpec, dtype_name
 from weightsync.sharding.agreement import Part
+from weightsync.sharding.experts import Slots, expert_boxes, expert_of
 from weightsync.sharding.fragments import LocalShard, fragment_name, layout_of, local_shards, region
 from weightsync.sharding.layout import Box, Layout
 from weightsync.sharding.pieces import checkpoint_shards
-from weightsync.sinks import ModuleSink
+from weightsync.sinks import ModuleSink, SinkError
 from weightsync.wire.checkpoint import is_converted
 from weightsync.wire.forms import Form, declared_forms, is_tagged, wire_name
 
@@ -130,3 +131,74 @@ class Reassembly:
         if self._left[spec.name]:
             return None
         return spec.name, self._wholes.pop(spec.name)
+
+
+class ExpertSink(FragmentSink):
+    """A rank of an expert-parallel replica (``weightsync.sharding.experts``): ``dense``,
+    what it keeps of every other tensor (declared shards), and the experts its slots hold,
+    asked of the engine at every handshake: ``slots()``, its current map, and
+    ``views(slots)``, by checkpoint name the memory of every slot that holds that matrix, in
+    slot order. Each expert's matrices arrive once and land in every slot holding them (a
+    load balancer may put one expert in two slots of a rank).
+
+    A map that changed after this rank answered (a rebalance between its answer and the
+    bytes) fails the version before any byte of an expert lands, naming the layer, the slot
+    and the expert: bytes never land in a slot that now holds another expert. The next
+    handshake declares the new map."""
+
+    def __init__(
+        self,
+        dense: Mapping[str, LocalShard],
+        slots: Callable[[], Slots],
+        views: Callable[[Slots], Mapping[str, Sequence[torch.Tensor]]],
+    ) -> None:
+        super().__init__(dict(dense))
+        self._dense = dict(dense)
+        self._slots, self._views = slots, views
+        self._declared: Slots | None = None
+        self._others: dict[str, list[torch.Tensor]] = {}  # checkpoint name -> its other slots
+        self._copies: dict[str, list[torch.Tensor]] = {}  # fragment name -> its regions there
+
+    def layout(self, host: str, specs: Sequence[TensorSpec] | None = None) -> Layout:
+        slots = self._slots()
+        views = self._views(slots)
+        if specs is not None:
+            wanted = set(expert_boxes(specs, slots))  # raises for an expert the engine lacks
+            if wanted != set(views):
+                odd = sorted(wanted ^ set(views))[:3]
+                raise ValueError(f"the engine's slot views disagree with its expert map on {odd}")
+        shards = dict(self._dense)
+        self._others = {}
+        for name, held in views.items():
+            first = held[0]
+            spec = TensorSpec(name, tuple(first.shape), dtype_name(first.dtype))
+            shards[name] = LocalShard(spec, Box.whole(spec.shape), first)
+            self._others[name] = list(held[1:])
+        self.shards, self._declared = shards, slots
+        return layout_of(shards, host)
+
+    def bind(self, part: Part) -> None:
+        super().bind(part)
+        self._copies = {}
+        for f in part.route.for_dest(part.index):
+            name = part.route.specs[f.tensor].name
+            for other in self._others.get(name, ()):
+                self._copies.setdefault(fragment_name(part.route, f), []).append(region(other, f.box))
+
+    def destination(self, spec: TensorSpec) -> torch.Tensor | None:
+        # an expert's bytes are copied in by ``load``, after the map is checked
+        return None if expert_of(spec.name.partition("@")[0]) else super().destination(spec)
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        where = expert_of(name.partition("@")[0])
+        if where is not None and self._declared is not None:
+            changed = self._declared.changed(self._slots())
+            if changed:
+                raise SinkError(
+                    f"expert {where[1]} of layer {where[0]} not landed: the engine's expert map changed after "
+                    f"this rank answered ({changed}); the next sync routes by the new map"
+                )
+        super().load(name, tensor)
+        for other in self._copies.get(name, ()):
+            with torch.no_grad():
+                other.copy_(self.targets[name])
