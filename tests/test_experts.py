@@ -55,6 +55,15 @@ def test_slots_read_vllms_maps_and_a_rank_needs_exactly_its_experts():
         for r in range(EP)
     ]
     assert [s.layers[1] for s in linear] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    for experts, ep in (
+        (8, 4),
+        (10, 4),
+        (3, 2),
+        (128, 8),
+    ):  # the bench's and the estimate's placement is vLLM's
+        for r in range(ep):
+            vllm = determine_expert_map(ep, r, experts, "linear")[1].tolist()
+            assert Slots.linear([5], experts, ep, r) == Slots.of_expert_map([5], vllm), (experts, ep, r)
     spread = [
         Slots.of_expert_map([0], determine_expert_map(EP, r, EXPERTS, "round_robin")[1].tolist())
         for r in range(EP)

@@ -58,6 +58,18 @@ class Slots:
         return cls({int(layer): held for layer in layers}, len(expert_map))
 
     @classmethod
+    def linear(cls, layers: Iterable[int], experts: int, ep: int, rank: int) -> Slots:
+        """Rank ``rank`` of ``ep`` under a contiguous placement, as vLLM lays experts out
+        without a load balancer (``determine_expert_map``, ``linear``: runs of
+        ``experts // ep``, the first ``experts % ep`` ranks one more): for the bench and
+        the estimate, which start no engine to ask (``tests/test_experts.py`` holds it
+        against vLLM's function)."""
+        base, extra = divmod(experts, ep)
+        start = rank * base + min(rank, extra)
+        held = tuple(range(start, start + base + (rank < extra)))
+        return cls({int(layer): held for layer in layers}, experts)
+
+    @classmethod
     def of_physical(
         cls, physical_to_logical: Mapping[int, Sequence[int]], rank: int, ranks: int, experts: int
     ) -> Slots:
