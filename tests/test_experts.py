@@ -89,6 +89,20 @@ def test_slots_read_vllms_maps_and_a_rank_needs_exactly_its_experts():
         expert_boxes(
             [TensorSpec("model.layers.0.mlp.experts.9.up_proj.weight", (48, 64), "float32")], linear[0]
         )
+    # a vLLM worker refuses an update once EPLB moved an expert from where vLLM's loader lands it
+    from weightsync.integrations.vllm_experts import moved
+
+    initial = [list(range(EXPERTS)) + list(range(PHYSICAL - EXPERTS))] * 2
+    assert moved(initial, [3, 7], PHYSICAL - EXPERTS) is None
+    first = (
+        next(i for i, (a, b) in enumerate(zip(table[1], initial[1])) if a != b)
+        if table[0] == initial[0]
+        else None
+    )
+    where = moved(table, [3, 7], PHYSICAL - EXPERTS)
+    assert where is not None and where.startswith(
+        "layer 3" if first is None else f"layer 7 physical slot {first}"
+    )
     assert balanced[0].changed(balanced[0]) is None
     moved = Slots({**balanced[0].layers, 1: (7, *balanced[0].layers[1][1:])}, EXPERTS)
     assert (
