@@ -5,6 +5,8 @@ a sync that leaves one expert out says so."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -100,28 +102,29 @@ def test_fused_receiver_names_a_stack_one_expert_short():
     assert sink.missing() == ["model.layers.1.mlp.experts.gate_up_proj"]
 
 
-def _fsdp2_rank(rank: int, folder: str, port: int) -> dict:
-    """Ranks 0-1: an FSDP2 trainer of the Qwen3-MoE (``Shard(0)`` of each expert stack: 3
+def _fsdp2_rank(rank: int, folder: str, port: int, backend: str, family: str) -> dict:
+    """Ranks 0-1: an FSDP2 trainer of an MoE (``Shard(0)`` of each expert stack: half the
     experts a rank), sending over ``nccl`` (Gloo here; rank 0 sends, rank 1 gathers with
-    it); rank 2: a receiver loading into its own fused model. Two versions."""
+    it) or ``sharded`` (each rank its own experts' matrices); rank 2: a receiver loading
+    into its own fused model. Two versions."""
     import torch.distributed as dist
     from safetensors.torch import load_file, save_file
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
     config = EngineConfig.from_overrides(
-        ["backend=nccl", "update_weights_bucket_megabytes=1", "timeout_s=60"]
+        [f"backend={backend}", "update_weights_bucket_megabytes=1", "timeout_s=60"]
     )
     address = f"127.0.0.1:{port}"
     mesh = DeviceMesh("cpu", [0, 1])  # every rank builds it, in order
     if rank < 2:
-        model = moe_model("qwen3_moe", seed=1)
+        model = moe_model(family, seed=1)
         fully_shard(model, mesh=mesh)
         peer = Sender(config, address, num_receivers=1, rank=rank, num_trainers=2)
     else:
-        model = moe_model("qwen3_moe", seed=2)
+        model = moe_model(family, seed=2)
         peer = Receiver(config, address, rank=0)
-    exact, names = [], []
+    exact, names, sent = [], [], []
     for version in (1, 2):
         if rank < 2:
             with torch.no_grad():
@@ -129,6 +132,7 @@ def _fsdp2_rank(rank: int, folder: str, port: int) -> dict:
                     p.add_(version)
             stats = peer.send(model, version)
             names.append(stats.tensors)
+            sent.append(stats.bytes)
             full = {n: t.full_tensor() for n, t in model.state_dict().items()}
             if rank == 0:
                 save_file(full, f"{folder}/v{version}.safetensors")
@@ -141,27 +145,38 @@ def _fsdp2_rank(rank: int, folder: str, port: int) -> dict:
             exact.append([n for n, t in model.state_dict().items() if not torch.equal(t, expect[n])])
         dist.barrier()
     peer.close()
-    return {"exact": exact, "names": names}
+    return {"exact": exact, "names": names, "sent": sent}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_fsdp2_trainer_sends_each_expert_matrix_layer_by_layer_bit_exact(tmp_path):
+@pytest.mark.parametrize(("backend", "family"), [("nccl", "qwen3_moe"), ("sharded", "mixtral")])
+def test_fsdp2_trainer_sends_each_expert_matrix_bit_exact(tmp_path, backend, family):
     """FSDP2 shards each expert stack over the trainer ranks; the dense route gathers one
-    layer at a time (every rank in the same order) and sends each expert's matrices."""
+    layer at a time (every rank in the same order) and sends each expert's matrices; the
+    sharded route sends each rank's own experts' matrices, cut from its shard (Mixtral: the
+    checkpoint renames the fused parent too)."""
     from procs import CTX, collect, free_port, start, stop
     from test_sharding import _gloo_rank
 
     queue, port, address_port = CTX.Queue(), free_port(), free_port()
     procs = [
-        start(_gloo_rank, _fsdp2_rank, rank, 3, port, queue, str(tmp_path), address_port) for rank in range(3)
+        start(_gloo_rank, _fsdp2_rank, rank, 3, port, queue, str(tmp_path), address_port, backend, family)
+        for rank in range(3)
     ]
     try:
         reports = dict(collect(queue, 3, timeout=150))
     finally:
         stop(procs)
     assert all(isinstance(r, dict) for r in reports.values()), reports
-    pieces = len(as_source(moe_model("qwen3_moe")).specs())
-    assert reports[0]["names"] == [pieces, pieces]  # each expert's matrices, not the stacks
+    pieces = as_source(moe_model(family)).specs()
+    if backend == "nccl":
+        assert reports[0]["names"] == [len(pieces), len(pieces)]  # each expert's matrices, not the stacks
+    else:  # each expert's matrices whole from the rank holding it, the rest half from each rank
+        experts = sum(1 for s in pieces if ".experts." in s.name)
+        whole = sum(math.prod(s.shape) * 4 for s in pieces)
+        assert reports[0]["names"] == [experts + 2 * (len(pieces) - experts)] * 2
+        assert reports[0]["sent"] == [whole, whole]  # rank 0's figure: every rank's fragments
+        assert reports[1]["sent"] == [whole // 2, whole // 2]  # its own half: its experts, its rows
     assert reports[2]["names"] == [[], []]  # nothing of the fused model left unwritten
     assert reports[2]["exact"] == [[], []]

@@ -229,13 +229,14 @@ COMMANDS: dict[str, Run | NotHere] = {
         timeout=240,
         check="sharded",
     ),
-    "weightsync bench --hosts 6 --trainers 2 --tp 2 --receivers 2 --link 1gbit --size-mb 256 --shape moe --backend sharded,nccl --json": Run(
+    "weightsync bench --hosts 6 --trainers 2 --receivers 2 --ep 2 --link 1gbit --size-mb 256 --shape moe --backend sharded,nccl --json": Run(
         (
-            "bench --hosts 6 --trainers 2 --tp 2 --receivers 2 --link 1gbit --size-mb 64 --shape moe --backend sharded "
+            "bench --hosts 6 --trainers 2 --receivers 2 --ep 2 --link 1gbit --size-mb 64 --shape moe --backend sharded "
             "--json --repeats 2",
         ),
         "--size-mb 64, sharded alone (its nccl row moves whole tensors as the llm shape's does) --repeats 2: each "
-        "trainer NIC sends its shard of the expert stacks once, each receiver NIC takes its own experts once",
+        "trainer NIC sends its experts' matrices once, each receiver NIC takes the experts vLLM's linear "
+        "placement gives its rank, and its attention slices, once",
         timeout=240,
         check="sharded_moe",
     ),
@@ -255,6 +256,9 @@ COMMANDS: dict[str, Run | NotHere] = {
     ),
     "weightsync estimate --cluster docs/clusters/vllm-qwen3-235b-2x8-h100.yaml --size-gb 438 --backend nccl,sharded": Run(
         timeout=120
+    ),
+    "weightsync estimate --cluster docs/clusters/vllm-qwen3-235b-dp8-ep8.yaml --size-gb 438 --shape moe --backend nccl,sharded": Run(
+        timeout=120, check="estimate_ep"
     ),
     "weightsync estimate --calibrate": Run(
         ("estimate --calibrate --calibration {tmp}/calibration.json",),
@@ -634,19 +638,26 @@ def _check_sharded_moe(outs, tmp_path):
     """M x N with experts: the stacks' shards to the ranks that keep those experts, once."""
     (row,) = json.loads(outs[0].stdout)
     assert row["backend"] == "sharded"
-    _check_sharded_nics(row, shape="moe")
+    _check_sharded_nics(row, shape="moe", ep=2)
     check_predicted([row])
 
 
-def _check_sharded_nics(row, versions=3, shape="llm"):
+def _check_estimate_ep(outs, tmp_path):
+    """DP8/EP8: each inference rank takes the attention whole and an eighth of the experts."""
+    out = outs[0].stdout
+    assert "1 replica(s) x 8 rank(s)" in out and "infer0 NIC 0 in" in out, out
+
+
+def _check_sharded_nics(row, versions=3, shape="llm", ep=1):
     """A ``sharded`` row on 6 hosts, ``versions`` checked bit-exact: each trainer host sent its
-    shard once, each receiver host took its slices once (within 5%)."""
+    shard once, each receiver host took its slices (and, with ``ep``, its experts) once
+    (within 5%)."""
     from weightsync.bench import models
     from weightsync.sharding.typical import box_bytes, replica_boxes, trainer_boxes
 
-    specs = models.synthetic_specs(shape, 64, "bfloat16")
+    specs = models.synthetic_specs(shape, 64, "bfloat16", per_expert=ep > 1)
     shard = [box_bytes(specs, trainer_boxes(specs, 2, t)) for t in range(2)]
-    slices = [box_bytes(specs, replica_boxes(specs, 2, r)) for r in range(2)]
+    slices = [box_bytes(specs, replica_boxes(specs, 2, r, ep)) for r in range(2)]
     assert (row["receivers"], row["versions_checked"]) == (4, versions), row
     nic = row["nic_bytes_per_sync"]
     for t in range(2):  # hosts 0-1: the trainer ranks
@@ -778,6 +789,7 @@ CHECKS = {
     "sharded": _check_sharded,
     "sharded_mooncake": _check_sharded_mooncake,
     "sharded_moe": _check_sharded_moe,
+    "estimate_ep": _check_estimate_ep,
     "quantized": _check_quantized,
     "quantized_hosts": _check_quantized_hosts,
     "hosts5": _check_hosts5,

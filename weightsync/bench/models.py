@@ -74,19 +74,30 @@ def llm_specs(total_bytes: int, dtype: str) -> list[TensorSpec]:
     return _decoder(total_bytes, dtype, layer)
 
 
-def moe_specs(total_bytes: int, dtype: str, experts: int = MOE_EXPERTS) -> list[TensorSpec]:
+def moe_specs(
+    total_bytes: int, dtype: str, experts: int = MOE_EXPERTS, per_expert: bool = False
+) -> list[TensorSpec]:
     """A Qwen3-MoE-like decoder of about ``total_bytes``, experts as transformers 5 holds
     them (what FSDP2 shards, ``Shard(0)`` over the experts): per layer attention, a router
     and two stacks, ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj``
-    [E, H, I]; untied embedding and head."""
+    [E, H, I]; untied embedding and head. ``per_expert``: the checkpoint form instead, each
+    expert's ``gate_proj``, ``up_proj`` [I, H] and ``down_proj`` [H, I] (the same bytes)."""
 
     def layer(hidden: int, kv: int) -> list[tuple[str, tuple[int, ...]]]:
         inter = hidden // 2  # each expert narrower than a dense MLP (Qwen3-30B-A3B: 768 of 2048)
-        mlp = [
-            ("mlp.gate.weight", (experts, hidden)),
-            ("mlp.experts.gate_up_proj", (experts, 2 * inter, hidden)),
-            ("mlp.experts.down_proj", (experts, hidden, inter)),
-        ]
+        mlp: list[tuple[str, tuple[int, ...]]] = [("mlp.gate.weight", (experts, hidden))]
+        if per_expert:
+            for e in range(experts):
+                mlp += [
+                    (f"mlp.experts.{e}.gate_proj.weight", (inter, hidden)),
+                    (f"mlp.experts.{e}.up_proj.weight", (inter, hidden)),
+                    (f"mlp.experts.{e}.down_proj.weight", (hidden, inter)),
+                ]
+        else:
+            mlp += [
+                ("mlp.experts.gate_up_proj", (experts, 2 * inter, hidden)),
+                ("mlp.experts.down_proj", (experts, hidden, inter)),
+            ]
         return _attention(hidden, kv, bias=False) + mlp + _norms(hidden)
 
     return _decoder(total_bytes, dtype, layer)
@@ -101,12 +112,13 @@ def small_tensor_specs(
     return [TensorSpec(f"blocks.{i}.weight", (tensor_bytes // elem,), dtype) for i in range(count)]
 
 
-def synthetic_specs(shape: str, size_mb: float, dtype: str) -> list[TensorSpec]:
+def synthetic_specs(shape: str, size_mb: float, dtype: str, per_expert: bool = False) -> list[TensorSpec]:
+    """``per_expert``: an MoE shape in its checkpoint form (one tensor per expert's matrix)."""
     total = int(size_mb * (1 << 20))
     if shape == "llm":
         return llm_specs(total, dtype)
     if shape == "moe":
-        return moe_specs(total, dtype)
+        return moe_specs(total, dtype, per_expert=per_expert)
     if shape == "small-tensors":
         return small_tensor_specs(total, dtype)
     raise ValueError(f"unknown model shape {shape!r}; choose one of {', '.join(SHAPES)}")

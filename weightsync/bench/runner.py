@@ -93,6 +93,10 @@ class BenchOptions:
     #: tensor-parallel ranks per replica: every row has ``receivers * tp`` receiver
     #: processes; ``sharded`` sends each only its slices, the others the whole model
     tp: int = 1
+    #: expert-parallel ranks per replica (``--shape moe`` in its checkpoint form, one tensor
+    #: per expert's matrix): ``sharded`` sends each rank only the experts vLLM's linear
+    #: placement gives it; every row has ``receivers * max(tp, ep)`` receiver processes
+    ep: int = 1
     size_mb: float = 1024
     shape: str = "llm"
     dtype: str = "bfloat16"
@@ -119,6 +123,11 @@ class BenchOptions:
     #: "fp8": each backend's row again with every receiver holding the decoder layers' matrices
     #: in FP8 blocks, quantized on the trainer (``weightsync.quant``), beside the plain row
     quantize: str | None = None
+
+    @property
+    def ranks(self) -> int:
+        """Receiver ranks per replica."""
+        return max(self.tp, self.ep)
 
 
 @dataclass
@@ -204,7 +213,7 @@ def spread(samples: list[float]) -> float | None:
 def _specs(opts: BenchOptions) -> list[TensorSpec]:
     if opts.model:
         return models.directory_specs(opts.model)
-    return models.synthetic_specs(opts.shape, opts.size_mb, opts.dtype)
+    return models.synthetic_specs(opts.shape, opts.size_mb, opts.dtype, per_expert=opts.ep > 1)
 
 
 def plan_rows(opts: BenchOptions) -> list[tuple[str, int | None, str | None]]:
@@ -280,14 +289,21 @@ def _run_on_hosts(opts: BenchOptions, progress: Callable[[str, int, int], None] 
     # ``weightsync estimate`` predicts from, so every row is set against its prediction
     def layout(bucket_mb: int | None) -> Layout:
         return Layout.of_flags(
-            opts.hosts, opts.trainers, opts.receivers, opts.link, opts.trainer_link, opts.tp, bucket_mb or 64
+            opts.hosts,
+            opts.trainers,
+            opts.receivers,
+            opts.link,
+            opts.trainer_link,
+            opts.tp,
+            bucket_mb or 64,
+            ep=opts.ep,
         )
 
     placed = layout(None)
     with Cluster(opts.hosts, placed.rates) as cluster:
         netns = {
             key: cluster.hosts[placed.host_of(key)].netns
-            for key in range(opts.receivers * opts.tp + opts.trainers)
+            for key in range(opts.receivers * opts.ranks + opts.trainers)
         }
         rows = _run_rows(
             opts, progress, netns=netns, host=cluster.hosts[0].address, counters=cluster.counters
@@ -355,7 +371,7 @@ def _run_rows(
                 job = Job(
                     kind,
                     specs,
-                    opts.receivers * opts.tp,
+                    opts.receivers * opts.ranks,
                     repeats.get(kind, opts.repeats),
                     row_overrides[1:],
                     opts.model,
@@ -363,6 +379,7 @@ def _run_rows(
                     opts.timeout_s,
                     trainers=opts.trainers if kind in _ALL_RANKS_SEND else 1,
                     tp=opts.tp,
+                    ep=opts.ep,
                     update=opts.update,
                     lr=opts.lr,
                     device=device,

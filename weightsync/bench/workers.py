@@ -48,6 +48,8 @@ class Job:
     trainers: int = 1  # trainer processes that send (paired); the others' results are keyed receivers + rank
     #: ``sharded``: tensor-parallel ranks per replica (receiver r is rank r % tp of replica r // tp)
     tp: int = 1
+    #: ``sharded``: expert-parallel ranks per replica (receiver r is rank r % max(tp, ep))
+    ep: int = 1
     update: str = "bump"  # how versions differ: "bump" (every tensor, cheaply) or "adamw" (an RL step)
     lr: float = 1e-6  # the AdamW learning rate of update="adamw"
     device: str = "cpu"  # where every process holds the model (and the transfer buffers, when not "cpu")
@@ -245,7 +247,7 @@ def _sharded_receiver(job: Job, address: str, rank: int) -> dict[str, Any]:
     from weightsync.receiver.receiver import Receiver
     from weightsync.receiver.sharded_sink import FragmentSink
 
-    boxes = shards.replica_boxes(job.specs, job.tp, rank % job.tp)
+    boxes = shards.replica_boxes(job.specs, job.tp, rank % max(job.tp, job.ep), job.ep)
     mine = shards.kept(job.specs, boxes, job.device)
     sink = FragmentSink(mine)
     baseline = _rss_mb()

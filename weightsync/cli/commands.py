@@ -40,6 +40,7 @@ def _estimate_command(args: argparse.Namespace) -> int:
         return 0
     if not _allowed("--backend", args.backend, BACKENDS):
         return 2
+    args.tp = _tp_of(args)
     try:
         if args.cluster:
             cluster = Cluster.from_yaml(args.cluster)
@@ -52,13 +53,14 @@ def _estimate_command(args: argparse.Namespace) -> int:
                 args.trainer_link,
                 args.tp,
                 args.bucket_mb,
+                ep=args.ep,
             )
         dtype = args.dtype or cluster.dtype
         size_mb = args.size_gb * 1024 if args.size_gb is not None else args.size_mb
         specs = (
             models.directory_specs(args.model)
             if args.model
-            else models.synthetic_specs(args.shape, size_mb, dtype)
+            else models.synthetic_specs(args.shape, size_mb, dtype, per_expert=cluster.ep > 1)
         )
         calibration = Calibration.load(args.calibration)
         estimates = [predict(cluster, specs, b, calibration) for b in args.backend]
@@ -70,7 +72,7 @@ def _estimate_command(args: argparse.Namespace) -> int:
         return 0
     console = Console(width=None if sys.stdout.isatty() else 120)
     console.print(
-        f"{len(cluster.trainers)} trainer rank(s), {cluster.replicas} replica(s) x {cluster.tp} rank(s) on "
+        f"{len(cluster.trainers)} trainer rank(s), {cluster.replicas} replica(s) x {cluster.ranks} rank(s) on "
         f"{len(cluster.hosts)} host(s); model {sum(s.nbytes for s in specs) / 1e9:.2f} GB; costs: {calibration.source}"
     )
     table = Table(title="one sync, predicted")
@@ -376,6 +378,11 @@ def _codec_bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tp_of(args: argparse.Namespace) -> int:
+    """``--tp``, which defaults to ``--ep`` (vLLM's TP with expert parallelism), else 1."""
+    return args.tp if args.tp is not None else max(args.ep, 1)
+
+
 #: --quantize with an engine: neither engine's CPU build serves FP8 here
 _NO_ENGINE_FP8 = (
     "{what}: --quantize {fp8} runs with plain rollout processes: vLLM's CPU build serves no FP8 without AMX, "
@@ -386,6 +393,15 @@ _NO_ENGINE_FP8 = (
 def _bench_command(args: argparse.Namespace) -> int:
     if args.codec:
         return _codec_bench_command(args)
+    args.tp = _tp_of(args)
+    if args.ep != 1 and (
+        args.rollout != "processes" or args.model or args.shape != "moe" or args.tp not in (1, args.ep)
+    ):
+        print(
+            "bench: --ep runs with rollout processes on --shape moe (its checkpoint form), --tp 1 or equal to --ep",
+            file=sys.stderr,
+        )
+        return 2
     if args.quantize and args.rollout != "processes":
         print(_NO_ENGINE_FP8.format(what="bench", fp8=args.quantize), file=sys.stderr)
         return 2
@@ -415,6 +431,7 @@ def _bench_command(args: argparse.Namespace) -> int:
         receivers=args.receivers or 3,
         trainers=args.trainers,
         tp=args.tp,
+        ep=args.ep,
         size_mb=args.size_mb or 1024,
         shape=args.shape,
         dtype=args.dtype,
@@ -457,7 +474,8 @@ def _bench_command(args: argparse.Namespace) -> int:
     )
     what = f"{args.model}" if args.model else f"synthetic {shape} {opts.size_mb:g} MiB {args.dtype}"
     senders = f"{args.trainers} trainer ranks (paired), else 1 sender" if args.trainers > 1 else "1 sender"
-    title = f"{what}, {rows[0].tensors} tensors, {senders} -> {opts.receivers} receivers"
+    ranks = f" x {opts.ranks} ranks ({'EP ' + str(opts.ep) if opts.ep > 1 else 'TP ' + str(opts.tp)})"
+    title = f"{what}, {rows[0].tensors} tensors, {senders} -> {opts.receivers} receivers{ranks if opts.ranks > 1 else ''}"
     if rows[0].device != "cpu":
         title += f", every process on {rows[0].device}"
     if args.hosts:

@@ -152,9 +152,18 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tp",
         type=int,
-        default=1,
+        default=None,
         help="tensor-parallel ranks per replica: each row has --receivers x --tp receiver processes; "
-        "sharded sends each rank only its slices, the other backends the whole model (default: 1)",
+        "sharded sends each rank only its slices, the other backends the whole model (default: 1; with --ep, "
+        "--ep: vLLM's tensor_parallel_size with enable_expert_parallel)",
+    )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks per replica (--shape moe, sent in its checkpoint form): each keeps the "
+        "experts vLLM's linear placement gives it and its --tp slices of the other tensors (--tp 1: whole, "
+        "the attention data-parallel); sharded sends each rank only those (default: 1)",
     )
     p.add_argument(
         "--size-mb",
@@ -289,7 +298,16 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--hosts", type=int, help="hosts, as for `weightsync bench --hosts` (default: 4)")
     p.add_argument("--trainers", type=int, default=1, help="--hosts: trainer ranks (default: 1)")
     p.add_argument(
-        "--tp", type=int, default=1, help="--hosts: tensor-parallel ranks per replica (default: 1)"
+        "--tp",
+        type=int,
+        default=None,
+        help="--hosts: tensor-parallel ranks per replica (default: 1; with --ep, --ep)",
+    )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="--hosts: expert-parallel ranks per replica, each keeping its experts (--shape moe; default: 1)",
     )
     p.add_argument("--receivers", type=int, default=3, help="--hosts: replicas (default: 3)")
     p.add_argument("--link", default="1gbit", help="--hosts: every NIC's rate (default: 1gbit)")

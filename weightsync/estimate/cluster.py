@@ -18,7 +18,7 @@ Two ways to describe one:
         - {name: train, count: 2, devices: 8, nics: 8, nic: 400gbit, intra: 900GBps}
         - {name: infer, count: 2, devices: 8, nics: 8, nic: 400gbit, intra: 900GBps}
       trainer: {host: train, ranks: 16}
-      replicas: {host: infer, count: 2, tp: 8}
+      replicas: {host: infer, count: 2, tp: 8}    # ep: 8 for expert-parallel replicas
 
 Trainer ranks and receiver ranks may share a host group (colocated: the bytes between a
 trainer rank and a receiver rank of one host cross its intra-host link).
@@ -71,11 +71,25 @@ class Cluster:
 
     hosts: tuple[Host, ...]
     trainers: tuple[tuple[int, int], ...]  # trainer rank -> (host, slot)
-    receivers: tuple[tuple[int, int], ...]  # receiver rank (replica r, tp rank k: r * tp + k) -> (host, slot)
+    receivers: tuple[tuple[int, int], ...]  # receiver rank (replica r, rank k: r * ranks + k) -> (host, slot)
     tp: int
     bucket_bytes: int
     dtype: str = "bfloat16"
     device: str = "cpu"
+    #: expert-parallel ranks per replica (each keeps the experts vLLM's linear placement
+    #: gives it; with ``tp`` 1 every rank keeps the other tensors whole)
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        if self.ep > 1 and self.tp not in (1, self.ep):
+            raise ValueError(
+                f"tp {self.tp} with ep {self.ep}: a replica's experts span its tensor-parallel ranks"
+            )
+
+    @property
+    def ranks(self) -> int:
+        """Ranks per replica."""
+        return max(self.tp, self.ep)
 
     @property
     def rates(self) -> list[float]:
@@ -92,7 +106,7 @@ class Cluster:
 
     @property
     def replicas(self) -> int:
-        return len(self.receivers) // self.tp
+        return len(self.receivers) // self.ranks
 
     def nic(self, where: tuple[int, int]) -> tuple[int, int]:
         """The NIC a rank at (host, slot) sends and receives through."""
@@ -110,10 +124,11 @@ class Cluster:
         tp: int = 1,
         bucket_mb: int = 64,
         dtype: str = "bfloat16",
+        ep: int = 1,
     ) -> Cluster:
         """``weightsync bench --hosts``' cluster: trainer rank t on host t, the ``receivers``
-        replicas of ``tp`` ranks dealt round-robin over the other hosts, one NIC each."""
-        ranks = receivers * tp
+        replicas of ``max(tp, ep)`` ranks dealt round-robin over the other hosts, one NIC each."""
+        ranks = receivers * max(tp, ep)
         if hosts < trainers + 1:
             raise ValueError(
                 f"--hosts {hosts}: {trainers} trainer host(s) and at least one receiver host are needed"
@@ -132,7 +147,7 @@ class Cluster:
 
         trainer_at = tuple(place(t) for t in range(trainers))
         receiver_at = tuple(place(trainers + q % (hosts - trainers)) for q in range(ranks))
-        return cls(table, trainer_at, receiver_at, tp, bucket_mb << 20, dtype, "cpu")
+        return cls(table, trainer_at, receiver_at, tp, bucket_mb << 20, dtype, "cpu", ep)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Cluster:
@@ -176,11 +191,13 @@ class Cluster:
 
         trainer = data.get("trainer") or {}
         replicas = data.get("replicas") or {}
-        tp = int(replicas.get("tp", 1))
+        tp, ep = int(replicas.get("tp", 1)), int(replicas.get("ep", 1))
         names = list(groups)
         trainer_at = deal(str(trainer.get("host", names[0])), int(trainer.get("ranks", 1)), "trainer ranks")
         receiver_at = deal(
-            str(replicas.get("host", names[-1])), int(replicas.get("count", 1)) * tp, "receiver ranks"
+            str(replicas.get("host", names[-1])),
+            int(replicas.get("count", 1)) * max(tp, ep),
+            "receiver ranks",
         )
         return cls(
             tuple(hosts),
@@ -190,4 +207,5 @@ class Cluster:
             int(data.get("bucket_mb", 1024)) << 20,
             str(data.get("dtype", "bfloat16")),
             str(data.get("device", "gpu")),
+            ep,
         )

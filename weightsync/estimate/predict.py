@@ -173,7 +173,9 @@ def ceiling_s(cluster: Cluster, specs: Sequence[TensorSpec], backend: str) -> fl
         for t, where in enumerate(cluster.trainers):
             send[cluster.nic(where)] += own(lambda part, t=t: trainer_boxes(part, trainers, t))
         for q, where in enumerate(cluster.receivers):
-            need[cluster.nic(where)] += own(lambda part, q=q: replica_boxes(part, cluster.tp, q % cluster.tp))
+            need[cluster.nic(where)] += own(
+                lambda part, q=q: replica_boxes(part, cluster.tp, q % cluster.ranks, cluster.ep)
+            )
     else:
         senders = cluster.trainers if backend == "paired" else cluster.trainers[:1]
         for where in senders:

@@ -158,7 +158,7 @@ def _sharded_route(cluster: Cluster, specs: Sequence[TensorSpec]) -> tuple[Flows
 
     holders = [Layout(trainer_boxes(specs, trainers, t), nic(cluster.trainers[t])) for t in range(trainers)]
     needs = [
-        Layout(replica_boxes(specs, cluster.tp, q % cluster.tp), nic(cluster.receivers[q]))
+        Layout(replica_boxes(specs, cluster.tp, q % cluster.ranks, cluster.ep), nic(cluster.receivers[q]))
         for q in range(len(cluster.receivers))
     ]
     route = plan_route(list(specs), holders, needs)

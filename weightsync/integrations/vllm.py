@@ -60,6 +60,7 @@ from weightsync.integrations.vllm_reload import (
     full_version_vet,
     reprocess_tied,
     restore_adapters,
+    update_vet,
     worker_reload,
 )
 from weightsync.integrations.vllm_slices import derive_slices
@@ -104,7 +105,7 @@ class WeightsyncWorkerExtension:
         """Receive ``version`` into the running model; return this worker's status. The
         update fails naming every tensor the engine did not take and, unless ``partial``,
         every parameter it left unwritten (``checked_load``)."""
-        vet = None if partial else full_version_vet(self.model_runner.get_model(), self.vllm_config)
+        vet = update_vet(self.model_runner, self.vllm_config, partial)
         return self._weightsync().receive(version, self._reload(partial), vet)
 
     def _reload(self, partial: bool) -> Reload:

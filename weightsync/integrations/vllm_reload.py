@@ -17,6 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from weightsync.integrations.replicas.receiver import NotTaken
+from weightsync.integrations.vllm_experts import foreign, rebalanced, worker_slots
 from weightsync.wire.checkpoint import checkpoint_pieces
 
 log = logging.getLogger("weightsync.vllm")
@@ -148,22 +149,29 @@ def unchecked_quantization(vllm_config: Any) -> str | None:
     )
 
 
+def _foreign(model: torch.nn.Module, vllm_config: Any) -> Callable[[str], bool]:
+    """Checkpoint tensors this worker's loader skips by design: under expert parallelism, the
+    experts other ranks keep (by the engine's expert map, ``vllm_experts``)."""
+    expert_parallel = bool(getattr(vllm_config.parallel_config, "enable_expert_parallel", False))
+    return foreign(worker_slots(model, vllm_config), expert_parallel)
+
+
 def full_version_vet(model: torch.nn.Module, vllm_config: Any) -> Callable[[Any], None]:
     """A receiver's ``vet`` for a full version: before anything moves, the offered tensors
     must carry every tensor of the served model's checkpoint (``checkpoint_cover``), or the
     sync is refused naming what it lacks, and the replica keeps serving what it holds. A
     quantized model's full version is checked the same way where its checkpoint names its
     matrices as transformers does, and refused where it cannot be checked
-    (``unchecked_quantization``); under expert parallelism per-expert names are exempt
-    (``checked_load`` says why)."""
-    expert_parallel = bool(getattr(vllm_config.parallel_config, "enable_expert_parallel", False))
+    (``unchecked_quantization``); under expert parallelism the experts other ranks keep are
+    exempt (``checked_load`` says why)."""
+    exempt = _foreign(model, vllm_config)
 
     def vet(specs: Any) -> None:
         if (why := unchecked_quantization(vllm_config)) is not None:
             raise ValueError(why)
         cover = checkpoint_cover(model, vllm_config)
         offered = {s.name for s in specs}
-        absent = uncovered(cover, offered, lambda name: expert_parallel and ".experts." in name)
+        absent = uncovered(cover, offered, exempt)
         if absent:
             known = set(cover).union(*cover.values())
             strangers = sorted(offered - known)  # a misspelling, say: named beside what it hides
@@ -200,6 +208,27 @@ class _Writes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def update_vet(runner: Any, vllm_config: Any, partial: bool) -> Callable[[Any], None] | None:
+    """A worker's ``vet`` for an update: a full version's (``full_version_vet``), and, where
+    the engine runs a load balancer (EPLB), a refusal before anything moves once it moved an
+    expert away from where vLLM's loader lands it (``vllm_experts.rebalanced``)."""
+    model = runner.get_model()
+    full = None if partial else full_version_vet(model, vllm_config)
+    if getattr(runner, "eplb_state", None) is None:
+        return full
+
+    def vet(specs: Any) -> None:
+        if (where := rebalanced(runner, model, vllm_config)) is not None:
+            raise ValueError(
+                f"the engine's load balancer moved its experts ({where}): vLLM 0.32's loader would land "
+                "experts in slots that now hold others; refused before anything moves"
+            )
+        if full is not None:
+            full(specs)
+
+    return vet
+
+
 @contextlib.contextmanager
 def checked_load(
     model: torch.nn.Module, vllm_config: Any, *, where: str, partial: bool = False
@@ -220,9 +249,9 @@ def checked_load(
       loader skips, or a layout it ignores. A loader that buffers items to write them later
       would be refused by this: fail closed, never a guess. Exempt: names of parameters
       tied to another one (vLLM skips them and itself checks that the one they are tied to
-      loaded), and under expert parallelism the per-expert tensors (``.experts.``), which a
-      rank that does not own the expert skips by design: their check across the replica's
-      ranks is not built.
+      loaded), and under expert parallelism the experts other ranks keep (the engine's
+      expert map, ``vllm_experts.worker_slots``), which this rank's loader skips by design;
+      an expert this rank keeps is checked as any tensor is.
     - A parameter a full version left untouched: ``load_weights`` returns the names of
       the parameters it wrote; every parameter of the model must be among them, unless the
       caller says the update is ``partial``. As vLLM does, not checked for a quantized
@@ -241,7 +270,7 @@ def checked_load(
         for name, _ in model.named_parameters()
     }
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - expected
-    expert_parallel = bool(getattr(vllm_config.parallel_config, "enable_expert_parallel", False))
+    foreign = _foreign(model, vllm_config)
     untaken: list[str] = []
     fed: set[str] = set()  # every name handed to the loader
     reported: list[set[str] | None] = []
@@ -250,7 +279,7 @@ def checked_load(
     bound = model.load_weights
 
     def exempt(name: str) -> bool:
-        return name in tied or (expert_parallel and ".experts." in name)
+        return name in tied or foreign(name)
 
     def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
         writes = _Writes()

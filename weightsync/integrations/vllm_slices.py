@@ -33,6 +33,8 @@ from typing import Any
 import torch
 
 from weightsync.integrations.replicas.slices import Slices
+from weightsync.integrations.vllm_experts import foreign as foreign_to
+from weightsync.integrations.vllm_experts import worker_slots
 from weightsync.plan import TensorSpec
 from weightsync.sharding.layout import Box
 from weightsync.sharding.reads import Unreducible, dry_run
@@ -98,6 +100,14 @@ def derive_slices(model: torch.nn.Module, vllm_config: Any, specs: Sequence[Tens
                 if info.can_load():
                     info.load_numel = 0
             layerwise.finalize_layerwise_reload(model, vllm_config.model_config)
+    # Under expert parallelism an expert another rank keeps reads nothing here (its loader
+    # skips it by design): this worker asks for none of it, by the engine's own expert map.
+    # An expert it keeps that read nothing stays whole (fail closed).
+    foreign = foreign_to(worker_slots(model, vllm_config), False)
+    for spec in specs:
+        if foreign(spec.name):
+            boxes.pop(spec.name, None)
+            whole.pop(spec.name, None)
     slices = Slices(tuple(specs), boxes, whole, time.perf_counter() - t0)
     log.info(
         "weightsync: derived the slices of %d checkpoint tensors in %.2f s (%d taken whole)",

@@ -51,7 +51,7 @@ class ShardedReceive(ReceiveStage):
             raise ValueError("backend=sharded lands fragments: pass the module itself to load_into")
         own: Declared = WHOLE
         if sink is not None:
-            own = sink.layout(offered.host)
+            own = sink.layout(offered.host, self._agreement.specs(msg.get("route")))
         elif needs is not None:
             specs = self._agreement.specs(msg.get("route"))
             if specs is None:  # offered the hash of a route this receiver does not hold

@@ -63,8 +63,8 @@ class Sender:
         wire_dtype: cast multi-byte floating tensors to this dtype for the wire.
         form: the names a transformers model goes under where engines load other names than
             it holds (an MoE's fused experts): ``"checkpoint"`` (default: the names and layouts
-            of its checkpoint, as views) or ``"module"`` (its own). Dense backends only; the
-            route of ``backend=sharded`` sends a module's own (docs/moe.md).
+            of its checkpoint, as views; a sharded route cuts them from each rank's shards) or
+            ``"module"`` (its own) (docs/moe.md).
     """
 
     def __init__(

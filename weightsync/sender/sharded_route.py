@@ -61,8 +61,7 @@ class ShardedSend(SendStage):
         self._following = False
 
     def source(self, obj: Any, wire_dtype: torch.dtype | None, form: str) -> WeightSource:
-        # the layouts are the module's own: a route of checkpoint pieces is not built yet
-        return ShardSource.of(obj, wire_dtype)
+        return ShardSource.of(obj, wire_dtype, form)
 
     def plan(self, src: WeightSource, plan: Plan | None) -> Plan | None:
         return None  # each rank's plan comes from the route, agreed in the handshake

@@ -44,8 +44,10 @@ from weightsync.sharding.fragments import (
     trainer_plan,
 )
 from weightsync.sharding.layout import Layout
+from weightsync.sharding.pieces import checkpoint_shards
 from weightsync.sharding.route import Route, RouteError, plan_route
 from weightsync.sources import WeightSource
+from weightsync.wire.checkpoint import is_converted
 from weightsync.wire.forms import is_tagged
 
 #: a receiver that declares no layout takes every tensor whole
@@ -338,9 +340,11 @@ class ShardSource(WeightSource):
         self._layouts: dict[str, Layout] = {}  # by host: asked for in every round of a handshake
 
     @classmethod
-    def of(cls, obj: Any, wire_dtype: torch.dtype | None = None) -> ShardSource:
+    def of(cls, obj: Any, wire_dtype: torch.dtype | None = None, form: str = "module") -> ShardSource:
         """A module, a state dict (DTensors or plain tensors) or declared shards
-        (``weightsync.sharding.declared_shards``) as a sharded source."""
+        (``weightsync.sharding.declared_shards``) as a sharded source. ``form="checkpoint"``:
+        a transformers model whose checkpoint form differs from its own sends the
+        checkpoint's pieces of its shards (``weightsync.sharding.pieces``)."""
         if wire_dtype is not None:
             raise ValueError(
                 "backend=sharded sends each shard in its own dtype: cast the model (or declare shards of "
@@ -350,6 +354,8 @@ class ShardSource(WeightSource):
             return obj
         if isinstance(obj, Mapping) and obj and all(isinstance(v, LocalShard) for v in obj.values()):
             return cls(obj)
+        if isinstance(obj, torch.nn.Module) and form == "checkpoint" and is_converted(obj):
+            return cls(checkpoint_shards(obj, local_shards(obj)))
         if isinstance(obj, (torch.nn.Module, Mapping)):
             return cls(local_shards(obj))
         raise TypeError(

@@ -83,13 +83,14 @@ class _Reads:
         self.boxes: list[Box] = []
 
 
-def _box_of_view(view: torch.Tensor, base: torch.Tensor) -> Box:
-    """The box of ``base`` (contiguous, on meta) that ``view`` covers; raises
+def view_box(view: torch.Tensor, base: torch.Tensor) -> tuple[Box, tuple[int | None, ...]]:
+    """The box of ``base`` (contiguous, on meta) that ``view`` covers, and the base dimension
+    each of the view's dimensions runs along (None: a dimension of one element); raises
     ``Unreducible`` when its elements are not one box, each once."""
     shape = tuple(base.shape)
     strides = base.stride()
     if view.numel() == 0:
-        return Box(tuple(0 for _ in shape), tuple(0 for _ in shape))
+        return Box(tuple(0 for _ in shape), tuple(0 for _ in shape)), tuple(None for _ in view.shape)
     # the view's offset as a start per base dimension (strides are mixed radix)
     offset, starts = view.storage_offset(), []
     for n, s in zip(shape, strides):
@@ -98,19 +99,20 @@ def _box_of_view(view: torch.Tensor, base: torch.Tensor) -> Box:
     if offset:
         raise Unreducible("the view does not start on an element")
     lengths = [1] * len(shape)
-    taken: set[int] = set()
+    taken: list[int | None] = []
     for size, stride in zip(view.shape, view.stride()):
         if size == 1:
+            taken.append(None)
             continue
         dims = [d for d, (n, s) in enumerate(zip(shape, strides)) if s == stride and n > 1 and d not in taken]
         if not dims:
             raise Unreducible(f"a view with stride {stride} reads no single dimension")
-        taken.add(dims[0])
+        taken.append(dims[0])
         lengths[dims[0]] = size
     box = Box(tuple(starts), tuple(lengths))
     if not Box.whole(shape).contains(box) or box.numel != view.numel():
         raise Unreducible("the view's elements are not one box")
-    return box
+    return box, tuple(taken)
 
 
 class ReadRecorder(torch.Tensor):
@@ -184,7 +186,7 @@ class ReadRecorder(torch.Tensor):
         dest, src = (args[0], args[1]) if func is torch.Tensor.copy_ else (args[0], args[2])
         if isinstance(dest, ReadRecorder) or not isinstance(src, ReadRecorder):
             raise Unreducible("a copy into a recorded tensor")
-        src.recorded.boxes.append(_box_of_view(src.meta_view, src.recorded.base))
+        src.recorded.boxes.append(view_box(src.meta_view, src.recorded.base)[0])
         return dest if func is torch.Tensor.copy_ else None  # nothing is written: a dry run
 
     @classmethod

@@ -186,7 +186,7 @@ class Rollout:
         from weightsync.sharding.agreement import ShardSource
 
         self._require("slices", "learning the slices each worker keeps")
-        specs = [s.to_wire() for s in ShardSource.of(model).specs()]
+        specs = [s.to_wire() for s in ShardSource.of(model, form=self.sender.form).specs()]
         futures = {
             r.name: self._pool.submit(r.call, "weightsync_slices", specs, timeout=self.config.timeout_s)
             for r in self.replicas
