@@ -451,7 +451,7 @@ def _checked_slices(opts: VLLMDemoOptions, rollout: Any, model: torch.nn.Module)
         return None
     from weightsync.sharding.agreement import ShardSource
 
-    specs = ShardSource.of(model).specs()  # what the rollout learned the slices of
+    specs = ShardSource.of(model, form=rollout.sender.form).specs()  # what the rollout learned the slices of
     table = tp_table(specs, opts.tp, model.config)
     for name, workers in rollout.slices.items():
         check_slices(name, workers, specs, table)
