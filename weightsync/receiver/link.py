@@ -145,11 +145,11 @@ class SenderLink:
 
     def await_sync(
         self, version: int | None, held: int | None, warm: Callable[[Channel, dict[str, Any]], None]
-    ) -> tuple[Channel, dict[str, Any]]:
+    ) -> dict[str, Any]:
         """The sender's next sync message (of ``version``, where not None), joining again
         where the sender dropped us, a new sender where it said goodbye, and its data plane
-        (``warm``) where it warms one up first. ``held``: the version this receiver holds,
-        for a re-route's question."""
+        (``warm``) where it warms one up first; it came over ``channel``. ``held``: the
+        version this receiver holds, for a re-route's question."""
         what = f" of version {version}" if version is not None else ""
         waiting = Deadline(self.config.timeout_s, f"for the sender to start a sync{what}")
         ch = self.connect()
@@ -185,4 +185,4 @@ class SenderLink:
                     waiting.left()
                     ch = self.connect()  # again, if the failure closed the connection
             else:
-                return ch, msg
+                return msg

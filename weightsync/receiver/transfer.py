@@ -5,14 +5,14 @@ engine (buckets off the wire) -> plan (pieces merged: the assembler) -> the stag
 sender's checksums (``verify``), what the intake hands out at the end, and the consumer's
 last step (``settle``). It records what it saw
 (the buckets received, whether any landed in the consumer's memory, the consumer's error,
-the version's problem) so that the session (``Receiver``) can report the outcome and the
-version state; failures of the data plane propagate to it.
+the version's problem) and hands the end down to the sync's ``Outcome``
+(``weightsync.receiver.outcome``): the acknowledgement and the version state, or the failure.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -21,6 +21,7 @@ from weightsync.engines.base import Transport
 from weightsync.errors import SyncError
 from weightsync.plan import Bucket, Plan, shortfall
 from weightsync.receiver import admission
+from weightsync.receiver.outcome import Outcome
 from weightsync.session.channel import Channel, Deadline
 from weightsync.sinks import ModuleSink
 from weightsync.stages import Intake
@@ -79,18 +80,14 @@ class Transfer:
         self.problem: str | None = None
 
     def run(
-        self,
-        handed: set[str],
-        settle: Callable[[], None] | None,
-        failed: Callable[[Exception, bool], NoReturn],
-        ended: Callable[[str | None, bool], None],
+        self, handed: set[str], settle: Callable[[], None] | None, outcome: Outcome
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The entries as the consumer takes them (names in ``handed``, handed out by an
         earlier attempt of the same version, are skipped; those handed out now are added).
         A consumer's failure or early stop is recorded and the rest drained, then
-        ``ended(problem, delivered)`` reports the outcome and the consumer's error is raised
-        again; a failure of the data plane drops the transport's pending receives and goes
-        to ``failed(error, delivered)``, which raises.
+        ``outcome.ended`` reports the outcome and the consumer's error is raised again; a
+        failure of the data plane drops the transport's pending receives and goes to
+        ``outcome.failed``, which raises.
 
         One generator frame from the first bucket to the outcome: a consumer that stops
         early closes it, and the drain and the report must still run in it."""
@@ -155,9 +152,9 @@ class Transfer:
                 self.problem = f"receiver rank {self.rank} did not complete version {self.version}: {self.consumer_error!r}"
         except Exception as e:
             self._buckets.close()  # let the transport drop its pending receives now
-            failed(e, self.delivered(bool(handed), failed=True))
+            outcome.failed(e, self.delivered(bool(handed), failed=True))
         stats.buckets = len(self.received)
-        ended(self.problem, self.delivered())
+        outcome.ended(self.problem, self.delivered(), self.consumer_error is not None)
         if self.consumer_error is not None:
             raise self.consumer_error
 
