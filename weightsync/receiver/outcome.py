@@ -16,18 +16,16 @@ from typing import NoReturn
 from weightsync.config.engine import EngineConfig
 from weightsync.engines.base import Transport
 from weightsync.errors import PeerLost, Rerouted, SyncError, VerificationError, in_context
-from weightsync.receiver.link import SenderLink
+from weightsync.receiver.link import Agreed, SenderLink
 from weightsync.session import reroute
-from weightsync.session.channel import Channel, Deadline
+from weightsync.session.channel import Deadline
 from weightsync.state import VersionState
 from weightsync.stats import SyncStats
 
 
 class Outcome:
-    """The end of sync ``version`` over ``ch`` (started at ``start``, ``time.perf_counter``)
-    for receiver ``rank``; ``reroutable``: the sender may route this sync around a lost
-    receiver. ``stats`` gets the transfer's and the sync's seconds; ``reported`` is True
-    once the outcome was told to the sender."""
+    """The end of the ``agreed`` sync for receiver ``rank``. ``stats`` gets the transfer's
+    and the sync's seconds; ``reported`` is True once the outcome was told to the sender."""
 
     def __init__(
         self,
@@ -36,16 +34,13 @@ class Outcome:
         state: VersionState,
         config: EngineConfig,
         rank: int,
-        ch: Channel,
-        version: int,
-        reroutable: bool,
+        agreed: Agreed,
         stats: SyncStats,
-        start: float,
     ) -> None:
         self._link, self._transport, self._state = link, transport, state
         self._timeout_s, self._rank = config.timeout_s, rank
-        self._ch, self.version, self._reroutable = ch, version, reroutable
-        self.stats, self._start = stats, start
+        self._ch, self.version, self._reroutable = agreed.channel, agreed.version, agreed.reroutable
+        self.stats, self._start = stats, agreed.start
         self._t0 = time.perf_counter()  # the transfer starts
         self.reported = False
 

@@ -31,7 +31,7 @@ from weightsync.errors import (
 )
 from weightsync.plan import Plan, capacity
 from weightsync.receiver import admission
-from weightsync.receiver.link import SenderLink
+from weightsync.receiver.link import Agreed, SenderLink
 from weightsync.receiver.outcome import Outcome
 from weightsync.receiver.publication import take
 from weightsync.receiver.route_stage import Needs, Vet
@@ -282,19 +282,16 @@ class Receiver:
         retake = False
         while True:
             try:
-                ch, v, plan, incoming, start = self._open(version, sink, retake)
-                yield from self._transfer(ch, v, plan, incoming, sink, owned, landing, settle, start, handed)
+                agreed = self._open(version, sink, retake)
+                yield from self._transfer(agreed, sink, owned, landing, settle, handed)
                 return
             except Rerouted as e:  # the same version again, without a lost receiver
                 log.warning("receiver rank %d: %s; taking it again", self.rank, e)
                 version, retake = e.version, True
 
-    def _open(
-        self, version: int | None, sink: ModuleSink | None, retake: bool = False
-    ) -> tuple[Channel, int, Plan | None, Intake, float]:
+    def _open(self, version: int | None, sink: ModuleSink | None, retake: bool = False) -> Agreed:
         """Wait for the sender's sync, agree on it and join its data plane; returns the
-        channel, the version, its plan (None: streamed), the stages' ``Intake`` and when the
-        sync started."""
+        sync as agreed."""
         transport = self._transport
         assert transport is not None
         ch = self._link.connect()
@@ -326,7 +323,7 @@ class Receiver:
             raise SyncError(
                 f"receiver rank {self.rank}: joining the sync from {ch.peer} failed: {type(e).__name__}: {e}"
             ) from e
-        return ch, v, plan, incoming, start
+        return Agreed(ch, v, plan, incoming, self._reroutable, start)
 
     def _handshake(
         self, ch: Channel, msg: dict[str, Any], version: int | None, sink: ModuleSink | None
@@ -345,15 +342,11 @@ class Receiver:
 
     def _transfer(
         self,
-        ch: Channel,
-        v: int,
-        plan: Plan | None,
-        incoming: Intake,
+        agreed: Agreed,
         sink: ModuleSink | None,
         owned: bool,
         landing: Any,
         settle: Callable[[], None] | None,
-        start: float,
         handed: set[str],
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The data plane (``weightsync.receiver.transfer``), which hands the end to the
@@ -361,14 +354,10 @@ class Receiver:
         version state; a failed transfer explained, routed around where the sender may, or
         reported."""
         assert self._transport is not None
-        stats = SyncStats(v, receivers=1, handshake_s=time.perf_counter() - start)
-        self._receiving = v
+        self._receiving = agreed.version
         transfer = Transfer(
             self._transport,
-            ch,
-            v,
-            plan,
-            incoming,
+            agreed,
             sink,
             owned=owned,
             landing=landing,
@@ -376,25 +365,15 @@ class Receiver:
             rank=self.rank,
             device=self.device,
             max_tensor_bytes=self.max_tensor_bytes,
-            stats=stats,
         )
         outcome = Outcome(
-            self._link,
-            self._transport,
-            self.state,
-            self.config,
-            self.rank,
-            ch,
-            v,
-            self._reroutable,
-            stats,
-            start,
+            self._link, self._transport, self.state, self.config, self.rank, agreed, transfer.stats
         )
         try:
             yield from transfer.run(handed, settle, outcome)
         finally:
             if outcome.reported:
-                self.last_stats = stats
+                self.last_stats = outcome.stats
 
     def _accept(
         self, msg: dict[str, Any], expected: int | None, sink: ModuleSink | None

@@ -11,6 +11,7 @@ the version's problem) and hands the end down to the sync's ``Outcome``
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,28 +20,25 @@ import torch
 from weightsync.config.engine import EngineConfig
 from weightsync.engines.base import Transport
 from weightsync.errors import SyncError
-from weightsync.plan import Bucket, Plan, shortfall
+from weightsync.plan import Bucket, shortfall
 from weightsync.receiver import admission
+from weightsync.receiver.link import Agreed
 from weightsync.receiver.outcome import Outcome
-from weightsync.session.channel import Channel, Deadline
+from weightsync.session.channel import Deadline
 from weightsync.sinks import ModuleSink
-from weightsync.stages import Intake
 from weightsync.stats import SyncStats
 from weightsync.verify import Checks
 
 
 class Transfer:
-    """The data plane of sync ``version``, set up to receive by ``plan`` (None: the sender
-    announces each bucket's entries as it fills it) into ``sink``, ``landing`` or fresh
-    tensors (``owned``)."""
+    """The data plane of the ``agreed`` sync, set up to receive by its plan (None: the
+    sender announces each bucket's entries as it fills it) into ``sink``, ``landing`` or
+    fresh tensors (``owned``). ``stats`` is the sync's, from the handshake's seconds on."""
 
     def __init__(
         self,
         transport: Transport,
-        ch: Channel,
-        version: int,
-        plan: Plan | None,
-        incoming: Intake,
+        agreed: Agreed,
         sink: ModuleSink | None,
         *,
         owned: bool,
@@ -49,9 +47,10 @@ class Transfer:
         rank: int,
         device: torch.device,
         max_tensor_bytes: int | None,
-        stats: SyncStats,
     ) -> None:
-        self.ch, self.version, self.plan, self.incoming, self.stats = ch, version, plan, incoming, stats
+        ch, version, plan, incoming = agreed.channel, agreed.version, agreed.plan, agreed.intake
+        self.ch, self.version, self.plan, self.incoming = ch, version, plan, incoming
+        self.stats = SyncStats(version, receivers=1, handshake_s=time.perf_counter() - agreed.start)
         self.rank = rank
         self.deadline = Deadline(config.timeout_s, f"in the transfer of version {version}")
         self._refused: list[BaseException] = []  # a streamed tensor the sink cannot take (nothing allocated)
