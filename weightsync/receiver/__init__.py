@@ -1,7 +1,7 @@
 """The receive side: ``Receiver`` (joining a session or taking a publication), its link
-to the sender, the data plane's walk (``Transfer``), its route stage (the dense plan, or a
-sharded route's part), what it admits, taking a publisher's version, and the vLLM worker's
-prefetch pipeline with its landing memory.
+to the sender, the data plane's walk (``Transfer``) and how a sync ends (``Outcome``),
+its route stage (the dense plan, or a sharded route's part), what it admits, taking a
+publisher's version, and the vLLM worker's prefetch pipeline with its landing memory.
 """
 
 from weightsync.receiver.admission import (
@@ -24,6 +24,7 @@ from weightsync.receiver.landing import (
     landing_sizes,
 )
 from weightsync.receiver.link import SenderLink
+from weightsync.receiver.outcome import Outcome
 from weightsync.receiver.prefetch import PipelineResult, receive_into
 from weightsync.receiver.publication import take
 from weightsync.receiver.receiver import Receiver
@@ -34,6 +35,7 @@ from weightsync.receiver.transfer import Transfer
 
 __all__ = [
     "DenseReceive",
+    "Outcome",
     "SenderLink",
     "ShardedReceive",
     "Transfer",

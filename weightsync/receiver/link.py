@@ -5,13 +5,15 @@ a new sender where the old one said goodbye), the session it belongs to (a resta
 trainer is a new session: nothing agreed carries over) and the plan last agreed over it (an
 unchanged plan then travels as its hash). Between syncs it waits for the sender's next
 sync message, answering what comes before it: a warm-up (the data plane formed ahead of
-the first sync), a re-route's question, a cancel.
+the first sync), a re-route's question, a cancel. What one sync's handshake agreed over it
+(``Agreed``) is handed once to that sync's ``Transfer`` and ``Outcome``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from weightsync.config.engine import EngineConfig
@@ -22,8 +24,22 @@ from weightsync.receiver.admission import warmup_problem
 from weightsync.session import reroute
 from weightsync.session.channel import PROTOCOL_VERSION, Channel, Deadline
 from weightsync.session.control import connect
+from weightsync.stages import Intake
 
 log = logging.getLogger("weightsync")
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """One sync as its handshake agreed it, handed once to its ``Transfer`` and its
+    ``Outcome``."""
+
+    channel: Channel  #: the connection the sync came over
+    version: int
+    plan: Plan | None  #: None: the sender announces each bucket's entries as it fills it
+    intake: Intake  #: what the stages take of each entry (``weightsync.stages``)
+    reroutable: bool  #: the sender may route this sync around a lost receiver
+    start: float  #: when the sender started it (``time.perf_counter``)
 
 
 class SenderLink:
@@ -145,11 +161,11 @@ class SenderLink:
 
     def await_sync(
         self, version: int | None, held: int | None, warm: Callable[[Channel, dict[str, Any]], None]
-    ) -> tuple[Channel, dict[str, Any]]:
+    ) -> dict[str, Any]:
         """The sender's next sync message (of ``version``, where not None), joining again
         where the sender dropped us, a new sender where it said goodbye, and its data plane
-        (``warm``) where it warms one up first. ``held``: the version this receiver holds,
-        for a re-route's question."""
+        (``warm``) where it warms one up first; it came over ``channel``. ``held``: the
+        version this receiver holds, for a re-route's question."""
         what = f" of version {version}" if version is not None else ""
         waiting = Deadline(self.config.timeout_s, f"for the sender to start a sync{what}")
         ch = self.connect()
@@ -185,4 +201,4 @@ class SenderLink:
                     waiting.left()
                     ch = self.connect()  # again, if the failure closed the connection
             else:
-                return ch, msg
+                return msg

@@ -4,7 +4,8 @@ One path per family, one version state for both (``weightsync.state``). With a t
 backend the receiver joins the sender's session, in phases (``_sync_session``): the sender's
 offer (``SenderLink.await_sync``), the handshake (``_accept``: admission's checks, then the
 stages of ``weightsync.stages``: the plan, the ready answer, the sync's ``Intake``), the data plane joined, then the transfer
-(``weightsync.receiver.transfer``), acknowledgement and version state (``_finish``). With a
+(``weightsync.receiver.transfer``), which hands the end down to the sync's ``Outcome``
+(``weightsync.receiver.outcome``: acknowledgement and version state). With a
 publisher backend it takes the version the publisher offers and acknowledges it through it.
 """
 
@@ -14,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -27,12 +28,11 @@ from weightsync.errors import (
     PeerLost,
     Rerouted,
     SyncError,
-    VerificationError,
-    in_context,
 )
 from weightsync.plan import Plan, capacity
 from weightsync.receiver import admission
-from weightsync.receiver.link import SenderLink
+from weightsync.receiver.link import Agreed, SenderLink
+from weightsync.receiver.outcome import Outcome
 from weightsync.receiver.publication import take
 from weightsync.receiver.route_stage import Needs, Vet
 from weightsync.receiver.stages import receive_stages
@@ -282,24 +282,23 @@ class Receiver:
         retake = False
         while True:
             try:
-                ch, v, plan, incoming, start = self._open(version, sink, retake)
-                yield from self._transfer(ch, v, plan, incoming, sink, owned, landing, settle, start, handed)
+                agreed = self._open(version, sink, retake)
+                yield from self._transfer(agreed, sink, owned, landing, settle, handed)
                 return
             except Rerouted as e:  # the same version again, without a lost receiver
                 log.warning("receiver rank %d: %s; taking it again", self.rank, e)
                 version, retake = e.version, True
 
-    def _open(
-        self, version: int | None, sink: ModuleSink | None, retake: bool = False
-    ) -> tuple[Channel, int, Plan | None, Intake, float]:
+    def _open(self, version: int | None, sink: ModuleSink | None, retake: bool = False) -> Agreed:
         """Wait for the sender's sync, agree on it and join its data plane; returns the
-        channel, the version, its plan (None: streamed), the stages' ``Intake`` and when the
-        sync started."""
+        sync as agreed."""
         transport = self._transport
         assert transport is not None
         ch = self._link.connect()
         try:
-            ch, msg = self._link.await_sync(version, self.state.version, self._warm)
+            msg = self._link.await_sync(version, self.state.version, self._warm)
+            ch = self._link.channel  # joined again where the sender dropped us, or a new sender's
+            assert ch is not None
             start = time.perf_counter()  # the sync starts when the sender starts it
             if isinstance(msg.get("version"), int):  # a failed sync's leftovers end before we are ready
                 transport.settle(msg["version"], retake)
@@ -324,7 +323,7 @@ class Receiver:
             raise SyncError(
                 f"receiver rank {self.rank}: joining the sync from {ch.peer} failed: {type(e).__name__}: {e}"
             ) from e
-        return ch, v, plan, incoming, start
+        return Agreed(ch, v, plan, incoming, self._reroutable, start)
 
     def _handshake(
         self, ch: Channel, msg: dict[str, Any], version: int | None, sink: ModuleSink | None
@@ -343,29 +342,22 @@ class Receiver:
 
     def _transfer(
         self,
-        ch: Channel,
-        v: int,
-        plan: Plan | None,
-        incoming: Intake,
+        agreed: Agreed,
         sink: ModuleSink | None,
         owned: bool,
         landing: Any,
         settle: Callable[[], None] | None,
-        start: float,
         handed: set[str],
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The data plane (``weightsync.receiver.transfer``), then the acknowledgement and
-        the version state; a failed transfer is explained (a silent sender named), routed
-        around where the sender may, or reported."""
+        """The data plane (``weightsync.receiver.transfer``), which hands the end to the
+        sync's ``Outcome`` (``weightsync.receiver.outcome``): the acknowledgement and the
+        version state; a failed transfer explained, routed around where the sender may, or
+        reported."""
         assert self._transport is not None
-        stats = SyncStats(v, receivers=1, handshake_s=time.perf_counter() - start)
-        self._receiving = v
+        self._receiving = agreed.version
         transfer = Transfer(
             self._transport,
-            ch,
-            v,
-            plan,
-            incoming,
+            agreed,
             sink,
             owned=owned,
             landing=landing,
@@ -373,71 +365,15 @@ class Receiver:
             rank=self.rank,
             device=self.device,
             max_tensor_bytes=self.max_tensor_bytes,
-            stats=stats,
         )
-        t0 = time.perf_counter()
-
-        def failed(e: Exception, delivered: bool) -> NoReturn:
-            cause: Exception = e
-            if not isinstance(e, PeerLost) and ch.seems_silent():  # another receiver gave up on it first
-                cause = PeerLost(
-                    f"{ch.peer} went silent during the transfer of version {v}: nothing heard for "
-                    f"{ch.unheard_s():.1f} s (heartbeat_grace_s={ch.grace_s:g}); the data plane then failed: {e}"
-                )
-            if self._reroutable and (rerouted := self._rerouted(ch, v, cause, delivered)) is not None:
-                raise rerouted from e
-            self._finish(v, ok=False, message=f"transfer failed: {cause}", broken=True, delivered=delivered)
-            error = in_context(
-                cause, f"receiver rank {self.rank}: transfer of version {v} from {ch.peer} failed"
-            )
-            if error is e:
-                raise e
-            raise error from e
-
-        def ended(problem: str | None, delivered: bool) -> None:
-            stats.transfer_s = time.perf_counter() - t0
-            self._finish(v, ok=problem is None, message=problem, delivered=delivered)
-            stats.seconds = time.perf_counter() - start
-            self.last_stats = stats
-            if problem is not None and transfer.consumer_error is None:
-                raise VerificationError(problem)
-
-        return transfer.run(handed, settle, failed, ended)
-
-    def _rerouted(self, ch: Channel, v: int, cause: Exception, delivered: bool) -> Rerouted | None:
-        """This attempt at a sync the sender may route around a lost receiver failed: the
-        sender's ``reroute`` (the version comes again: ``weightsync.session.reroute``), or None (the
-        sender failed the sync, or is gone itself)."""
-        if not isinstance(cause, Rerouted) and (ch.is_dead() or ch.seems_silent()):
-            return None  # the sender is the one lost
-        assert self._transport is not None
-        self._transport.finish(ok=False)
-        self.state.failed(v, delivered)
+        outcome = Outcome(
+            self._link, self._transport, self.state, self.config, self.rank, agreed, transfer.stats
+        )
         try:
-            return reroute.await_word(ch, v, cause, self.config.timeout_s)
-        except SyncError:
-            return None
-
-    def _finish(
-        self, version: int, ok: bool, message: str | None, broken: bool = False, delivered: bool = False
-    ) -> None:
-        assert self._transport is not None
-        self._transport.finish(ok=not broken)  # mirrors the sender: only a broken transport rebuilds
-        try:
-            if self._link.channel is not None:
-                self._link.channel.send(
-                    {"type": "done", "version": version, "ok": ok, "message": message},
-                    Deadline(self.config.timeout_s, f"confirming version {version}"),
-                )
-        except SyncError:
-            self._link.reset()
-            ok = False
-        if ok:
-            self.state.completed(version)
-        else:
-            self.state.failed(version, delivered)
-            if broken:  # the transport failed: reconnect at the next sync
-                self._link.reset()
+            yield from transfer.run(handed, settle, outcome)
+        finally:
+            if outcome.reported:
+                self.last_stats = outcome.stats
 
     def _accept(
         self, msg: dict[str, Any], expected: int | None, sink: ModuleSink | None

@@ -5,41 +5,40 @@ engine (buckets off the wire) -> plan (pieces merged: the assembler) -> the stag
 sender's checksums (``verify``), what the intake hands out at the end, and the consumer's
 last step (``settle``). It records what it saw
 (the buckets received, whether any landed in the consumer's memory, the consumer's error,
-the version's problem) so that the session (``Receiver``) can report the outcome and the
-version state; failures of the data plane propagate to it.
+the version's problem) and hands the end down to the sync's ``Outcome``
+(``weightsync.receiver.outcome``): the acknowledgement and the version state, or the failure.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 from weightsync.config.engine import EngineConfig
 from weightsync.engines.base import Transport
 from weightsync.errors import SyncError
-from weightsync.plan import Bucket, Plan, shortfall
+from weightsync.plan import Bucket, shortfall
 from weightsync.receiver import admission
-from weightsync.session.channel import Channel, Deadline
+from weightsync.receiver.link import Agreed
+from weightsync.receiver.outcome import Outcome
+from weightsync.session.channel import Deadline
 from weightsync.sinks import ModuleSink
-from weightsync.stages import Intake
 from weightsync.stats import SyncStats
 from weightsync.verify import Checks
 
 
 class Transfer:
-    """The data plane of sync ``version``, set up to receive by ``plan`` (None: the sender
-    announces each bucket's entries as it fills it) into ``sink``, ``landing`` or fresh
-    tensors (``owned``)."""
+    """The data plane of the ``agreed`` sync, set up to receive by its plan (None: the
+    sender announces each bucket's entries as it fills it) into ``sink``, ``landing`` or
+    fresh tensors (``owned``). ``stats`` is the sync's, from the handshake's seconds on."""
 
     def __init__(
         self,
         transport: Transport,
-        ch: Channel,
-        version: int,
-        plan: Plan | None,
-        incoming: Intake,
+        agreed: Agreed,
         sink: ModuleSink | None,
         *,
         owned: bool,
@@ -48,9 +47,10 @@ class Transfer:
         rank: int,
         device: torch.device,
         max_tensor_bytes: int | None,
-        stats: SyncStats,
     ) -> None:
-        self.ch, self.version, self.plan, self.incoming, self.stats = ch, version, plan, incoming, stats
+        ch, version, plan, incoming = agreed.channel, agreed.version, agreed.plan, agreed.intake
+        self.ch, self.version, self.plan, self.incoming = ch, version, plan, incoming
+        self.stats = SyncStats(version, receivers=1, handshake_s=time.perf_counter() - agreed.start)
         self.rank = rank
         self.deadline = Deadline(config.timeout_s, f"in the transfer of version {version}")
         self._refused: list[BaseException] = []  # a streamed tensor the sink cannot take (nothing allocated)
@@ -79,18 +79,14 @@ class Transfer:
         self.problem: str | None = None
 
     def run(
-        self,
-        handed: set[str],
-        settle: Callable[[], None] | None,
-        failed: Callable[[Exception, bool], NoReturn],
-        ended: Callable[[str | None, bool], None],
+        self, handed: set[str], settle: Callable[[], None] | None, outcome: Outcome
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The entries as the consumer takes them (names in ``handed``, handed out by an
         earlier attempt of the same version, are skipped; those handed out now are added).
         A consumer's failure or early stop is recorded and the rest drained, then
-        ``ended(problem, delivered)`` reports the outcome and the consumer's error is raised
-        again; a failure of the data plane drops the transport's pending receives and goes
-        to ``failed(error, delivered)``, which raises.
+        ``outcome.ended`` reports the outcome and the consumer's error is raised again; a
+        failure of the data plane drops the transport's pending receives and goes to
+        ``outcome.failed``, which raises.
 
         One generator frame from the first bucket to the outcome: a consumer that stops
         early closes it, and the drain and the report must still run in it."""
@@ -155,9 +151,9 @@ class Transfer:
                 self.problem = f"receiver rank {self.rank} did not complete version {self.version}: {self.consumer_error!r}"
         except Exception as e:
             self._buckets.close()  # let the transport drop its pending receives now
-            failed(e, self.delivered(bool(handed), failed=True))
+            outcome.failed(e, self.delivered(bool(handed), failed=True))
         stats.buckets = len(self.received)
-        ended(self.problem, self.delivered())
+        outcome.ended(self.problem, self.delivered(), self.consumer_error is not None)
         if self.consumer_error is not None:
             raise self.consumer_error
 
