@@ -1,11 +1,13 @@
-"""A real vLLM (CPU build) tensor-parallel replica of a Mixtral, synced over ``sharded``.
+"""Real vLLM (CPU build) tensor-parallel replicas of the MoE families transformers converts,
+synced over ``sharded`` (Qwen3-MoE: the TP 2 demo line).
 
 Mixtral's checkpoint names its experts after another parent than transformers 5 holds them
 (``block_sparse_moe.experts.{e}.w1/w2/w3`` against fused ``mlp.experts`` stacks), so the
-module form cannot reach vLLM ("no module named layers.0.mlp"); the checkpoint form, which
-``sharded`` sends, can: each of 2 workers takes its half of every expert's matrices, serves
-the trainer's greedy tokens after each version, and holds what vLLM's own reload of the
-trainer's ``save_pretrained`` holds. (Qwen3-MoE goes the same way in the TP 2 demo line.)
+module form cannot reach vLLM ("no module named layers.0.mlp"); Qwen2-MoE has a shared
+expert beside its routed ones. The checkpoint form, which ``sharded`` sends, reaches both:
+each of 2 workers takes its half of every expert's matrices, serves the trainer's greedy
+tokens after each version, and holds what vLLM's own reload of the trainer's
+``save_pretrained`` holds.
 """
 
 from __future__ import annotations
@@ -28,34 +30,45 @@ from weightsync.integrations.vllm_rollout import VLLMRollout
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(400)]
 
 NEW = 8
-MIXTRAL = {
-    "model_type": "mixtral",
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "intermediate_size": 64,
-    "num_local_experts": 4,
-    "num_experts_per_tok": 2,
+HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_experts_per_tok": 2}
+FAMILIES = {
+    "mixtral": (
+        {"intermediate_size": 64, "num_local_experts": 4},
+        "model.layers.1.block_sparse_moe.experts.3.w2.weight",
+    ),
+    "qwen2_moe": (
+        {  # no head_dim of its own: 2 heads of 32 (vLLM's CPU attention takes multiples of 32)
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+            "num_experts": 4,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+        },
+        "model.layers.1.mlp.shared_expert.down_proj.weight",
+    ),
 }
 
 
-def test_a_mixtral_reaches_a_tensor_parallel_replica_over_sharded_with_parity(tmp_path):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_an_moe_family_reaches_a_tensor_parallel_replica_over_sharded_with_parity(tmp_path, family):
     from transformers import AutoModelForCausalLM
 
     vllm_environment(tp=2)
-    folder = save_tiny_model(str(tmp_path / "mixtral"), seed=7, **MIXTRAL)
+    config, checkpoint_name = FAMILIES[family]
+    folder = save_tiny_model(str(tmp_path / family), seed=7, model_type=family, **{**HEADS, **config})
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     assert any(".mlp.experts." in n for n, _ in model.named_parameters())  # fused in memory
     llm = start_replica(folder, max_model_len=128, tensor_parallel_size=2)
     rollout = VLLMRollout(
-        [LLMReplica(llm, "mixtral")],
+        [LLMReplica(llm, family)],
         ["backend=sharded", "update_weights_bucket_megabytes=1", "timeout_s=60"],
         model=model,
     )
     try:
         (workers,) = rollout.slices.values()
         names = set(workers[0]["boxes"])
-        assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in names, sorted(names)[:8]
+        assert checkpoint_name in names, sorted(names)[:8]
+        assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in names)  # no stack
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         gen = torch.Generator().manual_seed(5)
         for version in (1, 2):
