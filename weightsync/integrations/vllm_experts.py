@@ -65,9 +65,14 @@ def foreign(slots: Slots | None, enable_expert_parallel: bool) -> Callable[[str]
     if slots is None:
         return lambda name: enable_expert_parallel and ".experts." in name
 
-    def check(name: str) -> bool:
+    def check(name: str) -> bool:  # an expert id the model lacks is no rank's: never exempt
         where = expert_of(name)
-        return where is not None and where[0] in slots.layers and not slots.holds(*where)
+        return (
+            where is not None
+            and where[0] in slots.layers
+            and where[1] < slots.experts
+            and not slots.holds(*where)
+        )
 
     return check
 
