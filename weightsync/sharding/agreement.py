@@ -44,10 +44,10 @@ from weightsync.sharding.fragments import (
     trainer_plan,
 )
 from weightsync.sharding.layout import Layout
-from weightsync.sharding.pieces import checkpoint_shards
+from weightsync.sharding.pieces import checkpoint_plan, checkpoint_shards, converts
 from weightsync.sharding.route import Route, RouteError, plan_route
 from weightsync.sources import WeightSource
-from weightsync.wire.checkpoint import is_converted
+from weightsync.wire.checkpoint import FORMS, is_transformers
 from weightsync.wire.forms import is_tagged
 
 #: a receiver that declares no layout takes every tensor whole
@@ -354,10 +354,15 @@ class ShardSource(WeightSource):
             return obj
         if isinstance(obj, Mapping) and obj and all(isinstance(v, LocalShard) for v in obj.values()):
             return cls(obj)
-        if isinstance(obj, torch.nn.Module) and form == "checkpoint" and is_converted(obj):
-            return cls(checkpoint_shards(obj, local_shards(obj)))
+        if form not in FORMS:
+            raise ValueError(f"form {form!r}: expected one of {', '.join(FORMS)}")
         if isinstance(obj, (torch.nn.Module, Mapping)):
-            return cls(local_shards(obj))
+            shards = local_shards(obj)
+            if form == "checkpoint" and is_transformers(obj):
+                plan = checkpoint_plan(obj, {n: s.spec for n, s in shards.items()})
+                if converts(plan):
+                    return cls(checkpoint_shards(obj, shards))
+            return cls(shards)
         raise TypeError(
             f"backend=sharded cannot send a {type(obj).__name__}: pass an nn.Module, a state dict or declared "
             "shards (weightsync.sharding.declared_shards); each rank's layout must be known before the sync"

@@ -50,12 +50,17 @@ class _Uncopied(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
+def is_transformers(model: Any) -> bool:
+    """Whether ``model`` is a transformers model (transformers is looked up, never imported,
+    here: a model can only be one once it was imported)."""
+    module = sys.modules.get("transformers")
+    return module is not None and isinstance(model, module.PreTrainedModel)
+
+
 def is_converted(model: Any) -> bool:
     """Whether ``model`` is a transformers model whose checkpoint form differs from its
-    in-memory form (transformers is looked up, never imported, here: a model can only be
-    one once it was imported)."""
-    module = sys.modules.get("transformers")
-    if module is None or not isinstance(model, module.PreTrainedModel):
+    in-memory form."""
+    if not is_transformers(model):
         return False
     state = meta_like(model.state_dict())
     converted = checkpoint_views(model, state)
