@@ -64,7 +64,7 @@ def checkpoint_plan(model: Any, specs: Mapping[str, TensorSpec]) -> dict[str, Pi
     plan: dict[str, Piece | None] = {}
     for group in layer_groups(list(meta)):
         for name, (piece, root) in checkpoint_pieces(model, {n: meta[n] for n in group}).items():
-            if root is None and name in specs and tuple(piece.shape) == specs[name].shape:
+            if root in (None, name) and name in specs and tuple(piece.shape) == specs[name].shape:
                 plan[name] = None  # not converted: the tensor as it is
             elif root is None:
                 raise ValueError(
