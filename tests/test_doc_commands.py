@@ -337,6 +337,13 @@ COMMANDS: dict[str, Run | NotHere] = {
         timeout=180,
         check="demo",
     ),
+    "weightsync demo --arch moe --ep 2 --trainers 2": Run(
+        ("demo --arch moe --ep 2 --trainers 2 --steps 2",),
+        "2 steps: 2 replicas of 2 expert-parallel ranks, each slot of each rank checked against the trainer's "
+        "expert, the other tensors whole",
+        timeout=240,
+        check="demo_ep",
+    ),
     "weightsync demo --rollout vllm --arch moe": NotHere(
         "a third MoE engine start: tests/test_vllm_moe.py starts this replica (the same model, seed aside) and "
         "checks greedy parity over three versions and the never-silent expert updates"
@@ -642,6 +649,12 @@ def _check_sharded_moe(outs, tmp_path):
     check_predicted([row])
 
 
+def _check_demo_ep(outs, tmp_path):
+    """Each rank took its experts and the attention, not every expert: less than the model."""
+    out = outs[0].stdout
+    assert "each rank taking only its experts (vLLM's linear placement)" in out, out[-2000:]
+
+
 def _check_estimate_ep(outs, tmp_path):
     """DP8/EP8: each inference rank takes the attention whole and an eighth of the experts."""
     out = outs[0].stdout
@@ -790,6 +803,7 @@ CHECKS = {
     "sharded_mooncake": _check_sharded_mooncake,
     "sharded_moe": _check_sharded_moe,
     "estimate_ep": _check_estimate_ep,
+    "demo_ep": _check_demo_ep,
     "quantized": _check_quantized,
     "quantized_hosts": _check_quantized_hosts,
     "hosts5": _check_hosts5,

@@ -169,7 +169,9 @@ def _sharded_demo_command(args: argparse.Namespace) -> int:
 
     return _demo_run(
         run_sharded_demo,
-        ShardedDemoOptions(**_demo_kwargs(args), trainers=args.trainers, tp=args.tp, quantize=args.quantize),
+        ShardedDemoOptions(
+            **_demo_kwargs(args), trainers=args.trainers, tp=args.tp, ep=args.ep, quantize=args.quantize
+        ),
     )
 
 
@@ -230,8 +232,15 @@ def _demo_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.ep != 1 and (args.ep < 1 or args.arch != "moe" or args.tp != 1 or args.rollout != "process"):
+        print(
+            "demo: --ep runs the embedded MoE (--arch moe) into rollout processes, without --tp (each expert-"
+            "parallel rank keeps the attention whole)",
+            file=sys.stderr,
+        )
+        return 2
     if args.backend is None:  # shards on either side: each byte from its holder to its keeper
-        args.backend = "sharded" if args.trainers > 1 or args.tp > 1 else "nccl"
+        args.backend = "sharded" if args.trainers > 1 or args.tp > 1 or args.ep > 1 else "nccl"
     if args.quantize and args.rollout != "process":
         print(_NO_ENGINE_FP8.format(what="demo", fp8=args.quantize), file=sys.stderr)
         return 2
@@ -284,9 +293,9 @@ def _demo_command(args: argparse.Namespace) -> int:
         return 2
     if args.backend == "sharded":
         return _sharded_demo_command(args)
-    if args.trainers != 1 or args.tp != 1:
+    if args.trainers != 1 or args.tp != 1 or args.ep != 1:
         print(
-            "demo: --trainers and --tp shard the trainer and the replicas: use them with --backend sharded",
+            "demo: --trainers, --tp and --ep shard the trainer and the replicas: use them with --backend sharded",
             file=sys.stderr,
         )
         return 2

@@ -84,6 +84,13 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "vllm, learned from the workers' own loaders; default: 1)",
     )
     p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="--arch moe: expert-parallel ranks per replica, each keeping the experts vLLM's linear placement "
+        "gives it in slots of its own and the attention whole (backend sharded; default: 1)",
+    )
+    p.add_argument(
         "--rollout",
         choices=("process", "vllm", "sglang"),
         default="process",

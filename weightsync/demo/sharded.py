@@ -10,6 +10,13 @@ embedding; norms whole), take only the slices they keep. After every version, tr
 0 writes the full tensors (gathered for the check, not for the sync) and this process
 compares every rank's every kept slice with them, bit for bit.
 
+With ``--arch moe --ep E`` each replica is E expert-parallel ranks instead: each keeps the
+experts vLLM's linear placement gives it, in fused stacks of its own slots as transformers
+lays experts out (``ExpertSink``), and every other tensor whole (the attention
+data-parallel); the trainer sends each expert's matrices in the checkpoint form, once to
+each rank that keeps them, and every rank's every slot is compared with the trainer's
+expert.
+
 With ``--quantize fp8`` (``--tp 1``) replica 0 holds the decoder layers' matrices in FP8
 blocks (``fp8_holding``): each trainer rank quantizes its own rows, the blocks its shard
 boundary cuts agreed between the ranks (docs/quantized.md), and replica 0's bytes and
@@ -50,6 +57,13 @@ _ROW = ("o_proj", "down_proj")
 class ShardedDemoOptions(DemoOptions):
     trainers: int = 2
     tp: int = 2
+    #: expert-parallel ranks per replica (``--arch moe``; replaces ``tp``)
+    ep: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """Rollout ranks per replica."""
+        return self.ep if self.ep > 1 else self.tp
 
 
 @contextlib.contextmanager
@@ -107,7 +121,7 @@ def trainer_main(
         gen = torch.Generator().manual_seed(opts.seed)
         config = engine_config(opts)
         with Sender(
-            config, address, opts.receivers * opts.tp, rank=rank, num_trainers=opts.trainers
+            config, address, opts.receivers * opts.ranks, rank=rank, num_trainers=opts.trainers
         ) as sender:
             for step in range(1, opts.steps + 1):
                 ids = torch.randint(0, model.config.vocab_size, (4, 64), generator=gen)
@@ -131,7 +145,7 @@ def rollout_main(
     """One rank of a tensor-parallel replica: every version into its slices; reports each
     kept slice's box and digest."""
     torch.set_num_threads(1)
-    rank = replica * opts.tp + tp_rank
+    rank = replica * opts.ranks + tp_rank
     with _reported(conn, rank):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -141,9 +155,13 @@ def rollout_main(
         from weightsync.sharding.fragments import local_shards
         from weightsync.sinks import ModuleSink
 
-        _world(tp_rank, opts.tp, port)
+        _world(tp_rank, opts.ranks, port)
         model = build_model(opts.model, pretrained=False, seed=opts.seed + 1000 + rank, arch=opts.arch)
         held: Any = None  # an FP8 replica's tensors (whole: --quantize runs with --tp 1)
+        if opts.ep > 1:
+            _expert_rollout(conn, opts, address, rank, tp_rank, model)
+            dist.destroy_process_group()
+            return
         if opts.quantize and replica == 0:
             held = fp8_holding(s.spec for s in local_shards(model).values())
         else:
@@ -163,15 +181,57 @@ def rollout_main(
         dist.destroy_process_group()
 
 
-def _check(folder: str, step: int, report: dict[str, Any], fp8: bool = False) -> int:
+def _expert_rollout(
+    conn: Connection, opts: ShardedDemoOptions, address: str, rank: int, ep_rank: int, model: torch.nn.Module
+) -> None:
+    """An expert-parallel rank: its experts (vLLM's linear placement) in stacks of its own
+    slots, every other tensor whole; reports each slot's matrices under their checkpoint
+    names (the expert each slot holds) and each other tensor, with digests."""
+    from weightsync.receiver.receiver import Receiver
+    from weightsync.receiver.sharded_sink import ExpertSink
+    from weightsync.sharding.experts import Slots, expert_of, slot_views
+    from weightsync.sharding.fragments import local_shards
+    from weightsync.sharding.pieces import checkpoint_plan
+
+    shards = local_shards(model)
+    plan = checkpoint_plan(model, {n: s.spec for n, s in shards.items()})
+    stacks = {p.root for p in plan.values() if p is not None}
+    found = [where for name in plan if (where := expert_of(name)) is not None]
+    layers, experts = sorted({layer for layer, _ in found}), 1 + max(e for _, e in found)
+    slots = Slots.linear(layers, experts, opts.ep, ep_rank)
+    local = {  # its own slots only: the stack's rows for the experts it keeps
+        name: torch.zeros(
+            (len(slots.layers[int(name.split(".layers.")[1].split(".")[0])]), *shards[name].spec.shape[1:])
+        )
+        for name in stacks
+    }
+    dense = {n: s for n, s in shards.items() if n not in stacks}
+    sink = ExpertSink(dense, lambda: slots, lambda held: slot_views(model, local, held))
+    with Receiver(engine_config(opts), address, rank) as receiver:
+        for step in range(1, opts.steps + 1):
+            stats = receiver.load_into(sink, version=step)
+            kept = {n: [s.box.to_wire(), tensor_digest(s.tensor)] for n, s in dense.items()}
+            for name, views in slot_views(model, local, slots).items():
+                for view in views:
+                    kept[name] = [[[0] * view.dim(), list(view.shape)], tensor_digest(view)]
+            send_json(
+                conn, {"rank": rank, "version": receiver.version, "stats": stats.to_dict(), "slices": kept}
+            )
+
+
+def _check(folder: str, step: int, report: dict[str, Any], fp8: bool = False, model: Any = None) -> int:
     """Every slice of a rollout rank's report against the trainer's full tensors (``fp8``:
-    against their FP8 blocks and scales where an FP8 replica holds them so); returns the
-    bytes it keeps."""
+    against their FP8 blocks and scales where an FP8 replica holds them so; ``model``: in
+    its checkpoint form too); returns the bytes it keeps."""
     from safetensors.torch import load_file
+
+    from weightsync.wire.checkpoint import checkpoint_views
 
     full = load_file(f"{folder}/v{step}.safetensors")
     if fp8:
         full = fp8_expected(full)
+    if model is not None:
+        full = {**full, **checkpoint_views(model, full)}
     kept = 0
     for name, (box, digest) in report["slices"].items():
         if name not in full:
@@ -199,7 +259,8 @@ def run_sharded_demo(opts: ShardedDemoOptions, console=None) -> list[dict[str, A
         )
     console.print(
         f"[bold]weightsync demo[/]: {opts.trainers} FSDP2 trainer ranks -> {opts.receivers} replicas x "
-        f"{opts.tp} tensor-parallel ranks, backend sharded, bucket {opts.bucket_mb} MiB, {opts.steps} steps"
+        f"{opts.ranks} {'expert' if opts.ep > 1 else 'tensor'}-parallel ranks, backend sharded, bucket "
+        f"{opts.bucket_mb} MiB, {opts.steps} steps"
     )
     host, _, port = opts.address.rpartition(":")
     address = f"{host or '127.0.0.1'}:{port if port not in ('', '0') else free_port()}"
@@ -220,6 +281,9 @@ def run_sharded_demo(opts: ShardedDemoOptions, console=None) -> list[dict[str, A
         "check",
     ):
         table.add_column(col, justify="right")
+    # --ep: the rollout ranks report experts in the checkpoint form; the check converts the
+    # trainer's tensors with a stand-in of the model
+    checkpoint = build_model(None, pretrained=False, seed=0, arch=opts.arch) if opts.ep > 1 else None
     with tempfile.TemporaryDirectory(prefix="weightsync-demo-") as folder:
         try:
             port_t = free_port()
@@ -227,11 +291,11 @@ def run_sharded_demo(opts: ShardedDemoOptions, console=None) -> list[dict[str, A
                 procs.append(_spawn(ctx, f"trainer rank {r}", trainer_main, opts, address, r, port_t, folder))
             for replica in range(opts.receivers):
                 port_r = free_port()
-                for t in range(opts.tp):
+                for t in range(opts.ranks):
                     procs.append(
                         _spawn(
                             ctx,
-                            f"rollout rank {replica * opts.tp + t}",
+                            f"rollout rank {replica * opts.ranks + t}",
                             rollout_main,
                             opts,
                             address,
@@ -258,7 +322,12 @@ def run_sharded_demo(opts: ShardedDemoOptions, console=None) -> list[dict[str, A
                             f"rollout rank {report['rank']} holds version {report['version']}, expected {step}"
                         )
                     fp8 = bool(opts.quantize) and report["rank"] < opts.tp  # replica 0
-                    kept.append(_check(folder, step, report, fp8))
+                    kept.append(_check(folder, step, report, fp8, checkpoint))
+                    if opts.ep > 1 and report["stats"]["bytes"] != kept[-1]:  # its experts once, no others
+                        raise DemoFailed(
+                            f"rollout rank {report['rank']} took {report['stats']['bytes']} bytes of version {step} "
+                            f"and keeps {kept[-1]}"
+                        )
                 stats = trainer["stats"]
                 console.print(f"step {step}: loss {trainer['loss']:.4f}; version {step} in every kept slice")
                 rows.append({"version": step, "trainer": stats, "kept": kept})
@@ -286,10 +355,15 @@ def run_sharded_demo(opts: ShardedDemoOptions, console=None) -> list[dict[str, A
         if opts.quantize
         else ""
     )
+    kept = (
+        f"{opts.ep} expert-parallel ranks, each rank taking only its experts (vLLM's linear placement) and the "
+        "other tensors"
+        if opts.ep > 1
+        else f"{opts.tp} tensor-parallel ranks, each rank taking only its slices"
+    )
     console.print(
         f"demo OK: {len(rows)} syncs to {opts.receivers} receivers, bit-exact: {opts.receivers} replicas x "
-        f"{opts.tp} tensor-parallel ranks, each rank taking only its slices from {opts.trainers} FSDP2 trainer "
-        f"ranks{fp8}"
+        f"{kept} from {opts.trainers} FSDP2 trainer ranks{fp8}"
     )
     return rows
 
