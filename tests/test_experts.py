@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_checkpoint_form import FAMILIES as CHECKPOINT_FAMILIES
+from test_checkpoint_form import SHAPE as CHECKPOINT_SHAPE
 
 from weightsync.plan import TensorSpec
 from weightsync.sharding.experts import Slots, expert_boxes, expert_of
@@ -17,20 +19,8 @@ from weightsync.sharding.experts import Slots, expert_boxes, expert_of
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]  # vLLM's placement code lays the slots out
 
 EXPERTS, EP, REPLICAS, PHYSICAL = 8, 4, 2, 12
-SHAPE = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_experts_per_tok=2,
-    num_experts=EXPERTS,
-    moe_intermediate_size=48,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-)
+# the checkpoint-form tests' tiny Qwen3-MoE, with 8 experts (4 ranks keep 2 each)
+SHAPE = {**CHECKPOINT_SHAPE, **CHECKPOINT_FAMILIES["qwen3_moe"], "num_experts": EXPERTS}
 STACKS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
