@@ -543,9 +543,13 @@ def _check_five(outs, tmp_path):
             assert 0.1 <= r["ratio_to_ceiling"] <= 1.5, (r["backend"], r["ratio_to_ceiling"])
             spread = against["ratio_to_ceiling"]["spread"]
             assert r["ceiling_spread"] == spread and r["ceiling_noisy"] == (spread > 0.15), r
-        # Through memory, no transport loses to writing, flushing and reading files (measured
-        # 2.6-13x here); the disk backend does that work itself (about 1x).
-        floor = 0.3 if r["backend"] == "disk" else 0.8
+        # Through memory, no transport loses to writing, flushing and reading files (nccl,
+        # paired, shm: 1.3-6x here). Two rows are about as slow as the reload, each timed once
+        # against its one noisy sample (1.0-3.3 s): the disk backend does that work itself,
+        # and mooncake crosses loopback TCP through its engine's own threads on 2 cores
+        # (0.56-0.96x in one run each; BENCHMARKS.md 0.68x). Their floor catches only a
+        # bug's order of magnitude (a pass per tensor, bytes sent twice).
+        floor = 0.3 if r["backend"] in ("disk", "mooncake") else 0.8
         assert r["speedup_vs_disk"] >= floor, (r["backend"], r["speedup_vs_disk"])
         # Bucketed Gloo broadcasts against one per tensor (about 1x at this model's 15
         # tensors), shared memory against them (3x): neither far behind.
