@@ -12,8 +12,9 @@ import json
 import multiprocessing as mp
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
@@ -248,10 +249,8 @@ def _run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
                 for receiver, rollout in local:
                     _compare(expected, checksums(rollout), receiver.rank, step)
                 quantized = fp8_checksums(model) if opts.quantize else {}
-                for r, conn in enumerate(conns):
-                    report = read_report(conn, procs[r], f"rollout rank {r}", config.timeout_s)
-                    if "error" in report:
-                        raise DemoFailed(f"rollout rank {r} failed: {report['error']}")
+                named = [(f"rollout rank {r}", procs[r], conn) for r, conn in enumerate(conns)]
+                for r, report in enumerate(read_reports(named, config.timeout_s)):
                     if report["version"] != step:
                         raise DemoFailed(
                             f"rollout rank {r} reports version {report['version']}, expected {step}"
@@ -290,13 +289,34 @@ def _run_demo(opts: DemoOptions, console=None) -> list[SyncStats]:
     return rows
 
 
-def read_report(conn: Connection, proc: mp.Process, who: str, timeout_s: float) -> dict[str, Any]:
-    """The next JSON report of a demo process (``who``: "rollout rank 1"), or DemoFailed
-    when it exits or stays silent for ``timeout_s``."""
+def read_reports(
+    named: Sequence[tuple[str, mp.Process, Connection]], timeout_s: float
+) -> list[dict[str, Any]]:
+    """The next JSON report of each demo process (``(who, process, pipe)``, who: "rollout
+    rank 1"), in the order given. All are awaited at once, so the first to fail ends the wait
+    (DemoFailed naming it): an error it reports, or its exit without a report, even while the
+    others still wait on it (a trainer rank waiting its handshake deadline for a rollout rank
+    that died before connecting). DemoFailed naming the silent ones after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while not conn.poll(0.2):
-        if not proc.is_alive() and not conn.poll(0):
-            raise DemoFailed(f"{who} (pid {proc.pid}) exited with code {proc.exitcode}")
-        if time.monotonic() > deadline:
-            raise DemoFailed(f"{who} (pid {proc.pid}) sent no report within {timeout_s:.0f} s")
-    return json.loads(conn.recv_bytes())
+    reports: dict[int, dict[str, Any]] = {}
+    while len(reports) < len(named):
+        pending = [i for i in range(len(named)) if i not in reports]
+        left = deadline - time.monotonic()
+        if left <= 0:
+            silent = ", ".join(f"{named[i][0]} (pid {named[i][1].pid})" for i in pending)
+            raise DemoFailed(f"{silent}: no report within {timeout_s:.0f} s")
+        wait([named[i][2] for i in pending] + [named[i][1].sentinel for i in pending], timeout=min(left, 1.0))
+        for i in pending:
+            who, proc, conn = named[i]
+            try:
+                if conn.poll(0):
+                    reports[i] = json.loads(conn.recv_bytes())
+                elif proc.is_alive():
+                    continue
+            except EOFError:  # its end of the pipe closed: it exits without a report
+                proc.join(timeout=5)
+            if i not in reports:
+                raise DemoFailed(f"{who} (pid {proc.pid}) exited with code {proc.exitcode}")
+            if "error" in reports[i]:
+                raise DemoFailed(f"{who} failed: {reports[i]['error']}")
+    return [reports[i] for i in range(len(named))]

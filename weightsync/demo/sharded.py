@@ -41,7 +41,7 @@ from weightsync.demo.plain import (
     DemoOptions,
     build_model,
     engine_config,
-    read_report,
+    read_reports,
     send_json,
 )
 from weightsync.platform import free_port, process_context, start_process
@@ -305,15 +305,10 @@ def run_sharded_demo(opts: ShardedDemoOptions, console=None) -> list[dict[str, A
                         )
                     )
             for step in range(1, opts.steps + 1):
-                reports = []
                 with console.status(
                     f"step {step}: training on {opts.trainers} ranks, then syncing version {step}"
                 ):
-                    for name, proc, conn in procs:
-                        report = read_report(conn, proc, name, config.timeout_s + 600)
-                        if "error" in report:
-                            raise DemoFailed(f"{name} failed: {report['error']}")
-                        reports.append(report)
+                    reports = read_reports(procs, config.timeout_s + 600)
                 trainer, rollouts = reports[0], reports[opts.trainers :]
                 kept = []
                 for report in rollouts:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from weightsync.demo.plain import DemoFailed, embedded_config, read_report, send_json
+from weightsync.demo.plain import DemoFailed, embedded_config, read_reports, send_json
 from weightsync.demo.vllm_checks import (
     LEFT_OUT,
     check_left_out,
@@ -510,10 +510,10 @@ class _Peers:
 
     def reported(self, version: int) -> None:
         """Every other trainer rank sent ``version`` (or DemoFailed naming the one that did not)."""
-        for rank, (proc, conn) in enumerate(self.procs, start=1):
-            report = read_report(conn, proc, f"trainer rank {rank}", self.timeout_s)
-            if "error" in report:
-                raise DemoFailed(f"trainer rank {rank} failed: {report['error']}")
+        named = [
+            (f"trainer rank {rank}", proc, conn) for rank, (proc, conn) in enumerate(self.procs, start=1)
+        ]
+        for rank, report in enumerate(read_reports(named, self.timeout_s), start=1):
             if report.get("version") != version:
                 raise DemoFailed(
                     f"trainer rank {rank} sent version {report.get('version')}, expected {version}"
