@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from procs import free_port
+from vllm_client import LLMClient
 
 from weightsync.demo.vllm import (
     PROMPTS,
@@ -31,6 +33,7 @@ from weightsync.integrations.vllm_rollout import VLLMRollout
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(400)]
 
 NEW = 8
+OVERRIDES = ["backend=sharded", "update_weights_bucket_megabytes=1", "timeout_s=60"]
 HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_experts_per_tok": 2}
 FAMILIES = {
     "mixtral": (
@@ -53,16 +56,22 @@ FAMILIES = {
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_an_moe_family_reaches_a_tensor_parallel_replica_over_sharded_with_parity(tmp_path, family):
     from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightsync.integrations.vllm import WeightsyncTrainerInitInfo
 
     vllm_environment(tp=2)
     config, checkpoint_name = FAMILIES[family]
     folder = save_tiny_model(str(tmp_path / family), seed=7, model_type=family, **{**HEADS, **config})
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     assert any(".mlp.experts." in n for n, _ in model.named_parameters())  # fused in memory
-    llm = start_replica(folder, max_model_len=128, tensor_parallel_size=2)
+    llm = start_replica(
+        folder, max_model_len=128, tensor_parallel_size=2, weight_transfer_config={"backend": "weightsync"}
+    )
     rollout = VLLMRollout(
         [LLMReplica(llm, family)],
-        ["backend=sharded", "update_weights_bucket_megabytes=1", "timeout_s=60"],
+        OVERRIDES,
         model=model,
     )
     try:
@@ -85,6 +94,23 @@ def test_an_moe_family_reaches_a_tensor_parallel_replica_over_sharded_with_parit
             assert replica_greedy(llm, PROMPTS, NEW) == expected, f"version {version}"
             # every worker's tensors equal its own reload of save_pretrained (raises naming them)
             reload_matches(llm, model.state_dict(), folder, str(tmp_path / f"v{version}"), first=version == 1)
+        rollout.close()
+        # Version 3 through vLLM's own trainer-side factory (ModuleSource), over sharded too:
+        # the same checkpoint names reach the workers, where the module form's fused stacks
+        # would fail the load ("no module named layers.0.mlp" for Mixtral)
+        train_until_changed(model, optimizer, target[::-1], expected, NEW)
+        info = WeightsyncTrainerInitInfo(
+            master_address="127.0.0.1", master_port=free_port(), world_size=3, rank=0, overrides=OVERRIDES
+        )
+        engine = WeightTransferTrainerFactory.trainer_init(
+            info, client=LLMClient(llm), source=ModuleSource(model)
+        )
+        try:
+            engine.send_weights(version=3)
+        finally:
+            engine.shutdown()
+        assert replica_greedy(llm, PROMPTS, NEW) == trainer_greedy(model, PROMPTS, NEW), "version 3"
+        reload_matches(llm, model.state_dict(), folder, str(tmp_path / "v3"), first=False)
     finally:
         rollout.close()
         try:

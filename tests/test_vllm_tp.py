@@ -20,6 +20,7 @@ import pytest
 import torch
 import workers
 from procs import CTX, alive, free_port, start, stop
+from vllm_client import LLMClient
 
 from weightsync.demo.vllm import (
     PROMPTS,
@@ -183,26 +184,6 @@ def _check_wire(trainers: int, wire: list[int], kept: list[int], tensors: int) -
     moved twice, or one missing, breaks them."""
     assert trainers == sum(wire), (trainers, wire)
     assert all(k <= w < k + 64 * 2 * tensors for k, w in zip(kept, wire)), (wire, kept)
-
-
-class LLMClient:
-    """vLLM's weight-sync client calls, made on an ``LLM`` of this process (as vLLM's Ray
-    client makes them on an actor holding one)."""
-
-    def __init__(self, llm) -> None:
-        self.llm = llm
-
-    def init_weight_transfer_engine(self, init_info) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
-
-    def update_weights(self, update_info) -> None:
-        self.llm.update_weights({"update_info": update_info})
-
-    def finish_weight_update(self, weight_version=None) -> None:
-        self.llm.finish_weight_update(weight_version)
 
 
 def test_vllms_trainer_factory_with_backend_sharded_brings_each_worker_only_its_slices(replica):

@@ -129,8 +129,12 @@ class _FromVLLMSource(WeightSource):
             yield name, materialize_full_tensor(tensor).detach()
 
 
-def _as_weightsync_source(source: Any, sharded: bool = False) -> WeightSource:
-    if sharded:  # each trainer rank's local shards, never gathered
+def _as_weightsync_source(source: Any, sharded: bool = False, form: str = "module") -> WeightSource:
+    """``source`` as the sender sends it. Over ``sharded``: each trainer rank's local shards,
+    never gathered, of the module itself, so that ``form="checkpoint"`` can name them as the
+    checkpoint the engine's loaders take (a Mixtral's fused expert stacks as per-expert
+    matrices)."""
+    if sharded:
         from weightsync.sharding.agreement import ShardSource
 
         module = getattr(source, "_module", None)  # vLLM's ModuleSource: its parameters
@@ -139,7 +143,7 @@ def _as_weightsync_source(source: Any, sharded: bool = False) -> WeightSource:
                 f"backend=sharded sends each rank's local shards: pass ModuleSource(model), the module or a state "
                 f"dict, not a {type(source).__name__} (it yields gathered tensors)"
             )
-        return ShardSource.of(dict(module.named_parameters()) if module is not None else source)
+        return ShardSource.of(module if module is not None else source, form=form)
     if isinstance(source, VLLMWeightSource):
         return _FromVLLMSource(source)
     return as_source(source)  # a module or a state dict works too
@@ -220,7 +224,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
     def _rendezvous(self) -> None:
         """Every worker joins the sender (and its data plane) in ``init_weight_transfer_engine``
         while the sender warms up beside it; the first failure ends the wait."""
-        src = _as_weightsync_source(self.source, self._sharded)
+        src = _as_weightsync_source(self.source, self._sharded, self.sender.form)
         if not self.is_sender:
             self.sender.warm_up(src)  # paired: connects this rank to rank 0; else nothing
             return
@@ -272,7 +276,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         """
         version = (self.version or 0) + 1 if version is None else int(version)
         self.version = version
-        src = _as_weightsync_source(self.source, self._sharded)
+        src = _as_weightsync_source(self.source, self._sharded, self.sender.form)
         if not self.is_sender:  # the others drain (or, with paired, send their share)
             return self.sender.send(src, version, force=force)
         budget = self.config.timeout_s
@@ -318,7 +322,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         Then pause, ``commit_weights``, resume."""
         version = (self.version or 0) + 1 if version is None else int(version)
         self.version = version
-        src = _as_weightsync_source(self.source, self._sharded)
+        src = _as_weightsync_source(self.source, self._sharded, self.sender.form)
         if not self.is_sender:
             return self.sender.send(src, version, force=force)
         self._round(version, {"version": version, "phase": "stage"})
