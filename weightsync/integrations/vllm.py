@@ -123,8 +123,9 @@ class WeightsyncWorkerExtension:
 
     def weightsync_commit(self, version: int, partial: bool = False) -> dict[str, Any]:
         """Load the staged ``version`` into the running model (between a pause and a
-        resume), checked as ``weightsync_receive`` is."""
-        return self._weightsync().commit(version, self._reload(partial))
+        resume), checked as ``weightsync_receive`` is: before anything moves, and after the load."""
+        vet = update_vet(self.model_runner, self.vllm_config, partial)
+        return self._weightsync().commit(version, self._reload(partial), vet)
 
     def weightsync_status(self) -> dict[str, Any]:
         """The version this worker serves, the last failed one, and the last sync's figures."""
@@ -301,14 +302,11 @@ def _engine_classes() -> tuple[type, type, type]:
                     why = "still staging" if status["staging"] else status.get("stage_error") or "not staged"
                     raise RuntimeError(f"weightsync: version {version} is not staged: {why}")
                 return
+            vet = None if update_info.partial else full_version_vet(self.model, self.vllm_config)
             status = (
-                self.state.commit(version, reload)
+                self.state.commit(version, reload, vet)
                 if phase == "commit"
-                else self.state.receive(
-                    version,
-                    reload,
-                    None if update_info.partial else full_version_vet(self.model, self.vllm_config),
-                )
+                else self.state.receive(version, reload, vet)
             )
             if not status["ok"]:
                 raise RuntimeError(f"weightsync: version {version} failed: {status['error']}")

@@ -242,10 +242,11 @@ class ReplicaReceiver:
         self.stager.wait(wait_s)
         return self.status()
 
-    def commit(self, version: int, reload: Reload) -> dict[str, Any]:
-        """Load the staged ``version`` into the running model; the status (``ok``, ``error``)."""
+    def commit(self, version: int, reload: Reload, vet: Vet | None = None) -> dict[str, Any]:
+        """Load the staged ``version`` into the running model; the status (``ok``, ``error``).
+        ``vet``: the staged tensors checked first, as ``receive``'s (a refusal loads nothing)."""
         self._open_receiver()
-        self.last = self.stager.commit(version, reload, self.state)
+        self.last = self.stager.commit(version, reload, self.state, vet=vet)
         return self.status()
 
     def receive(self, version: int, reload: Reload, vet: Vet | None = None) -> dict[str, Any]:

@@ -29,6 +29,7 @@ import torch
 from weightsync.integrations.replicas.slices import Slices
 from weightsync.plan import TensorSpec, dtype_from_name, dtype_name
 from weightsync.platform import host_empty
+from weightsync.receiver.route_stage import Vet
 from weightsync.receiver.sharded_sink import FragmentSink
 from weightsync.sharding.reads import in_full_shape
 from weightsync.sharding.typical import kept
@@ -166,11 +167,20 @@ class Stager:
         return {"staging": self.busy, "staged": state.serving, "stage_version": self._version, **self.last}
 
     def commit(
-        self, version: int, reload: Reload, served: VersionState, *, atomic: bool = False
+        self,
+        version: int,
+        reload: Reload,
+        served: VersionState,
+        *,
+        atomic: bool = False,
+        vet: Vet | None = None,
     ) -> dict[str, Any]:
         """Load the staged ``version`` into the running model through ``reload``; the
         served state follows (complete, or a mix if the load raised after starting, unless
-        ``atomic``: a ``reload`` that changes nothing when it raises)."""
+        ``atomic``: a ``reload`` that changes nothing when it raises). ``vet``: the staged
+        tensors' specs checked first, as a streamed update's are before anything moves (a
+        full version's cover; the engine's experts where it placed them): a refusal leaves
+        the model as it was."""
         if self.busy:
             raise RuntimeError(f"weightsync: version {self._version} is still being staged; cannot commit")
         if self.store.state.serving != version:
@@ -180,10 +190,19 @@ class Stager:
                 f"{'none complete' if held is None else f'version {held}'})"
             )
         start = time.perf_counter()
+        sliced = self.slice_store if self._sliced else None
+        if vet is not None:
+            try:
+                vet(sliced.slices.specs if sliced else [TensorSpec.of(n, t) for n, t in self.store.items()])
+            except Exception as e:
+                served.failed(version, delivered=False)
+                return {
+                    "ok": False,
+                    "error": f"commit refused before anything moved: {e}",
+                    "commit_s": time.perf_counter() - start,
+                }
         try:
-            reload(
-                self.slice_store.items() if self._sliced and self.slice_store else iter(self.store.items())
-            )
+            reload(sliced.items() if sliced else iter(self.store.items()))
         except BaseException as e:
             served.failed(version, delivered=not atomic)
             return {
