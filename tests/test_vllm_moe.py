@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vllm_planted import EXTENSION, importable
 
 from weightsync.demo.vllm import (
     PROMPTS,
@@ -42,7 +43,8 @@ class Setup:
         self.model = AutoModelForCausalLM.from_pretrained(self.dir, dtype=torch.float32)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.gen = torch.Generator().manual_seed(11)
-        self.llm = start_replica(self.dir, max_model_len=128)
+        with importable():  # weightsync's extension and its plants
+            self.llm = start_replica(self.dir, max_model_len=128, worker_extension_cls=EXTENSION)
         self.rollout = VLLMRollout([LLMReplica(self.llm, "moe")], OVERRIDES)
         self.version = 0
 
@@ -128,7 +130,8 @@ def test_an_expert_update_the_engine_does_not_wholly_take_fails_naming_it(setup)
     is refused before anything moves, naming the matrix (the replica serves what it had), and
     so is a misspelled one (named beside the matrix it hides); an expert the model lacks
     fails naming it once the loader took nothing of it. Staged, the version missing the matrix
-    passes the stage and is refused at the commit, before the load, naming it. The next complete
+    passes the stage and is refused at the commit, before the load, naming it; with that check
+    planted off, the check after the load names it, the replica reporting a mix. The next complete
     version serves the trainer. The versions refused carry newly trained weights, so one
     that moved anything would show in the replica's bytes and tokens."""
     expected = setup.train()
@@ -147,6 +150,13 @@ def test_an_expert_update_the_engine_does_not_wholly_take_fails_naming_it(setup)
     # staged: the stage takes what is sent, and the commit checks it before the load
     without = {n: t for n, t in state.items() if n != left_out}
     _refused(setup, without, "commit refused before anything moved", left_out, before=serving, staged=True)
+    # the check after the load, alone (the one before planted off): it names the matrix too,
+    # the replica reporting the mix it then holds
+    setup.llm.collective_rpc("plant_no_vet")
+    try:
+        _refused(setup, without, "did not carry 1 tensor(s) of the model's checkpoint", left_out)
+    finally:
+        setup.llm.collective_rpc("plant_no_vet", args=(False,))
     unknown = "model.layers.0.mlp.experts.6.up_proj.weight"  # 6 experts: ids 0-5
     first, *rest = state.items()
     _refused(setup, dict([first, (unknown, state[left_out]), *rest]), unknown)

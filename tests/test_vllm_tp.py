@@ -21,6 +21,7 @@ import torch
 import workers
 from procs import CTX, alive, free_port, start, stop
 from vllm_client import LLMClient
+from vllm_planted import EXTENSION, importable
 
 from weightsync.demo.vllm import (
     PROMPTS,
@@ -71,18 +72,17 @@ def replica(tmp_path_factory):
     """``MODEL`` in one replica of 2 workers, each bound to a core as vLLM's CPU build wants."""
     from transformers import AutoModelForCausalLM
 
-    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "PYTHONPATH")}
-    here = os.path.dirname(__file__)  # the planted extension, for vLLM's worker processes
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, saved["PYTHONPATH"]) if p)
+    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND",)}
     vllm_environment(tp=TP)  # each worker bound to a core of its own: 0|1
     model_dir = save_tiny_model(str(tmp_path_factory.mktemp("tp") / "model"), seed=3, **MODEL)
-    llm = start_replica(
-        model_dir,
-        max_model_len=128,
-        tensor_parallel_size=TP,
-        worker_extension_cls="vllm_planted.PlantedExtension",
-        weight_transfer_config={"backend": "weightsync"},  # vLLM's own RL API too
-    )
+    with importable():
+        llm = start_replica(
+            model_dir,
+            max_model_len=128,
+            tensor_parallel_size=TP,
+            worker_extension_cls=EXTENSION,
+            weight_transfer_config={"backend": "weightsync"},  # vLLM's own RL API too
+        )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     yield llm, model, model_dir
     try:
@@ -226,11 +226,23 @@ def test_a_loader_step_that_no_box_describes_takes_that_tensor_whole_and_still_m
             assert list(worker["whole_tensors"]) == [planted], worker["whole_tensors"]
             assert "mul" in worker["whole_tensors"][planted]
             assert worker["boxes"][planted] == Box.whole(state[planted].shape).to_wire()
-        # never silent on every TP worker: a full version that leaves a tensor out fails
-        # naming it and each worker; the retry of that version, complete, goes through
+        # never silent on every TP worker: a full version that leaves a tensor out is refused
+        # before anything moves, naming it (the route's tensors against the checkpoint)...
         left_out = "model.layers.1.mlp.down_proj.weight"
+        without = {n: t for n, t in state.items() if n != left_out}
         with pytest.raises(ReplicaUpdateError) as info:
-            rollout.update({n: t for n, t in state.items() if n != left_out}, 4)
+            rollout.update(without, 4)
+        (rep,) = info.value.report.replicas
+        assert "does not carry 1 tensor(s)" in rep.error and left_out in rep.error, rep.error
+        assert not rep.mixed and not any(rep.worker_bytes), rep
+        # ...and with that check planted off, every worker's check after the load fails it
+        # naming it; the retry of that version, complete, goes through
+        llm.collective_rpc("plant_no_vet")
+        try:
+            with pytest.raises(ReplicaUpdateError) as info:
+                rollout.update(without, 4)
+        finally:
+            llm.collective_rpc("plant_no_vet", args=(False,))
         (rep,) = info.value.report.replicas
         for rank in range(TP):
             assert f"worker {rank} (receiver rank {rank}): the engine did not take the update" in rep.error

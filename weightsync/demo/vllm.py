@@ -462,19 +462,21 @@ def _left_out_version(
     rollout: Any, model: torch.nn.Module, opts: VLLMDemoOptions, step: int, console: Any
 ) -> None:
     """Version ``step`` first without one expert's matrix (``vllm_checks.LEFT_OUT``): every
-    worker's post-load check fails it naming the matrix, the replicas report a mix."""
+    worker refuses it before anything moves, naming the matrix; the replicas serve the
+    version before."""
     from weightsync.integrations.replicas.reports import ReplicaUpdateError
 
     shards = shards_without(model, opts.trainers, 0)
+    before = {rep.name: rep.version for rep in rollout.status()}
     error: ReplicaUpdateError | None = None
     try:
         report = rollout.update(shards, version=step, mode=opts.mode)
     except ReplicaUpdateError as e:
         error, report = e, e.report
-    check_left_out(error, report, opts.tp)
+    check_left_out(error, report, opts.tp, before)
     console.print(
-        f"  version {step} without {LEFT_OUT}: not taken, every worker names it after the load; "
-        "the replicas report a mix until the complete version"
+        f"  version {step} without {LEFT_OUT}: refused by every worker before anything moved, naming it; "
+        "the replicas serve the version before until the complete one"
     )
 
 

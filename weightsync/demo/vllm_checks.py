@@ -8,8 +8,8 @@ reference of its own:
   reload (``weightsync_reload_from_path``) of the trainer's ``save_pretrained``
   (``reload_matches``; the FSDP2 model gathered to save it);
 - ``--arch moe --trainers M``: a version that leaves one expert's matrix out
-  (``shards_without``) must fail after the load, naming it, before the same version is sent
-  complete.
+  (``shards_without``) must be refused by every worker before anything moves, naming it,
+  the replicas still on the version before, and then the same version sent complete serves.
 """
 
 from __future__ import annotations
@@ -66,22 +66,25 @@ def shards_without(
     return held(state, trainer_boxes(specs, trainers, rank))
 
 
-def check_left_out(error: BaseException | None, report: Any, tp: int, left_out: str = LEFT_OUT) -> None:
-    """The version without ``left_out`` failed after the load on every worker, naming it (the
-    post-load check: vLLM counts a layer's experts as one parameter, written by the others),
-    and the replica reports a mix of two versions."""
+def check_left_out(
+    error: BaseException | None, report: Any, tp: int, before: dict[str, int | None], left_out: str = LEFT_OUT
+) -> None:
+    """The version without ``left_out`` was refused by every worker before anything moved,
+    naming it (the route's tensors checked against the served model's checkpoint: vLLM counts
+    a layer's experts as one parameter, which the others would have written), and each replica
+    still serves the version it served before (``before``: by replica name), not a mix."""
     if error is None:
         raise DemoFailed(
             f"a full version without {left_out} was taken: the replica serves a mix and says it does not"
         )
     for rep in report.replicas:
         text = rep.error or ""
-        if text.count(left_out) < tp or "did not carry" not in text:  # every worker names it
+        if text.count(left_out) < tp or "does not carry" not in text:  # every worker names it
             raise DemoFailed(f"{rep.name}: the version without {left_out} failed without naming it: {text}")
-        if rep.ok or rep.version is not None or not rep.mixed:
+        if rep.ok or rep.version != before[rep.name] or rep.mixed:
             raise DemoFailed(
                 f"{rep.name}: after the version without {left_out}: ok {rep.ok}, version {rep.version}, "
-                f"mixed {rep.mixed} (expected a mix, not taken)"
+                f"mixed {rep.mixed} (expected refused, still on version {before[rep.name]})"
             )
 
 

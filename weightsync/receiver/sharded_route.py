@@ -22,6 +22,7 @@ from weightsync.sharding.agreement import RECEIVER, WHOLE, Agreement, Declared, 
 from weightsync.sharding.layout import Layout
 from weightsync.sinks import ModuleSink
 from weightsync.stages import Entries, Offered, ReceiveStage
+from weightsync.wire.forms import is_tagged
 
 
 class ShardedReceive(ReceiveStage):
@@ -50,10 +51,12 @@ class ShardedReceive(ReceiveStage):
         if sink is not None and not isinstance(sink, FragmentSink):
             raise ValueError("backend=sharded lands fragments: pass the module itself to load_into")
         own: Declared = WHOLE
+        specs = self._agreement.specs(msg.get("route"))
+        if specs is not None and offered.vet is not None:  # the tensors as the trainer ranks hold them
+            offered.vet([s for s in specs if not is_tagged(s.name)])
         if sink is not None:
-            own = sink.layout(offered.host, self._agreement.specs(msg.get("route")))
+            own = sink.layout(offered.host, specs)
         elif needs is not None:
-            specs = self._agreement.specs(msg.get("route"))
             if specs is None:  # offered the hash of a route this receiver does not hold
                 self._part = None
                 offered.fields["resend"] = True
