@@ -137,7 +137,7 @@ def _as_weightsync_source(source: Any, sharded: bool = False, form: str = "modul
     if sharded:
         from weightsync.sharding.agreement import ShardSource
 
-        module = getattr(source, "_module", None)  # vLLM's ModuleSource: its parameters
+        module = getattr(source, "_module", None)  # vLLM's ModuleSource: the module it wraps
         if isinstance(source, VLLMWeightSource) and not isinstance(module, torch.nn.Module):
             raise ValueError(
                 f"backend=sharded sends each rank's local shards: pass ModuleSource(model), the module or a state "

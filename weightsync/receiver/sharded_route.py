@@ -3,9 +3,10 @@
 A receiver declares what it keeps (``weightsync.sharding.agreement``): the slices of the
 module it loads into (``FragmentSink``), the boxes a ``needs`` hook names (an inference
 engine's worker: ``weightsync.integrations.vllm_slices``), or nothing, and then takes every
-tensor whole, put back together from its fragments (``Reassembly``). It answers trainer
-rank 0's offer with its layout until the offer names it, then computes the route itself,
-checks its hash and takes its part: its plan, its links, the rank it forwards to.
+tensor whole, put back together from its fragments (``Reassembly``). It checks the offered
+tensors with the receiver's ``vet`` (before anything moves, as a dense plan is), answers
+trainer rank 0's offer with its layout until the offer names it, then computes the route
+itself, checks its hash and takes its part: its plan, its links, the rank it forwards to.
 """
 
 from __future__ import annotations
