@@ -783,11 +783,11 @@ def test_an_update_the_engine_does_not_wholly_take_fails_naming_it_and_the_next_
     """Never silent: each worker checks an update against what vLLM's loader reports it
     loaded. An extra tensor its loader skips without a word (a ``.bias`` where the layer has
     none: vLLM ignores such names), one it has no parameter for, and a full version that
-    leaves a parameter out (streamed: refused before anything moves, the replicas' bytes and
-    greedy tokens as they were though the version carries newly trained weights; staged then
-    committed: after the load) each fail naming it; the replicas report a mix and stay
-    paused. A complete update then serves the trainer's outputs, and an update that says
-    ``partial=True`` may leave a parameter as it is."""
+    leaves a parameter out (streamed, or staged then committed: refused before anything
+    moves, the replicas' bytes and greedy tokens as they were though the version carries
+    newly trained weights) each fail naming it; after the first two the replicas report a
+    mix and stay paused. A complete update then serves the trainer's outputs, and an update
+    that says ``partial=True`` may leave a parameter as it is."""
     served = setup.version
     held = [llm.collective_rpc("weightsync_digests")[0] for llm in setup.llms]
     tokens = [replica_greedy(llm, PROMPTS, NEW) for llm in setup.llms]
@@ -806,21 +806,27 @@ def test_an_update_the_engine_does_not_wholly_take_fails_naming_it_and_the_next_
         assert (rep.ok, rep.version, rep.mixed) == (False, served, False), rep
     assert [llm.collective_rpc("weightsync_digests")[0] for llm in setup.llms] == held
     assert [replica_greedy(llm, PROMPTS, NEW) for llm in setup.llms] == tokens
+    # staged: the stage takes what is sent; the commit checks it before the load
+    staged = setup.rollout.stage(without, served + 2)
+    assert staged.ok, staged.summary()
+    with pytest.raises(ReplicaUpdateError) as info:
+        setup.rollout.commit(served + 2)
+    for rep in info.value.report.replicas:
+        assert "commit refused before anything moved" in rep.error and left_out in rep.error, rep.error
+        assert (rep.ok, rep.version, rep.mixed) == (False, served, False), rep
+    assert [llm.collective_rpc("weightsync_digests")[0] for llm in setup.llms] == held
+    assert [replica_greedy(llm, PROMPTS, NEW) for llm in setup.llms] == tokens
 
     def extra(name):  # early in the version, so loading goes on past it
         return dict([first, (name, torch.zeros(state[name.replace("bias", "weight")].shape[:1])), *rest])
 
     skipped = "model.layers.0.mlp.down_proj.bias"  # Qwen2's MLP has no bias: vLLM skips the name
     _refused(
-        setup, lambda: setup.rollout.update(extra(skipped), served + 2), served + 2, skipped, "took nothing"
+        setup, lambda: setup.rollout.update(extra(skipped), served + 3), served + 3, skipped, "took nothing"
     )
     unknown = "model.layers.0.mlp.extra_proj.weight"
     state_unknown = dict([first, (unknown, torch.zeros(4, 4)), *rest])
-    _refused(setup, lambda: setup.rollout.update(state_unknown, served + 3), served + 3, unknown)
-
-    staged = setup.rollout.stage(without, served + 4)  # the stage takes what is sent; the commit checks
-    assert staged.ok, staged.summary()
-    _refused(setup, lambda: setup.rollout.commit(served + 4), served + 4, left_out, "unwritten")
+    _refused(setup, lambda: setup.rollout.update(state_unknown, served + 4), served + 4, unknown)
 
     setup.version = served + 5
     report = setup.rollout.update(setup.model, setup.version)
@@ -937,8 +943,8 @@ def test_a_replica_quantized_online_still_refuses_a_full_version_missing_a_matri
     """vLLM skips its own full-version check for any quantized model, and weightsync did too,
     so a replica quantizing a complete BF16 checkpoint online took a version missing a
     matrix as complete. Now its versions are checked against the checkpoint as an
-    unquantized replica's are: streamed, refused before anything moves (bytes as they
-    were); staged, failing at the commit naming the matrix. The replica: the tiny Qwen2 in
+    unquantized replica's are: streamed, refused before anything moves, and staged, refused
+    at the commit before the load (bytes as they were in both). The replica: the tiny Qwen2 in
     bfloat16 with vLLM's online ``int8_per_channel_weight_only`` (on this CPU build it
     quantizes MoE layers only, so every dense layer stays as it is, but
     ``model_config.quantization`` is set: the path of every online-quantized replica;
@@ -968,9 +974,11 @@ def test_a_replica_quantized_online_still_refuses_a_full_version_missing_a_matri
                 rollout.update(without, 3, staged=True)
             (rep,) = info.value.report.replicas
             assert (
-                "did not carry 1 tensor(s) of the model's checkpoint" in rep.error and left_out in rep.error
+                "commit refused before anything moved" in rep.error
+                and "does not carry 1 tensor(s)" in rep.error
             )
-            assert (rep.version, rep.mixed) == (None, True), rep
+            assert left_out in rep.error and (rep.version, rep.mixed) == (1, False), rep
+            assert llm.collective_rpc("weightsync_digests")[0] == held
             assert rollout.update(model, 4).ok
             assert llm.collective_rpc("weightsync_digests")[0] == held
     finally:
