@@ -10,12 +10,14 @@ from weightsync import EngineConfig, Sender
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 SYNCS = 50
-# Bounds on growth between the first sync and the last (after warm-up): descriptors and
-# threads must not grow at all beyond noise; memory may wobble with the allocator, so its
-# bound is a slope: the median of the pairwise slopes of resident memory over the syncs
-# after WARM_UP (robust to one allocator step), far below a 1 MiB bucket leaked per sync.
-FD_SLACK, THREAD_SLACK, RSS_SLACK_MB = 2, 1, 32
-WARM_UP, RSS_SLOPE_MB = 10, 0.1
+# Bounds on growth between the first sync and the last: each figure's slope over the syncs
+# after WARM_UP (the median of the pairwise slopes: robust to one step, such as the
+# allocator's, or a transport's thread pool growing once under load: CI saw mooncake's
+# receiver at +2 threads, +1 descriptor, once in 50 syncs), far below one thread, one
+# descriptor or a 1 MiB bucket kept per sync (or one every few syncs); and the total growth
+# within a small slack.
+FD_SLACK, THREAD_SLACK, RSS_SLACK_MB = 3, 3, 32
+WARM_UP, RSS_SLOPE_MB, COUNT_SLOPE = 10, 0.1, 0.02
 
 
 @pytest.mark.parametrize(
@@ -54,8 +56,10 @@ def test_fifty_syncs_to_three_receivers_stay_exact_and_flat(backend, verify):
                     workers.rss_slope(samples[WARM_UP:]),
                     [r["rss_mb"] for r in samples],
                 )
-                assert last["fds"] - first["fds"] <= FD_SLACK, (who, first, last)
-                assert last["threads"] - first["threads"] <= THREAD_SLACK, (who, first, last)
+                for key, slack in (("fds", FD_SLACK), ("threads", THREAD_SLACK)):
+                    slope = workers.rss_slope(samples[WARM_UP:], key)
+                    assert slope <= COUNT_SLOPE, (who, key, slope, [r[key] for r in samples])
+                    assert last[key] - first[key] <= slack, (who, first, last)
                 assert last["rss_mb"] - first["rss_mb"] <= RSS_SLACK_MB, (who, first, last)
                 # shm's memory is memfds: one ring kept across versions, never one more per sync
                 assert last["shm_fds"] == first["shm_fds"], (who, first, last)

@@ -214,11 +214,12 @@ def resources() -> dict[str, float]:
     }
 
 
-def rss_slope(samples: list[dict]) -> float:
-    """How ``resources()`` samples' resident memory grows, in MB per sample: the median of
-    the pairwise slopes (Theil-Sen), so one step of the allocator does not count as a leak
-    while memory kept every sync does."""
-    ys = [r["rss_mb"] for r in samples]
+def rss_slope(samples: list[dict], key: str = "rss_mb") -> float:
+    """How ``resources()`` samples' resident memory (``key``: or another figure) grows, per
+    sample: the median of the pairwise slopes (Theil-Sen), so one step (the allocator's, a
+    transport's pool started once) does not count as a leak while what is kept every sync
+    does."""
+    ys = [r[key] for r in samples]
     slopes = sorted((ys[j] - ys[i]) / (j - i) for i in range(len(ys)) for j in range(i + 1, len(ys)))
     return slopes[len(slopes) // 2] if slopes else 0.0
 
