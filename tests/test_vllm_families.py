@@ -7,7 +7,8 @@ module form cannot reach vLLM ("no module named layers.0.mlp"); Qwen2-MoE has a 
 expert beside its routed ones. The checkpoint form, which ``sharded`` sends, reaches both:
 each of 2 workers takes its half of every expert's matrices, serves the trainer's greedy
 tokens after each version, and holds what vLLM's own reload of the trainer's
-``save_pretrained`` holds.
+``save_pretrained`` holds: two versions through ``VLLMRollout``, the third through vLLM's own
+trainer-side factory (``ModuleSource``).
 """
 
 from __future__ import annotations
